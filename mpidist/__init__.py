@@ -1,0 +1,16 @@
+"""mpidist: distributed training over mpi4py communicators (or a simulated one) on numpy and CuPy arrays."""
+
+from .comm import (CollectiveMismatchError, CommError, DeadlockError, RankFailedError, SimAbort, SimComm,
+                   simulate)
+from .collectives import (allgather, allreduce, barrier, broadcast, iallgather, iallreduce, ibroadcast, irecv,
+                          isend, recv, reduce_scatter, send)
+from .launch import LaunchError, LaunchInfo, init
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SimComm", "simulate", "init", "LaunchInfo", "LaunchError",
+    "CommError", "CollectiveMismatchError", "RankFailedError", "DeadlockError", "SimAbort",
+    "allreduce", "broadcast", "allgather", "reduce_scatter", "send", "recv", "isend", "irecv", "barrier",
+    "iallreduce", "ibroadcast", "iallgather",
+]

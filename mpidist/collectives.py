@@ -1,0 +1,336 @@
+"""Array collectives over any communicator (mpi4py intracommunicator or SimComm).
+
+Arrays travel through the uppercase (buffer) API of mpi4py, never pickled. Every public function
+validates its input on the calling rank and raises ``ValueError``/``TypeError`` naming the value,
+so the same bad input on every rank fails on every rank instead of producing garbage.
+
+Device (CuPy) arrays are routed through one function, ``_on_host``: today it stages through a host
+copy (always correct); the GPU paths plug in there.
+"""
+
+import contextlib
+
+import numpy as np
+from mpi4py import MPI
+
+from . import xp as _xp
+
+__all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "send", "recv", "isend", "irecv",
+           "barrier", "iallreduce", "ibroadcast", "iallgather", "Handle", "split_sizes", "SUPPORTED_DTYPES"]
+
+# Dtypes a header can name (index = code on the wire); order is part of the send/recv protocol.
+SUPPORTED_DTYPES = tuple(np.dtype(t) for t in (
+    "float16", "float32", "float64", "int8", "int16", "int32", "int64",
+    "uint8", "uint16", "uint32", "uint64", "bool", "complex64", "complex128"))
+_DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
+_HEADER_LEN = 16  # dtype code, ndim, up to 14 dims
+
+_ARITH_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX, "mean": MPI.SUM}
+# MPI defines no SUM/PROD/MIN/MAX on C_BOOL; the logical ops mean the same thing for booleans.
+_BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "prod": MPI.LAND, "min": MPI.LAND}
+_OP_NAMES = ("sum", "mean", "min", "max", "prod")
+
+
+def _check_array(fn, x, name="x"):
+    if not (isinstance(x, np.ndarray) or _xp.is_device_array(x)):
+        raise TypeError(f"{fn}: {name} must be a numpy or cupy array (got {type(x).__name__})")
+    if x.dtype not in _DTYPE_CODE:
+        raise TypeError(f"{fn}: unsupported dtype {x.dtype} (supported: {', '.join(map(str, SUPPORTED_DTYPES))})")
+
+
+def _check_writable(fn, x):
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise ValueError(f"{fn}: array is read-only and cannot be reduced in place (shape: {x.shape})")
+    if not x.flags.c_contiguous and any(s == 0 for s, n in zip(x.strides, x.shape) if n > 1):
+        raise ValueError(f"{fn}: array has overlapping elements (shape: {x.shape}, strides: {x.strides}) and cannot be used in place")
+
+
+def _resolve_op(fn, op, dtype):
+    """Return (MPI op, divide-by-size?) for an op name and dtype, or raise naming the problem."""
+    if not isinstance(op, str) or op.lower() not in _OP_NAMES:
+        raise ValueError(f"{fn}: unknown op {op!r} (expected one of {', '.join(_OP_NAMES)})")
+    op = op.lower()
+    if dtype.kind == "b":
+        if op == "mean":
+            raise TypeError(f"{fn}: op 'mean' needs a floating or complex array (got {dtype})")
+        return _BOOL_OPS[op], False
+    if op == "mean" and dtype.kind not in "fc":
+        raise TypeError(f"{fn}: op 'mean' needs a floating or complex array (got {dtype}); use 'sum' and divide")
+    if op in ("min", "max") and dtype.kind == "c":
+        raise TypeError(f"{fn}: op {op!r} is not defined for complex arrays (got {dtype})")
+    return _ARITH_OPS[op], op == "mean"
+
+
+def _check_root(fn, root, comm):
+    size = comm.Get_size()
+    if not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+        raise ValueError(f"{fn}: root {root!r} out of range for a communicator of size {size}")
+
+
+def _host_copy(x):
+    """Return ``x``'s data as a C-contiguous host array (``x`` itself when it already is one)."""
+    if isinstance(x, np.ndarray):
+        return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+    return np.ascontiguousarray(_xp.to_numpy(x))  # synchronizes the producing stream first
+
+
+@contextlib.contextmanager
+def _on_host(x, write_back=True):
+    """Yield a contiguous host array holding ``x``'s data; copy results back into ``x`` afterwards.
+
+    This is the one dispatch point for where a buffer lives: numpy C-contiguous arrays pass through
+    untouched; non-contiguous ones and device arrays go through a contiguous host copy.
+    """
+    host = _host_copy(x)
+    yield host
+    if write_back and host is not x:
+        x[...] = host if isinstance(x, np.ndarray) else _xp.get_array_module(x).asarray(host)
+
+
+def split_sizes(n, parts):
+    """Return how ``n`` rows split over ``parts`` ranks: the first ``n % parts`` get one row more."""
+    base, extra = divmod(int(n), parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]
+
+
+class Handle:
+    """Handle of a nonblocking collective: ``wait()`` completes it and returns the result array."""
+
+    def __init__(self, requests, finish, keep=(), status=None):
+        self._requests = requests
+        self._status = status  # filled by the first request (receives need source and tag)
+        self._finish = finish
+        self._keep = keep  # buffers MPI still reads or writes; must outlive the requests
+        self._result = None
+        self._done = False
+
+    def test(self):
+        """Return whether the operation has completed (finishing it if so), without blocking."""
+        if self._done:
+            return True
+        if all(r.Test(self._status if i == 0 else None) for i, r in enumerate(self._requests)):
+            self._complete()
+            return True
+        return False
+
+    def wait(self):
+        """Block until the operation completes; return its result."""
+        if not self._done:
+            for i, r in enumerate(self._requests):
+                r.Wait(self._status if i == 0 else None)
+            self._complete()
+        return self._result
+
+    def _complete(self):
+        self._result = self._finish()
+        self._done = True
+        self._keep = ()
+
+
+# ---------------------------------------------------------------------------------------------------
+def allreduce(x, comm, op="sum"):
+    """Reduce ``x`` over all ranks in place with ``op`` (sum, mean, min, max, prod); return ``x``."""
+    return iallreduce(x, comm, op, _blocking=True)
+
+
+def iallreduce(x, comm, op="sum", _blocking=False):
+    """Start an in-place allreduce of ``x``; ``wait()`` returns ``x`` holding the result."""
+    _check_array("allreduce", x)
+    mpi_op, mean = _resolve_op("allreduce", op, x.dtype)
+    _check_writable("allreduce", x)
+    size = comm.Get_size()
+    if isinstance(x, np.ndarray) and x.flags.c_contiguous:
+        if _blocking:
+            comm.Allreduce(MPI.IN_PLACE, x, op=mpi_op)
+            if mean:
+                x /= size
+            return x
+        buf, write_back = x, None
+    else:
+        ctx = _on_host(x)
+        buf = ctx.__enter__()
+        write_back = ctx
+
+    def finish():
+        if mean:
+            buf[...] /= size
+        if write_back is not None:
+            write_back.__exit__(None, None, None)
+        return x
+
+    if _blocking:
+        comm.Allreduce(MPI.IN_PLACE, buf, op=mpi_op)
+        return finish()
+    return Handle([comm.Iallreduce(MPI.IN_PLACE, buf, op=mpi_op)], finish, keep=(buf,))
+
+
+def broadcast(x, comm, root=0):
+    """Overwrite ``x`` on every rank with ``root``'s ``x``; return ``x``."""
+    return ibroadcast(x, comm, root, _blocking=True)
+
+
+def ibroadcast(x, comm, root=0, _blocking=False):
+    """Start a broadcast of ``x`` from ``root``; ``wait()`` returns ``x``."""
+    _check_array("broadcast", x)
+    _check_root("broadcast", root, comm)
+    _check_writable("broadcast", x)
+    ctx = _on_host(x)
+    buf = ctx.__enter__()
+
+    def finish():
+        ctx.__exit__(None, None, None)
+        return x
+
+    if _blocking:
+        comm.Bcast(buf, root=root)
+        return finish()
+    return Handle([comm.Ibcast(buf, root=root)], finish, keep=(buf,))
+
+
+def _gather_shapes(x, comm):
+    """Allgather every rank's leading dim, dtype and trailing shape; raise on every rank if they disagree."""
+    shape = x.shape if x.ndim else (1,)
+    if len(shape) > _HEADER_LEN - 2:
+        raise ValueError(f"allgather: at most {_HEADER_LEN - 2} dims are supported (got shape {x.shape})")
+    header = np.zeros(_HEADER_LEN, dtype=np.int64)
+    header[0], header[1] = _DTYPE_CODE[x.dtype], len(shape)
+    header[2: 2 + len(shape)] = shape
+    headers = np.empty((comm.Get_size(), _HEADER_LEN), dtype=np.int64)
+    comm.Allgather(header, headers)
+    described = [(SUPPORTED_DTYPES[h[0]], tuple(h[3: 2 + h[1]])) for h in headers]
+    if len(set(described)) > 1:
+        parts = ", ".join(f"rank {r}: {dt} (n, {', '.join(map(str, t))})" for r, (dt, t) in enumerate(described))
+        raise ValueError(f"allgather: ranks disagree on dtype or trailing shape ({parts})")
+    return [int(h[2]) for h in headers], shape[1:]
+
+
+def allgather(x, comm, out=None):
+    """Concatenate every rank's ``x`` along axis 0 (leading dims may differ) and return the result.
+
+    With ``out`` (shape ``(size * n, ...)``) every rank must pass the same shape; no size exchange is needed.
+    """
+    return iallgather(x, comm, out, _blocking=True)
+
+
+def iallgather(x, comm, out=None, _blocking=False):
+    """Start an allgather; ``wait()`` returns the concatenated array."""
+    _check_array("allgather", x)
+    size = comm.Get_size()
+    send = _host_copy(x).reshape(-1)
+    xpm = _xp.get_array_module(x)
+    if out is not None:
+        _check_array("allgather", out, "out")
+        rows = x.shape[0] if x.ndim else 1
+        if out.dtype != x.dtype or out.shape[0] != size * rows or out.size != size * x.size:
+            raise ValueError(f"allgather: out must have dtype {x.dtype} and shape ({size} * {rows}, ...) matching x {x.shape} (got {out.dtype} {out.shape})")
+        out_ctx = _on_host(out)
+        recv = out_ctx.__enter__()
+        request = (comm.Allgather if _blocking else comm.Iallgather)(send, recv)
+        result, finish_out = out, (lambda: out_ctx.__exit__(None, None, None))
+    else:
+        rows, trailing = _gather_shapes(x, comm)
+        row_size = int(np.prod(trailing, dtype=np.int64))
+        recv = np.empty((sum(rows),) + tuple(trailing), dtype=x.dtype)
+        if len(set(rows)) == 1:
+            request = (comm.Allgather if _blocking else comm.Iallgather)(send, recv)
+        else:
+            counts = [r * row_size for r in rows]
+            spec = [recv, (counts, [sum(counts[:i]) for i in range(size)])]
+            request = (comm.Allgatherv if _blocking else comm.Iallgatherv)(send, spec)
+        result = recv if xpm is np else None
+        finish_out = None
+
+    def finish():
+        if finish_out is not None:
+            finish_out()
+            return result
+        return recv if xpm is np else xpm.asarray(recv)
+
+    if _blocking:
+        return finish()
+    return Handle([request], finish, keep=(send, recv))
+
+
+def reduce_scatter(x, comm, op="sum"):
+    """Reduce ``x`` over all ranks and return this rank's rows of the result.
+
+    Rows (axis 0) are split as ``split_sizes(len(x), size)``: when ``len(x)`` does not divide evenly,
+    the first ``len(x) % size`` ranks get one row more. Every rank must pass the same shape.
+    """
+    _check_array("reduce_scatter", x)
+    mpi_op, mean = _resolve_op("reduce_scatter", op, x.dtype)
+    if x.ndim == 0:
+        raise ValueError("reduce_scatter: x must have at least one dimension (got a 0-d array)")
+    size, rank = comm.Get_size(), comm.Get_rank()
+    rows = split_sizes(x.shape[0], size)
+    row_size = int(np.prod(x.shape[1:], dtype=np.int64))
+    out = np.empty((rows[rank],) + x.shape[1:], dtype=x.dtype)
+    send = _host_copy(x)
+    if len(set(rows)) == 1:
+        comm.Reduce_scatter_block(send, out, op=mpi_op)
+    else:
+        comm.Reduce_scatter(send, out, [r * row_size for r in rows], op=mpi_op)
+    if mean:
+        out /= size
+    xpm = _xp.get_array_module(x)
+    return out if xpm is np else xpm.asarray(out)
+
+
+def barrier(comm):
+    """Block until every rank of ``comm`` has called barrier."""
+    comm.Barrier()
+
+
+# -- point to point: a small header carries dtype and shape, so the receiver needs to know neither ---
+def _header(fn, x):
+    if x.ndim > _HEADER_LEN - 2:
+        raise ValueError(f"{fn}: at most {_HEADER_LEN - 2} dims are supported (got shape {x.shape})")
+    header = np.zeros(_HEADER_LEN, dtype=np.int64)
+    header[0], header[1] = _DTYPE_CODE[x.dtype], x.ndim
+    header[2: 2 + x.ndim] = x.shape
+    return header
+
+
+def _check_peer(fn, peer, comm, name):
+    size = comm.Get_size()
+    if not isinstance(peer, (int, np.integer)) or not 0 <= peer < size:
+        raise ValueError(f"{fn}: {name} {peer!r} out of range for a communicator of size {size}")
+
+
+def isend(x, dest, comm, tag=0):
+    """Start sending ``x`` (any shape and supported dtype) to ``dest``; ``wait()`` when the buffer may be reused."""
+    _check_array("send", x)
+    _check_peer("send", dest, comm, "dest")
+    header = _header("send", x)
+    data = _host_copy(x).reshape(-1)
+    requests = [comm.Isend(header, dest, tag), comm.Isend(data, dest, tag)]
+    return Handle(requests, lambda: None, keep=(header, data))
+
+
+def send(x, dest, comm, tag=0):
+    """Send ``x`` to ``dest``; the receiver learns dtype and shape from a small header."""
+    isend(x, dest, comm, tag).wait()
+
+
+def irecv(source, comm, tag=0):
+    """Start receiving an array from ``source`` (``MPI.ANY_SOURCE`` allowed); ``wait()`` returns it."""
+    if source != MPI.ANY_SOURCE:
+        _check_peer("recv", source, comm, "source")
+    header = np.empty(_HEADER_LEN, dtype=np.int64)
+    status = MPI.Status()
+    request = comm.Irecv(header, source, tag)
+
+    def finish():
+        ndim = int(header[1])
+        out = np.empty(tuple(header[2: 2 + ndim]), dtype=SUPPORTED_DTYPES[header[0]])
+        # Messages between one pair with one tag do not overtake each other, so the payload from the
+        # header's sender is the next message with that tag from it.
+        comm.Recv(out.reshape(-1), status.Get_source(), status.Get_tag())
+        return out
+
+    return Handle([request], finish, keep=(header,), status=status)
+
+
+def recv(source, comm, tag=0):
+    """Receive an array sent with ``send`` from ``source``; return it."""
+    return irecv(source, comm, tag).wait()

@@ -1,0 +1,112 @@
+"""Start-up: the world communicator, who runs where, and abort-on-error.
+
+``init()`` is what a training script calls first. It detects the silent misconfiguration where the
+launcher started N processes but MPI gave each a world of one (``srun --mpi=none``, or an mpiexec
+from a different MPI than mpi4py was built against), and installs an excepthook so that an uncaught
+exception on one rank aborts the whole job instead of leaving the other ranks waiting forever.
+"""
+
+import dataclasses
+import os
+import sys
+import threading
+import traceback
+
+__all__ = ["LaunchInfo", "LaunchError", "init", "detect_launcher", "expected_world_size", "install_abort_on_error"]
+
+
+class LaunchError(RuntimeError):
+    """The job was started in a way that cannot work (e.g. every process is rank 0 of 1)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process runs: ranks, node layout, launcher and MPI library."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    nodes: int
+    launcher: str
+    mpi_library: str
+    mpi_version: str
+
+    def __str__(self):
+        return (f"rank {self.rank}/{self.size} local {self.local_rank}/{self.local_size} nodes {self.nodes} "
+                f"launcher {self.launcher} mpi {self.mpi_library} (MPI {self.mpi_version})")
+
+
+def detect_launcher(environ=None):
+    """Return 'srun', 'mpiexec' or 'none' from the environment a launcher leaves in each process."""
+    env = os.environ if environ is None else environ
+    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        return "srun"
+    if any(k in env for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "HYDRA_CONTROL_FD", "MPI_LOCALRANKID")):
+        return "mpiexec"
+    return "none"
+
+
+def expected_world_size(environ=None):
+    """Return how many processes the launcher says it started (None when it does not say)."""
+    env = os.environ if environ is None else environ
+    for key in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        value = env.get(key)
+        if value and value.isdigit():
+            return int(value)
+    return None
+
+
+def _check_world(size, environ=None):
+    env = os.environ if environ is None else environ
+    expected = expected_world_size(env)
+    if expected is not None and expected > 1 and size == 1:
+        launcher = detect_launcher(env)
+        if launcher == "srun":
+            hint = ("srun started the tasks without a process-management interface MPI understands: "
+                    "launch with 'srun --mpi=pmi2' (MPICH, including the mpich wheel) or 'srun --mpi=pmix' (Open MPI), "
+                    "or set MpiDefault in slurm.conf")
+        else:
+            hint = ("the mpiexec that started this job belongs to a different MPI library than the one mpi4py uses: "
+                    "run the mpiexec of the same installation (e.g. .venv/bin/mpiexec for the mpich wheel)")
+        raise LaunchError(f"mpidist.init: the launcher started {expected} processes but MPI reports a world of 1 "
+                          f"(every process would be rank 0 and repeat the same work); {hint}")
+
+
+def install_abort_on_error(comm):
+    """Make an uncaught exception on this rank print a rank-prefixed traceback and abort every rank."""
+    rank = comm.Get_rank()
+
+    def report_and_abort(exc_type, exc, tb):
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        prefix = f"[rank {rank}] "
+        sys.stderr.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
+        sys.stderr.write(f"{prefix}mpidist: uncaught exception, aborting all {comm.Get_size()} ranks\n")
+        sys.stderr.flush()
+        comm.Abort(1)
+
+    sys.excepthook = report_and_abort
+    threading.excepthook = lambda args: report_and_abort(args.exc_type, args.exc_value, args.exc_traceback)
+
+
+def init(comm=None, *, abort_on_error=True):
+    """Return ``(comm, info)``: the world communicator and where this process runs.
+
+    Under mpiexec/srun ``comm`` is ``MPI.COMM_WORLD``; started plainly it is a world of one.
+    Raises ``LaunchError`` when the launcher started several processes but MPI sees only one.
+    """
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    size, rank = comm.Get_size(), comm.Get_rank()
+    _check_world(size)
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = local.Get_rank(), local.Get_size()
+    nodes = comm.allreduce(1 if local_rank == 0 else 0)
+    local.Free()
+    library = MPI.Get_library_version().strip().splitlines()[0] if hasattr(MPI, "Get_library_version") else "unknown"
+    version = "%d.%d" % MPI.Get_version()
+    info = LaunchInfo(rank, size, local_rank, local_size, nodes, detect_launcher(), library, version)
+    if abort_on_error and size > 1 and isinstance(comm, MPI.Comm):
+        install_abort_on_error(comm)
+    return comm, info

@@ -1,0 +1,289 @@
+"""Array collectives against numpy references computed from every rank's inputs.
+
+Every rank can compute every other rank's input (``rank_input``), so the reference needs no
+communication. Values are multiples of 1/4 in [-8, 8] so that sums, minima and maxima are exact
+in every float dtype whatever order MPI reduces in; products and means get a dtype tolerance.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+import mpidist
+from mpidist.collectives import SUPPORTED_DTYPES, split_sizes
+
+REDUCE_FNS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+RTOL = {"float16": 1e-2, "float32": 1e-5, "float64": 1e-12, "complex64": 1e-5, "complex128": 1e-12}
+
+
+def rank_input(rank, shape, dtype, seed=0):
+    """Return the deterministic input array of ``rank``."""
+    rng = np.random.default_rng([seed, rank])
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        return np.asarray(rng.random(shape) < 0.5)
+    if dtype.kind == "u":
+        return np.asarray(rng.integers(0, 5, size=shape), dtype=dtype)
+    if dtype.kind == "i":
+        return np.asarray(rng.integers(-5, 6, size=shape), dtype=dtype)
+    values = rng.integers(-32, 33, size=shape) / 4
+    if dtype.kind == "c":
+        values = values + 1j * (rng.integers(-32, 33, size=shape) / 4)
+    return np.asarray(values, dtype=dtype)
+
+
+def reference(op, arrays):
+    """Reduce ``arrays`` with numpy the way the collective should."""
+    dtype = arrays[0].dtype
+    if op == "mean":
+        return (np.sum(np.stack(arrays).astype(np.complex128 if dtype.kind == "c" else np.float64), axis=0) / len(arrays)).astype(dtype)
+    if dtype.kind == "b":
+        fn = np.logical_or if op in ("sum", "max") else np.logical_and
+    else:
+        fn = REDUCE_FNS[op]
+    acc = arrays[0]
+    for a in arrays[1:]:
+        acc = fn(acc, a)
+    return np.asarray(acc, dtype=dtype)
+
+
+def assert_matches(got, want, op):
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.dtype, want.shape)
+    if op in ("prod", "mean") and want.dtype.name in RTOL:
+        np.testing.assert_allclose(got, want, rtol=RTOL[want.dtype.name], atol=RTOL[want.dtype.name])
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+def valid_ops(dtype):
+    dtype = np.dtype(dtype)
+    ops = ["sum", "prod", "min", "max"]
+    if dtype.kind in "fc":
+        ops.append("mean")
+    if dtype.kind == "c":
+        ops = [o for o in ops if o not in ("min", "max")]
+    return ops
+
+
+# -- deterministic tests, one per collective ---------------------------------------------------------
+@pytest.mark.parametrize("op", ["sum", "mean", "min", "max", "prod"])
+def test_allreduce_float64(comm, op):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    x = rank_input(rank, (3, 5), np.float64)
+    out = mpidist.allreduce(x, comm, op=op)
+    assert out is x
+    assert_matches(x, reference(op, [rank_input(r, (3, 5), np.float64) for r in range(size)]), op)
+
+
+@pytest.mark.parametrize("dtype", [dt.name for dt in SUPPORTED_DTYPES])
+def test_allreduce_every_dtype(comm, dtype):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    for op in valid_ops(dtype):
+        x = rank_input(rank, (7,), dtype, seed=3)
+        mpidist.allreduce(x, comm, op=op)
+        assert_matches(x, reference(op, [rank_input(r, (7,), dtype, seed=3) for r in range(size)]), op)
+
+
+def test_allreduce_non_contiguous_in_place(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    base = rank_input(rank, (6, 8), np.float64)
+    view = base[:, ::2]
+    untouched = base[:, 1::2].copy()
+    mpidist.allreduce(view, comm)
+    want = reference("sum", [rank_input(r, (6, 8), np.float64)[:, ::2] for r in range(size)])
+    np.testing.assert_array_equal(base[:, ::2], want)
+    np.testing.assert_array_equal(base[:, 1::2], untouched)
+
+
+def test_broadcast_every_root(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    for root in range(size):
+        x = rank_input(rank, (4, 2), np.int32, seed=root)
+        assert mpidist.broadcast(x, comm, root=root) is x
+        np.testing.assert_array_equal(x, rank_input(root, (4, 2), np.int32, seed=root))
+
+
+def test_allgather_uneven_first_dims(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    shapes = [(r + 1, 3) for r in range(size)]
+    got = mpidist.allgather(rank_input(rank, shapes[rank], np.float32), comm)
+    want = np.concatenate([rank_input(r, shapes[r], np.float32) for r in range(size)])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_allgather_into_out(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    out = np.empty((2 * size, 2), dtype=np.int64)
+    assert mpidist.allgather(rank_input(rank, (2, 2), np.int64), comm, out=out) is out
+    np.testing.assert_array_equal(out, np.concatenate([rank_input(r, (2, 2), np.int64) for r in range(size)]))
+
+
+def test_allgather_disagreeing_trailing_shape_raises_on_every_rank(comm):
+    if comm.Get_size() == 1:
+        return
+    x = np.zeros((2, 3 if comm.Get_rank() == 0 else 4))
+    with pytest.raises(ValueError, match=r"ranks disagree on dtype or trailing shape.*rank 0: float64 \(n, 3\).*rank 1: float64 \(n, 4\)"):
+        mpidist.allgather(x, comm)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 13])
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+def test_reduce_scatter_any_length(comm, rows, op):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    got = mpidist.reduce_scatter(rank_input(rank, (rows, 2), np.float64), comm, op=op)
+    full = reference(op, [rank_input(r, (rows, 2), np.float64) for r in range(size)])
+    sizes = split_sizes(rows, size)
+    start = sum(sizes[:rank])
+    assert_matches(got, full[start: start + sizes[rank]], op)
+
+
+def test_split_sizes_formula():
+    assert split_sizes(10, 4) == [3, 3, 2, 2]
+    assert split_sizes(3, 4) == [1, 1, 1, 0]
+    assert split_sizes(8, 4) == [2, 2, 2, 2]
+
+
+def test_send_recv_carries_shape_and_dtype(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        return
+    # A ring: every rank sends a differently shaped array; the receiver knows neither shape nor dtype.
+    dtypes = ["float16", "int8", "complex128", "bool"]
+    mine = rank_input(rank, (rank + 1, 2, 1), dtypes[rank % 4], seed=9)
+    handle = mpidist.isend(mine, (rank + 1) % size, comm, tag=7)
+    src = (rank - 1) % size
+    got = mpidist.recv(src, comm, tag=7)
+    handle.wait()
+    want = rank_input(src, (src + 1, 2, 1), dtypes[src % 4], seed=9)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+def test_recv_any_source_pairs_header_with_payload(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if rank != 0:
+        mpidist.send(np.full((rank, rank), rank, dtype=np.int16), 0, comm, tag=rank)
+        return
+    seen = set()
+    for _ in range(size - 1):
+        got = mpidist.recv(MPI.ANY_SOURCE, comm, tag=MPI.ANY_TAG)
+        r = int(got.flat[0])
+        assert got.shape == (r, r) and (got == r).all()
+        seen.add(r)
+    assert seen == set(range(1, size))
+
+
+def test_nonblocking_collectives_overlap(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    a = rank_input(rank, (9,), np.float64)
+    b = rank_input(rank, (2, 3), np.float32, seed=1)
+    c = rank_input(rank, (3,), np.int64, seed=2)
+    root = size - 1
+    handles = [mpidist.iallreduce(a, comm, op="mean"), mpidist.ibroadcast(b, comm, root=root), mpidist.iallgather(c, comm)]
+    results = [h.wait() for h in handles]
+    assert_matches(results[0], reference("mean", [rank_input(r, (9,), np.float64) for r in range(size)]), "mean")
+    np.testing.assert_array_equal(results[1], rank_input(root, (2, 3), np.float32, seed=1))
+    np.testing.assert_array_equal(results[2], np.concatenate([rank_input(r, (3,), np.int64, seed=2) for r in range(size)]))
+
+
+def test_barrier_orders_messages(comm):
+    # Everything sent before the barrier is receivable after it, whatever the rank count.
+    mpidist.barrier(comm)
+
+
+# -- bad input: a clear error naming the value, on every rank ---------------------------------------
+def test_bad_input_errors(comm):
+    size = comm.Get_size()
+    with pytest.raises(TypeError, match=r"allreduce: x must be a numpy or cupy array \(got list\)"):
+        mpidist.allreduce([1.0, 2.0], comm)
+    with pytest.raises(ValueError, match=r"allreduce: unknown op 'avg' \(expected one of sum, mean, min, max, prod\)"):
+        mpidist.allreduce(np.zeros(2), comm, op="avg")
+    with pytest.raises(TypeError, match=r"allreduce: op 'mean' needs a floating or complex array \(got int32\)"):
+        mpidist.allreduce(np.zeros(2, dtype=np.int32), comm, op="mean")
+    with pytest.raises(TypeError, match=r"op 'max' is not defined for complex arrays"):
+        mpidist.allreduce(np.zeros(2, dtype=np.complex64), comm, op="max")
+    with pytest.raises(ValueError, match=rf"broadcast: root {size} out of range for a communicator of size {size}"):
+        mpidist.broadcast(np.zeros(2), comm, root=size)
+    with pytest.raises(ValueError, match=r"broadcast: root -1 out of range"):
+        mpidist.broadcast(np.zeros(2), comm, root=-1)
+    frozen = np.zeros(3)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"allreduce: array is read-only"):
+        mpidist.allreduce(frozen, comm)
+    with pytest.raises(ValueError, match=r"allreduce: array has overlapping elements"):
+        mpidist.allreduce(np.lib.stride_tricks.as_strided(np.zeros(4), (4,), (0,)), comm)
+    with pytest.raises(TypeError, match=r"unsupported dtype object"):
+        mpidist.allreduce(np.array([None, 1], dtype=object), comm)
+    with pytest.raises(ValueError, match=rf"send: dest {size} out of range"):
+        mpidist.send(np.zeros(1), size, comm)
+
+
+# -- property tests: random shapes, dtypes, ops, roots ---------------------------------------------
+dtype_names = st.sampled_from([dt.name for dt in SUPPORTED_DTYPES])
+shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
+
+
+@given(dtype=dtype_names, shape=shapes, data=st.data())
+def test_property_allreduce(world, dtype, shape, data):
+    op = data.draw(st.sampled_from(valid_ops(dtype)))
+    seed = data.draw(st.integers(0, 2**16))
+
+    def body(comm):
+        x = rank_input(comm.Get_rank(), shape, dtype, seed)
+        mpidist.allreduce(x, comm, op=op)
+        assert_matches(x, reference(op, [rank_input(r, shape, dtype, seed) for r in range(comm.Get_size())]), op)
+    world.run(body)
+
+
+@given(dtype=dtype_names, shape=shapes, data=st.data())
+def test_property_broadcast(world, dtype, shape, data):
+    root = data.draw(st.integers(0, world.size - 1))
+
+    def body(comm):
+        x = rank_input(comm.Get_rank(), shape, dtype, seed=root)
+        mpidist.broadcast(x, comm, root=root)
+        np.testing.assert_array_equal(x, rank_input(root, shape, dtype, seed=root))
+    world.run(body)
+
+
+@given(dtype=dtype_names, trailing=st.lists(st.integers(0, 3), max_size=2).map(tuple), data=st.data())
+def test_property_allgather(world, dtype, trailing, data):
+    rows = data.draw(st.lists(st.integers(0, 4), min_size=world.size, max_size=world.size))
+
+    def body(comm):
+        r = comm.Get_rank()
+        got = mpidist.allgather(rank_input(r, (rows[r],) + trailing, dtype), comm)
+        want = np.concatenate([rank_input(q, (rows[q],) + trailing, dtype) for q in range(comm.Get_size())])
+        np.testing.assert_array_equal(got, want)
+    world.run(body)
+
+
+@given(dtype=dtype_names, rows=st.integers(0, 9), trailing=st.lists(st.integers(1, 3), max_size=2).map(tuple), data=st.data())
+def test_property_reduce_scatter(world, dtype, rows, trailing, data):
+    op = data.draw(st.sampled_from(valid_ops(dtype)))
+    shape = (rows,) + trailing
+
+    def body(comm):
+        size, rank = comm.Get_size(), comm.Get_rank()
+        got = mpidist.reduce_scatter(rank_input(rank, shape, dtype), comm, op=op)
+        full = reference(op, [rank_input(r, shape, dtype) for r in range(size)])
+        sizes = split_sizes(rows, size)
+        assert_matches(got, full[sum(sizes[:rank]): sum(sizes[:rank + 1])], op)
+    world.run(body)
+
+
+@given(dtype=dtype_names, shape=shapes, data=st.data())
+def test_property_send_recv(world, dtype, shape, data):
+    tag = data.draw(st.integers(0, 100))
+
+    def body(comm):
+        size, rank = comm.Get_size(), comm.Get_rank()
+        h = mpidist.isend(rank_input(rank, shape, dtype, tag), (rank + 1) % size, comm, tag=tag)
+        got = mpidist.recv((rank - 1) % size, comm, tag=tag)
+        h.wait()
+        want = rank_input((rank - 1) % size, shape, dtype, tag)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    world.run(body)

@@ -1,0 +1,310 @@
+"""Communicator semantics: the same tests on SimComm and on real mpi4py communicators.
+
+Tests taking ``comm`` run on both, which is what proves SimComm behaves like mpi4py. Tests marked
+``mpi_skip`` are about the simulator alone (failure release, mismatch and deadlock reports).
+"""
+
+import threading
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpidist
+from mpidist import CollectiveMismatchError, DeadlockError, RankFailedError, SimAbort, simulate
+
+
+def test_identity(comm):
+    assert comm.Get_size() == comm.size >= 1
+    assert 0 <= comm.Get_rank() == comm.rank < comm.size
+    assert sorted(comm.allgather(comm.rank)) == list(range(comm.size))
+
+
+def test_buffer_collectives_match_numpy(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    x = np.arange(6, dtype=np.float64) * (rank + 1)
+    total = np.arange(6, dtype=np.float64) * sum(range(1, size + 1))
+
+    out = np.empty(6)
+    comm.Allreduce(x, out, op=MPI.SUM)
+    np.testing.assert_array_equal(out, total)
+
+    y = x.copy()
+    comm.Allreduce(MPI.IN_PLACE, y, op=MPI.MAX)
+    np.testing.assert_array_equal(y, np.arange(6) * size)
+
+    red = np.zeros(6)
+    comm.Reduce(x, red if rank == size - 1 else None, op=MPI.SUM, root=size - 1)
+    if rank == size - 1:
+        np.testing.assert_array_equal(red, total)
+
+    b = np.full(3, rank, dtype=np.int32)
+    comm.Bcast(b, root=size - 1)
+    assert (b == size - 1).all()
+
+    g = np.empty(2 * size, dtype=np.int64)
+    comm.Allgather(np.array([rank, -rank], dtype=np.int64), g)
+    np.testing.assert_array_equal(g, np.array([[r, -r] for r in range(size)]).ravel())
+
+    counts = [r + 1 for r in range(size)]
+    displs = [sum(counts[:r]) for r in range(size)]
+    gv = np.empty(sum(counts), dtype=np.float32)
+    comm.Allgatherv(np.full(rank + 1, rank, dtype=np.float32), [gv, (counts, displs), MPI.FLOAT])
+    np.testing.assert_array_equal(gv, np.concatenate([np.full(r + 1, r) for r in range(size)]))
+
+    rs = np.empty(2, dtype=np.int64)
+    comm.Reduce_scatter_block(np.arange(2 * size, dtype=np.int64) + rank, rs, op=MPI.SUM)
+    expect = (np.arange(2 * size) * size + sum(range(size)))[2 * rank: 2 * rank + 2]
+    np.testing.assert_array_equal(rs, expect)
+
+    counts = [1 + (r % 2) for r in range(size)]
+    rv = np.empty(counts[rank], dtype=np.float64)
+    comm.Reduce_scatter(np.ones(sum(counts)), rv, counts, op=MPI.SUM)
+    assert (rv == size).all()
+
+
+def test_nonblocking_requests(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    a = np.full(4, rank + 1.0)
+    b = np.full(2, rank, dtype=np.int16)
+    g = np.empty(size, dtype=np.int32)
+    reqs = [comm.Iallreduce(MPI.IN_PLACE, a, op=MPI.SUM), comm.Ibcast(b, root=0),
+            comm.Iallgather(np.array([rank * 3], dtype=np.int32), g)]
+    MPI.Request.Waitall(reqs) if isinstance(reqs[0], MPI.Request) else type(reqs[0]).Waitall(reqs)
+    assert (a == size * (size + 1) / 2).all() and (b == 0).all()
+    np.testing.assert_array_equal(g, np.arange(size) * 3)
+    r = comm.Iallreduce(MPI.IN_PLACE, a, op=MPI.MIN)
+    while not r.Test():
+        pass
+    assert (a == size * (size + 1) / 2).all()
+
+
+def test_point_to_point_tags_any_source_status(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        return
+    if rank == 0:
+        got = {}
+        for _ in range(2 * (size - 1)):
+            buf = np.empty(3, dtype=np.float64)
+            status = MPI.Status()
+            comm.Recv(buf, MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            assert status.Get_count(MPI.DOUBLE) == 3
+            got[(status.Get_source(), status.Get_tag())] = buf[0]
+        assert got == {(r, t): r * 10 + t for r in range(1, size) for t in (1, 2)}
+    else:
+        # Tag 2 is sent first but received by tag: ANY_TAG order follows arrival per source.
+        comm.Send(np.full(3, rank * 10 + 2.0), 0, tag=2)
+        req = comm.Isend(np.full(3, rank * 10 + 1.0), 0, tag=1)
+        req.Wait()
+
+
+def test_messages_with_one_tag_do_not_overtake(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        return
+    if rank == 1:
+        for i in range(5):
+            comm.Send(np.array([i], dtype=np.int64), 0, tag=3)
+    elif rank == 0:
+        reqs, bufs = [], []
+        for _ in range(5):
+            bufs.append(np.empty(1, dtype=np.int64))
+            reqs.append(comm.Irecv(bufs[-1], 1, 3))
+        for req in reversed(reqs):
+            req.Wait()
+        assert [int(b[0]) for b in bufs] == [0, 1, 2, 3, 4]
+
+
+def test_sendrecv_ring(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    out = np.empty(2, dtype=np.int32)
+    comm.Sendrecv(np.array([rank, rank], dtype=np.int32), (rank + 1) % size, 5, out, (rank - 1) % size, 5)
+    assert (out == (rank - 1) % size).all()
+    assert comm.sendrecv({"r": rank}, dest=(rank + 1) % size, source=(rank - 1) % size) == {"r": (rank - 1) % size}
+
+
+def test_object_collectives(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    assert comm.bcast({"from": rank} if rank == 0 else None, root=0) == {"from": 0}
+    assert comm.allreduce(rank + 1) == size * (size + 1) // 2
+    assert comm.allreduce(rank, op=MPI.MAX) == size - 1
+    assert comm.allgather((rank, "x")) == [(r, "x") for r in range(size)]
+    gathered = comm.gather(rank * 2, root=size - 1)
+    assert gathered == ([r * 2 for r in range(size)] if rank == size - 1 else None)
+    if size > 1:
+        if rank == 0:
+            comm.send([1, 2, 3], dest=1, tag=4)
+        elif rank == 1:
+            assert comm.recv(source=0, tag=4) == [1, 2, 3]
+
+
+def test_split_dup_split_type(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    sub = comm.Split(color=rank % 2, key=-rank)
+    members = [r for r in range(size) if r % 2 == rank % 2]
+    assert sub.Get_size() == len(members)
+    assert sub.Get_rank() == sorted(members, key=lambda r: -r).index(rank)
+    total = np.array([rank], dtype=np.int64)
+    sub.Allreduce(MPI.IN_PLACE, total)
+    assert total[0] == sum(members)
+    sub.Free()
+
+    none = comm.Split(MPI.UNDEFINED if rank == 0 else 1, 0)
+    assert (none == MPI.COMM_NULL) == (rank == 0)
+    if none != MPI.COMM_NULL:
+        none.Free()
+
+    dup = comm.Dup()
+    assert dup.Get_size() == size and dup.Get_rank() == rank
+    # Messages on the duplicate do not reach the original.
+    if size > 1 and rank == 0:
+        dup.send("dup", dest=1, tag=0)
+        comm.send("orig", dest=1, tag=0)
+    if size > 1 and rank == 1:
+        assert comm.recv(source=0, tag=0) == "orig"
+        assert dup.recv(source=0, tag=0) == "dup"
+    dup.Free()
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    assert local.Get_size() >= 1
+    local.Free()
+
+
+def test_mpidist_collectives_accept_split_communicators(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    sub = comm.Split(color=rank // 2, key=rank)
+    x = np.array([float(rank)])
+    mpidist.allreduce(x, sub)
+    group = [r for r in range(size) if r // 2 == rank // 2]
+    assert x[0] == sum(group)
+    sub.Free()
+
+
+# -- simulator-only behaviour ------------------------------------------------------------------------
+@pytest.mark.mpi_skip
+def test_simulate_returns_results_by_rank():
+    assert simulate(3, lambda c, k: c.rank * k, 10) == [0, 10, 20]
+    assert simulate(2, lambda c, k=1: c.size + k, k=5) == [7, 7]
+
+
+@pytest.mark.mpi_skip
+def test_failure_on_one_rank_releases_the_others():
+    released = []
+
+    def body(comm):
+        if comm.rank == 2:
+            raise KeyError("boom on two")
+        try:
+            comm.Barrier()
+        except RankFailedError as exc:
+            released.append((comm.rank, str(exc)))
+            raise
+
+    with pytest.raises(KeyError, match="boom on two") as info:
+        simulate(4, body)
+    assert "rank 2" in str(info.value)
+    assert sorted(r for r, _ in released) == [0, 1, 3]
+    assert all("simulated rank 2 failed (KeyError" in msg for _, msg in released)
+
+
+@pytest.mark.mpi_skip
+def test_failure_releases_pending_receive():
+    def body(comm):
+        if comm.rank == 0:
+            comm.recv(source=1)
+        else:
+            raise ValueError("rank one gives up")
+
+    with pytest.raises(ValueError, match=r"rank 1.*rank one gives up|rank one gives up"):
+        simulate(2, body)
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("kind", ["op", "count", "dtype", "root", "reduce-op"])
+def test_mismatched_collectives_raise_on_every_rank(kind):
+    errors = {}
+
+    def body(comm):
+        r = comm.rank
+        try:
+            if kind == "op":
+                (comm.Bcast(np.zeros(3)) if r == 0 else comm.Allreduce(MPI.IN_PLACE, np.zeros(3)))
+            elif kind == "count":
+                comm.Allreduce(MPI.IN_PLACE, np.zeros(3 + (r == 1)))
+            elif kind == "dtype":
+                comm.Bcast(np.zeros(3, dtype=np.float32 if r == 2 else np.float64))
+            elif kind == "root":
+                comm.Bcast(np.zeros(3), root=r % 2)
+            else:
+                comm.Allreduce(MPI.IN_PLACE, np.zeros(3), op=MPI.MAX if r == 0 else MPI.SUM)
+        except CollectiveMismatchError as exc:
+            errors[r] = str(exc)
+            raise
+
+    with pytest.raises(CollectiveMismatchError):
+        simulate(3, body)
+    assert sorted(errors) == [0, 1, 2]
+    assert len(set(errors.values())) == 1
+    msg = errors[0]
+    expected = {
+        "op": "rank 0 called Bcast(root=0, count=3, dtype=float64); ranks 1,2 called Allreduce(count=3, dtype=float64, op=SUM)",
+        "count": "ranks 0,2 called Allreduce(count=3, dtype=float64, op=SUM); rank 1 called Allreduce(count=4, dtype=float64, op=SUM)",
+        "dtype": "ranks 0,1 called Bcast(root=0, count=3, dtype=float64); rank 2 called Bcast(root=0, count=3, dtype=float32)",
+        "root": "ranks 0,2 called Bcast(root=0, count=3, dtype=float64); rank 1 called Bcast(root=1, count=3, dtype=float64)",
+        "reduce-op": "rank 0 called Allreduce(count=3, dtype=float64, op=MAX); ranks 1,2 called Allreduce(count=3, dtype=float64, op=SUM)",
+    }[kind]
+    assert expected in msg, msg
+    assert "collective mismatch on SIM_WORLD (call #0)" in msg
+
+
+@pytest.mark.mpi_skip
+def test_deadlock_is_reported_not_hung():
+    def body(comm):
+        comm.recv(source=(comm.rank + 1) % comm.size, tag=9)
+
+    with pytest.raises(DeadlockError, match=r"rank 0 waits in irecv\(source=1, tag=9\).*rank 1 waits in irecv\(source=0, tag=9\)"):
+        simulate(2, body)
+
+
+@pytest.mark.mpi_skip
+def test_deadlock_when_a_rank_finishes_early():
+    def body(comm):
+        if comm.rank == 0:
+            comm.Barrier()
+
+    with pytest.raises(DeadlockError, match=r"rank 0 waits in Barrier"):
+        simulate(2, body)
+
+
+@pytest.mark.mpi_skip
+def test_abort_releases_everyone():
+    def body(comm):
+        if comm.rank == 1:
+            comm.Abort(3)
+        comm.Barrier()
+
+    with pytest.raises(SimAbort, match=r"rank 1 of SIM_WORLD called Abort\(3\)"):
+        simulate(3, body)
+
+
+@pytest.mark.mpi_skip
+def test_split_type_follows_simulated_nodes():
+    def body(comm):
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        return local.rank, local.size
+
+    assert simulate(4, body, ranks_per_node=2) == [(0, 2), (1, 2), (0, 2), (1, 2)]
+
+
+@pytest.mark.mpi_skip
+def test_simulate_rejects_bad_size():
+    with pytest.raises(ValueError, match=r"simulate: n must be a positive int \(got 0\)"):
+        simulate(0, lambda c: None)
+
+
+@pytest.mark.mpi_skip
+def test_threads_do_not_leak():
+    before = threading.active_count()
+    simulate(4, lambda c: c.Barrier())
+    assert threading.active_count() == before

@@ -1,0 +1,417 @@
+"""Tests for mpidist.nn: finite-difference gradients, micro-batches in flight, hooks, state."""
+
+import math
+
+import numpy as np
+import pytest
+
+import mpidist.nn as nn
+from mpidist.xp import asarray_like, copy_into, get_array_module, is_device_array, scatter_add, to_numpy
+
+F64 = np.float64
+
+
+def _away_from_zero(rng, shape):
+    # Keeps ReLU's kink out of reach of the finite-difference step.
+    return rng.choice([-1.0, 1.0], size=shape) * rng.uniform(0.1, 1.0, size=shape)
+
+
+def _numeric_grad(f, a, eps=1e-6):
+    """Central differences of scalar f() with respect to every element of a (perturbed in place)."""
+    g = np.zeros_like(a)
+    for idx in np.ndindex(a.shape):
+        old = a[idx]
+        a[idx] = old + eps
+        fp = f()
+        a[idx] = old - eps
+        fm = f()
+        a[idx] = old
+        g[idx] = (fp - fm) / (2 * eps)
+    return g
+
+
+def check_module_grads(module, x, reset=lambda: None, input_grad=True):
+    """Compare backward() with central differences of sum(module(x) * r) for x and every parameter."""
+    rng = np.random.default_rng(1)
+    reset()
+    y = module(x, mb=0)
+    r = rng.standard_normal(y.shape)
+    module.zero_grad(set_to_none=True)
+    dx = module.backward(r, mb=0)
+    assert module.num_inflight() == 0
+
+    def loss():
+        reset()
+        with nn.no_grad():
+            return float((module(x) * r).sum())
+
+    if input_grad:
+        np.testing.assert_allclose(dx, _numeric_grad(loss, x), rtol=1e-6, atol=1e-8)
+    for name, p in module.named_parameters():
+        np.testing.assert_allclose(p.grad, _numeric_grad(loss, p.data), rtol=1e-6, atol=1e-8, err_msg=name)
+
+
+# -- finite-difference gradient checks -------------------------------------------
+
+
+def test_linear_grads_with_leading_dims():
+    rng = np.random.default_rng(0)
+    check_module_grads(nn.Linear(4, 3, rng=rng, dtype=F64), rng.standard_normal((2, 3, 4)))
+
+
+def test_linear_without_bias_grads():
+    rng = np.random.default_rng(0)
+    lin = nn.Linear(4, 3, bias=False, rng=rng, dtype=F64)
+    assert lin.bias is None and [n for n, _ in lin.named_parameters()] == ["weight"]
+    check_module_grads(lin, rng.standard_normal((5, 4)))
+
+
+@pytest.mark.parametrize("cls", [nn.ReLU, nn.GELU, nn.Tanh])
+def test_activation_grads(cls):
+    check_module_grads(cls(), _away_from_zero(np.random.default_rng(0), (3, 5)))
+
+
+def test_dropout_grads():
+    drop = nn.Dropout(0.4, seed=3)
+    check_module_grads(drop, np.random.default_rng(0).standard_normal((4, 6)),
+                       reset=lambda: setattr(drop, "rng", np.random.default_rng(3)))
+
+
+def test_layernorm_grads():
+    rng = np.random.default_rng(0)
+    ln = nn.LayerNorm(5, dtype=F64)
+    # Non-trivial affine parameters so their gradients are exercised.
+    ln.weight.data = rng.standard_normal(5)
+    ln.bias.data = rng.standard_normal(5)
+    check_module_grads(ln, rng.standard_normal((2, 3, 5)))
+
+
+def test_embedding_grads_with_repeated_indices():
+    emb = nn.Embedding(6, 3, rng=np.random.default_rng(0), dtype=F64)
+    idx = np.array([[0, 2, 2], [5, 0, 2]])
+    check_module_grads(emb, idx, input_grad=False)
+    assert emb.weight.grad[[1, 3, 4]].sum() == 0  # rows never looked up get no gradient
+
+
+def test_flatten_grads():
+    check_module_grads(nn.Flatten(), np.random.default_rng(0).standard_normal((2, 3, 4)))
+
+
+def test_sequential_grads():
+    rng = np.random.default_rng(0)
+    model = nn.Sequential(nn.Linear(4, 6, rng=rng, dtype=F64), nn.GELU(), nn.LayerNorm(6, dtype=F64),
+                          nn.Linear(6, 6, rng=rng, dtype=F64), nn.Tanh(), nn.Linear(6, 2, rng=rng, dtype=F64))
+    check_module_grads(model, rng.standard_normal((3, 4)))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_cross_entropy_grads(reduction, scale):
+    rng = np.random.default_rng(0)
+    pred = rng.standard_normal((2, 3, 5)) * 3
+    target = rng.integers(0, 5, size=(2, 3))
+    crit = nn.CrossEntropyLoss(reduction)
+    crit(pred, target, mb=7)
+    dpred = crit.backward(mb=7, scale=scale)
+    num = _numeric_grad(lambda: scale * float(crit.eval()(pred, target)), pred)
+    np.testing.assert_allclose(dpred, num, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_mse_grads(reduction):
+    rng = np.random.default_rng(0)
+    pred, target = rng.standard_normal((4, 3)), rng.standard_normal((4, 3))
+    crit = nn.MSELoss(reduction)
+    crit(pred, target)
+    dpred = crit.backward(scale=0.5)
+    num = _numeric_grad(lambda: 0.5 * float(crit.eval()(pred, target)), pred)
+    np.testing.assert_allclose(dpred, num, rtol=1e-6, atol=1e-9)
+
+
+# -- forward values against independent formulas --------------------------------------
+
+
+def test_forward_values_match_formulas():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 4))
+    lin = nn.Linear(4, 2, rng=rng, dtype=F64)
+    np.testing.assert_allclose(lin(x), x @ lin.weight.data.T + lin.bias.data)
+    gelu = [0.5 * v * (1 + math.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3))) for v in x.ravel()]
+    np.testing.assert_allclose(nn.GELU()(x).ravel(), gelu)
+    ln = nn.LayerNorm(4, eps=0.0, dtype=F64)
+    np.testing.assert_allclose(ln(x), (x - x.mean(1, keepdims=True)) / x.std(1, keepdims=True))
+    logits, labels = rng.standard_normal((3, 4)), np.array([0, 3, 1])
+    ref = np.mean([-math.log(math.exp(row[t]) / sum(math.exp(v) for v in row)) for row, t in zip(logits, labels)])
+    assert float(nn.CrossEntropyLoss()(logits, labels)) == pytest.approx(ref, rel=1e-12)
+    np.testing.assert_allclose(nn.MSELoss()(x, 2 * x), np.mean(x ** 2))
+
+
+def test_cross_entropy_is_stable_for_huge_logits():
+    loss = nn.CrossEntropyLoss()(np.array([[1000.0, 0.0], [0.0, -1000.0]]), np.array([0, 1]))
+    assert float(loss) == pytest.approx(500.0)
+
+
+def test_linear_init_and_dtype():
+    lin = nn.Linear(16, 8)
+    assert lin.weight.data.dtype == np.float32 and lin.weight.data.shape == (8, 16)
+    assert np.abs(lin.weight.data).max() <= 1 / 4 and np.abs(lin.bias.data).max() <= 1 / 4
+    assert nn.Linear(16, 8, dtype=F64).bias.data.dtype == F64
+    assert np.array_equal(nn.Linear(16, 8).weight.data, lin.weight.data)  # default rng is seeded
+
+
+# -- micro-batches in flight ----------------------------------------------------------
+
+
+def _mlp(seed=0):
+    rng = np.random.default_rng(seed)
+    return nn.Sequential(nn.Linear(4, 8, rng=rng, dtype=F64), nn.GELU(), nn.LayerNorm(8, dtype=F64),
+                         nn.Linear(8, 8, rng=rng, dtype=F64), nn.ReLU(), nn.Linear(8, 3, rng=rng, dtype=F64))
+
+
+def test_microbatches_in_flight_match_separate_runs():
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal((2, 4)) for _ in range(3)]
+    dys = [rng.standard_normal((2, 3)) for _ in range(3)]
+
+    ref, ref_dx, ref_grads = _mlp(), [], []
+    for x, dy in zip(xs, dys):
+        ref.zero_grad(set_to_none=True)
+        ref(x, mb=0)
+        ref_dx.append(ref.backward(dy, mb=0))
+        ref_grads.append([p.grad.copy() for p in ref.parameters()])
+
+    model = _mlp()
+    for mb in (0, 1, 2):
+        model(xs[mb], mb=mb)
+    assert model.num_inflight() == 3
+    dx = {}
+    for mb in (1, 0, 2):
+        dx[mb] = model.backward(dys[mb], mb=mb)
+    assert model.num_inflight() == 0
+    for mb in range(3):
+        np.testing.assert_array_equal(dx[mb], ref_dx[mb])
+    for i, p in enumerate(model.parameters()):
+        np.testing.assert_array_equal(p.grad, (ref_grads[1][i] + ref_grads[0][i]) + ref_grads[2][i])
+
+
+def test_one_f_one_b_interleaving_matches_sequential_accumulation():
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal((2, 4)) for _ in range(3)]
+    dys = [rng.standard_normal((2, 3)) for _ in range(3)]
+    ref = _mlp()
+    for x, dy in zip(xs, dys):
+        ref(x)
+        ref.backward(dy)
+    model = _mlp()
+    model(xs[0], mb=0)
+    model(xs[1], mb=1)
+    model.backward(dys[0], mb=0)
+    model(xs[2], mb=2)
+    assert model.num_inflight() == 2
+    model.backward(dys[1], mb=1)
+    model.backward(dys[2], mb=2)
+    assert model.num_inflight() == 0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        np.testing.assert_array_equal(p.grad, q.grad)
+
+
+def test_backward_without_forward_names_module_and_mb():
+    model = _mlp()
+    model(np.ones((1, 4)), mb=0)
+    with pytest.raises(RuntimeError, match=r"Linear\.backward: no saved activations for micro-batch 5"):
+        model.backward(np.ones((1, 3)), mb=5)
+
+
+def test_forward_twice_for_same_mb_is_an_error():
+    lin = nn.Linear(2, 2)
+    lin(np.ones((1, 2), np.float32), mb=3)
+    with pytest.raises(RuntimeError, match="micro-batch 3 is already in flight"):
+        lin(np.ones((1, 2), np.float32), mb=3)
+
+
+def test_eval_and_no_grad_save_nothing():
+    model = _mlp()
+    x = np.ones((2, 4))
+    with nn.no_grad():
+        y1 = model(x)
+        assert not nn.is_grad_enabled()
+    assert nn.is_grad_enabled() and model.num_inflight() == 0
+    y2 = model.eval()(x)
+    assert model.num_inflight() == 0 and not any(m.training for m in model.modules())
+    np.testing.assert_array_equal(y1, y2)
+    model.train()
+    model(x)
+    assert model.num_inflight() == 1
+
+
+def test_dropout_modes_and_per_mb_masks():
+    drop = nn.Dropout(0.5, seed=0)
+    x = np.ones((200, 50), np.float32)
+    y0, y1 = drop(x, mb=0), drop(x, mb=1)
+    assert set(np.unique(y0)) == {0.0, 2.0} and 0.45 < (y0 == 0).mean() < 0.55
+    assert not np.array_equal(y0, y1)
+    np.testing.assert_array_equal(drop.backward(x, mb=0), y0)  # mb 0's mask, not the latest one
+    np.testing.assert_array_equal(drop.backward(x, mb=1), y1)
+    np.testing.assert_array_equal(nn.Dropout(0.5, seed=0)(x), y0)  # seeded
+    assert drop.eval()(x) is x
+    with pytest.raises(ValueError, match=r"Dropout: p must be in \[0, 1\] \(p: 1.5\)"):
+        nn.Dropout(1.5)
+
+
+# -- parameters, hooks and swapped storage -------------------------------------------------
+
+
+def test_named_parameters_order_and_names():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(np.ones(1))
+            self.layers = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.LayerNorm(3))
+            self.head = nn.Linear(3, 1, bias=False)
+
+    net = Net()
+    assert [n for n, _ in net.named_parameters()] == [
+        "scale", "layers.0.weight", "layers.0.bias", "layers.2.weight", "layers.2.bias", "head.weight"]
+    assert [n for n, _ in net.named_children()] == ["layers", "head"]
+    assert len(list(net.modules())) == 6
+    net.head = nn.Linear(3, 1)  # replacing a child re-registers it in place
+    assert [n for n, _ in net.named_parameters()][-2:] == ["head.weight", "head.bias"]
+
+
+def test_grad_ready_hooks_fire_once_in_reverse_parameter_order():
+    rng = np.random.default_rng(0)
+    model = nn.Sequential(nn.Linear(2, 3, rng=rng), nn.ReLU(), nn.Linear(3, 4, rng=rng), nn.Linear(4, 2, rng=rng))
+    fired = []
+    names = {id(p): n for n, p in model.named_parameters()}
+    handles = [p.register_grad_ready_hook(lambda q: fired.append(names[id(q)])) for p in model.parameters()]
+    x = np.ones((3, 2), np.float32)
+    for _ in range(2):
+        fired.clear()
+        model(x)
+        model.backward(np.ones((3, 2), np.float32))
+        assert fired == [n for n, _ in model.named_parameters()][::-1]
+    handles[0].remove()
+    fired.clear()
+    model(x)
+    model.backward(np.ones((3, 2), np.float32))
+    assert "0.weight" not in fired and len(fired) == 5
+
+
+def test_accumulate_grad_writes_into_preset_views():
+    ref, model = _mlp(), _mlp()
+    x, dy = np.random.default_rng(0).standard_normal((2, 4)), np.ones((2, 3))
+    ref(x)
+    ref.backward(dy)
+    flat = np.zeros(sum(p.data.size for p in model.parameters()))
+    views, off = [], 0
+    for p in model.parameters():
+        p.grad = flat[off:off + p.data.size].reshape(p.data.shape)
+        views.append(p.grad)
+        off += p.data.size
+    for _ in range(2):  # the second backward must add into the same memory
+        model(x)
+        model.backward(dy)
+    assert all(p.grad is v for p, v in zip(model.parameters(), views))
+    np.testing.assert_allclose(flat, 2 * np.concatenate([p.grad.ravel() for p in ref.parameters()]))
+    with pytest.raises(ValueError, match=r"accumulate_grad: gradient shape does not match grad"):
+        model[0].weight.accumulate_grad(np.ones(3))
+
+
+def test_swapping_param_data_is_seen_by_forward_and_backward():
+    rng = np.random.default_rng(0)
+    lin = nn.Linear(3, 2, rng=rng, dtype=F64)
+    x = rng.standard_normal((4, 3))
+    w_a, w_b = lin.weight.data, rng.standard_normal((2, 3))
+    lin.weight.data = w_b
+    np.testing.assert_allclose(lin(x), x @ w_b.T + lin.bias.data)
+    lin.weight.data = np.zeros(0)  # placeholder between forward and backward, as FSDP does
+    lin.weight.data = w_a
+    dy = rng.standard_normal((4, 2))
+    np.testing.assert_allclose(lin.backward(dy), dy @ w_a)
+    np.testing.assert_allclose(lin.weight.grad, dy.T @ x)
+
+
+# -- state ----------------------------------------------------------------------------------
+
+
+def test_state_dict_round_trip_copies_in_place():
+    class WithBuffer(nn.Module):
+        def __init__(self, seed):
+            super().__init__()
+            self.body = _mlp(seed)
+            self.register_buffer("count", np.array([seed], dtype=np.int64))
+
+    a, b = WithBuffer(0), WithBuffer(1)
+    sd = a.state_dict()
+    assert list(sd)[-1] == "count" and list(sd)[0] == "body.0.weight"
+    assert all(sd[n] is not p.data for n, p in a.named_parameters())
+    before = {n: p.data for n, p in b.named_parameters()}
+    count = b.count
+    b.load_state_dict(sd)
+    assert all(p.data is before[n] for n, p in b.named_parameters()) and b.count is count and b.count[0] == 0
+    x = np.ones((2, 4))
+    np.testing.assert_array_equal(a.body(x, mb=0), b.body(x, mb=0))
+    sd["body.0.bias"][...] = 123.0  # the state dict holds copies
+    assert not np.any(a.body[0].bias.data == 123.0)
+
+
+def test_load_state_dict_errors_name_the_key():
+    model = _mlp()
+    sd = model.state_dict()
+    del sd["3.bias"]
+    sd["extra"] = np.zeros(1)
+    with pytest.raises(KeyError, match=r"missing: \['3.bias'\], unexpected: \['extra'\]"):
+        model.load_state_dict(sd)
+    keys = model.load_state_dict(sd, strict=False)
+    assert keys.missing_keys == ["3.bias"] and keys.unexpected_keys == ["extra"]
+    sd = model.state_dict()
+    sd["0.weight"] = np.zeros((4, 8))
+    with pytest.raises(ValueError, match=r"'0.weight' \(checkpoint: \(4, 8\), model: \(8, 4\)\)"):
+        model.load_state_dict(sd)
+
+
+def test_zero_grad_keeps_grad_objects():
+    model = _mlp()
+    model(np.ones((2, 4)))
+    model.backward(np.ones((2, 3)))
+    grads = [p.grad for p in model.parameters()]
+    model.zero_grad()
+    assert all(p.grad is g and not g.any() for p, g in zip(model.parameters(), grads))
+    model.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in model.parameters())
+
+
+# -- errors and xp ---------------------------------------------------------------------------
+
+
+def test_input_errors_carry_values():
+    with pytest.raises(IndexError, match=r"label out of range \[0, 3\) \(min: 0, max: 3\)"):
+        nn.CrossEntropyLoss()(np.zeros((2, 3)), np.array([0, 3]))
+    with pytest.raises(ValueError, match=r"pred: \(2, 3\), target: \(3,\)"):
+        nn.CrossEntropyLoss()(np.zeros((2, 3)), np.array([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"MSELoss: pred and target shapes differ"):
+        nn.MSELoss()(np.zeros((2, 3)), np.zeros((3, 2)))
+    with pytest.raises(IndexError, match=r"Embedding.forward: index out of range \[0, 4\) \(min: -1, max: 2\)"):
+        nn.Embedding(4, 2)(np.array([-1, 2]))
+    with pytest.raises(ValueError, match=r"Linear.forward: input last dim"):
+        nn.Linear(3, 2)(np.ones((2, 4), np.float32))
+    with pytest.raises(ValueError, match="unknown reduction 'avg'"):
+        nn.MSELoss("avg")
+
+
+def test_xp_helpers_on_numpy():
+    x = np.arange(3)
+    assert get_array_module(x) is np and not is_device_array(x) and to_numpy(x) is x
+    target = np.zeros((3, 2))
+    scatter_add(target, np.array([2, 0, 2]), np.ones((3, 2)))
+    np.testing.assert_array_equal(target, [[1, 1], [0, 0], [2, 2]])  # repeated indices add up
+    dst = np.zeros(3)
+    copy_into(dst, [1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(dst, [1, 2, 3])
+    assert asarray_like(x, dst) is x
+
+
+def test_public_names():
+    assert set(nn.__all__) >= {"Parameter", "Module", "Sequential", "no_grad", "Linear", "ReLU", "GELU", "Tanh",
+                               "Dropout", "LayerNorm", "Embedding", "Flatten", "CrossEntropyLoss", "MSELoss"}
+    assert all(hasattr(nn, name) for name in nn.__all__)

@@ -1,0 +1,170 @@
+"""Tests for mpidist.optim against textbook reference updates written here in plain numpy."""
+
+import numpy as np
+import pytest
+
+import mpidist.nn as nn
+from mpidist.optim import SGD, Adam, AdamW
+
+STEPS = 6
+
+
+def _params_and_grads(seed=0):
+    rng = np.random.default_rng(seed)
+    params = [nn.Parameter(rng.standard_normal((3, 4))), nn.Parameter(rng.standard_normal(5))]
+    grads = [[rng.standard_normal(p.data.shape) for p in params] for _ in range(STEPS)]
+    return params, grads
+
+
+def ref_sgd(p, grads, lr, momentum=0.0, weight_decay=0.0, nesterov=False, dampening=0.0):
+    """SGD as documented for torch.optim.SGD."""
+    b = None
+    for t, g in enumerate(grads, start=1):
+        g = g + weight_decay * p
+        if momentum:
+            b = g if t == 1 else momentum * b + (1 - dampening) * g
+            g = g + momentum * b if nesterov else b
+        p = p - lr * g
+    return p
+
+
+def ref_adam(p, grads, lr, betas, eps, weight_decay, decoupled):
+    """Adam/AdamW as in Kingma & Ba / Loshchilov & Hutter, with bias-corrected moments."""
+    b1, b2 = betas
+    m, v = np.zeros_like(p), np.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        if decoupled:
+            p = p - lr * weight_decay * p
+        else:
+            g = g + weight_decay * p
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g ** 2
+        m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
+        p = p - lr * m_hat / (np.sqrt(v_hat) + eps)
+    return p
+
+
+def _run(opt_cls, kwargs, grads_by_step, params):
+    opt = opt_cls(params, **kwargs)
+    arrays = [p.data for p in params]
+    for grads in grads_by_step:
+        for p, g in zip(params, grads):
+            p.grad = g.copy()
+        opt.step()
+    assert all(p.data is a for p, a in zip(params, arrays)), "step must update p.data in place"
+    return opt
+
+
+SGD_CASES = [dict(lr=0.1), dict(lr=0.1, momentum=0.9), dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1),
+             dict(lr=0.05, momentum=0.8, dampening=0.3, weight_decay=0.01)]
+ADAM_CASES = [dict(lr=1e-2), dict(lr=3e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)]
+
+
+@pytest.mark.parametrize("kwargs", SGD_CASES)
+def test_sgd_matches_reference(kwargs):
+    params, grads = _params_and_grads()
+    start = [p.data.copy() for p in params]
+    _run(SGD, kwargs, grads, params)
+    for i, p in enumerate(params):
+        np.testing.assert_allclose(p.data, ref_sgd(start[i], [g[i] for g in grads], **kwargs), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("cls, decoupled", [(Adam, False), (AdamW, True)])
+@pytest.mark.parametrize("kwargs", ADAM_CASES)
+def test_adam_matches_reference(cls, decoupled, kwargs):
+    params, grads = _params_and_grads()
+    start = [p.data.copy() for p in params]
+    _run(cls, kwargs, grads, params)
+    full = dict(dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0 if cls is Adam else 1e-2), **kwargs)
+    for i, p in enumerate(params):
+        ref = ref_adam(start[i], [g[i] for g in grads], decoupled=decoupled, **full)
+        np.testing.assert_allclose(p.data, ref, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("cls, kwargs", [(SGD, SGD_CASES[2]), (Adam, ADAM_CASES[1]), (AdamW, ADAM_CASES[1])])
+def test_state_dict_resume_equals_uninterrupted(cls, kwargs):
+    params, grads = _params_and_grads()
+    _run(cls, kwargs, grads, params)
+
+    resumed, _ = _params_and_grads()
+    opt = _run(cls, kwargs, grads[:3], resumed)
+    sd = opt.state_dict()
+    saved = [p.data.copy() for p in resumed]
+    opt.step()  # mutate the live state after saving; the saved copy must not change
+    for p, s in zip(resumed, saved):
+        p.data[...] = s
+    fresh = cls(resumed, **dict(kwargs, lr=123.0))
+    fresh.load_state_dict(sd)
+    assert fresh.lr == kwargs["lr"]
+    for step_grads in grads[3:]:
+        for p, g in zip(resumed, step_grads):
+            p.grad = g.copy()
+        fresh.step()
+    for p, q in zip(params, resumed):
+        np.testing.assert_array_equal(p.data, q.data)
+
+
+def test_state_dict_layout():
+    params, grads = _params_and_grads()
+    sd = _run(Adam, {}, grads[:2], params).state_dict()
+    assert set(sd["state"]) == {0, 1} and sd["state"][0]["step"] == 2
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert sd["param_groups"] == [dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, params=[0, 1])]
+
+
+def test_load_state_dict_errors():
+    params, grads = _params_and_grads()
+    sd = _run(Adam, {}, grads[:1], params).state_dict()
+    sd["state"][0]["exp_avg"] = np.zeros((4, 3))
+    with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg'\] \(state_dict: \(4, 3\), parameter: \(3, 4\)\)"):
+        Adam(params).load_state_dict(sd)
+    with pytest.raises(ValueError, match=r"group sizes differ \(optimizer: \[1\], state_dict: \[2\]\)"):
+        Adam(params[:1]).load_state_dict(sd)
+
+
+def test_params_without_grad_are_skipped_and_lr_is_settable():
+    params, _ = _params_and_grads()
+    before = [p.data.copy() for p in params]
+    params[0].grad = np.ones_like(params[0].data)
+    opt = SGD(params, lr=0.1)
+    opt.lr = 0.5
+    opt.step()
+    np.testing.assert_allclose(params[0].data, before[0] - 0.5)
+    np.testing.assert_array_equal(params[1].data, before[1])
+    assert 1 not in opt.state
+    grad = params[0].grad
+    opt.zero_grad()
+    assert params[0].grad is grad and not grad.any()
+
+
+def test_param_groups_have_their_own_hyperparameters():
+    params, _ = _params_and_grads()
+    for p in params:
+        p.grad = np.ones_like(p.data)
+    before = [p.data.copy() for p in params]
+    opt = SGD([{"params": params[:1]}, {"params": params[1:], "lr": 1.0}], lr=0.1)
+    opt.step()
+    np.testing.assert_allclose(params[0].data, before[0] - 0.1)
+    np.testing.assert_allclose(params[1].data, before[1] - 1.0)
+    with pytest.raises(TypeError, match=r"unexpected param group option\(s\) \['lrr'\]"):
+        SGD([{"params": params, "lrr": 1.0}], lr=0.1)
+    with pytest.raises(ValueError, match="nesterov needs momentum > 0"):
+        SGD(params, lr=0.1, nesterov=True)
+
+
+def test_mlp_learns_xor_with_adam():
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, size=(400, 2)).astype(np.float32)
+    x = x[np.abs(x).min(axis=1) > 0.1]  # a margin around the axes keeps the task cleanly separable
+    y = ((x[:, 0] > 0) ^ (x[:, 1] > 0)).astype(np.int64)
+    model = nn.Sequential(nn.Linear(2, 32, rng=rng), nn.GELU(), nn.Linear(32, 32, rng=rng), nn.ReLU(),
+                          nn.Linear(32, 2, rng=rng))
+    crit, opt = nn.CrossEntropyLoss(), Adam(model.parameters(), lr=1e-2)
+    for _ in range(200):
+        opt.zero_grad()
+        crit(model(x), y)
+        model.backward(crit.backward())
+        opt.step()
+    with nn.no_grad():
+        accuracy = (model(x).argmax(axis=1) == y).mean()
+    assert accuracy > 0.95, f"accuracy {accuracy:.3f}"
