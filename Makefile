@@ -1,0 +1,44 @@
+# mpidist: `make test` and `make demo` set up everything they need in .venv (pip wheels only).
+PYTHON   ?= python3
+VENV     ?= .venv
+PY       := $(VENV)/bin/python
+MPIEXEC  := $(VENV)/bin/mpiexec
+NP       ?= 4
+STRATEGY ?= ddp
+# MPI=wheel installs the MPICH wheel from PyPI; MPI=system builds mpi4py against the mpicc on PATH.
+MPI      ?= wheel
+PYTEST_MPI := -m pytest -q --with-mpi -p no:cacheprovider --timeout=300 --timeout-method=thread
+
+ifeq ($(MPI),system)
+MPIEXEC  := mpiexec
+MPI_PKGS := --no-binary mpi4py mpi4py
+else
+MPI_PKGS := mpich
+endif
+
+.PHONY: venv test test-sim test-mpi demo bench clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,examples]' $(MPI_PKGS)
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: test-sim test-mpi
+
+test-sim: venv
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=300 --timeout-method=thread
+
+test-mpi: venv
+	$(MPIEXEC) -n 2 $(PY) $(PYTEST_MPI)
+	$(MPIEXEC) -n 4 $(PY) $(PYTEST_MPI)
+
+demo: venv
+	$(MPIEXEC) -n $(NP) $(PY) examples/digits.py --strategy $(STRATEGY)
+
+bench: venv
+	$(MPIEXEC) -n 2 $(PY) benchmarks/collectives.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,317 @@
+"""DDP: data-parallel training with bucketed, overlapped gradient averaging.
+
+Glossary:
+- bucket: one flat array holding the gradients of several parameters of one dtype, filled in
+  reverse parameter order (the order backward produces them). ``param.grad`` is a view into it.
+- ready: a parameter's gradient for this backward is final (its grad-ready hook fired). When every
+  parameter of a bucket is ready, the bucket's nonblocking mean-allreduce starts, while backward
+  goes on computing the earlier layers.
+- launch order: buckets are launched strictly in index order on every rank, because MPI matches
+  nonblocking collectives on a communicator by the order they are started.
+- join: ranks that run out of data keep matching the collectives of ranks that still have data.
+"""
+
+import contextlib
+import time
+
+import numpy as np
+
+from .. import collectives
+from ..xp import get_array_module
+
+__all__ = ["DDP", "GradientBucket"]
+
+_MB = 1024 * 1024
+
+
+class GradientBucket:
+    """A flat gradient buffer for a group of parameters, with its pending allreduce."""
+
+    def __init__(self, index, params, names):
+        self.index = index
+        self.params = params
+        self.names = names
+        xp = get_array_module(params[0].data)
+        self.sizes = [p.data.size for p in params]
+        self.flat = xp.zeros(sum(self.sizes), dtype=params[0].data.dtype)
+        self.views = []
+        offset = 0
+        for p, n in zip(params, self.sizes):
+            view = self.flat[offset: offset + n].reshape(p.data.shape)
+            if p.grad is not None:
+                view[...] = p.grad
+            self.views.append(view)
+            p.grad = view
+            offset += n
+        self.ready = set()
+        self.handle = None
+
+    @property
+    def nbytes(self):
+        return self.flat.nbytes
+
+    def reattach(self):
+        """Point every ``param.grad`` back at its view (after a ``zero_grad(set_to_none=True)``)."""
+        for p, view in zip(self.params, self.views):
+            if p.grad is not view:
+                if p.grad is None:
+                    view[...] = 0
+                else:
+                    view[...] = p.grad
+                p.grad = view
+
+
+class DDP:
+    """Wrap ``module`` for data-parallel training over ``comm``.
+
+    Every rank holds a full replica; at construction parameters and buffers are broadcast from rank 0.
+    After ``backward`` returns, every ``param.grad`` holds the mean gradient over ranks.
+    """
+
+    def __init__(self, module, comm, bucket_cap_mb=25, first_bucket_mb=1, overlap=True, broadcast_buffers=True,
+                 unused_parameters="zero"):
+        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
+            raise ValueError(f"DDP: bucket sizes must be positive (bucket_cap_mb={bucket_cap_mb}, first_bucket_mb={first_bucket_mb})")
+        if unused_parameters not in ("zero", "error"):
+            raise ValueError(f"DDP: unused_parameters must be 'zero' or 'error' (got {unused_parameters!r})")
+        self.module = module
+        self.comm = comm
+        self.overlap = overlap
+        self.broadcast_buffers = broadcast_buffers
+        self.unused_parameters = unused_parameters
+        self._sync_enabled = True
+        self._join = None  # set while a join() context is active
+        self.stats = {"backward_s": 0.0, "sync_wait_s": 0.0, "steps": 0}
+
+        named = list(module.named_parameters())
+        if not named:
+            raise ValueError(f"DDP: module {type(module).__name__} has no parameters")
+        self._broadcast_state([p.data for _, p in named])
+        if broadcast_buffers:
+            self._broadcast_state([b for _, b in module.named_buffers()])
+        self.buckets = self._build_buckets(named, bucket_cap_mb * _MB, first_bucket_mb * _MB)
+        self._bucket_of = {}
+        for bucket in self.buckets:
+            for p in bucket.params:
+                self._bucket_of[id(p)] = bucket
+        self._hooks = [p.register_grad_ready_hook(self._grad_ready) for _, p in named]
+        self._next_launch = 0
+
+    # -- construction -----------------------------------------------------------------------------
+    def _broadcast_state(self, arrays, root=0):
+        """Broadcast ``arrays`` from ``root`` in one message per dtype (not one per tensor)."""
+        by_dtype = {}
+        for a in arrays:
+            by_dtype.setdefault(a.dtype.str, []).append(a)
+        for group in by_dtype.values():
+            xp = get_array_module(group[0])
+            flat = xp.concatenate([a.reshape(-1) for a in group])
+            collectives.broadcast(flat, self.comm, root=root)
+            offset = 0
+            for a in group:
+                a[...] = flat[offset: offset + a.size].reshape(a.shape)
+                offset += a.size
+
+    @staticmethod
+    def _build_buckets(named, cap_bytes, first_cap_bytes):
+        buckets, current, names, size, dtype = [], [], [], 0, None
+        for name, p in reversed(named):
+            cap = first_cap_bytes if not buckets else cap_bytes
+            if current and (p.data.dtype != dtype or size + p.data.nbytes > cap):
+                buckets.append(GradientBucket(len(buckets), current, names))
+                current, names, size = [], [], 0
+            current.append(p)
+            names.append(name)
+            size += p.data.nbytes
+            dtype = p.data.dtype
+        if current:
+            buckets.append(GradientBucket(len(buckets), current, names))
+        return buckets
+
+    # -- the module interface -----------------------------------------------------------------------
+    def __call__(self, x, mb=0):
+        return self.forward(x, mb)
+
+    def forward(self, x, mb=0):
+        """Run the wrapped module's forward (and keep a joined rank's collectives matched)."""
+        if self._join is not None and self._sync_enabled:
+            self._join.announce(active=True)
+        if self.broadcast_buffers:
+            buffers = [b for _, b in self.module.named_buffers()]
+            if buffers:
+                self._broadcast_state(buffers)
+        return self.module.forward(x, mb)
+
+    def backward(self, grad_out, mb=0):
+        """Backpropagate; on return every gradient is averaged over ranks (outside ``no_sync``)."""
+        if self._sync_enabled:
+            for bucket in self.buckets:
+                bucket.reattach()
+        start = time.perf_counter()
+        grad_in = self.module.backward(grad_out, mb)
+        computed = time.perf_counter()
+        if self._sync_enabled:
+            self._finish_sync()
+        self.stats["backward_s"] += computed - start
+        self.stats["sync_wait_s"] += time.perf_counter() - computed
+        return grad_in
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def named_parameters(self, prefix=""):
+        return self.module.named_parameters(prefix)
+
+    def state_dict(self):
+        return self.module.state_dict()
+
+    def load_state_dict(self, state_dict, strict=True):
+        return self.module.load_state_dict(state_dict, strict)
+
+    def train(self, mode=True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def zero_grad(self, set_to_none=False):
+        """Zero every gradient in place (the bucket views stay attached)."""
+        for bucket in self.buckets:
+            bucket.flat[...] = 0
+            bucket.reattach()
+
+    # -- gradient synchronization -------------------------------------------------------------------
+    def _grad_ready(self, param):
+        if not self._sync_enabled:
+            return
+        bucket = self._bucket_of[id(param)]
+        if bucket.handle is not None:
+            name = bucket.names[bucket.params.index(param)]
+            raise RuntimeError(f"DDP: parameter {name!r} received a gradient after its bucket {bucket.index} was already being reduced "
+                               f"(a parameter used twice in one forward needs a single bucket: set overlap=False)")
+        bucket.ready.add(id(param))
+        if self.overlap:
+            self._launch_ready_buckets()
+            self._progress()
+
+    def _launch(self, bucket):
+        op = "mean" if self._join is None else "sum"
+        bucket.handle = collectives.iallreduce(bucket.flat, self.comm, op=op)
+
+    def _launch_ready_buckets(self):
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _progress(self):
+        # MPI libraries without an asynchronous progress thread only advance nonblocking
+        # collectives inside MPI calls: testing the pending requests between layers is what
+        # makes the overlap real.
+        for bucket in self.buckets[: self._next_launch]:
+            if bucket.handle is not None:
+                bucket.handle.test()
+
+    def _finish_sync(self):
+        unused = [name for b in self.buckets for p, name in zip(b.params, b.names) if id(p) not in b.ready]
+        if self.unused_parameters == "error":
+            self._check_unused(unused)
+        # Parameters that got no gradient keep their (zeroed) slot; their buckets launch now, in order.
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+        for bucket in self.buckets:
+            bucket.handle.wait()
+            if self._join is not None:
+                bucket.flat /= self._join.active
+            bucket.handle = None
+            bucket.ready.clear()
+        self._next_launch = 0
+        self.stats["steps"] += 1
+
+    def _check_unused(self, unused):
+        flags = np.zeros(len(self._hooks), dtype=np.int32)
+        names = [name for b in self.buckets for name in b.names]
+        for i, name in enumerate(names):
+            flags[i] = name in unused
+        collectives.allreduce(flags, self.comm, op="max")
+        if flags.any():
+            missing = [n for n, f in zip(names, flags) if f]
+            raise RuntimeError(f"DDP: parameters received no gradient in this backward on at least one rank: {missing} "
+                               f"(use unused_parameters='zero' to treat them as zero)")
+
+    def sync_gradients(self):
+        """Average every gradient over ranks now (blocking), e.g. after backwards run under ``no_sync``."""
+        for bucket in self.buckets:
+            bucket.reattach()
+            bucket.ready.update(id(p) for p in bucket.params)
+        self._next_launch = 0
+        self._finish_sync()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the first backward after the block averages the sum."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    @contextlib.contextmanager
+    def join(self, optimizer=None):
+        """Let ranks with fewer batches finish early without hanging the others.
+
+        Inside the block every step announces that this rank is active; when a rank leaves the block
+        it keeps answering the other ranks' collectives with zero gradients until every rank has left.
+        Gradients are averaged over the ranks still active. With ``optimizer``, joined ranks also step
+        it with the averaged gradients, so parameters and optimizer state stay identical everywhere;
+        without it, parameters are broadcast from the last rank to finish when everyone is done.
+        """
+        if self._join is not None:
+            raise RuntimeError("DDP.join: already inside a join() block")
+        self._join = _Join(self.comm)
+        try:
+            yield
+            self._join.shadow(self, optimizer)
+        finally:
+            self._join = None
+
+    def _shadow_step(self, optimizer):
+        for bucket in self.buckets:
+            bucket.flat[...] = 0
+            bucket.reattach()
+        if self.broadcast_buffers:
+            buffers = [b for _, b in self.module.named_buffers()]
+            if buffers:
+                self._broadcast_state(buffers)
+        self.sync_gradients()
+        if optimizer is not None:
+            optimizer.step()
+
+
+class _Join:
+    """Per-step agreement on how many ranks still have data."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.active = comm.Get_size()
+        self.last_active_rank = None
+
+    def announce(self, active):
+        """Tell every rank whether this one still has data; return how many do."""
+        flags = np.empty(self.comm.Get_size(), dtype=np.int8)
+        collectives.allgather(np.array([1 if active else 0], dtype=np.int8), self.comm, out=flags)
+        self.active = int(flags.sum())
+        if self.active:
+            self.last_active_rank = int(np.flatnonzero(flags)[-1])
+        return self.active
+
+    def shadow(self, ddp, optimizer):
+        while self.announce(active=False):
+            ddp._shadow_step(optimizer)
+        if optimizer is None and self.last_active_rank is not None:
+            ddp._broadcast_state([p.data for p in ddp.module.parameters()], root=self.last_active_rank)

@@ -1,0 +1,244 @@
+"""DDP parity: N ranks with their slices of a batch train exactly like one process on the whole batch."""
+
+import numpy as np
+import pytest
+
+import mpidist
+from mpidist import nn, optim
+from mpidist.data import DistributedSampler
+from mpidist.parallel.ddp import DDP
+
+IN, HIDDEN, OUT = 6, 9, 4
+TINY_BUCKET_MB = 300 / (1024 * 1024)  # ~300 bytes: several buckets even for this small model
+
+
+def make_model(seed=0):
+    rng = np.random.default_rng(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN, rng=rng, dtype=np.float64), nn.Tanh(),
+                         nn.Linear(HIDDEN, HIDDEN, rng=rng, dtype=np.float64), nn.GELU(),
+                         nn.Linear(HIDDEN, OUT, rng=rng, dtype=np.float64))
+
+
+def global_batch(step, n):
+    rng = np.random.default_rng([42, step])
+    return rng.standard_normal((n, IN)), rng.integers(0, OUT, size=n)
+
+
+def make_optimizer(kind, params):
+    if kind == "sgd":
+        return optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    return optim.Adam(params, lr=0.01, weight_decay=1e-3)
+
+
+def train_step(model, opt, crit, x, y, scale=1.0):
+    out = model(x)
+    crit(out, y)
+    model.backward(crit.backward(scale=scale))
+
+
+def reference_params(kind, steps, batch_for_step):
+    model = make_model()
+    opt = make_optimizer(kind, model.parameters())
+    crit = nn.CrossEntropyLoss()
+    for step in range(steps):
+        x, y = batch_for_step(step)
+        opt.zero_grad()
+        train_step(model, opt, crit, x, y)
+        opt.step()
+    return model.state_dict()
+
+
+def assert_params_equal(state, reference, atol=1e-10):
+    assert state.keys() == reference.keys()
+    for k in reference:
+        np.testing.assert_allclose(state[k], reference[k], rtol=0, atol=atol, err_msg=k)
+
+
+@pytest.mark.world_sizes(2, 3, 4)
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_parity_with_single_process(comm, kind, overlap):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    per_rank, steps = 5, 10
+    ddp = DDP(make_model(), comm, bucket_cap_mb=TINY_BUCKET_MB, first_bucket_mb=TINY_BUCKET_MB, overlap=overlap)
+    assert len(ddp.buckets) > 2
+    opt = make_optimizer(kind, ddp.parameters())
+    crit = nn.CrossEntropyLoss()
+    for step in range(steps):
+        x, y = global_batch(step, per_rank * size)
+        opt.zero_grad()
+        train_step(ddp, opt, crit, x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
+        opt.step()
+    reference = reference_params(kind, steps, lambda s: global_batch(s, per_rank * size))
+    assert_params_equal(ddp.state_dict(), reference)
+
+
+@pytest.mark.world_sizes(2, 3, 4)
+def test_no_sync_accumulation_equals_big_batch(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    micro, k, steps = 2, 3, 4
+    per_rank = micro * k
+    ddp = DDP(make_model(), comm, bucket_cap_mb=TINY_BUCKET_MB)
+    opt = make_optimizer("adam", ddp.parameters())
+    crit = nn.CrossEntropyLoss()
+    for step in range(steps):
+        x, y = global_batch(step, per_rank * size)
+        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        opt.zero_grad()
+        for i in range(k):
+            chunk = slice(i * micro, (i + 1) * micro)
+            if i < k - 1:
+                with ddp.no_sync():
+                    train_step(ddp, opt, crit, x[chunk], y[chunk], scale=1 / k)
+            else:
+                train_step(ddp, opt, crit, x[chunk], y[chunk], scale=1 / k)
+        opt.step()
+    assert_params_equal(ddp.state_dict(), reference_params("adam", steps, lambda s: global_batch(s, per_rank * size)))
+
+
+def test_construction_broadcasts_rank0_parameters(comm):
+    rank = comm.Get_rank()
+    ddp = DDP(make_model(seed=100 + rank), comm)
+    reference = make_model(seed=100).state_dict()
+    assert_params_equal(ddp.state_dict(), reference, atol=0)
+
+
+def test_buckets_hold_grads_in_reverse_parameter_order(comm):
+    model = make_model()
+    params = list(model.parameters())
+    # first bucket ~ the last Linear (weight 36 + bias 4 doubles = 320 bytes)
+    ddp = DDP(model, comm, bucket_cap_mb=1000 / (1024 * 1024), first_bucket_mb=320 / (1024 * 1024))
+    flat_order = [p for b in ddp.buckets for p in b.params]
+    assert flat_order == list(reversed(params))
+    assert [len(b.params) for b in ddp.buckets][0] == 2
+    for b in ddp.buckets:
+        assert b.nbytes <= 1000 or len(b.params) == 1
+        for p in b.params:
+            assert np.shares_memory(p.grad, b.flat)
+
+
+def test_overlap_launches_buckets_during_backward(comm):
+    ddp = DDP(make_model(), comm, bucket_cap_mb=TINY_BUCKET_MB, first_bucket_mb=TINY_BUCKET_MB, overlap=True)
+    first = next(iter(ddp.parameters()))
+    seen = []
+    first.register_grad_ready_hook(lambda p: seen.append([b.handle is not None for b in ddp.buckets]))
+    x, y = global_batch(0, 4)
+    crit = nn.CrossEntropyLoss()
+    crit(ddp(x), y)
+    ddp.backward(crit.backward())
+    # When the first parameter's gradient is ready, every bucket after its own is already in flight.
+    assert seen and all(seen[0][:-1]), seen
+    assert all(b.handle is None for b in ddp.buckets)  # all completed by the end of backward
+
+
+@pytest.mark.world_sizes(2, 3, 4)
+def test_uneven_inputs_with_join(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    per_rank = 3
+    batches = [3 + r for r in range(size)]  # rank r has 3 + r batches
+
+    def rank_batch(r, step):
+        rng = np.random.default_rng([7, r, step])
+        return rng.standard_normal((per_rank, IN)), rng.integers(0, OUT, size=per_rank)
+
+    ddp = DDP(make_model(), comm)
+    opt = make_optimizer("sgd", ddp.parameters())
+    crit = nn.CrossEntropyLoss()
+    with ddp.join(optimizer=opt):
+        for step in range(batches[rank]):
+            x, y = rank_batch(rank, step)
+            opt.zero_grad()
+            train_step(ddp, opt, crit, x, y)
+            opt.step()
+
+    # Reference: at step t the global batch is the batches of the ranks that still have data.
+    def reference_batch(step):
+        active = [r for r in range(size) if batches[r] > step]
+        parts = [rank_batch(r, step) for r in active]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    assert_params_equal(ddp.state_dict(), reference_params("sgd", max(batches), reference_batch))
+
+
+@pytest.mark.world_sizes(2, 3)
+def test_join_without_optimizer_ends_with_equal_parameters(comm):
+    rank = comm.Get_rank()
+    ddp = DDP(make_model(), comm)
+    opt = make_optimizer("sgd", ddp.parameters())
+    crit = nn.CrossEntropyLoss()
+    with ddp.join():
+        for step in range(2 + rank):
+            x, y = global_batch(step + 10 * rank, 4)
+            opt.zero_grad()
+            train_step(ddp, opt, crit, x, y)
+            opt.step()
+    flat = np.concatenate([v.ravel() for v in ddp.state_dict().values()])
+    gathered = mpidist.allgather(flat[np.newaxis], comm)
+    assert (gathered == gathered[0]).all()
+
+
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(IN, OUT, rng=np.random.default_rng(3), dtype=np.float64)
+        self.spare = nn.Parameter(np.ones(5))
+
+    def forward(self, x, mb=0):
+        return self.used(x, mb)
+
+    def backward(self, grad_out, mb=0):
+        return self.used.backward(grad_out, mb)
+
+
+def test_unused_parameters_zero_filled(comm):
+    ddp = DDP(WithUnused(), comm, unused_parameters="zero")
+    x, y = global_batch(0, 4)
+    crit = nn.CrossEntropyLoss()
+    crit(ddp(x), y)
+    ddp.backward(crit.backward())
+    assert (ddp.module.spare.grad == 0).all()
+    assert np.abs(ddp.module.used.weight.grad).sum() > 0
+
+
+def test_unused_parameters_error_names_them_on_every_rank(comm):
+    ddp = DDP(WithUnused(), comm, unused_parameters="error")
+    x, y = global_batch(0, 4)
+    crit = nn.CrossEntropyLoss()
+    crit(ddp(x), y)
+    with pytest.raises(RuntimeError, match=r"received no gradient.*\['spare'\]"):
+        ddp.backward(crit.backward())
+
+
+def test_bad_arguments(comm):
+    with pytest.raises(ValueError, match=r"DDP: bucket sizes must be positive \(bucket_cap_mb=0"):
+        DDP(make_model(), comm, bucket_cap_mb=0)
+    with pytest.raises(ValueError, match=r"unused_parameters must be 'zero' or 'error' \(got 'ignore'\)"):
+        DDP(make_model(), comm, unused_parameters="ignore")
+
+
+# -- DistributedSampler ---------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [0, 1, 10, 17])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_sampler_shards(comm, n, drop_last):
+    size = comm.Get_size()
+    if drop_last and 0 < n < size:
+        with pytest.raises(ValueError, match="leaves every rank empty"):
+            DistributedSampler(n, comm, drop_last=True)
+        return
+    sampler = DistributedSampler(n, comm, seed=5, drop_last=drop_last)
+    sampler.set_epoch(3)
+    mine = sampler.indices()
+    everyone = comm.allgather(mine.tolist())
+    assert all(len(s) == len(sampler) for s in everyone)  # same number of batches everywhere
+    flat = [i for s in everyone for i in s]
+    if drop_last:
+        assert len(flat) == len(set(flat)) == (n // size) * size  # disjoint
+    else:
+        assert set(flat) == set(range(n)) and len(flat) == -(-n // size) * size  # covers all, padded
+    # Deterministic per (seed, epoch), different across epochs.
+    again = DistributedSampler(n, comm, seed=5, drop_last=drop_last)
+    again.set_epoch(3)
+    assert (again.indices() == mine).all()
+    if n >= 10:
+        again.set_epoch(4)
+        assert comm.allgather(again.indices().tolist()) != everyone
