@@ -242,3 +242,22 @@ def test_sampler_shards(comm, n, drop_last):
     if n >= 10:
         again.set_epoch(4)
         assert comm.allgather(again.indices().tolist()) != everyone
+
+
+@pytest.mark.world_sizes(2, 3, 4)
+def test_check_finite_names_parameter_and_rank_on_every_rank(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    ddp = DDP(make_model(), comm, check_finite=True, bucket_cap_mb=TINY_BUCKET_MB)
+    crit = nn.CrossEntropyLoss()
+    x, y = global_batch(0, 4)
+    crit(ddp(x), y)
+    ddp.backward(crit.backward())  # finite: no error
+    bad = size - 1
+    ddp.zero_grad()
+    crit(ddp(x), y)
+    # Poison the first layer's bias gradient on one rank only, through a hook that runs before DDP's launch.
+    if rank == bad:
+        first_bias = ddp.module[0].bias
+        first_bias.grad[...] = np.nan
+    with pytest.raises(FloatingPointError, match=rf"non-finite gradient.*'0.weight' on rank\(s\) \[{bad}\]|non-finite gradient.*'0.bias' on rank\(s\) \[{bad}\]"):
+        ddp.backward(crit.backward())

@@ -45,6 +45,7 @@ class GradientBucket:
             offset += n
         self.ready = set()
         self.handle = None
+        self.local_nonfinite = [False] * len(params)
 
     @property
     def nbytes(self):
@@ -69,7 +70,7 @@ class DDP:
     """
 
     def __init__(self, module, comm, bucket_cap_mb=25, first_bucket_mb=1, overlap=True, broadcast_buffers=True,
-                 unused_parameters="zero"):
+                 unused_parameters="zero", check_finite=False):
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError(f"DDP: bucket sizes must be positive (bucket_cap_mb={bucket_cap_mb}, first_bucket_mb={first_bucket_mb})")
         if unused_parameters not in ("zero", "error"):
@@ -79,6 +80,7 @@ class DDP:
         self.overlap = overlap
         self.broadcast_buffers = broadcast_buffers
         self.unused_parameters = unused_parameters
+        self.check_finite = check_finite
         self._sync_enabled = True
         self._join = None  # set while a join() context is active
         self.stats = {"backward_s": 0.0, "sync_wait_s": 0.0, "steps": 0}
@@ -196,6 +198,10 @@ class DDP:
             self._progress()
 
     def _launch(self, bucket):
+        if self.check_finite:
+            # Remember which rank produced a NaN/Inf before averaging spreads it to every rank.
+            xp = get_array_module(bucket.flat)
+            bucket.local_nonfinite = [not bool(xp.isfinite(v).all()) for v in bucket.views]
         op = "mean" if self._join is None else "sum"
         bucket.handle = collectives.iallreduce(bucket.flat, self.comm, op=op)
 
@@ -231,6 +237,20 @@ class DDP:
             bucket.ready.clear()
         self._next_launch = 0
         self.stats["steps"] += 1
+        if self.check_finite:
+            self._raise_if_nonfinite()
+
+    def _raise_if_nonfinite(self):
+        # The averaged gradients are identical on every rank, so every rank takes this branch together.
+        if all(bool(get_array_module(b.flat).isfinite(b.flat).all()) for b in self.buckets):
+            return
+        local = np.array([flag for b in self.buckets for flag in b.local_nonfinite], dtype=np.int8)
+        everyone = np.empty((self.comm.Get_size(), local.size), dtype=np.int8)
+        collectives.allgather(local[np.newaxis], self.comm, out=everyone)
+        names = [name for b in self.buckets for name in b.names]
+        culprits = [f"{names[i]!r} on rank(s) {np.flatnonzero(everyone[:, i]).tolist()}" for i in np.flatnonzero(everyone.any(axis=0))]
+        raise FloatingPointError(f"DDP: non-finite gradient (NaN or Inf) at step {self.stats['steps']}: {'; '.join(culprits) or 'produced by the reduction itself (overflow)'}; "
+                                 f"the optimizer step must not be taken")
 
     def _check_unused(self, unused):
         flags = np.zeros(len(self._hooks), dtype=np.int32)

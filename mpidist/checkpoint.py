@@ -1,0 +1,476 @@
+"""Sharded, atomic, reshardable checkpoints.
+
+Glossary:
+- key: the global name of one tensor, e.g. ``model.0.weight`` or ``optim.model.0.weight.exp_avg``.
+  Keys name *parameters*, never ranks or shards, so a checkpoint loads at any world size and into a
+  plain model, DDP or FSDP alike.
+- piece: a contiguous range ``[start, start + count)`` of a key's flattened tensor, stored in one
+  rank file. A replicated tensor is one piece written by one of the ranks holding it (writers are
+  balanced by bytes); an FSDP shard contributes the pieces of the parameters it overlaps.
+- slot: a local array and the segments of keys it holds (where each key's range sits in the array).
+- commit point: ``manifest.json``. Rank files are written to temporary names, fsynced and renamed;
+  rank 0 writes the manifest last, the same way. A checkpoint without a manifest does not exist,
+  so a crash at any moment leaves the previous checkpoint loadable.
+
+Format: ``ROOT/step_00000006/rank00000.bin`` (raw little-endian bytes of this rank's pieces, read
+back lazily with ``numpy.memmap`` so resharding reads only the ranges it needs) and
+``manifest.json`` (global shapes and dtypes, which file holds which range, the world size, the step,
+a CRC32 and byte count per file, and the JSON-able state: sampler, RNG, optimizer hyperparameters,
+user extras). The format needs nothing beyond numpy: safetensors would give the same lazy slice
+reads, but the global layout has to live in a manifest anyway, and one file per rank keeps the
+write path a single sequential stream.
+"""
+
+import json
+import os
+import shutil
+import time
+import zlib
+
+import numpy as np
+
+from . import collectives
+from .xp import copy_into, to_numpy
+
+__all__ = ["save", "load", "latest_step", "list_steps", "CheckpointError"]
+
+FORMAT = "mpidist-checkpoint-1"
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the file and the problem."""
+
+
+# -- slots: where each key's values live in local arrays -------------------------------------------
+class _Slot:
+    """A local array plus the key ranges it holds: ``segments`` = [(key, shape, global_start, local_start, count)]."""
+
+    def __init__(self, array, segments):
+        self.array = array
+        self.segments = segments
+
+
+def _full_slot(key, array):
+    return _Slot(array, [(key, tuple(array.shape), 0, 0, int(array.size))])
+
+
+class _Registry:
+    """Maps every Parameter object in the state to the keys it holds and to how its local storage maps onto them."""
+
+    def __init__(self):
+        self.by_param = {}  # id(Parameter) -> (keys, layout(local array) -> _Slot)
+
+    def add_full(self, key, param):
+        self.by_param[id(param)] = ([key], lambda arr, key=key: _full_slot(key, arr))
+
+    def add_flat(self, keys, param, layout):
+        self.by_param[id(param)] = (keys, layout)
+
+
+def _fsdp_segments(fsdp, prefix):
+    """Return, per unit shard Parameter, a function mapping a shard-shaped array to its key segments."""
+    rank = fsdp.comm.Get_rank()
+    out = []
+    for unit in fsdp._param_units:
+        shard_start = 0 if unit.shard.data.size == unit.padded else rank * unit.shard_numel
+        shard_stop = shard_start + unit.shard.data.size
+        segments = []
+        for name, shape, offset, size in zip(unit.names, unit.shapes, unit.offsets, unit.sizes):
+            lo, hi = max(offset, shard_start), min(offset + size, shard_stop)
+            if lo < hi:
+                segments.append((f"{prefix}{name}", shape, lo - offset, lo - shard_start, hi - lo))
+        out.append((unit, segments))
+    return out
+
+
+def _is_fsdp(obj):
+    return hasattr(obj, "_param_units") and hasattr(obj, "settings")
+
+
+def _model_slots(name, obj, registry):
+    """Return the slots of a model-like object (Module, DDP, FSDP, Pipeline) and register its parameters."""
+    slots = []
+    if _is_fsdp(obj):
+        for unit, segments in _fsdp_segments(obj, f"{name}."):
+            slots.append(_Slot(unit.shard.data, segments))
+            keys = [f"{name}.{pname}" for pname in unit.names]
+            registry.add_flat(keys, unit.shard, lambda arr, s=segments: _Slot(arr, s))
+        module = obj.module
+        for bname, buf in module.named_buffers():
+            slots.append(_full_slot(f"{name}.{bname}", buf))
+        return slots
+    if hasattr(obj, "checkpoint_modules"):  # a pipeline: stage modules named by their global stage index
+        modules = obj.checkpoint_modules()
+    else:
+        modules = [("", getattr(obj, "module", obj))]
+    for stage_prefix, module in modules:
+        prefix = f"{name}.{stage_prefix}" if stage_prefix else f"{name}."
+        for pname, p in module.named_parameters():
+            slots.append(_full_slot(prefix + pname, p.data))
+            registry.add_full(prefix + pname, p)
+        for bname, buf in module.named_buffers():
+            slots.append(_full_slot(prefix + bname, buf))
+    return slots
+
+
+def _is_model(obj):
+    return _is_fsdp(obj) or hasattr(obj, "named_parameters") or hasattr(obj, "checkpoint_modules")
+
+
+def _is_optimizer(obj):
+    return hasattr(obj, "param_groups") and hasattr(obj, "state") and hasattr(obj, "params")
+
+
+def _optimizer_plan(name, opt, registry):
+    """Return (slots, json) for an optimizer; its per-parameter arrays are keyed by the parameter's key."""
+    slots, params_json = [], {}
+    for i, p in enumerate(opt.params):
+        if id(p) not in registry.by_param:
+            raise CheckpointError(f"checkpoint: optimizer {name!r} holds a parameter (index {i}, shape {tuple(p.data.shape)}) "
+                                  f"that belongs to no model in the state; put the model in the same save() call")
+        pkeys, layout = registry.by_param[id(p)]
+        state = opt.state.get(i, {})
+        arrays = sorted(k for k, v in state.items() if hasattr(v, "shape"))
+        for pkey in pkeys:  # per parameter, so the checkpoint does not depend on how parameters were sharded
+            params_json[pkey] = {"scalars": {k: v for k, v in state.items() if not hasattr(v, "shape")}, "arrays": arrays}
+        for k in arrays:
+            base = layout(state[k])
+            slots.append(_Slot(state[k], [(f"{name}.{seg[0]}.{k}",) + seg[1:] for seg in base.segments]))
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return slots, {"param_groups": groups, "params": params_json}
+
+
+def _json_value(name, obj):
+    """Return the JSON form of a non-tensor state entry (sampler, RNG, numbers, plain data)."""
+    if isinstance(obj, np.random.Generator):
+        return {"__rng__": obj.bit_generator.state}
+    if hasattr(obj, "set_epoch") and hasattr(obj, "epoch"):
+        return {"__sampler__": {"epoch": obj.epoch, "seed": obj.seed}}
+    try:
+        json.dumps(obj)
+    except TypeError as exc:
+        raise CheckpointError(f"checkpoint: state entry {name!r} of type {type(obj).__name__} is neither a model, an "
+                              f"optimizer, an array, a sampler, a numpy Generator nor JSON-serializable ({exc})") from None
+    return obj
+
+
+def _plan(state):
+    """Split ``state`` into (slots, json entries): models first, so optimizers can find their parameters."""
+    if not isinstance(state, dict):
+        raise TypeError(f"checkpoint: state must be a dict of name -> object (got {type(state).__name__})")
+    registry, slots, entries = _Registry(), [], {}
+    for name, obj in state.items():
+        if _is_model(obj) and not _is_optimizer(obj):
+            slots.extend(_model_slots(name, obj, registry))
+    for name, obj in state.items():
+        if _is_optimizer(obj):
+            opt_slots, entries[name] = _optimizer_plan(name, obj, registry)
+            slots.extend(opt_slots)
+        elif _is_model(obj):
+            continue
+        elif hasattr(obj, "shape") and hasattr(obj, "dtype"):
+            slots.append(_full_slot(name, obj))
+        else:
+            entries[name] = _json_value(name, obj)
+    return slots, entries
+
+
+# -- agreement: an error on one rank is raised on every rank -------------------------------------
+def _agree(comm, what, fn):
+    error, result = None, None
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        error = exc
+    messages = comm.allgather(None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(r, m) for r, m in enumerate(messages) if m]
+    if failed:
+        detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
+        raise CheckpointError(f"checkpoint {what} failed: {detail}") from error
+    return result
+
+
+def _fsync_dir(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path, chunks):
+    """Write byte chunks to ``path`` through a temporary name, fsync, rename; return (bytes, crc32)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    crc, total = 0, 0
+    with open(tmp, "wb") as f:
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            f.write(view)
+            crc = zlib.crc32(view, crc)
+            total += view.nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return total, crc
+
+
+def _step_dir(root, step):
+    return os.path.join(root, f"step_{int(step):08d}")
+
+
+def list_steps(root):
+    """Return the steps of committed checkpoints (those with a manifest) under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    steps = []
+    for entry in os.listdir(root):
+        if entry.startswith("step_") and entry[5:].isdigit() and os.path.exists(os.path.join(root, entry, MANIFEST)):
+            steps.append(int(entry[5:]))
+    return sorted(steps)
+
+
+def latest_step(root):
+    """Return the newest committed step under ``root``, or None."""
+    steps = list_steps(root)
+    return steps[-1] if steps else None
+
+
+# -- save ------------------------------------------------------------------------------------------
+def _write_rank_file(path, pieces):
+    """Write this rank's pieces to ``path``; return (file record, piece records)."""
+    records, offset, chunks = [], 0, []
+    for key, shape, dtype, start, data in pieces:
+        records.append({"key": key, "start": start, "count": int(data.size), "offset": offset})
+        chunks.append(np.ascontiguousarray(data))
+        offset += data.nbytes
+    nbytes, crc = _write_atomic(path, chunks)
+    return {"bytes": nbytes, "crc32": crc}, records
+
+
+def save(root, state, comm, step, keep_last=3):
+    """Write ``state`` as checkpoint ``step`` under ``root``; every rank writes its own file.
+
+    Returns the checkpoint directory. Keeps the newest ``keep_last`` checkpoints (None keeps all).
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    directory = _step_dir(root, step)
+
+    def declare():
+        slots, entries = _plan(state)
+        held = []  # (key, shape, dtype, start, host array)
+        for slot in slots:
+            flat = to_numpy(slot.array).reshape(-1)
+            for key, shape, gstart, lstart, count in slot.segments:
+                held.append((key, tuple(int(s) for s in shape), flat.dtype.str, int(gstart), flat[lstart: lstart + count]))
+        return held, entries
+
+    held, entries = _agree(comm, f"save of step {step} (collecting state)", declare)
+    # Rank 0 assigns every distinct piece to one of the ranks holding it, balancing bytes written.
+    declarations = comm.gather([(k, s, d, st, a.size, a.nbytes) for k, s, d, st, a in held], root=0)
+    if rank == 0:
+        load_bytes, owner = [0] * size, {}
+        holders = {}
+        for r, decl in enumerate(declarations):
+            for key, shape, dtype, start, count, nbytes in decl:
+                holders.setdefault((key, start, count), []).append((r, shape, dtype, nbytes))
+        for piece, hs in sorted(holders.items(), key=lambda item: -item[1][0][3]):
+            r = min((h[0] for h in hs), key=lambda q: (load_bytes[q], q))
+            owner[piece] = r
+            load_bytes[r] += hs[0][3]
+        assignment = [sorted(p for p, r in owner.items() if r == q) for q in range(size)]
+    else:
+        assignment = None
+    mine = set(comm.scatter(assignment, root=0))
+
+    def write():
+        os.makedirs(directory, exist_ok=True)
+        pieces = [p for p in held if (p[0], p[3], p[4].size) in mine]
+        fname = f"rank{rank:05d}.bin"
+        file_record, records = _write_rank_file(os.path.join(directory, fname), pieces)
+        tensors = {}
+        for (key, shape, dtype, start, data), rec in zip(pieces, records):
+            tensors.setdefault(key, {"shape": list(shape), "dtype": dtype, "pieces": []})
+            tensors[key]["pieces"].append({"file": fname, **rec})
+        return fname, file_record, tensors
+
+    written = _agree(comm, f"save of step {step} (writing rank files)", write)
+    gathered = comm.gather(written, root=0)
+
+    def commit():
+        if rank != 0:
+            return None
+        tensors, files = {}, {}
+        for fname, file_record, rank_tensors in gathered:
+            files[fname] = file_record
+            for key, info in rank_tensors.items():
+                entry = tensors.setdefault(key, {"shape": info["shape"], "dtype": info["dtype"], "pieces": []})
+                entry["pieces"].extend(info["pieces"])
+        for key, entry in tensors.items():
+            entry["pieces"].sort(key=lambda p: p["start"])
+            covered = sum(p["count"] for p in entry["pieces"])
+            if covered != int(np.prod(entry["shape"], dtype=np.int64)):
+                raise CheckpointError(f"checkpoint: tensor {key!r} is covered by {covered} elements, expected shape {entry['shape']}")
+        manifest = {"format": FORMAT, "step": int(step), "world_size": size, "created": time.time(),
+                    "files": files, "tensors": dict(sorted(tensors.items())), "json": entries}
+        _write_atomic(os.path.join(directory, MANIFEST), [json.dumps(manifest, indent=1).encode()])
+        _fsync_dir(directory)
+        _fsync_dir(root)
+        if keep_last is not None:
+            for old in list_steps(root)[:-keep_last]:
+                shutil.rmtree(_step_dir(root, old), ignore_errors=True)
+        return directory
+
+    _agree(comm, f"save of step {step} (commit)", commit)
+    return directory
+
+
+# -- load ------------------------------------------------------------------------------------------
+class _Reader:
+    """Reads key ranges from a committed checkpoint, verifying each file the first time it is opened."""
+
+    def __init__(self, directory, manifest, verify):
+        self.directory, self.manifest, self.verify = directory, manifest, verify
+        self._maps = {}
+
+    def _open(self, fname):
+        if fname in self._maps:
+            return self._maps[fname]
+        path = os.path.join(self.directory, fname)
+        record = self.manifest["files"].get(fname)
+        if record is None:
+            raise CheckpointError(f"checkpoint: {path} is referenced by a tensor but not listed in the manifest")
+        if not os.path.exists(path):
+            raise CheckpointError(f"checkpoint: missing shard file {path} (the manifest lists {record['bytes']} bytes)")
+        actual = os.path.getsize(path)
+        if actual != record["bytes"]:
+            raise CheckpointError(f"checkpoint: {path} is truncated or altered: {actual} bytes on disk, manifest says {record['bytes']}")
+        data = np.memmap(path, dtype=np.uint8, mode="r") if actual else np.zeros(0, dtype=np.uint8)
+        if self.verify:
+            crc = zlib.crc32(data) if actual else 0
+            if crc != record["crc32"]:
+                raise CheckpointError(f"checkpoint: checksum mismatch in {path} (crc32 {crc:#010x}, manifest {record['crc32']:#010x})")
+        self._maps[fname] = data
+        return data
+
+    def read(self, key, start, count, out):
+        """Fill flat ``out`` (host array of ``count`` elements) with ``key[start:start+count]``."""
+        entry = self.manifest["tensors"][key]
+        dtype = np.dtype(entry["dtype"])
+        stop = start + count
+        for piece in entry["pieces"]:
+            lo, hi = max(start, piece["start"]), min(stop, piece["start"] + piece["count"])
+            if lo >= hi:
+                continue
+            raw = self._open(piece["file"])
+            first = piece["offset"] + (lo - piece["start"]) * dtype.itemsize
+            out[lo - start: hi - start] = raw[first: first + (hi - lo) * dtype.itemsize].view(dtype)
+
+
+def _read_manifest(directory):
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint: no manifest at {path} (not a committed checkpoint)") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"checkpoint: manifest {path} is not valid JSON ({exc})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint: {path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def _check_keys(slots, manifest, directory):
+    """Raise naming every key the model needs that the checkpoint lacks or holds with another shape or dtype."""
+    tensors = manifest["tensors"]
+    problems = []
+    for slot in slots:
+        for key, shape, *_ in slot.segments:
+            if key not in tensors:
+                problems.append(f"{key!r} missing")
+            elif tuple(tensors[key]["shape"]) != tuple(shape):
+                problems.append(f"{key!r} has shape {tuple(tensors[key]['shape'])} in the checkpoint, {tuple(shape)} in the model")
+            elif np.dtype(tensors[key]["dtype"]) != slot.array.dtype:
+                problems.append(f"{key!r} has dtype {np.dtype(tensors[key]['dtype'])} in the checkpoint, {slot.array.dtype} in the model")
+    if problems:
+        raise CheckpointError(f"checkpoint: {os.path.join(directory, MANIFEST)} does not match this state "
+                              f"(from another model?): {'; '.join(problems[:10])}{' ...' if len(problems) > 10 else ''}")
+
+
+def _restore_optimizer(name, opt, entry, registry):
+    groups = entry["param_groups"]
+    if len(groups) != len(opt.param_groups):
+        raise CheckpointError(f"checkpoint: optimizer {name!r} has {len(opt.param_groups)} parameter groups, the checkpoint {len(groups)}")
+    for group, saved in zip(opt.param_groups, groups):
+        # JSON turns tuples (Adam's betas) into lists; give them back their type.
+        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+    opt.state = {}
+    for i, p in enumerate(opt.params):
+        pkeys, _ = registry.by_param[id(p)]
+        saved = entry["params"].get(pkeys[0])
+        if saved is None:
+            raise CheckpointError(f"checkpoint: optimizer {name!r} has no saved state for parameter {pkeys[0]!r}")
+        if not saved["arrays"] and not saved["scalars"]:
+            continue
+        state = dict(saved["scalars"])
+        for k in saved["arrays"]:
+            state[k] = p.data.copy()  # shaped like the local storage; filled from the checkpoint below
+        opt.state[i] = state
+
+
+def load(root, state, comm, step=None, verify=True):
+    """Load checkpoint ``step`` (default: the newest) from ``root`` into ``state``; return the step, or None if there is none.
+
+    Works at any world size: each rank reads just the ranges its parameters and shards need.
+    JSON entries (sampler, RNG, numbers) are restored in place where possible and returned values
+    replace plain entries of ``state``.
+    """
+    if step is None:
+        step = comm.bcast(latest_step(root) if comm.Get_rank() == 0 else None, root=0)
+        if step is None:
+            return None
+    directory = _step_dir(root, step)
+    manifest = _agree(comm, f"load of step {step} (manifest)",
+                      lambda: _read_manifest(directory) if comm.Get_rank() == 0 else None)
+    manifest = comm.bcast(manifest, root=0)
+
+    def restore():
+        # Optimizer state arrays must exist before slots can point at them.
+        registry, _ = _Registry(), None
+        for name, obj in state.items():
+            if _is_model(obj) and not _is_optimizer(obj):
+                _model_slots(name, obj, registry)
+        for name, obj in state.items():
+            if _is_optimizer(obj):
+                if name not in manifest["json"]:
+                    raise CheckpointError(f"checkpoint: {directory} holds no optimizer {name!r}")
+                _restore_optimizer(name, obj, manifest["json"][name], registry)
+        slots, _ = _plan(state)
+        _check_keys(slots, manifest, directory)
+        reader = _Reader(directory, manifest, verify)
+        for slot in slots:
+            host = np.empty(slot.array.size, dtype=slot.array.dtype)
+            host[...] = to_numpy(slot.array).reshape(-1)
+            for key, shape, gstart, lstart, count in slot.segments:
+                reader.read(key, gstart, count, host[lstart: lstart + count])
+            copy_into(slot.array, host.reshape(slot.array.shape))
+        for name, obj in state.items():
+            if name in manifest["json"] and not _is_optimizer(obj):
+                _restore_json(name, state, manifest["json"][name])
+
+    _agree(comm, f"load of step {step}", restore)
+    return int(step)
+
+
+def _restore_json(name, state, value):
+    obj = state[name]
+    if isinstance(value, dict) and "__rng__" in value:
+        obj.bit_generator.state = value["__rng__"]
+    elif isinstance(value, dict) and "__sampler__" in value:
+        obj.set_epoch(value["__sampler__"]["epoch"])
+    else:
+        state[name] = value
