@@ -295,7 +295,7 @@ def save(root, state, comm, step, keep_last=3):
         for (key, shape, dtype, start, data), rec in zip(pieces, records):
             tensors.setdefault(key, {"shape": list(shape), "dtype": dtype, "pieces": []})
             tensors[key]["pieces"].append({"file": fname, **rec})
-        return fname, file_record, tensors
+        return fname, file_record, tensors, entries
 
     written = _agree(comm, f"save of step {step} (writing rank files)", write)
     gathered = comm.gather(written, root=0)
@@ -304,7 +304,8 @@ def save(root, state, comm, step, keep_last=3):
         if rank != 0:
             return None
         tensors, files = {}, {}
-        for fname, file_record, rank_tensors in gathered:
+        per_rank = [g[3] for g in gathered]
+        for fname, file_record, rank_tensors, _ in gathered:
             files[fname] = file_record
             for key, info in rank_tensors.items():
                 entry = tensors.setdefault(key, {"shape": info["shape"], "dtype": info["dtype"], "pieces": []})
@@ -316,6 +317,9 @@ def save(root, state, comm, step, keep_last=3):
                 raise CheckpointError(f"checkpoint: tensor {key!r} is covered by {covered} elements, expected shape {entry['shape']}")
         manifest = {"format": FORMAT, "step": int(step), "world_size": size, "created": time.time(),
                     "files": files, "tensors": dict(sorted(tensors.items())), "json": entries}
+        if any(e != entries for e in per_rank):
+            # Per-rank values (e.g. each rank's RNG): restored rank by rank when loaded at the same size.
+            manifest["json_per_rank"] = per_rank
         _write_atomic(os.path.join(directory, MANIFEST), [json.dumps(manifest, indent=1).encode()])
         _fsync_dir(directory)
         _fsync_dir(root)
@@ -426,8 +430,9 @@ def load(root, state, comm, step=None, verify=True):
     """Load checkpoint ``step`` (default: the newest) from ``root`` into ``state``; return the step, or None if there is none.
 
     Works at any world size: each rank reads just the ranges its parameters and shards need.
-    JSON entries (sampler, RNG, numbers) are restored in place where possible and returned values
-    replace plain entries of ``state``.
+    JSON entries (sampler, RNG, numbers) are restored in place where possible and plain values
+    replace entries of ``state``. Values that differed by rank at save time (a per-rank RNG) are
+    restored per rank when loading at the same world size, and from rank 0 otherwise.
     """
     if step is None:
         step = comm.bcast(latest_step(root) if comm.Get_rank() == 0 else None, root=0)
@@ -458,9 +463,12 @@ def load(root, state, comm, step=None, verify=True):
             for key, shape, gstart, lstart, count in slot.segments:
                 reader.read(key, gstart, count, host[lstart: lstart + count])
             copy_into(slot.array, host.reshape(slot.array.shape))
+        entries = manifest["json"]
+        if "json_per_rank" in manifest and manifest["world_size"] == comm.Get_size():
+            entries = manifest["json_per_rank"][comm.Get_rank()]
         for name, obj in state.items():
-            if name in manifest["json"] and not _is_optimizer(obj):
-                _restore_json(name, state, manifest["json"][name])
+            if name in entries and not _is_optimizer(obj):
+                _restore_json(name, state, entries[name])
 
     _agree(comm, f"load of step {step}", restore)
     return int(step)
