@@ -308,3 +308,19 @@ def test_threads_do_not_leak():
     before = threading.active_count()
     simulate(4, lambda c: c.Barrier())
     assert threading.active_count() == before
+
+
+@pytest.mark.mpi_skip
+def test_sim_watchdog_reports_who_is_missing():
+    import time
+
+    from mpidist.comm import WatchdogTimeout
+
+    def body(comm):
+        if comm.rank == 1:
+            time.sleep(1.0)  # busy elsewhere: never joins the barrier in time
+            return
+        comm.Barrier()
+
+    with pytest.raises(WatchdogTimeout, match=r"waited more than 0.2 s in Barrier\(\) #0 on SIM_WORLD.*ranks not in a communication call: \[1\]"):
+        simulate(3, body, timeout=0.2)

@@ -3,11 +3,11 @@
 Code above this package never asks which one it holds: both answer the same mpi4py methods.
 """
 
-from .errors import CollectiveMismatchError, CommError, DeadlockError, RankFailedError, SimAbort
+from .errors import CollectiveMismatchError, CommError, DeadlockError, RankFailedError, SimAbort, WatchdogTimeout
 from .sim import SimComm, SimRequest, simulate
 
 __all__ = ["SimComm", "SimRequest", "simulate", "CommError", "CollectiveMismatchError",
-           "RankFailedError", "DeadlockError", "SimAbort", "is_comm"]
+           "RankFailedError", "DeadlockError", "SimAbort", "WatchdogTimeout", "is_comm"]
 
 
 def is_comm(obj):

@@ -1,6 +1,6 @@
 """Errors raised by communicators (simulated and real) and by mpidist's checks on them."""
 
-__all__ = ["CommError", "CollectiveMismatchError", "RankFailedError", "DeadlockError", "SimAbort"]
+__all__ = ["CommError", "CollectiveMismatchError", "RankFailedError", "DeadlockError", "SimAbort", "WatchdogTimeout"]
 
 
 class CommError(RuntimeError):
@@ -21,3 +21,7 @@ class DeadlockError(CommError):
 
 class SimAbort(CommError):
     """A simulated rank called ``Abort``."""
+
+
+class WatchdogTimeout(CommError):
+    """A simulated rank waited longer than the watchdog timeout; the message says what every rank was doing."""

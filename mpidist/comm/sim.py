@@ -14,14 +14,15 @@ under real MPI with a rendezvous protocol.
 """
 
 import itertools
+import os
 import pickle
-import sys
 import threading
+import time
 
 import numpy as np
 from mpi4py import MPI
 
-from .errors import CollectiveMismatchError, DeadlockError, RankFailedError, SimAbort
+from .errors import CollectiveMismatchError, DeadlockError, RankFailedError, SimAbort, WatchdogTimeout
 
 __all__ = ["SimComm", "SimRequest", "simulate"]
 
@@ -98,9 +99,10 @@ def _describe(name, sig):
 class _Universe:
     """State shared by every simulated rank of one ``simulate`` run."""
 
-    def __init__(self, size):
+    def __init__(self, size, timeout=None):
         self.cond = threading.Condition()
         self.size = size
+        self.timeout = timeout       # watchdog: seconds one wait may last (None: forever)
         self.alive = size
         self.failure = None          # (world rank, exception) of the first rank that failed
         self.epoch = 0               # bumped on every state change, for deadlock detection
@@ -112,9 +114,15 @@ class _Universe:
         self.cond.notify_all()
 
     def wait_until(self, world_rank, ready, what):
-        """Block (lock held) until ``ready()``; raise if another rank failed or all ranks are stuck."""
+        """Block (lock held) until ``ready()``; raise if another rank failed, all ranks are stuck, or the watchdog fires."""
+        started = time.monotonic()
         try:
             while not ready():
+                if self.timeout is not None and time.monotonic() - started > self.timeout:
+                    busy = [r for r in range(self.size) if r not in self.waiting and r != world_rank]
+                    lines = "; ".join(f"rank {r} waits in {self.waiting[r][1]}" for r in sorted(self.waiting))
+                    raise WatchdogTimeout(f"watchdog: rank {world_rank} waited more than {self.timeout:g} s in {what}; "
+                                          f"{lines}{'; ' if lines else ''}ranks not in a communication call: {busy}")
                 if self.failure is not None and self.failure[0] != world_rank:
                     r, exc = self.failure
                     raise RankFailedError(f"simulated rank {r} failed ({type(exc).__name__}: {exc}); rank {world_rank} was released from {what}")
@@ -127,7 +135,7 @@ class _Universe:
                     self.deadlock = f"deadlock: every live simulated rank is blocked: {lines}"
                     self.changed()
                     raise DeadlockError(self.deadlock)
-                self.cond.wait(timeout=5.0)
+                self.cond.wait(timeout=5.0 if self.timeout is None else min(5.0, self.timeout / 4))
         finally:
             self.waiting.pop(world_rank, None)
 
@@ -667,16 +675,20 @@ class SimComm:
         raise SimAbort(f"rank {self._rank} of {self._ctx.name} called Abort({errorcode})")
 
 
-def simulate(n, fn, *args, ranks_per_node=None, **kwargs):
+def simulate(n, fn, *args, ranks_per_node=None, timeout=None, **kwargs):
     """Run ``fn(comm, *args, **kwargs)`` on ``n`` threads, one per simulated rank; return the results by rank.
 
     The first rank to raise makes every other rank's pending communication raise ``RankFailedError``;
     ``simulate`` then re-raises that first exception with its rank noted in the message.
     ``ranks_per_node`` groups consecutive ranks into simulated nodes for ``Split_type``.
+    ``timeout`` (seconds; default ``MPIDIST_SIM_TIMEOUT`` or none) makes a wait that lasts longer raise
+    ``WatchdogTimeout`` describing what every rank is doing.
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"simulate: n must be a positive int (got {n!r})")
-    universe = _Universe(n)
+    if timeout is None and os.environ.get("MPIDIST_SIM_TIMEOUT"):
+        timeout = float(os.environ["MPIDIST_SIM_TIMEOUT"])
+    universe = _Universe(n, timeout)
     universe.ranks_per_node = ranks_per_node or n
     world = _Context(universe, range(n), "SIM_WORLD")
     results = [None] * n

@@ -1,0 +1,239 @@
+"""Guards on collectives: fingerprints that catch desynchronized ranks, and a watchdog for hangs.
+
+Glossary:
+- fingerprint: (sequence number, op, dtype, element count, root, reduction) of one collective call
+  on one communicator. The sequence number counts mpidist collectives per communicator.
+- desync check: before a collective runs, ranks MAX-allreduce ``[fp, -fp]`` (one 12-int message);
+  if any field differs between ranks, every rank gathers all fingerprints and raises
+  ``DesyncError`` naming the ranks, the sequence number and expected vs got.
+- watchdog: a daemon thread per process. When a collective has been in flight longer than the
+  timeout, it asks every rank's watchdog (over a private duplicate of the world communicator) what
+  that rank is doing, prints which ranks arrived and which did not, and aborts the job.
+
+The desync check costs one small allreduce per collective (measured in docs/reliability.md), so it
+is on in debug mode (``MPIDIST_DEBUG=1`` or ``configure(desync=True)``), off otherwise. The watchdog
+costs nothing on the hot path but a dictionary update, and is on by default with a generous
+timeout (``MPIDIST_WATCHDOG_TIMEOUT`` seconds, default 900; 0 disables it).
+"""
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+from .comm.errors import CommError
+
+__all__ = ["DesyncError", "configure", "settings", "enter", "leave", "Watchdog", "start_watchdog", "stop_watchdog"]
+
+_OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "barrier", "send", "recv",
+        "iallreduce", "ibroadcast", "iallgather")
+_REDUCTIONS = ("", "sum", "mean", "min", "max", "prod")
+_FIELDS = ("sequence", "op", "dtype", "count", "root", "reduction")
+
+
+class DesyncError(CommError):
+    """Ranks called different collectives at the same point of the sequence."""
+
+
+class _Settings:
+    def __init__(self):
+        self.desync = os.environ.get("MPIDIST_DEBUG", "0") not in ("", "0")
+        self.watchdog_timeout = float(os.environ.get("MPIDIST_WATCHDOG_TIMEOUT", "900"))
+
+
+settings = _Settings()
+_sequences = {}      # communicator key -> number of mpidist collectives started on it
+_in_flight = {}      # token -> (communicator name, op, sequence, start time)
+_lock = threading.Lock()
+_tokens = iter(range(1, 1 << 62))
+
+
+def configure(desync=None, watchdog_timeout=None):
+    """Turn the desync check on/off and set the watchdog timeout (seconds, 0 = off) for this process."""
+    if desync is not None:
+        settings.desync = bool(desync)
+    if watchdog_timeout is not None:
+        settings.watchdog_timeout = float(watchdog_timeout)
+
+
+def _comm_key(comm):
+    # mpi4py communicators are distinct Python objects for one MPI handle; the handle identifies it.
+    handle = getattr(comm, "py2f", None)
+    return ("mpi", handle()) if handle is not None else ("obj", id(comm))
+
+
+def _comm_name(comm):
+    try:
+        return comm.Get_name() or "comm"
+    except Exception:  # noqa: BLE001 - a name is only for messages
+        return "comm"
+
+
+def _describe(vec, dtype_names):
+    seq, op, dtype, count, root, red = (int(v) for v in vec)
+    parts = [f"{_OPS[op] if 0 <= op < len(_OPS) else op}"]
+    parts.append(f"dtype={dtype_names[dtype] if 0 <= dtype < len(dtype_names) else dtype}")
+    parts.append(f"count={count}")
+    if root >= 0:
+        parts.append(f"root={root}")
+    if red > 0:
+        parts.append(f"op={_REDUCTIONS[red]}")
+    return f"#{seq} {parts[0]}({', '.join(parts[1:])})"
+
+
+def enter(comm, op, dtype_code=-1, count=-1, root=-1, reduction="", dtype_names=()):
+    """Record the start of collective ``op`` on ``comm``; check fingerprints in debug mode; return a token."""
+    key = _comm_key(comm)
+    with _lock:
+        seq = _sequences.get(key, 0)
+        _sequences[key] = seq + 1
+        token = next(_tokens)
+        _in_flight[token] = (_comm_name(comm), op, seq, time.monotonic())
+    if settings.desync:
+        _check(comm, np.array([seq, _OPS.index(op), dtype_code, count, root, _REDUCTIONS.index(reduction)], dtype=np.int64),
+               dtype_names)
+    return token
+
+
+def leave(token):
+    """Record that the collective of ``token`` completed."""
+    with _lock:
+        _in_flight.pop(token, None)
+
+
+def _check(comm, vec, dtype_names):
+    from mpi4py import MPI
+    both = np.concatenate([vec, -vec])
+    comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
+    if (both[: len(vec)] == -both[len(vec):]).all():
+        return
+    everyone = np.empty((comm.Get_size(), len(vec)), dtype=np.int64)
+    comm.Allgather(vec, everyone)
+    reference = everyone[0]
+    groups = {}
+    for r, row in enumerate(everyone):
+        groups.setdefault(_describe(row, dtype_names), []).append(r)
+    differing = [f for i, f in enumerate(_FIELDS) if len(set(everyone[:, i].tolist())) > 1]
+    parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {d}" for d, rs in groups.items())
+    mine = comm.Get_rank()
+    raise DesyncError(f"collective desync on {_comm_name(comm)} at call #{int(vec[0])} (differs in {', '.join(differing)}): "
+                      f"expected {_describe(reference, dtype_names)} (rank 0), rank {mine} got {_describe(vec, dtype_names)}; {parts}")
+
+
+def in_flight():
+    """Return [(communicator name, op, sequence, seconds in flight)] of this process's pending collectives."""
+    now = time.monotonic()
+    with _lock:
+        return [(name, op, seq, now - start) for name, op, seq, start in _in_flight.values()]
+
+
+# -- watchdog ----------------------------------------------------------------------------------------
+_QUERY, _REPLY = 31001, 31002
+
+
+class Watchdog:
+    """Abort the job when an mpidist collective stays in flight longer than ``timeout`` seconds."""
+
+    def __init__(self, world, timeout, poll=0.2, reply_wait=5.0, abort=None, stream=None):
+        self.world = world.Dup()  # a private message space: never matches the application's messages
+        self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
+        self.timeout, self.poll, self.reply_wait = timeout, poll, reply_wait
+        self.abort = abort or (lambda: world.Abort(1))
+        self.stream = stream or sys.stderr
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mpidist-watchdog", daemon=True)
+        self.fired = None
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _status(self):
+        pending = in_flight()
+        if not pending:
+            return "not in an mpidist collective"
+        name, op, seq, age = max(pending, key=lambda p: p[3])
+        return f"in {op} #{seq} on {name} for {age:.1f} s"
+
+    def _run(self):
+        query = np.zeros(1, dtype=np.int64)
+        request = self.world.Irecv(query, source=_any_source(), tag=_QUERY)
+        while not self._stop.wait(self.poll):
+            if request.Test():
+                self.world.send(f"rank {self.rank}: {self._status()}", dest=int(query[0]), tag=_REPLY)
+                request = self.world.Irecv(query, source=_any_source(), tag=_QUERY)
+            # Stagger by rank so that, when several ranks are stuck, one report comes first and aborts.
+            stuck = [p for p in in_flight() if p[3] > self.timeout + min(0.3 * self.rank, 5.0)]
+            if stuck and self.fired is None:
+                self._fire(max(stuck, key=lambda p: p[3]))
+        if hasattr(request, "Cancel"):
+            request.Cancel()
+
+    def _fire(self, pending):
+        name, op, seq, age = pending
+        self.fired = pending
+        me = np.array([self.rank], dtype=np.int64)
+        for r in range(self.size):
+            if r != self.rank:
+                self.world.Isend(me, dest=r, tag=_QUERY)
+        replies = {}
+        deadline = time.monotonic() + self.reply_wait
+        while len(replies) < self.size - 1 and time.monotonic() < deadline:
+            req = self.world.irecv(source=_any_source(), tag=_REPLY)
+            done, text = req.test()
+            while not done and time.monotonic() < deadline:
+                time.sleep(0.01)
+                done, text = req.test()
+            if not done:
+                break
+            replies[int(text.split(":")[0].split()[1])] = text
+        arrived = [self.rank] + [r for r, t in replies.items() if f"in {op} #{seq} on {name}" in t]
+        lines = [f"mpidist watchdog: {op} #{seq} on {name} did not complete within {self.timeout:g} s "
+                 f"(rank {self.rank} waited {age:.1f} s)",
+                 f"  ranks that arrived: {sorted(arrived)}",
+                 f"  ranks that did not: {sorted(r for r in range(self.size) if r not in arrived)}"]
+        lines += [f"  {replies[r]}" for r in sorted(replies)]
+        silent = [r for r in range(self.size) if r != self.rank and r not in replies]
+        if silent:
+            lines.append(f"  no answer from ranks {silent} (busy outside MPI, or dead)")
+        lines.append("  aborting the job")
+        self.stream.write("\n".join(lines) + "\n")
+        self.stream.flush()
+        self.abort()
+
+
+def _any_source():
+    from mpi4py import MPI
+    return MPI.ANY_SOURCE
+
+
+_watchdog = None
+
+
+def start_watchdog(world, timeout=None, **kwargs):
+    """Start this process's watchdog over ``world`` (collective). Returns it, or None when disabled."""
+    global _watchdog
+    timeout = settings.watchdog_timeout if timeout is None else timeout
+    if not timeout or _watchdog is not None:
+        return _watchdog
+    from mpi4py import MPI
+    if isinstance(world, MPI.Comm) and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        # The watchdog thread talks MPI while the main thread may be blocked in MPI.
+        sys.stderr.write("mpidist: watchdog disabled: MPI was not initialized with MPI_THREAD_MULTIPLE\n")
+        return None
+    _watchdog = Watchdog(world, timeout, **kwargs).start()
+    return _watchdog
+
+
+def stop_watchdog():
+    """Stop the watchdog thread, if any."""
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.stop()
+        _watchdog = None
