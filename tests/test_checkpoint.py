@@ -112,7 +112,7 @@ def test_reshard_fsdp_saved_at_4(tmp_path, load_size):
         opt = optim.Adam(fsdp.parameters(), lr=0.01)
         train(fsdp, opt, 3, comm=comm)
         checkpoint.save(root, {"model": fsdp, "optim": opt}, comm, step=3)
-        return fsdp.full_state_dict() if comm.Get_rank() == 0 else None
+        return fsdp.full_state_dict()
 
     reference = mpidist.simulate(4, save, root)[0]
 
@@ -164,7 +164,7 @@ def test_fsdp_optimizer_state_reshards_bitwise(tmp_path, load_size):
         opt = optim.Adam(fsdp.parameters(), lr=0.01)
         checkpoint.load(root, {"model": fsdp, "optim": opt}, comm)
         train(fsdp, opt, 2, start=3, comm=comm)
-        return fsdp.full_state_dict() if comm.Get_rank() == 0 else None
+        return fsdp.full_state_dict()
 
     got = mpidist.simulate(load_size, resume, root)[0]
     train(plain, plain_opt, 2, start=3)
@@ -233,3 +233,40 @@ def test_clear_errors(tmp_path):
         mpidist.simulate(1, lambda comm: checkpoint.load(root, {"model": model}, comm, step=7))
     manifest = json.load(open(os.path.join(directory, "manifest.json")))
     assert manifest["world_size"] == 2 and manifest["step"] == 1
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("load_size", [1, 2, 3])
+def test_fsdp_saved_at_4_resharded_to_n_keeps_optimizer_state_bitwise(tmp_path, load_size):
+    """4 ranks save; N ranks load and save again; both checkpoints hold bit-identical params and Adam state."""
+    from mpidist.parallel.fsdp import FSDP
+    first, second = str(tmp_path / "at4"), str(tmp_path / f"at{load_size}")
+
+    def save(comm):
+        fsdp = FSDP(make_model(), comm)
+        opt = optim.Adam(fsdp.parameters(), lr=0.01)
+        train(fsdp, opt, 3, comm=comm)
+        checkpoint.save(first, {"model": fsdp, "optim": opt}, comm, step=3)
+
+    def reshard(comm):
+        fsdp = FSDP(make_model(seed=8), comm)
+        opt = optim.Adam(fsdp.parameters(), lr=0.5)
+        checkpoint.load(first, {"model": fsdp, "optim": opt}, comm)
+        checkpoint.save(second, {"model": fsdp, "optim": opt}, comm, step=3)
+
+    mpidist.simulate(4, save)
+    mpidist.simulate(load_size, reshard)
+
+    def read(root):
+        model = make_model(seed=2)
+        opt = optim.Adam(model.parameters(), lr=0.1)
+        mpidist.simulate(1, lambda comm: checkpoint.load(root, {"model": model, "optim": opt}, comm))
+        return model.state_dict(), opt.state_dict()
+
+    (p1, o1), (p2, o2) = read(first), read(second)
+    for k in p1:
+        assert (p1[k] == p2[k]).all(), k
+    assert o1["param_groups"] == o2["param_groups"]
+    for i in o1["state"]:
+        for k, v in o1["state"][i].items():
+            assert np.array_equal(v, o2["state"][i][k]), (i, k)

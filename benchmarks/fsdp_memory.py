@@ -1,0 +1,168 @@
+"""Per-rank memory and step time of DDP vs FSDP strategies, next to the ZeRO formulas.
+
+Run from the repo root (spawns ``mpiexec -n N`` for each N, one worker per rank):
+
+    .venv/bin/python benchmarks/fsdp_memory.py --json fsdp_memory.json
+
+Memory is counted exactly from the arrays each wrapper owns (not RSS): FSDP from ``memory_stats(optimizer)``;
+DDP as module parameters + its flat gradient buckets + Adam state. ``peak_bytes`` is persistent bytes plus the
+peak of transient gathered parameters and full-size gradient buffers during the last step (activations are
+not counted). Step time (forward, backward, Adam step) is the median over timed steps of the slowest rank.
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+STRATEGIES = ("ddp", "full_shard", "shard_grad_op", "no_shard")
+
+
+def build_model(width, layers, seed=0):
+    import mpidist.nn as nn
+    rng = np.random.default_rng(seed)
+    mods = []
+    for i in range(layers):
+        mods.append(nn.Linear(width, width, rng=rng, dtype=np.float32))
+        if i < layers - 1:
+            mods.append(nn.ReLU())
+    return nn.Sequential(*mods)
+
+
+def optimizer_state_bytes(opt):
+    return sum(int(v.nbytes) for s in opt.state.values() for v in s.values() if hasattr(v, "nbytes"))
+
+
+def ddp_wrapper(model, comm):
+    """Return (wrapper, grad bytes it owns); fall back to a plain allreduce-of-grads step if DDP is missing."""
+    try:
+        from mpidist.parallel.ddp import DDP
+    except ImportError:  # DDP not written yet: one mean-allreduce per gradient after backward
+        import mpidist
+
+        class PlainDDP:
+            def __init__(self, module):
+                self.module = module
+
+            def __call__(self, x):
+                return self.module(x)
+
+            def backward(self, dy):
+                dx = self.module.backward(dy)
+                for p in self.module.parameters():
+                    mpidist.allreduce(p.grad, comm, op="mean")
+                return dx
+
+            def parameters(self):
+                return self.module.parameters()
+
+        wrapper = PlainDDP(model)
+        return wrapper, lambda: sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    wrapper = DDP(model, comm)
+    return wrapper, lambda: sum(b.nbytes for b in wrapper.buckets)
+
+
+def run_worker(args):
+    from mpi4py import MPI
+
+    import mpidist.nn as nn
+    from mpidist.optim import Adam
+    from mpidist.parallel.fsdp import FSDP
+
+    comm = MPI.COMM_WORLD
+    size, rank = comm.Get_size(), comm.Get_rank()
+    rng = np.random.default_rng([1, rank])
+    x = rng.standard_normal((args.batch, args.width)).astype(np.float32)
+    y = rng.integers(0, args.width, args.batch)
+    rows = []
+    for strategy in args.strategies:
+        model = build_model(args.width, args.layers)
+        psi = sum(p.data.size for p in model.parameters())
+        unit_sizes = [sum(p.data.size for p in m.parameters()) for m in model]
+        if strategy == "ddp":
+            wrapper, grad_bytes = ddp_wrapper(model, comm)
+            opt = Adam(list(model.parameters()), lr=1e-4)
+        else:
+            wrapper = FSDP(model, comm, strategy=strategy)
+            opt = Adam(wrapper.parameters(), lr=1e-4)
+        crit = nn.CrossEntropyLoss()
+        times = []
+        for step in range(args.warmup + args.steps):
+            comm.Barrier()
+            start = time.perf_counter()
+            crit(wrapper(x), y)
+            wrapper.backward(crit.backward())
+            opt.step()
+            opt.zero_grad()
+            elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+            if step >= args.warmup:
+                times.append(elapsed)
+        if strategy == "ddp":
+            persistent = sum(p.data.nbytes for p in model.parameters()) + grad_bytes() + optimizer_state_bytes(opt)
+            peak = persistent  # replicas never gather; grads live in the persistent buckets
+            peak_gathered = 0
+        else:
+            stats = wrapper.memory_stats(opt)
+            persistent, peak, peak_gathered = stats["persistent_bytes"], stats["peak_bytes"], stats["peak_gathered_bytes"]
+        # Memory is per rank and equal across ranks up to padding: report the largest.
+        persistent, peak = comm.allreduce(persistent, op=MPI.MAX), comm.allreduce(peak, op=MPI.MAX)
+        shards = 1 if strategy in ("ddp", "no_shard") else size
+        largest_two = sorted(math.ceil(s / shards) * shards * 4 for s in unit_sizes)[-2:]
+        rows.append({"strategy": strategy, "ranks": size, "persistent_bytes": int(persistent),
+                     "peak_bytes": int(peak), "step_ms": 1e3 * float(np.median(times)),
+                     "params": int(psi), "zero_formula_bytes": 16 * psi // shards,
+                     "peak_gathered_bytes": int(peak_gathered), "two_largest_units_bytes": int(sum(largest_two))})
+        del wrapper, opt, model
+    if rank == 0:
+        print("ROWS " + json.dumps(rows), flush=True)
+
+
+def run_driver(args):
+    here = os.path.abspath(__file__)
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    rows = []
+    for n in args.ranks:
+        cmd = [mpiexec, "-n", str(n), sys.executable, here, "--worker", "--width", str(args.width),
+               "--layers", str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--strategies", *args.strategies]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        rows += json.loads(next(line[5:] for line in out.splitlines() if line.startswith("ROWS ")))
+    ddp = {r["ranks"]: r["persistent_bytes"] for r in rows if r["strategy"] == "ddp"}
+    mib = 1024 * 1024
+    print(f"model: {args.layers} x Linear({args.width}, {args.width}) float32, {rows[0]['params'] / 1e6:.2f}M params, "
+          f"Adam, batch {args.batch} per rank")
+    print("| strategy | ranks | persistent MiB | ZeRO formula MiB (16 Psi/N) | DDP/N MiB | peak MiB | "
+          "peak gathered params MiB | 2 largest units MiB | step ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ddp_share = ddp.get(r["ranks"], float("nan")) / r["ranks"]  # the target for sharded strategies
+        print(f"| {r['strategy']} | {r['ranks']} | {r['persistent_bytes'] / mib:.1f} | {r['zero_formula_bytes'] / mib:.1f} | "
+              f"{ddp_share / mib:.1f} | {r['peak_bytes'] / mib:.1f} | {r['peak_gathered_bytes'] / mib:.1f} | "
+              f"{r['two_largest_units_bytes'] / mib:.1f} | {r['step_ms']:.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    (run_worker if args.worker else run_driver)(args)
+
+
+if __name__ == "__main__":
+    main()

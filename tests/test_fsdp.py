@@ -1,0 +1,391 @@
+"""FSDP against a single-process reference trained in each test on the whole global batch.
+
+Every rank trains on its own equal slice of the global batch (mean loss per slice), the reference on the
+whole batch; averaging slice gradients over ranks equals the whole-batch gradient, so parameters must
+agree to rounding after every step. The model's units have 35, 77, 156, 26 and 65 elements: all but one
+are uneven on 2, 3 and 4 ranks, so every padding path runs.
+"""
+
+import contextlib
+import math
+
+import numpy as np
+import pytest
+
+import mpidist.nn as nn
+from mpidist.optim import Adam
+from mpidist.parallel.fsdp import FSDP, ShardingStrategy
+
+STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
+TOL = 1e-10
+BATCH = 72  # divisible by 1..4 ranks, and each slice by 2 and 3 micro-batches
+UNIT_SIZES = [35, 0, 77, 0, 156, 26, 65]  # per child of make_model(); 0: no parameters
+ITEMSIZE = 8
+
+
+def make_model(seed=0, dtype=np.float64):
+    """Return the test MLP; children 0, 2, 4, 5, 6 hold parameters (sizes in UNIT_SIZES)."""
+    rng = np.random.default_rng(seed)
+    return nn.Sequential(
+        nn.Linear(4, 7, rng=rng, dtype=dtype),                # 28 + 7 = 35
+        nn.Tanh(),
+        nn.Linear(7, 11, bias=False, rng=rng, dtype=dtype),   # 77
+        nn.ReLU(),
+        nn.Linear(11, 13, rng=rng, dtype=dtype),              # 143 + 13 = 156
+        nn.LayerNorm(13, dtype=dtype),                        # 26
+        nn.Linear(13, 5, bias=False, rng=rng, dtype=dtype),   # 65
+    )
+
+
+def batches(steps, seed=1, batch=BATCH):
+    """Yield the same global batches (x, labels) on every rank."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        yield rng.standard_normal((batch, 4)), rng.integers(0, 5, batch)
+
+
+def my_slice(comm, a):
+    n, r = comm.Get_size(), comm.Get_rank()
+    b = len(a) // n
+    return a[r * b: (r + 1) * b]
+
+
+def ref_step(ref, opt, x, y):
+    crit = nn.CrossEntropyLoss()
+    crit(ref(x), y)
+    ref.backward(crit.backward())
+    opt.step()
+    opt.zero_grad()
+
+
+def fsdp_step(comm, fsdp, opt, x, y):
+    crit = nn.CrossEntropyLoss()
+    crit(fsdp(my_slice(comm, x)), my_slice(comm, y))
+    fsdp.backward(crit.backward())
+    opt.step()
+    opt.zero_grad()
+
+
+def assert_matches(comm, fsdp, ref, tol=TOL):
+    """Compare every parameter with the reference: on rank 0 via full_state_dict, on all ranks gathered."""
+    full = fsdp.full_state_dict()
+    expected = ref.state_dict()
+    if comm.Get_rank() == 0:
+        assert list(full) == list(expected)
+        for name in expected:
+            np.testing.assert_allclose(full[name], expected[name], rtol=0, atol=tol, err_msg=name)
+    else:
+        assert full == {}
+    with fsdp.summon_full_params() as module:
+        for (name, p), (_, q) in zip(module.named_parameters(), ref.named_parameters()):
+            np.testing.assert_allclose(p.data, q.data, rtol=0, atol=tol, err_msg=name)
+
+
+def padded_bytes(sizes, n):
+    """Bytes of each gathered flat parameter: ceil(size / n) * n elements."""
+    return [math.ceil(s / n) * n * ITEMSIZE for s in sizes if s]
+
+
+# -- parity -------------------------------------------------------------------------------------------------
+@pytest.mark.world_sizes(2, 3, 4)
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_training_matches_single_process(comm, strategy, prefetch):
+    ref = make_model()
+    fsdp = FSDP(make_model(), comm, strategy=strategy, prefetch=prefetch)
+    opt, ref_opt = Adam(fsdp.parameters(), lr=1e-2), Adam(list(ref.parameters()), lr=1e-2)
+    for x, y in batches(10):
+        fsdp_step(comm, fsdp, opt, x, y)
+        ref_step(ref, ref_opt, x, y)
+    assert_matches(comm, fsdp, ref)
+    if strategy != "no_shard":
+        assert all(p.data.size == 0 for p in fsdp.module.parameters()), "full parameters must be freed at rest"
+
+
+def test_shards_are_uneven_for_this_model():
+    """Guard the premise: several units are not divisible by 2, 3 or 4."""
+    uneven = [s for s in UNIT_SIZES if s and all(s % n for n in (2, 3, 4))]
+    assert len(uneven) >= 3
+
+
+def test_full_state_dict_equals_reference_and_takes_rank_0_values(comm):
+    # Other ranks start from different values: FSDP must adopt rank 0's, as DDP does.
+    fsdp = FSDP(make_model(seed=comm.Get_rank()), comm)
+    ref = make_model(seed=0)
+    full = fsdp.full_state_dict()
+    if comm.Get_rank() == 0:
+        expected = ref.state_dict()
+        assert list(full) == list(expected)
+        assert all(np.array_equal(full[k], expected[k]) and full[k].dtype == expected[k].dtype for k in expected)
+    else:
+        assert full == {}
+    assert_matches(comm, fsdp, ref, tol=0)
+
+
+@pytest.mark.parametrize("units, labels", [
+    ([[0, 1], [2, 3], [4, 5, 6]], ["0+1", "2+3", "4+5+6"]),
+    ("modules", ["0", "2", "4", "5", "6"]),
+    (100, ["0+1+2", "3+4", "5+6"]),
+])
+def test_unit_choices_train_like_the_reference(comm, units, labels):
+    model = make_model()
+    if units == "modules":
+        units = [model[i] for i in (0, 2, 4, 5, 6)]
+    fsdp = FSDP(model, comm, units=units)
+    assert [u.label for u in fsdp.units] == labels
+    n = comm.Get_size()
+    assert [u.shard_numel for u in fsdp.units] == [math.ceil(u.numel / n) for u in fsdp.units]
+    ref = make_model()
+    opt, ref_opt = Adam(fsdp.parameters(), lr=1e-2), Adam(list(ref.parameters()), lr=1e-2)
+    for x, y in batches(3):
+        fsdp_step(comm, fsdp, opt, x, y)
+        ref_step(ref, ref_opt, x, y)
+    assert_matches(comm, fsdp, ref)
+
+
+class TwoTower(nn.Module):
+    """A non-Sequential module with its own forward/backward calling two children."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        rng = np.random.default_rng(seed)
+        self.a = nn.Linear(4, 9, rng=rng, dtype=np.float64)
+        self.act = nn.Tanh()
+        self.b = nn.Linear(9, 5, rng=rng, dtype=np.float64)
+
+    def forward(self, x, mb=0):
+        return self.b(self.act(self.a(x, mb), mb), mb)
+
+    def backward(self, grad_out, mb=0):
+        return self.a.backward(self.act.backward(self.b.backward(grad_out, mb), mb), mb)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_non_sequential_module_with_submodule_units(comm, strategy):
+    model, ref = TwoTower(), TwoTower()
+    fsdp = FSDP(model, comm, strategy=strategy, units=[model.a, model.b])
+    opt, ref_opt = Adam(fsdp.parameters(), lr=1e-2), Adam(list(ref.parameters()), lr=1e-2)
+    for x, y in batches(3):
+        fsdp_step(comm, fsdp, opt, x, y)
+        ref_step(ref, ref_opt, x, y)
+    assert_matches(comm, fsdp, ref)
+
+
+# -- gradient accumulation ------------------------------------------------------------------------------
+@pytest.mark.world_sizes(1, 2, 3, 4)
+@pytest.mark.parametrize("finish", ["backward", "sync_gradients"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_sync_accumulation_equals_one_big_batch(comm, strategy, finish):
+    k = 3
+    ref, fsdp = make_model(), FSDP(make_model(), comm, strategy=strategy)
+    opt, ref_opt = Adam(fsdp.parameters(), lr=1e-2), Adam(list(ref.parameters()), lr=1e-2)
+    crit = nn.CrossEntropyLoss()
+    for x, y in batches(3):
+        xs, ys = np.split(my_slice(comm, x), k), np.split(my_slice(comm, y), k)
+        for i in range(k):
+            last = i == k - 1 and finish == "backward"
+            with (contextlib.nullcontext() if last else fsdp.no_sync()):
+                crit(fsdp(xs[i]), ys[i])
+                fsdp.backward(crit.backward(scale=1 / k))
+            if not last:
+                # Unsharded grads accumulate in one flat buffer per unit; nothing reached the shards yet.
+                if strategy != "no_shard":  # NO_SHARD accumulates into its full-size shard grad, like DDP
+                    assert all(p.grad is None or not p.grad.any() for p in fsdp.parameters())
+                linear = fsdp.module[4]
+                assert linear.weight.grad.base is not None and linear.weight.grad.base is linear.bias.grad.base
+        if finish == "sync_gradients":
+            fsdp.sync_gradients()
+        assert fsdp.memory_stats()["unsharded_grad_bytes"] == 0
+        opt.step()
+        opt.zero_grad()
+        ref_step(ref, ref_opt, x, y)
+    assert_matches(comm, fsdp, ref)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_microbatches_in_flight_equal_one_big_batch(comm, strategy):
+    ref, fsdp = make_model(), FSDP(make_model(), comm, strategy=strategy)
+    opt, ref_opt = Adam(fsdp.parameters(), lr=1e-2), Adam(list(ref.parameters()), lr=1e-2)
+    crits = [nn.CrossEntropyLoss(), nn.CrossEntropyLoss()]
+    for x, y in batches(3):
+        xs, ys = np.split(my_slice(comm, x), 2), np.split(my_slice(comm, y), 2)
+        for mb in (0, 1):
+            crits[mb](fsdp(xs[mb], mb=mb), ys[mb])
+        assert fsdp.num_inflight() == 2
+        for mb in (1, 0):
+            fsdp.backward(crits[mb].backward(scale=0.5), mb=mb)
+        assert fsdp.memory_stats()["gathered_bytes"] == 0
+        opt.step()
+        opt.zero_grad()
+        ref_step(ref, ref_opt, x, y)
+    assert_matches(comm, fsdp, ref)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_zero_grad_clears_shard_grads(comm, strategy):
+    fsdp = FSDP(make_model(), comm, strategy=strategy)
+    x, y = next(batches(1))
+    crit = nn.CrossEntropyLoss()
+    with fsdp.no_sync():
+        crit(fsdp(my_slice(comm, x)), my_slice(comm, y))
+        fsdp.backward(crit.backward())
+    fsdp.zero_grad()
+    fsdp.sync_gradients()  # nothing left to reduce but zeros
+    assert all(not p.grad.any() for p in fsdp.parameters() if p.grad is not None)
+    fsdp.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in fsdp.parameters())
+    assert all(p.grad is None for p in fsdp.module.parameters())
+    assert fsdp.memory_stats()["grad_shard_bytes"] == fsdp.memory_stats()["unsharded_grad_bytes"] == 0
+
+
+# -- state dicts ------------------------------------------------------------------------------------------
+@pytest.mark.world_sizes(2, 3, 4)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_load_full_state_dict_reshards_and_training_continues(comm, strategy):
+    ref = make_model()
+    ref_opt = Adam(list(ref.parameters()), lr=1e-2)
+    data = list(batches(7))
+    for x, y in data[:3]:
+        ref_step(ref, ref_opt, x, y)
+    fsdp = FSDP(make_model(seed=5), comm, strategy=strategy)
+    fsdp.load_full_state_dict(ref.state_dict() if comm.Get_rank() == 0 else None)
+    assert_matches(comm, fsdp, ref, tol=0)
+    opt, ref_opt = Adam(fsdp.parameters(), lr=1e-2), Adam(list(ref.parameters()), lr=1e-2)
+    for x, y in data[3:]:
+        fsdp_step(comm, fsdp, opt, x, y)
+        ref_step(ref, ref_opt, x, y)
+    assert_matches(comm, fsdp, ref)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sharded_state_dict_round_trip(comm, strategy):
+    fsdp = FSDP(make_model(), comm, strategy=strategy)
+    opt = Adam(fsdp.parameters(), lr=1e-2)
+    data = list(batches(6))
+    for x, y in data[:2]:
+        fsdp_step(comm, fsdp, opt, x, y)
+    saved, saved_opt = fsdp.sharded_state_dict(), opt.state_dict()
+    n = 1 if strategy == "no_shard" else comm.Get_size()
+    assert [e["shard"].shape for e in saved.values()] == [(math.ceil(s / n),) for s in UNIT_SIZES if s]
+    for x, y in data[2:4]:
+        fsdp_step(comm, fsdp, opt, x, y)
+    expected = fsdp.full_state_dict()
+    for x, y in data[2:4]:
+        fsdp_step(comm, fsdp, opt, x, y)  # move away from the saved state
+    fsdp.load_sharded_state_dict(saved)
+    opt.load_state_dict(saved_opt)
+    for x, y in data[2:4]:
+        fsdp_step(comm, fsdp, opt, x, y)
+    got = fsdp.full_state_dict()
+    assert list(got) == list(expected)
+    assert all(np.array_equal(got[k], expected[k]) for k in expected)
+
+
+# -- memory ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_memory_stats_are_exact(comm, strategy, prefetch):
+    n = comm.Get_size()
+    fsdp = FSDP(make_model(), comm, strategy=strategy, prefetch=prefetch)
+    opt = Adam(fsdp.parameters(), lr=1e-2)
+    before = fsdp.memory_stats(opt)
+    shards = 1 if strategy == "no_shard" else n
+    shard_bytes = sum(math.ceil(s / shards) * ITEMSIZE for s in UNIT_SIZES if s)
+    assert before["param_shard_bytes"] == shard_bytes
+    assert before["grad_shard_bytes"] == before["optimizer_state_bytes"] == 0
+    for x, y in batches(2):
+        fsdp_step(comm, fsdp, opt, x, y)
+    stats = fsdp.memory_stats(opt)
+    # Adam keeps two moments per element: params + grads + 2 moments = 4 shard sizes.
+    assert stats["param_shard_bytes"] == stats["grad_shard_bytes"] == shard_bytes
+    assert stats["optimizer_state_bytes"] == 2 * shard_bytes
+    assert stats["persistent_bytes"] == 4 * shard_bytes
+    assert stats["gathered_bytes"] == stats["unsharded_grad_bytes"] == 0
+
+    units = padded_bytes(UNIT_SIZES, n)
+    if strategy == "full_shard":
+        # Param-less units (Tanh, ReLU) are skipped, so the neighbours that overlap are these pairs.
+        expected = max(a + b for a, b in zip(units, units[1:])) if prefetch else max(units)
+        assert stats["peak_gathered_bytes"] <= sum(sorted(units)[-2:])
+        assert stats["peak_unsharded_grad_bytes"] == max(units)
+    elif strategy == "shard_grad_op":
+        expected = sum(units)  # every unit stays gathered from its forward to its backward
+    else:
+        expected = 0  # nothing is ever gathered: the full flat parameters are persistent
+    assert stats["peak_gathered_bytes"] == expected
+    assert stats["peak_bytes"] >= stats["persistent_bytes"] + stats["peak_gathered_bytes"]
+    fsdp.reset_peak()
+    assert fsdp.memory_stats()["peak_gathered_bytes"] == 0
+
+
+def test_eval_forward_frees_params_even_when_kept_for_backward(comm):
+    ref, fsdp = make_model(), FSDP(make_model(), comm, strategy="shard_grad_op")
+    x = next(batches(1))[0]
+    fsdp.eval()
+    np.testing.assert_allclose(fsdp(x), ref.eval()(x), rtol=0, atol=TOL)
+    assert fsdp.memory_stats()["gathered_bytes"] == 0 and fsdp.num_inflight() == 0
+    fsdp.train()
+    with nn.no_grad():
+        fsdp(x)
+    assert fsdp.memory_stats()["gathered_bytes"] == 0
+
+
+# -- bad input -------------------------------------------------------------------------------------------
+def test_strategy_accepts_enum_and_name_and_rejects_unknown(comm):
+    assert FSDP(make_model(), comm, strategy=ShardingStrategy.NO_SHARD).settings.strategy is ShardingStrategy.NO_SHARD
+    assert FSDP(make_model(), comm, strategy="shard_grad_op").settings.strategy is ShardingStrategy.SHARD_GRAD_OP
+    with pytest.raises(ValueError, match=r"unknown strategy 'zero3'.*'full_shard', 'shard_grad_op', 'no_shard'"):
+        FSDP(make_model(), comm, strategy="zero3")
+
+
+@pytest.mark.parametrize("units, error, match", [
+    ([[0, 1], [1, 2], [3, 4, 5, 6]], ValueError, r"module '1' is listed in unit 0 and unit 1"),
+    ([0, 2, 4], ValueError, r"do not cover parameters \['5.weight', '5.bias', '6.weight'\]"),
+    ([0, 2, 4, 5, 9], ValueError, r"unit index 9 out of range for a Sequential of 7 children"),
+    ([0, "2"], TypeError, r"unit item must be .* \(got '2'\)"),
+    ([], TypeError, r"non-empty list \(got \[\]\)"),
+    (0, ValueError, r"threshold must be >= 1 element \(got units=0\)"),
+])
+def test_bad_units_name_the_value(comm, units, error, match):
+    with pytest.raises(error, match=match):
+        FSDP(make_model(), comm, units=units)
+
+
+def test_bad_modules_name_the_problem(comm):
+    with pytest.raises(ValueError, match=r"units=None .* module is a TwoTower"):
+        FSDP(TwoTower(), comm)
+    outsider = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"unit module Linear is not part of the wrapped module"):
+        FSDP(make_model(), comm, units=[outsider])
+    mixed = nn.Sequential(nn.Linear(2, 3, dtype=np.float32), nn.Linear(3, 2, dtype=np.float64))
+    with pytest.raises(ValueError, match=r"unit 0 \('<root>'\) mixes dtypes \['float32', 'float64'\]"):
+        FSDP(mixed, comm, units=[mixed])
+    model = make_model()
+    FSDP(model, comm)
+    with pytest.raises(ValueError, match=r"already wrapped"):
+        FSDP(model, comm)
+    with pytest.raises(TypeError, match=r"prefetch must be a bool \(got 'yes'\)"):
+        FSDP(make_model(), comm, prefetch="yes")
+
+
+def test_state_dict_errors_fail_on_every_rank(comm):
+    fsdp = FSDP(make_model(), comm)
+    bad = make_model().state_dict()
+    bad["6.bias"] = bad.pop("6.weight")
+    with pytest.raises(ValueError, match=r"missing: \['6.weight'\], unexpected: \['6.bias'\]"):
+        fsdp.load_full_state_dict(bad if comm.Get_rank() == 0 else None)
+    wrong_shape = make_model().state_dict()
+    wrong_shape["0.bias"] = np.zeros(3)
+    with pytest.raises(ValueError, match=r"shape mismatch for '0.bias' \(state_dict: \(3,\), model: \(7,\)\)"):
+        fsdp.load_full_state_dict(wrong_shape if comm.Get_rank() == 0 else None)
+    other = FSDP(make_model(), comm, units=[[0, 1, 2], [3, 4, 5, 6]]).sharded_state_dict()
+    with pytest.raises(ValueError, match=r"units do not match \(expected: \['0', '2', '4', '5', '6'\]"):
+        fsdp.load_sharded_state_dict(other)
+    with pytest.raises(TypeError, match=r"use full_state_dict\(\)"):
+        fsdp.state_dict()
+    module_opt = Adam(list(make_model().parameters()))
+    with pytest.raises(ValueError, match=r"Adam holds none of this FSDP's shard parameters"):
+        fsdp.memory_stats(module_opt)
+    fsdp(next(batches(1))[0])
+    with pytest.raises(RuntimeError, match=r"in flight"):
+        fsdp.load_sharded_state_dict(fsdp.sharded_state_dict())
