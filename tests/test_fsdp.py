@@ -389,3 +389,22 @@ def test_state_dict_errors_fail_on_every_rank(comm):
     fsdp(next(batches(1))[0])
     with pytest.raises(RuntimeError, match=r"in flight"):
         fsdp.load_sharded_state_dict(fsdp.sharded_state_dict())
+
+
+@pytest.mark.world_sizes(2, 3, 4)
+def test_backward_prefetch_post_bounds_total_transient_to_two_units(comm):
+    """With backward_prefetch="post" gathered params plus unsharded grads never exceed two units."""
+    n = comm.Get_size()
+    ref = make_model()
+    fsdp = FSDP(make_model(), comm, backward_prefetch="post")
+    opt, ref_opt = Adam(fsdp.parameters(), lr=1e-2), Adam(list(ref.parameters()), lr=1e-2)
+    for x, y in batches(3):
+        fsdp.reset_peak()
+        fsdp_step(comm, fsdp, opt, x, y)
+        ref_step(ref, ref_opt, x, y)
+        stats = fsdp.memory_stats(opt)
+        # The largest unit gathered plus its own unsharded gradient: nothing else is alive at that moment.
+        assert stats["peak_bytes"] - stats["persistent_bytes"] <= 2 * max(padded_bytes(UNIT_SIZES, n))
+    assert_matches(comm, fsdp, ref)
+    with pytest.raises(ValueError, match=r"backward_prefetch must be 'pre' or 'post' \(got 'early'\)"):
+        FSDP(make_model(), comm, backward_prefetch="early")

@@ -70,6 +70,9 @@ class FSDPSettings:
     prefetch: bool
     world_size: int
     num_shards: int  # world_size, or 1 for NO_SHARD
+    backward_prefetch: str = "pre"  # "pre": overlap the previous unit's gather with this unit's backward
+                                    # (peak 2 gathered units + 1 unit of gradients); "post": gather it
+                                    # after this unit's gradients are reduced and freed (peak 2 units total)
 
 
 @dataclass(frozen=True)
@@ -149,16 +152,18 @@ class FSDP:
     ``fsdp.parameters()`` (one flat shard Parameter per unit).
     """
 
-    def __init__(self, module, comm, strategy="full_shard", units=None, prefetch=True):
+    def __init__(self, module, comm, strategy="full_shard", units=None, prefetch=True, backward_prefetch="pre"):
         if not isinstance(module, Module):
             raise TypeError(f"FSDP: module must be an mpidist.nn.Module (got {type(module).__name__})")
         if not isinstance(prefetch, bool):
             raise TypeError(f"FSDP: prefetch must be a bool (got {prefetch!r})")
+        if backward_prefetch not in ("pre", "post"):
+            raise ValueError(f"FSDP: backward_prefetch must be 'pre' or 'post' (got {backward_prefetch!r})")
         strategy = ShardingStrategy.parse(strategy)
         size = comm.Get_size()
         num_shards = 1 if strategy is ShardingStrategy.NO_SHARD else size
         self.module, self.comm = module, comm
-        self.settings = FSDPSettings(strategy, prefetch, size, num_shards)
+        self.settings = FSDPSettings(strategy, prefetch, size, num_shards, backward_prefetch)
         self._sync = True
         self._transient = _Transient()
 
@@ -391,7 +396,7 @@ class FSDP:
         if unit.backward_done.setdefault(mb, 0) > 0:
             return
         self._finish_gather(unit)
-        if self.settings.prefetch:
+        if self.settings.prefetch and self.settings.backward_prefetch == "pre":
             self._prefetch(unit, -1)
         xp = get_array_module(unit.shard.data)
         if self.settings.strategy is ShardingStrategy.NO_SHARD:
@@ -417,6 +422,8 @@ class FSDP:
                 self._reduce_grad(unit)
             if not unit.awaiting_backward and not unit.backward_done:
                 self._free(unit)
+            if self.settings.prefetch and self.settings.backward_prefetch == "post":
+                self._prefetch(unit, -1)
         self._progress()
 
     # -- gradients --------------------------------------------------------------------------------------
