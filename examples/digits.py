@@ -16,8 +16,9 @@ import time
 import numpy as np
 
 import mpidist
-from mpidist import nn, optim
+from mpidist import checkpoint, nn, optim
 from mpidist.data import DistributedSampler
+from mpidist.preemption import Preemption
 
 N_CLASSES = 10
 
@@ -150,6 +151,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="directory to write result.json into")
     parser.add_argument("--no-check", action="store_true", help="skip the single-process comparison")
+    parser.add_argument("--ckpt", default=None, help="checkpoint directory: save after every epoch, resume from the "
+                        "newest checkpoint, and on SIGTERM/SIGUSR1 save and exit with status 99 (requeue me)")
     args = parser.parse_args(argv)
 
     comm, info = mpidist.init()
@@ -160,21 +163,42 @@ def main(argv=None):
 
     trainer = STRATEGIES[args.strategy](comm, args)
     sampler = DistributedSampler(len(x_train), comm, seed=args.seed)
+    # What a resumed run needs: weights, optimizer moments, and where in which epoch it stopped.
+    state = {"model": trainer.model, "optim": trainer.opt, "sampler": sampler, "epoch": 0, "step_in_epoch": 0,
+             "global_step": 0}
+    preemption = None
+    if args.ckpt:
+        resumed = checkpoint.load(args.ckpt, state, comm)
+        if resumed is not None:
+            log(f"resumed from checkpoint step {resumed} (epoch {state['epoch'] + 1}, step {state['step_in_epoch']})")
+        preemption = Preemption(comm).install()
     start = time.perf_counter()
     acc = 0.0
-    for epoch in range(args.epochs):
+    for epoch in range(state["epoch"], args.epochs):
         sampler.set_epoch(epoch)
         t0, comm0, losses, seen = time.perf_counter(), trainer.comm_seconds() or 0.0, [], 0
-        for batches in global_batches(sampler, args.batch, size):
+        skip = state["step_in_epoch"] if epoch == state["epoch"] else 0
+        for i, batches in enumerate(global_batches(sampler, args.batch, size)):
+            if i < skip:
+                continue  # done before the run was preempted
             mine = batches[rank]
             losses.append(trainer.step(x_train[mine], y_train[mine]))
             seen += sum(len(b) for b in batches)
+            state["global_step"] += 1
+            if preemption is not None and preemption.should_stop():
+                state.update(epoch=epoch, step_in_epoch=i + 1)
+                checkpoint.save(args.ckpt, state, comm, step=state["global_step"])
+                log(f"preempted: saved checkpoint step {state['global_step']} (epoch {epoch + 1}, step {i + 1}); exiting 99", flush=True)
+                preemption.exit()
         elapsed = time.perf_counter() - t0
         acc = accuracy(trainer.predict, x_test, y_test)
         comm_now = trainer.comm_seconds()
         comm_share = "n/a" if comm_now is None else f"{(comm_now - comm0) / elapsed:.0%}"
-        log(f"epoch {epoch + 1:2d}  loss {np.mean(losses):.4f}  test acc {acc:.2%}  "
+        log(f"epoch {epoch + 1}/{args.epochs}  loss {np.mean(losses) if losses else float('nan'):.4f}  test acc {acc:.2%}  "
             f"{seen / elapsed:8.0f} samples/s  comm {comm_share}", flush=True)
+        state.update(epoch=epoch + 1, step_in_epoch=0)
+        if args.ckpt:
+            checkpoint.save(args.ckpt, state, comm, step=state["global_step"])
     train_seconds = time.perf_counter() - start
 
     result = {"strategy": args.strategy, "ranks": size, "epochs": args.epochs, "test_accuracy": acc,
