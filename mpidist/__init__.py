@@ -5,7 +5,7 @@ from .comm import (CollectiveMismatchError, CommError, DeadlockError, RankFailed
 from .collectives import (allgather, allreduce, barrier, broadcast, iallgather, iallreduce, ibroadcast, irecv,
                           isend, recv, reduce_scatter, send)
 from .launch import LaunchError, LaunchInfo, init
-from .parallel import DDP, FSDP, ShardingStrategy
+from .parallel import DDP, FSDP, Pipeline, ShardingStrategy, mesh
 
 __version__ = "0.1.0"
 
@@ -13,5 +13,5 @@ __all__ = [
     "SimComm", "simulate", "init", "LaunchInfo", "LaunchError",
     "CommError", "CollectiveMismatchError", "RankFailedError", "DeadlockError", "SimAbort",
     "allreduce", "broadcast", "allgather", "reduce_scatter", "send", "recv", "isend", "irecv", "barrier",
-    "iallreduce", "ibroadcast", "iallgather", "DDP", "FSDP", "ShardingStrategy",
+    "iallreduce", "ibroadcast", "iallgather", "DDP", "FSDP", "ShardingStrategy", "Pipeline", "mesh",
 ]

@@ -315,6 +315,11 @@ def save(root, state, comm, step, keep_last=3):
             covered = sum(p["count"] for p in entry["pieces"])
             if covered != int(np.prod(entry["shape"], dtype=np.int64)):
                 raise CheckpointError(f"checkpoint: tensor {key!r} is covered by {covered} elements, expected shape {entry['shape']}")
+        for name, entry in entries.items():
+            if isinstance(entry, dict) and "param_groups" in entry and "params" in entry:
+                # Per-parameter optimizer state from every rank: pipeline stages each hold their own.
+                for other in per_rank:
+                    entry["params"].update(other[name]["params"])
         manifest = {"format": FORMAT, "step": int(step), "world_size": size, "created": time.time(),
                     "files": files, "tensors": dict(sorted(tensors.items())), "json": entries}
         if any(e != entries for e in per_rank):

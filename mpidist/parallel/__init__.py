@@ -2,5 +2,7 @@
 
 from .ddp import DDP
 from .fsdp import FSDP, ShardingStrategy
+from .mesh import Mesh, mesh
+from .pipeline import Pipeline
 
-__all__ = ["DDP", "FSDP", "ShardingStrategy"]
+__all__ = ["DDP", "FSDP", "ShardingStrategy", "Pipeline", "Mesh", "mesh"]
