@@ -5,6 +5,7 @@ PY       := $(VENV)/bin/python
 MPIEXEC  := $(VENV)/bin/mpiexec
 NP       ?= 4
 STRATEGY ?= ddp
+DEMO_ARGS ?=
 # MPI=wheel installs the MPICH wheel from PyPI; MPI=system builds mpi4py against the mpicc on PATH.
 MPI      ?= wheel
 PYTEST_MPI := -m pytest -q --with-mpi -p no:cacheprovider --timeout=300 --timeout-method=thread
@@ -16,7 +17,7 @@ else
 MPI_PKGS := mpich
 endif
 
-.PHONY: venv test test-sim test-mpi demo bench clean
+.PHONY: venv test test-sim test-mpi demo bench clean test-slurm bench-plot
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,10 +36,19 @@ test-mpi: venv
 	$(MPIEXEC) -n 4 $(PY) $(PYTEST_MPI)
 
 demo: venv
-	$(MPIEXEC) -n $(NP) $(PY) examples/digits.py --strategy $(STRATEGY)
+	$(MPIEXEC) -n $(NP) $(PY) examples/digits.py --strategy $(STRATEGY) $(DEMO_ARGS)
 
 bench: venv
 	$(MPIEXEC) -n 2 $(PY) benchmarks/collectives.py
+
+# A private single-node Slurm on loopback runs slurm/*.sbatch for real (installs Debian's Slurm if missing; root).
+test-slurm: venv
+	$(PY) tests/slurm/run_slurm_checks.py
+
+# The table and plot in docs/cluster.md (needs the plot extra: pip install -e '.[plot]').
+bench-plot: venv
+	OMP_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpidist bench allreduce allgather reduce_scatter bcast sendrecv \
+		--sizes 8:64M --plot docs/bench.png --json docs/bench.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -100,7 +100,73 @@ class FSDPTrainer(DDPTrainer):
         return self.model.full_state_dict()
 
 
-STRATEGIES = {"ddp": DDPTrainer, "fsdp": FSDPTrainer}
+class PipelineTrainer:
+    """The layers split into ``pp`` stages (1F1B over micro-batches); ``dp`` replicas of that pipeline."""
+
+    def __init__(self, comm, args):
+        size = comm.Get_size()
+        if size % args.dp:
+            sys.exit(f"digits demo: --dp {args.dp} does not divide the {size} ranks")
+        self.comm, self.grid = comm, mpidist.mesh(comm, dp=args.dp, pp=size // args.dp)
+        layers = build_layers(args.seed)
+        self.bounds = np.linspace(0, len(layers), self.grid.pp + 1).round().astype(int)
+        first, last = self.bounds[self.grid.pp_rank], self.bounds[self.grid.pp_rank + 1]
+        self.stage = nn.Sequential(*layers[first:last])
+        self.pipe = mpidist.Pipeline(self.stage, self.grid.pp_comm, num_microbatches=args.microbatches,
+                                     schedule=args.schedule, loss_fn=nn.CrossEntropyLoss(),
+                                     dp_comm=self.grid.dp_comm if self.grid.dp > 1 else None)
+        self.model = self.pipe
+        params = list(self.stage.parameters())
+        self.opt = optim.Adam(params, lr=args.lr) if params else None  # a stage may be just a ReLU
+        self.idle_s = 0.0
+
+    @property
+    def first(self):
+        return self.grid.pp_rank == 0
+
+    @property
+    def last(self):
+        return self.grid.pp_rank == self.grid.pp - 1
+
+    def step(self, x, y):
+        # The demo hands each world rank its shard; a replica's batch is the shards of its pp ranks.
+        x, y = self.comm.allgather(x), self.comm.allgather(y)
+        replica = slice(self.grid.dp_rank * self.grid.pp, (self.grid.dp_rank + 1) * self.grid.pp)
+        x, y = np.concatenate(x[replica]), np.concatenate(y[replica])
+        self.stage.zero_grad()
+        loss = self.pipe.step(x if self.first else None, y if self.last else None, broadcast_loss=True)
+        if self.opt is not None:
+            self.opt.step()
+        self.idle_s += self.pipe.stats.idle_s
+        return loss
+
+    def predict(self, x):
+        """Run the stages one after another (no micro-batching) and give every rank the logits."""
+        pp_comm = self.grid.pp_comm
+        with nn.no_grad():
+            h = x if self.first else mpidist.recv(self.grid.pp_rank - 1, pp_comm)
+            h = self.stage(h)
+            if not self.last:
+                mpidist.send(h, self.grid.pp_rank + 1, pp_comm)
+        logits = h if self.last else np.empty((len(x), N_CLASSES))
+        return mpidist.broadcast(logits, pp_comm, root=self.grid.pp - 1)
+
+    def comm_seconds(self):
+        return self.idle_s
+
+    def full_state(self):
+        """Gather every stage's parameters to world rank 0 under the unsplit model's names."""
+        first = self.bounds[self.grid.pp_rank]
+        mine = {}
+        if self.grid.dp_rank == 0:
+            for key, value in self.stage.state_dict().items():
+                index, rest = key.split(".", 1)
+                mine[f"{first + int(index)}.{rest}"] = value
+        parts = self.comm.gather(mine, root=0)
+        return {k: v for part in parts for k, v in part.items()} if self.comm.Get_rank() == 0 else {}
+
+
+STRATEGIES = {"ddp": DDPTrainer, "fsdp": FSDPTrainer, "pipeline": PipelineTrainer}
 
 
 def train_reference(args, x_train, y_train, size, epochs):
@@ -147,6 +213,9 @@ def main(argv=None):
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--batch", type=int, default=16, help="samples per rank per step")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--dp", type=int, default=1, help="pipeline: data-parallel replicas (dp x pp mesh)")
+    parser.add_argument("--microbatches", type=int, default=4, help="pipeline: micro-batches per step")
+    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "zb_h1"], help="pipeline schedule")
     parser.add_argument("--fsdp-strategy", default="full_shard", choices=["full_shard", "shard_grad_op", "no_shard"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="directory to write result.json into")
@@ -164,8 +233,9 @@ def main(argv=None):
     trainer = STRATEGIES[args.strategy](comm, args)
     sampler = DistributedSampler(len(x_train), comm, seed=args.seed)
     # What a resumed run needs: weights, optimizer moments, and where in which epoch it stopped.
-    state = {"model": trainer.model, "optim": trainer.opt, "sampler": sampler, "epoch": 0, "step_in_epoch": 0,
-             "global_step": 0}
+    state = {"model": trainer.model, "sampler": sampler, "epoch": 0, "step_in_epoch": 0, "global_step": 0}
+    if trainer.opt is not None:
+        state["optim"] = trainer.opt
     preemption = None
     if args.ckpt:
         resumed = checkpoint.load(args.ckpt, state, comm)

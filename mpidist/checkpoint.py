@@ -319,7 +319,7 @@ def save(root, state, comm, step, keep_last=3):
             if isinstance(entry, dict) and "param_groups" in entry and "params" in entry:
                 # Per-parameter optimizer state from every rank: pipeline stages each hold their own.
                 for other in per_rank:
-                    entry["params"].update(other[name]["params"])
+                    entry["params"].update(other.get(name, {}).get("params", {}))
         manifest = {"format": FORMAT, "step": int(step), "world_size": size, "created": time.time(),
                     "files": files, "tensors": dict(sorted(tensors.items())), "json": entries}
         if any(e != entries for e in per_rank):
