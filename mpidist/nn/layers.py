@@ -31,6 +31,7 @@ class Linear(Module):
         bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
         self.weight = Parameter(rng.uniform(-bound, bound, (out_features, in_features)).astype(dtype))
         self.bias = Parameter(rng.uniform(-bound, bound, (out_features,)).astype(dtype)) if bias else None
+        self._deferred_weight_grads = {}  # mb -> (x, dy) between backward_input and backward_weight
 
     def forward(self, x, mb=0):
         """Return ``x @ W.T + b`` for ``x`` of shape (..., in)."""
@@ -54,6 +55,23 @@ class Linear(Module):
             self.bias.accumulate_grad(dy2.sum(axis=0))
         self.weight.accumulate_grad(dy2.T @ x.reshape(-1, x.shape[-1]))
         return dx
+
+    def backward_input(self, grad_out, mb=0):
+        """Return dx now; keep (x, dy) so ``backward_weight`` computes dW and db later."""
+        x = self.pop_saved(mb)
+        self._deferred_weight_grads[mb] = (x, grad_out)
+        return grad_out @ self.weight.data
+
+    def backward_weight(self, mb=0):
+        """Accumulate dW and db of micro-batch ``mb`` deferred by ``backward_input``."""
+        if mb not in self._deferred_weight_grads:
+            raise KeyError(f"Linear.backward_weight: no deferred weight gradient for micro-batch {mb} "
+                           f"(pending: {sorted(self._deferred_weight_grads)})")
+        x, grad_out = self._deferred_weight_grads.pop(mb)
+        dy2 = grad_out.reshape(-1, grad_out.shape[-1])
+        if self.bias is not None:
+            self.bias.accumulate_grad(dy2.sum(axis=0))
+        self.weight.accumulate_grad(dy2.T @ x.reshape(-1, x.shape[-1]))
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -140,6 +140,16 @@ class Module:
         """Accumulate parameter gradients for micro-batch ``mb`` and return the input gradient."""
         raise NotImplementedError(f"{type(self).__name__}: backward() is not implemented")
 
+
+    def backward_input(self, grad_out, mb=0):
+        """Return the input gradient; a layer may defer its weight gradients to ``backward_weight``.
+
+        Zero-bubble pipelines split backward this way (B, then W later). The default does all the work now.
+        """
+        return self.backward(grad_out, mb)
+
+    def backward_weight(self, mb=0):
+        """Accumulate the weight gradients ``backward_input`` deferred for ``mb`` (default: none were)."""
     def saves_for_backward(self):
         """Return True if a forward now should save activations (training mode, grad enabled)."""
         return self.training and is_grad_enabled()
@@ -307,3 +317,14 @@ class Sequential(Module):
         for m in reversed(self._children.values()):
             grad_out = m.backward(grad_out, mb=mb)
         return grad_out
+
+    def backward_input(self, grad_out, mb=0):
+        """Feed ``grad_out`` back through every child, deferring what weight-gradient work they can."""
+        for m in reversed(self._children.values()):
+            grad_out = m.backward_input(grad_out, mb=mb)
+        return grad_out
+
+    def backward_weight(self, mb=0):
+        """Run every child's deferred weight-gradient work for micro-batch ``mb``."""
+        for m in reversed(self._children.values()):
+            m.backward_weight(mb=mb)
