@@ -4,8 +4,10 @@ Arrays travel through the uppercase (buffer) API of mpi4py, never pickled. Every
 validates its input on the calling rank and raises ``ValueError``/``TypeError`` naming the value,
 so the same bad input on every rank fails on every rank instead of producing garbage.
 
-Device (CuPy) arrays are routed through one function, ``_on_host``: today it stages through a host
-copy (always correct); the GPU paths plug in there.
+Device (CuPy) arrays are routed at the top of each public function, after validation, to
+``mpidist.gpu`` (``_gpu``), which picks a path per communicator: CUDA-aware MPI, NCCL, CUDA IPC or
+pinned host staging. Numpy arrays never import it. ``_on_host`` is for numpy arrays only.
+Nonblocking calls on device arrays complete before they return (their handle is already done).
 """
 
 import contextlib
@@ -67,24 +69,35 @@ def _check_root(fn, root, comm):
         raise ValueError(f"{fn}: root {root!r} out of range for a communicator of size {size}")
 
 
+def _gpu(x):
+    """Return ``mpidist.gpu``'s dispatch module when ``x`` is a device array, else None."""
+    if not _xp.is_device_array(x):
+        return None
+    from .gpu import dispatch
+    return dispatch
+
+
+def _done(result):
+    """Return a Handle that has already completed with ``result`` (device arrays complete at once)."""
+    return Handle([], lambda: result)
+
+
 def _host_copy(x):
-    """Return ``x``'s data as a C-contiguous host array (``x`` itself when it already is one)."""
-    if isinstance(x, np.ndarray):
-        return x if x.flags.c_contiguous else np.ascontiguousarray(x)
-    return np.ascontiguousarray(_xp.to_numpy(x))  # synchronizes the producing stream first
+    """Return numpy array ``x`` as a C-contiguous array (``x`` itself when it already is one)."""
+    return x if x.flags.c_contiguous else np.ascontiguousarray(x)
 
 
 @contextlib.contextmanager
 def _on_host(x, write_back=True):
-    """Yield a contiguous host array holding ``x``'s data; copy results back into ``x`` afterwards.
+    """Yield a contiguous numpy array holding ``x``'s data; copy results back into ``x`` afterwards.
 
-    This is the one dispatch point for where a buffer lives: numpy C-contiguous arrays pass through
-    untouched; non-contiguous ones and device arrays go through a contiguous host copy.
+    C-contiguous arrays pass through untouched; non-contiguous ones go through a contiguous copy.
+    Device arrays never get here: the public functions route them to ``mpidist.gpu`` first.
     """
     host = _host_copy(x)
     yield host
     if write_back and host is not x:
-        x[...] = host if isinstance(x, np.ndarray) else _xp.get_array_module(x).asarray(host)
+        x[...] = host
 
 
 def split_sizes(n, parts):
@@ -146,6 +159,9 @@ def iallreduce(x, comm, op="sum", _blocking=False):
                 x /= size
             return x
         buf, write_back = x, None
+    elif not isinstance(x, np.ndarray) and _xp.is_device_array(x):
+        _gpu(x).allreduce(x, comm, mpi_op, mean)
+        return x if _blocking else _done(x)
     else:
         ctx = _on_host(x)
         buf = ctx.__enter__()
@@ -174,6 +190,10 @@ def ibroadcast(x, comm, root=0, _blocking=False):
     _check_array("broadcast", x)
     _check_root("broadcast", root, comm)
     _check_writable("broadcast", x)
+    gpu = None if isinstance(x, np.ndarray) else _gpu(x)
+    if gpu is not None:
+        gpu.broadcast(x, comm, root)
+        return x if _blocking else _done(x)
     ctx = _on_host(x)
     buf = ctx.__enter__()
 
@@ -204,6 +224,26 @@ def _gather_shapes(x, comm):
     return [int(h[2]) for h in headers], shape[1:]
 
 
+def _check_allgather_out(x, out, size):
+    _check_array("allgather", out, "out")
+    rows = x.shape[0] if x.ndim else 1
+    if out.dtype != x.dtype or out.shape[0] != size * rows or out.size != size * x.size:
+        raise ValueError(f"allgather: out must have dtype {x.dtype} and shape ({size} * {rows}, ...) matching x {x.shape} (got {out.dtype} {out.shape})")
+    if isinstance(out, np.ndarray) != isinstance(x, np.ndarray):
+        raise TypeError(f"allgather: x and out must both be numpy or both device arrays (got {type(x).__name__} and {type(out).__name__})")
+
+
+def _device_allgather(gpu, x, comm, out, blocking):
+    if out is not None:
+        counts = [x.size] * comm.Get_size()
+        result = gpu.allgather(x, comm, counts, out.shape, out=out)
+    else:
+        rows, trailing = _gather_shapes(x, comm)
+        row_size = int(np.prod(trailing, dtype=np.int64))
+        result = gpu.allgather(x, comm, [r * row_size for r in rows], (sum(rows),) + tuple(trailing))
+    return result if blocking else _done(result)
+
+
 def allgather(x, comm, out=None):
     """Concatenate every rank's ``x`` along axis 0 (leading dims may differ) and return the result.
 
@@ -216,13 +256,14 @@ def iallgather(x, comm, out=None, _blocking=False):
     """Start an allgather; ``wait()`` returns the concatenated array."""
     _check_array("allgather", x)
     size = comm.Get_size()
+    if out is not None:
+        _check_allgather_out(x, out, size)
+    gpu = None if isinstance(x, np.ndarray) else _gpu(x)
+    if gpu is not None:
+        return _device_allgather(gpu, x, comm, out, _blocking)
     send = _host_copy(x).reshape(-1)
     xpm = _xp.get_array_module(x)
     if out is not None:
-        _check_array("allgather", out, "out")
-        rows = x.shape[0] if x.ndim else 1
-        if out.dtype != x.dtype or out.shape[0] != size * rows or out.size != size * x.size:
-            raise ValueError(f"allgather: out must have dtype {x.dtype} and shape ({size} * {rows}, ...) matching x {x.shape} (got {out.dtype} {out.shape})")
         out_ctx = _on_host(out)
         recv = out_ctx.__enter__()
         request = (comm.Allgather if _blocking else comm.Iallgather)(send, recv)
@@ -264,6 +305,9 @@ def reduce_scatter(x, comm, op="sum"):
     size, rank = comm.Get_size(), comm.Get_rank()
     rows = split_sizes(x.shape[0], size)
     row_size = int(np.prod(x.shape[1:], dtype=np.int64))
+    gpu = None if isinstance(x, np.ndarray) else _gpu(x)
+    if gpu is not None:
+        return gpu.reduce_scatter(x, comm, [r * row_size for r in rows], (rows[rank],) + x.shape[1:], mpi_op, mean)
     out = np.empty((rows[rank],) + x.shape[1:], dtype=x.dtype)
     send = _host_copy(x)
     if len(set(rows)) == 1:
@@ -302,6 +346,11 @@ def isend(x, dest, comm, tag=0):
     _check_array("send", x)
     _check_peer("send", dest, comm, "dest")
     header = _header("send", x)
+    gpu = None if isinstance(x, np.ndarray) else _gpu(x)
+    if gpu is not None:
+        header_request = comm.Isend(header, dest, tag)
+        requests, keep = gpu.isend(x, dest, comm, tag)
+        return Handle([header_request] + requests, lambda: None, keep=(header,) + keep)
     data = _host_copy(x).reshape(-1)
     requests = [comm.Isend(header, dest, tag), comm.Isend(data, dest, tag)]
     return Handle(requests, lambda: None, keep=(header, data))

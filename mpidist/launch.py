@@ -11,8 +11,10 @@ import os
 import sys
 import threading
 import traceback
+import warnings
 
-__all__ = ["LaunchInfo", "LaunchError", "init", "detect_launcher", "expected_world_size", "install_abort_on_error"]
+__all__ = ["LaunchInfo", "LaunchError", "init", "detect_launcher", "expected_world_size", "install_abort_on_error",
+           "select_device"]
 
 
 class LaunchError(RuntimeError):
@@ -31,10 +33,12 @@ class LaunchInfo:
     launcher: str
     mpi_library: str
     mpi_version: str
+    device: object = None  # the CUDA device index init() selected, None without cupy or a GPU
 
     def __str__(self):
+        gpu = "" if self.device is None else f" gpu {self.device}"
         return (f"rank {self.rank}/{self.size} local {self.local_rank}/{self.local_size} nodes {self.nodes} "
-                f"launcher {self.launcher} mpi {self.mpi_library} (MPI {self.mpi_version})")
+                f"launcher {self.launcher} mpi {self.mpi_library} (MPI {self.mpi_version}){gpu}")
 
 
 def detect_launcher(environ=None):
@@ -89,10 +93,37 @@ def install_abort_on_error(comm):
     threading.excepthook = lambda args: report_and_abort(args.exc_type, args.exc_value, args.exc_traceback)
 
 
+def select_device(local, local_rank):
+    """Use GPU ``local_rank % visible GPUs`` (if cupy sees any); warn when ranks of a node share one.
+
+    Collective over ``local`` (the ranks of this node). Returns the device index or None.
+    """
+    from . import xp
+
+    count = xp.gpu_count()
+    device, key = None, None
+    if count:
+        cupy = xp.get_cupy()
+        device = local_rank % count
+        cupy.cuda.Device(device).use()
+        # The PCI bus id names the physical GPU even when each rank sees different CUDA_VISIBLE_DEVICES.
+        key = str(cupy.cuda.runtime.deviceGetPCIBusId(device))
+    keys = local.allgather(key)
+    sharing = [r for r, k in enumerate(keys) if k is not None and keys.count(k) > 1]
+    if key is not None and local_rank in sharing:
+        peers = [r for r in sharing if keys[r] == key]
+        warnings.warn(f"mpidist.init: local ranks {', '.join(map(str, peers))} share GPU {key} (device {device} of {count} "
+                      f"visible): NCCL cannot be used; collectives use CUDA IPC or host staging. "
+                      f"Start at most one rank per GPU for full speed", RuntimeWarning, stacklevel=3)
+    return device
+
+
 def init(comm=None, *, abort_on_error=True):
     """Return ``(comm, info)``: the world communicator and where this process runs.
 
     Under mpiexec/srun ``comm`` is ``MPI.COMM_WORLD``; started plainly it is a world of one.
+    With cupy and a GPU, selects GPU ``local_rank % visible GPUs`` (``info.device``) and warns when
+    ranks of a node share a GPU.
     Raises ``LaunchError`` when the launcher started several processes but MPI sees only one.
     """
     from mpi4py import MPI
@@ -103,10 +134,11 @@ def init(comm=None, *, abort_on_error=True):
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank, local_size = local.Get_rank(), local.Get_size()
     nodes = comm.allreduce(1 if local_rank == 0 else 0)
+    device = select_device(local, local_rank)
     local.Free()
     library = MPI.Get_library_version().strip().splitlines()[0] if hasattr(MPI, "Get_library_version") else "unknown"
     version = "%d.%d" % MPI.Get_version()
-    info = LaunchInfo(rank, size, local_rank, local_size, nodes, detect_launcher(), library, version)
+    info = LaunchInfo(rank, size, local_rank, local_size, nodes, detect_launcher(), library, version, device)
     if abort_on_error and size > 1 and isinstance(comm, MPI.Comm):
         install_abort_on_error(comm)
     return comm, info

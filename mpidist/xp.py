@@ -8,7 +8,11 @@ import sys
 
 import numpy as np
 
-__all__ = ["get_array_module", "is_device_array", "to_numpy", "asarray_like", "copy_into", "scatter_add"]
+__all__ = ["get_array_module", "is_device_array", "to_numpy", "asarray_like", "copy_into", "scatter_add",
+           "get_cupy", "get_nccl", "gpu_count"]
+
+_CUPY_MISSING = object()
+_cupy = None  # the cupy module, _CUPY_MISSING once an import failed, None before the first try
 
 
 def _is_cupy(x):
@@ -21,6 +25,35 @@ def get_array_module(x):
         # An array of cupy type means cupy is already imported.
         return sys.modules["cupy"]
     return np
+
+
+def get_cupy():
+    """Return the cupy module, or None when it is not installed (the import is tried once)."""
+    global _cupy
+    if _cupy is None:
+        try:
+            import cupy
+            _cupy = cupy
+        except ImportError:
+            _cupy = _CUPY_MISSING
+    return None if _cupy is _CUPY_MISSING else _cupy
+
+
+def get_nccl():
+    """Return ``cupy.cuda.nccl``; raise ImportError when cupy or its NCCL binding is missing."""
+    if get_cupy() is None:
+        raise ImportError("cupy is not installed")
+    from cupy.cuda import nccl
+    return nccl
+
+
+def gpu_count():
+    """Return how many CUDA GPUs this process can use: 0 without cupy or without a working GPU."""
+    cupy = get_cupy()
+    # `import cupy` succeeds on a machine without a GPU; the first GPU call is what fails.
+    if cupy is None or not cupy.is_available():
+        return 0
+    return int(cupy.cuda.runtime.getDeviceCount())
 
 
 def is_device_array(x):

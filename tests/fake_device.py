@@ -1,0 +1,319 @@
+"""A numpy-backed stand-in for one rank's GPU, to test the GPU paths on the CPU.
+
+- ``FakeDeviceArray`` wraps a numpy array and offers only what the paths use (slicing, reshape,
+  view, shape/dtype/size). It has no buffer protocol, so handing one to MPI (real or simulated)
+  fails loudly, as it would segfault on a real non-CUDA-aware MPI.
+- Streams are queues: device work (copies, reductions, async D2H/H2D) runs only when its stream is
+  synchronized, an event recorded after it is synchronized, or a stream that waits on such an event
+  runs. So a missing synchronization makes MPI (or a peer) read stale data: wrong numbers, not luck.
+- Every action is appended to ``device.log`` as a tuple: ``("sync", stream)``, ``("event_sync",
+  stream, index)``, ``("wait_event", stream, on_stream, index)``, ``("d2h"|"h2d", byte offset in
+  its pinned buffer, nbytes, stream)``, ``("pinned_alloc", nbytes)``, ``("ipc_alloc", nbytes)``,
+  ``("ipc_handle", handle)``, ``("ipc_open", handle)``, ``("ipc_close",)``, ``("mpi_buffer",)``,
+  ``("nccl", op)``; ``RecordingComm`` adds ``("mpi", Method)`` for every uppercase MPI call.
+- CUDA IPC inside one process: a handle is a key into a process-global registry of arrays, so in
+  the simulator (ranks are threads) "opening" a peer's handle maps its numpy memory. Under real
+  MPI the ranks are processes and the registry cannot span them: IPC is tested on SimComm only.
+"""
+
+import itertools
+import threading
+
+import numpy as np
+from mpi4py import MPI
+
+from mpidist.gpu.device import REDUCE_UFUNCS, DeviceAPI, NcclComm
+
+_SENTINEL = 0x5A  # fresh fake memory is filled with this byte, so reading it unwritten shows
+
+
+class FakeSegfault(RuntimeError):
+    """A device buffer reached an MPI that never said it supports CUDA (a real one would crash)."""
+
+
+class FakeDeviceArray:
+    """A 'device array': numpy memory that MPI cannot see."""
+
+    __slots__ = ("a", "device", "__weakref__")
+
+    def __init__(self, a, device):
+        self.a, self.device = a, device
+
+    shape = property(lambda self: self.a.shape)
+    dtype = property(lambda self: self.a.dtype)
+    size = property(lambda self: self.a.size)
+    nbytes = property(lambda self: self.a.nbytes)
+    ndim = property(lambda self: self.a.ndim)
+    strides = property(lambda self: self.a.strides)
+    flags = property(lambda self: self.a.flags)
+
+    def __len__(self):
+        return len(self.a)
+
+    def __getitem__(self, key):
+        return FakeDeviceArray(self.a[key], self.device)
+
+    def reshape(self, *shape):
+        return FakeDeviceArray(self.a.reshape(*shape), self.device)
+
+    def view(self, dtype):
+        return FakeDeviceArray(self.a.view(dtype), self.device)
+
+    def __repr__(self):
+        return f"FakeDeviceArray({self.a!r})"
+
+
+class FakeStream:
+    """An in-order queue of device work."""
+
+    def __init__(self, name):
+        self.name = name
+        self.queue = []
+        self.done = 0
+
+    def enqueue(self, fn):
+        self.queue.append(fn)
+
+    def run_until(self, index):
+        while self.done < index:
+            fn = self.queue[self.done]
+            self.done += 1
+            fn()
+
+    def __repr__(self):
+        return f"<FakeStream {self.name}>"
+
+
+class FakeEvent:
+    def __init__(self, stream, index):
+        self.stream, self.index = stream, index
+
+
+_ipc_registry = {}
+_ipc_ids = itertools.count(1)
+_ipc_lock = threading.Lock()
+
+
+def _fill(n, dtype):
+    a = np.empty(int(n), dtype=dtype)
+    a.view(np.uint8)[...] = _SENTINEL
+    return a
+
+
+class FakeDevice(DeviceAPI):
+    """One rank's fake GPU. ``key`` names the physical GPU (equal keys on one node = shared GPU).
+
+    cuda_aware: the MPI really takes device buffers (``mpi_buffer`` gives MPI the fake memory);
+    lying: the MPI says yes but does not (``mpi_buffer`` gives MPI a copy, so results are lost);
+    otherwise ``mpi_buffer`` raises ``FakeSegfault``. nccl: NCCL is usable. ipc: peers' handles open.
+    """
+
+    name = "fake"
+
+    def __init__(self, key="fake-gpu-0", *, cuda_aware=False, lying=False, nccl=False, ipc=True):
+        self.key, self.cuda_aware, self.lying, self.nccl, self.ipc = key, cuda_aware, lying, nccl, ipc
+        self.log = []
+        self.current = FakeStream("current")
+        self._streams = itertools.count(1)
+        self.pinned = []
+
+    # -- arrays --------------------------------------------------------------------------------------
+    def device_key(self):
+        return self.key
+
+    def is_device_array(self, x):
+        return isinstance(x, FakeDeviceArray)
+
+    def empty(self, n, dtype):
+        return FakeDeviceArray(_fill(n, dtype), self)
+
+    def asarray(self, host):
+        return FakeDeviceArray(np.array(host), self)
+
+    def to_numpy(self, x):
+        self.synchronize(self.current)
+        return x.a.copy()
+
+    def flat(self, x):
+        if x.flags.c_contiguous:
+            return x.reshape(-1), False
+        out = self.empty(x.size, x.dtype)
+        src, dst = x.a, out.a
+        self.current.enqueue(lambda: dst.__setitem__(Ellipsis, src.reshape(-1)))
+        return out, True
+
+    def _check_pair(self, what, dst, src):
+        if dst.size != src.size or dst.dtype != src.dtype:
+            raise ValueError(f"FakeDevice.{what}: size/dtype mismatch ({dst.size} {dst.dtype} <- {src.size} {src.dtype})")
+
+    def copy(self, dst, src):
+        self._check_pair("copy", dst, src)
+        d, s = dst.a, src.a
+        self.current.enqueue(lambda: d.__setitem__(Ellipsis, s))
+
+    def assign(self, dst, src):
+        self._check_pair("assign", dst, src)
+        d, s = dst.a, src.a
+        self.current.enqueue(lambda: d.__setitem__(Ellipsis, s.reshape(d.shape)))
+
+    def reduce_into(self, acc, other, op_name):
+        self._check_pair("reduce_into", acc, other)
+        fn, a, b = getattr(np, REDUCE_UFUNCS[op_name]), acc.a, other.a
+        self.current.enqueue(lambda: fn(a, b, out=a))
+
+    def divide(self, x, n):
+        a = x.a
+        self.current.enqueue(lambda: np.true_divide(a, n, out=a))
+
+    # -- streams -------------------------------------------------------------------------------------
+    def current_stream(self):
+        return self.current
+
+    def new_stream(self):
+        return FakeStream(f"s{next(self._streams)}")
+
+    def synchronize(self, stream):
+        self.log.append(("sync", stream.name))
+        stream.run_until(len(stream.queue))
+
+    def record_event(self, stream):
+        return FakeEvent(stream, len(stream.queue))
+
+    def event_synchronize(self, event):
+        self.log.append(("event_sync", event.stream.name, event.index))
+        event.stream.run_until(event.index)
+
+    def wait_event(self, stream, event):
+        self.log.append(("wait_event", stream.name, event.stream.name, event.index))
+        stream.enqueue(lambda: event.stream.run_until(event.index))
+
+    # -- pinned staging ------------------------------------------------------------------------------
+    def pinned_empty(self, n, dtype):
+        a = _fill(n, dtype)
+        self.pinned.append(a)
+        self.log.append(("pinned_alloc", a.nbytes))
+        return a
+
+    def _offset(self, host):
+        ptr = host.__array_interface__["data"][0]
+        for base in self.pinned:
+            lo = base.__array_interface__["data"][0]
+            if lo <= ptr <= lo + base.nbytes:
+                return ptr - lo
+        raise ValueError(f"FakeDevice: host buffer is not pinned memory from pinned_empty (shape {host.shape})")
+
+    def d2h_async(self, host, dev, stream):
+        self._check_pair("d2h_async", host, dev)
+        self.log.append(("d2h", self._offset(host), host.nbytes, stream.name))
+        h, d = host, dev.a
+        stream.enqueue(lambda: h.__setitem__(Ellipsis, d))
+
+    def h2d_async(self, dev, host, stream):
+        self._check_pair("h2d_async", dev, host)
+        self.log.append(("h2d", self._offset(host), host.nbytes, stream.name))
+        h, d = host, dev.a
+        stream.enqueue(lambda: d.__setitem__(Ellipsis, h))
+
+    # -- IPC -----------------------------------------------------------------------------------------
+    def ipc_alloc(self, n, dtype):
+        arr = self.empty(n, dtype)
+        self.log.append(("ipc_alloc", arr.nbytes))
+        return arr
+
+    def ipc_handle(self, arr):
+        with _ipc_lock:
+            handle = next(_ipc_ids).to_bytes(64, "little")
+            _ipc_registry[handle] = arr.a
+        self.log.append(("ipc_handle", handle))
+        return handle
+
+    def ipc_open(self, handle, n, dtype):
+        self.log.append(("ipc_open", handle))
+        if not self.ipc:
+            raise RuntimeError("cudaErrorPeerAccessUnsupported (fake)")
+        with _ipc_lock:
+            a = _ipc_registry[bytes(handle)]
+        if a.size < n or a.dtype != np.dtype(dtype):
+            raise ValueError(f"FakeDevice.ipc_open: peer buffer is {a.size} {a.dtype}, asked for {n} {np.dtype(dtype)}")
+        return FakeDeviceArray(a[:n], self)
+
+    def ipc_close(self, arr):
+        self.log.append(("ipc_close",))
+
+    # -- CUDA-aware MPI, NCCL --------------------------------------------------------------------------
+    def mpi_buffer(self, x):
+        self.log.append(("mpi_buffer",))
+        if self.lying:
+            return x.a.copy()
+        if not self.cuda_aware:
+            raise FakeSegfault("a device buffer was handed to an MPI that does not support CUDA")
+        return x.a
+
+    def nccl_status(self):
+        return (True, "fake NCCL") if self.nccl else (False, "fake device without NCCL")
+
+    def nccl_unique_id(self):
+        return ("fake-nccl-id",)
+
+    def nccl_comm(self, comm, unique_id):
+        if not self.nccl:
+            raise RuntimeError("FakeDevice: NCCL is not available")
+        return FakeNccl(self, comm.Dup())
+
+
+FAKE_NCCL_DTYPES = {"int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64"}
+_NCCL_MPI_OPS = {"SUM": MPI.SUM, "PROD": MPI.PROD, "MIN": MPI.MIN, "MAX": MPI.MAX}
+
+
+class FakeNccl(NcclComm):
+    """NCCL calls done with MPI on the fake memory, after the stream's earlier work (stream order)."""
+
+    def __init__(self, device, comm):
+        self.device, self.comm = device, comm
+
+    def _start(self, what, stream, *arrays):
+        if stream is not self.device.current:
+            raise AssertionError(f"FakeNccl.{what}: expected the current stream (got {stream})")
+        for a in arrays:
+            if a.dtype.name not in FAKE_NCCL_DTYPES:
+                raise TypeError(f"FakeNccl.{what}: NCCL has no type for {a.dtype}")
+        self.device.log.append(("nccl", what))
+        stream.run_until(len(stream.queue))
+
+    def allreduce(self, send, recv, op_name, stream):
+        self._start("allreduce", stream, send, recv)
+        sbuf = MPI.IN_PLACE if send.a is recv.a or np.shares_memory(send.a, recv.a) else send.a
+        self.comm.Allreduce(sbuf, recv.a, op=_NCCL_MPI_OPS[op_name])
+
+    def bcast(self, buf, root, stream):
+        self._start("bcast", stream, buf)
+        self.comm.Bcast(buf.a, root=root)
+
+    def reduce_scatter(self, send, recv, op_name, stream):
+        self._start("reduce_scatter", stream, send, recv)
+        if send.size != recv.size * self.comm.Get_size():
+            raise ValueError(f"FakeNccl.reduce_scatter: send has {send.size} elements, needs {recv.size} x {self.comm.Get_size()}")
+        self.comm.Reduce_scatter_block(send.a, recv.a, op=_NCCL_MPI_OPS[op_name])
+
+    def allgather(self, send, recv, stream):
+        self._start("allgather", stream, send, recv)
+        self.comm.Allgather(send.a, recv.a)
+
+
+class RecordingComm:
+    """A communicator that logs every uppercase MPI call into ``log`` as ``("mpi", name)``."""
+
+    _QUIET = {"Get_rank", "Get_size", "Get_name", "Split", "Split_type", "Dup", "Free"}
+
+    def __init__(self, comm, log):
+        self._comm, self._log = comm, log
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if not callable(attr) or not name[:1].isupper() or name in self._QUIET:
+            return attr
+
+        def call(*args, **kwargs):
+            self._log.append(("mpi", name))
+            return attr(*args, **kwargs)
+        return call

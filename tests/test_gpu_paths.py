@@ -1,0 +1,427 @@
+"""The GPU paths on the CPU: a numpy-backed fake device (tests/fake_device.py), numpy references.
+
+What runs where:
+- staged, cuda_aware (fake MPI that takes the fake memory) and nccl (fake NCCL over MPI) run on
+  SimComm and under ``mpiexec --with-mpi``;
+- ipc and hierarchical run on SimComm only: fake IPC maps a peer's numpy memory through a
+  process-global registry, which cannot span the processes of a real MPI job (there, opening a
+  peer's handle fails and selection falls back to staged, which is tested too).
+Nothing here touches CUDA; docs/gpu.md lists what has run on a real GPU (nothing yet).
+"""
+
+import logging
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpidist
+import mpidist.xp
+from mpidist import gpu
+from mpidist.gpu.probe import MPIProbe, find_mpi_library, probe_mpi_cuda_support
+from mpidist.gpu.staged import chunk_bounds
+
+from fake_device import FakeDevice, FakeDeviceArray, FakeSegfault, RecordingComm
+from test_collectives import assert_matches, rank_input, reference
+
+YES = MPIProbe("libmpi-fake.so", "MPIX_GPU_query_support", True)
+NO = MPIProbe("libmpi-fake.so", "MPIX_GPU_query_support", False)
+TINY_CHUNKS = gpu.Settings(chunk_bytes=24)  # 3 float64 per chunk: many chunks from small arrays
+
+
+@pytest.fixture(autouse=True)
+def fake_arrays_are_device_arrays(monkeypatch):
+    """Let mpidist.collectives route FakeDeviceArray like a CuPy array (as it would a real one)."""
+    real = mpidist.xp.is_device_array
+    monkeypatch.setattr(mpidist.xp, "is_device_array", lambda x: isinstance(x, FakeDeviceArray) or real(x))
+    monkeypatch.delenv("MPIDIST_CUDA_AWARE", raising=False)
+    monkeypatch.delenv("MPIDIST_GPU_PATH", raising=False)
+
+
+def fake_for(comm, share=1, **kw):
+    """A fake device for this rank; ``share`` consecutive ranks of a node use the same GPU key."""
+    return FakeDevice(f"gpu{comm.Get_rank() // share}", **kw)
+
+
+# -- the ctypes probe, on this machine's MPI ------------------------------------------------------------
+def test_probe_reports_the_mpich_wheel_has_no_cuda():
+    probe = probe_mpi_cuda_support()
+    assert probe.library.endswith(tuple(f"libmpi.so{s}" for s in ("", ".12", ".40"))) or "libmpi.so" in probe.library
+    if "MPICH" in MPI.Get_library_version():
+        assert probe.symbol == "MPIX_GPU_query_support"
+        assert probe.cuda_support is False
+        assert "says no" in str(probe)
+
+
+def test_probe_without_symbol_or_library_never_crashes(tmp_path):
+    libc = next((line.split()[-1] for line in open("/proc/self/maps") if "/libc.so" in line or "/libc-" in line), None)
+    if libc is not None:
+        probe = probe_mpi_cuda_support(libc)
+        assert (probe.symbol, probe.cuda_support) == ("", None)
+        assert "has neither" in str(probe)
+    missing = probe_mpi_cuda_support(str(tmp_path / "libmpi.so.99"))
+    assert (missing.library, missing.cuda_support) == ("", None)
+    maps = tmp_path / "maps"
+    maps.write_text("7f00 r-xp 0 0:0 1 /opt/mpi/lib/libmpi_cxx.so.40\n7f01 r-xp 0 0:0 1 /opt/mpi/lib/libmpi.so.40.30.0\n")
+    assert find_mpi_library(str(maps)) == "/opt/mpi/lib/libmpi.so.40.30.0"
+
+
+# -- path selection ------------------------------------------------------------------------------------
+SELECTION_CASES = [
+    # (id, world, ranks_per_node, device kwargs, share, probe, env, expected path, phrase in the reasons)
+    ("one-rank", 1, None, {}, 1, NO, {}, "self", "one rank"),
+    ("cuda-aware", 4, None, {"cuda_aware": True, "nccl": True}, 1, YES, {}, "cuda_aware", "self-test passed"),
+    ("lying-mpi", 4, None, {"lying": True, "nccl": True}, 1, YES, {}, "nccl", "self-test failed"),
+    ("env-0-wins", 4, None, {"cuda_aware": True}, 1, YES, {"MPIDIST_CUDA_AWARE": "0"}, "ipc", "MPIDIST_CUDA_AWARE=0"),
+    ("env-1-wins", 4, None, {"cuda_aware": True}, 1, NO, {"MPIDIST_CUDA_AWARE": "1"}, "cuda_aware", "MPIDIST_CUDA_AWARE=1"),
+    ("nccl-unique-gpus", 4, None, {"nccl": True}, 1, NO, {}, "nccl", "one GPU per rank"),
+    ("shared-gpu-ipc", 4, None, {"nccl": True}, 2, NO, {}, "ipc", "share GPU gpu0"),
+    ("two-nodes-shared", 4, 2, {"nccl": True}, 2, NO, {}, "hierarchical", "2 nodes x 2 ranks"),
+    ("one-rank-per-node", 4, 1, {}, 1, NO, {}, "staged", "one rank per node"),
+    ("uneven-nodes", 3, 2, {}, 1, NO, {}, "staged", "different rank counts"),
+    ("ipc-broken", 4, None, {"ipc": False}, 1, NO, {}, "staged", "CUDA IPC failed"),
+    ("forced-staged", 4, None, {"nccl": True}, 1, NO, {"MPIDIST_GPU_PATH": "staged"}, "staged", "pinned host staging"),
+]
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("case", SELECTION_CASES, ids=[c[0] for c in SELECTION_CASES])
+def test_path_selection(case, monkeypatch, caplog):
+    name, world, per_node, kw, share, probe, env, want, phrase = case
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    def body(comm):
+        device = fake_for(comm, share, **kw)
+        choice = gpu.attach(comm, device, probe=probe)
+        assert gpu.describe(comm) is choice
+        if not (kw.get("cuda_aware") or kw.get("lying")):
+            assert ("mpi_buffer",) not in device.log  # never a device buffer to an MPI that said no
+        gpu.release(comm)
+        return choice
+
+    with caplog.at_level(logging.INFO, logger="mpidist.gpu"):
+        choices = mpidist.simulate(world, body, ranks_per_node=per_node)
+    assert {c.path for c in choices} == {want}, [str(c) for c in choices]
+    assert phrase in str(choices[0]), str(choices[0])
+    lines = [r.getMessage() for r in caplog.records if r.name == "mpidist.gpu"]
+    assert len(lines) == world and all(f"use path {want} (" in line for line in lines), lines
+
+
+@pytest.mark.mpi_skip
+def test_selection_refuses_impossible_or_unsafe_requests(monkeypatch):
+    def forced_nccl_on_shared_gpu(comm):
+        gpu.attach(comm, fake_for(comm, 2, nccl=True), path="nccl", probe=NO)
+
+    with pytest.raises(RuntimeError, match="path 'nccl' is not possible.*share GPU"):
+        mpidist.simulate(2, forced_nccl_on_shared_gpu)
+
+    def forced_cuda_aware_on_non_cuda_mpi(comm):
+        gpu.attach(comm, fake_for(comm), path="cuda_aware", probe=NO)  # FakeSegfault if it tried
+
+    with pytest.raises(RuntimeError, match="path 'cuda_aware' is not possible.*not CUDA-aware"):
+        mpidist.simulate(2, forced_cuda_aware_on_non_cuda_mpi)
+
+    monkeypatch.setenv("MPIDIST_CUDA_AWARE", "1")
+    with pytest.raises(RuntimeError, match="MPIDIST_CUDA_AWARE=1 but a device-buffer allreduce gave wrong values"):
+        mpidist.simulate(2, lambda comm: gpu.attach(comm, fake_for(comm, lying=True), probe=NO))
+    monkeypatch.setenv("MPIDIST_CUDA_AWARE", "yes")
+    with pytest.raises(ValueError, match="MPIDIST_CUDA_AWARE: expected 0 or 1 \\(got 'yes'\\)"):
+        mpidist.simulate(2, lambda comm: gpu.attach(comm, fake_for(comm), probe=NO))
+    with pytest.raises(ValueError, match="unknown path 'fast'"):
+        gpu.attach(None, FakeDevice(), path="fast")
+
+
+def test_selection_under_any_comm(comm):
+    """cuda-aware yes/lying and NCCL also choose right under real MPI (no IPC across processes)."""
+    rank = comm.Get_rank()
+    cases = [({"cuda_aware": True}, YES, "cuda_aware"), ({"lying": True, "ipc": False}, YES, "staged"),
+             ({"nccl": True}, NO, "nccl"), ({"ipc": False}, NO, "staged")]
+    for kw, probe, want in cases:
+        choice = gpu.attach(comm, FakeDevice(f"gpu{rank}", **kw), probe=probe)
+        assert choice.path == (want if comm.Get_size() > 1 else "self"), str(choice)
+        gpu.release(comm)
+
+
+def test_describe_without_cupy_needs_no_communication():
+    if mpidist.xp.get_cupy() is not None:
+        pytest.skip("cupy is installed here")
+    choice = gpu.describe(MPI.COMM_SELF)
+    assert choice.path == "none" and "cupy is not installed" in str(choice)
+
+
+# -- every collective on every path against numpy --------------------------------------------------------
+def _ops_for(dtype):
+    dtype = np.dtype(dtype)
+    ops = ["sum", "prod", "min", "max"]
+    if dtype.kind in "fc":
+        ops.append("mean")
+    if dtype.kind == "c":
+        ops = [o for o in ops if o not in ("min", "max")]
+    return ops
+
+
+DTYPES = ("float64", "float32", "float16", "int32", "int16", "uint8", "bool", "complex64")
+
+
+def run_all_collectives(comm, device):
+    """Every public collective on fake device arrays vs numpy references; 13 elements (uneven splits)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    for i, dtype in enumerate(DTYPES):
+        for op in _ops_for(dtype):
+            x = device.asarray(rank_input(rank, (13,), dtype, seed=i))
+            got = mpidist.allreduce(x, comm, op=op)
+            assert got is x
+            assert_matches(device.to_numpy(x), reference(op, [rank_input(r, (13,), dtype, seed=i) for r in range(size)]), op)
+    # nonblocking, non-contiguous, 2-d
+    base = [rank_input(r, (5, 6), np.float64, seed=99) for r in range(size)]
+    x = device.asarray(base[rank])
+    handle = mpidist.iallreduce(x[:, ::2], comm, op="mean")
+    assert handle.test()
+    want = base[rank].copy()
+    want[:, ::2] = reference("mean", [b[:, ::2] for b in base])
+    assert handle.wait() is not None
+    assert_matches(device.to_numpy(x), want, "mean")
+    # broadcast from the last rank
+    y = device.asarray(rank_input(rank, (4, 3), np.int64, seed=5))
+    mpidist.ibroadcast(y, comm, root=size - 1).wait()
+    np.testing.assert_array_equal(device.to_numpy(y), rank_input(size - 1, (4, 3), np.int64, seed=5))
+    # allgather with uneven rows, and with out
+    rows = [r % 3 + 1 for r in range(size)]
+    parts = [rank_input(r, (rows[r], 2), np.float32, seed=7) for r in range(size)]
+    gathered = mpidist.allgather(device.asarray(parts[rank]), comm)
+    assert device.is_device_array(gathered)
+    np.testing.assert_array_equal(device.to_numpy(gathered), np.concatenate(parts))
+    out = device.asarray(np.zeros((2 * size, 3), np.int32))
+    same = [rank_input(r, (2, 3), np.int32, seed=8) for r in range(size)]
+    assert mpidist.iallgather(device.asarray(same[rank]), comm, out=out).wait() is out
+    np.testing.assert_array_equal(device.to_numpy(out), np.concatenate(same))
+    # reduce_scatter: 7 rows do not divide by 2, 3 or 4
+    for op, dtype in (("sum", "float64"), ("mean", "float32"), ("max", "int16"), ("sum", "bool")):
+        full = [rank_input(r, (7, 2), dtype, seed=11) for r in range(size)]
+        got = mpidist.reduce_scatter(device.asarray(full[rank]), comm, op=op)
+        lo = sum(mpidist.collectives.split_sizes(7, size)[:rank])
+        want = reference(op, full)[lo: lo + got.shape[0]]
+        assert_matches(device.to_numpy(got), want, op)
+    # send/recv around a ring (the receiver gets a host array)
+    msg = rank_input(rank, (3, 2), np.float64, seed=13)
+    handle = mpidist.isend(device.asarray(msg), (rank + 1) % size, comm, tag=3)
+    got = mpidist.recv((rank - 1) % size, comm, tag=3)
+    handle.wait()
+    np.testing.assert_array_equal(got, rank_input((rank - 1) % size, (3, 2), np.float64, seed=13))
+
+
+ANY_COMM_PATHS = [("staged", {}), ("cuda_aware", {"cuda_aware": True}), ("nccl", {"nccl": True})]
+
+
+@pytest.mark.parametrize("path,kw", ANY_COMM_PATHS, ids=[p for p, _ in ANY_COMM_PATHS])
+def test_collectives_on_path(comm, path, kw):
+    device = FakeDevice(f"gpu{comm.Get_rank()}", **kw)
+    choice = gpu.attach(comm, device, path=None if comm.Get_size() == 1 else path, probe=YES if kw.get("cuda_aware") else NO,
+                        settings=TINY_CHUNKS)
+    assert choice.path == (path if comm.Get_size() > 1 else "self")
+    try:
+        run_all_collectives(comm, device)
+    finally:
+        gpu.release(comm)
+
+
+IPC_WORLDS = [("ipc", 2, None), ("ipc", 3, None), ("ipc", 4, None), ("hierarchical", 4, 2), ("hierarchical", 6, 3)]
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("path,n_ranks,per_node", IPC_WORLDS, ids=[f"{p}-{w}" for p, w, _ in IPC_WORLDS])
+def test_collectives_on_ipc_paths(path, n_ranks, per_node):
+    def body(comm):
+        device = fake_for(comm, 2)
+        assert gpu.attach(comm, device, probe=NO, settings=TINY_CHUNKS).path == path
+        run_all_collectives(comm, device)
+        gpu.release(comm)
+
+    mpidist.simulate(n_ranks, body, ranks_per_node=per_node)
+
+
+# -- synchronization and pipelining ---------------------------------------------------------------------
+def _pending_producer(device, x, values):
+    """Queue a write of ``values`` into ``x`` on the current stream: a kernel that has not run yet."""
+    a = x.a
+    device.current.enqueue(lambda: a.__setitem__(Ellipsis, values))
+
+
+PRODUCER_PATHS = [("staged", {}, None), ("cuda_aware", {"cuda_aware": True}, None), ("nccl", {"nccl": True}, None),
+                  ("ipc", {}, None), ("hierarchical", {}, 2)]
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("path,kw,per_node", PRODUCER_PATHS, ids=[p[0] for p in PRODUCER_PATHS])
+def test_every_path_waits_for_the_producing_stream(path, kw, per_node):
+    def body(comm):
+        rank = comm.Get_rank()
+        device = fake_for(comm, 1 if path == "nccl" else 2, **kw)
+        gpu.attach(comm, device, path=path, probe=YES if kw else NO, settings=TINY_CHUNKS)
+        x = device.asarray(np.zeros(10))
+        _pending_producer(device, x, np.arange(10.0) * (rank + 1))  # not run until someone syncs
+        mpidist.allreduce(x, comm)
+        np.testing.assert_array_equal(device.to_numpy(x), np.arange(10.0) * sum(range(1, 5)))
+        if path in ("staged", "cuda_aware"):
+            mpi = [i for i, e in enumerate(device.log) if e[0] in ("mpi_buffer", "event_sync")]
+            assert mpi and ("sync", "current") in device.log[: mpi[0]]
+        gpu.release(comm)
+
+    mpidist.simulate(4, body, ranks_per_node=per_node)
+
+
+def test_staged_pipeline_order(comm):
+    """D2H k+1 is issued before MPI works on chunk k; H2D k-1 is in flight during MPI on chunk k."""
+    device = FakeDevice(f"gpu{comm.Get_rank()}")
+    rec = RecordingComm(comm, device.log)
+    gpu.attach(rec, device, path="staged" if comm.Get_size() > 1 else None, probe=NO, settings=TINY_CHUNKS)
+    x = device.asarray(np.arange(14.0))  # 5 chunks of 3, 3, 3, 3, 2 elements
+    start = len(device.log)
+    mpidist.allreduce(x, rec)
+    log = device.log[start:]
+    np.testing.assert_array_equal(device.to_numpy(x), np.arange(14.0) * comm.Get_size())
+    if comm.Get_size() == 1:
+        return gpu.release(rec)  # the self path moves nothing
+    chunks = chunk_bounds(14, 8, 24)
+    assert len(chunks) == 5
+    mpi = [i for i, e in enumerate(log) if e == ("mpi", "Allreduce")]
+    d2h = [i for i, e in enumerate(log) if e[0] == "d2h"]
+    h2d = [i for i, e in enumerate(log) if e[0] == "h2d"]
+    assert len(mpi) == len(d2h) == len(h2d) == 5
+    assert [log[i][1] // 24 for i in d2h] == [0, 1, 2, 3, 4] == [log[i][1] // 24 for i in h2d]
+    assert log.index(("sync", "current")) < d2h[0]  # the producer is done before the first copy
+    for k in range(5):
+        if k + 1 < 5:
+            assert d2h[k + 1] < mpi[k], "D2H of chunk k+1 must be issued before MPI works on chunk k"
+        assert log[mpi[k] - 1][0] == "event_sync", "MPI must wait for its chunk's D2H copy"
+        assert mpi[k] < h2d[k] and (k + 1 == 5 or h2d[k] < mpi[k + 1]), "H2D k overlaps MPI on k+1"
+    streams = {log[i][3] for i in d2h}, {log[i][3] for i in h2d}
+    assert len(streams[0]) == 1 and len(streams[1]) == 1 and streams[0] != streams[1] and "current" not in streams[0] | streams[1]
+    assert log[-1][:3] == ("wait_event", "current", log[h2d[0]][3])  # results ready on the current stream
+    gpu.release(rec)
+
+
+def test_staging_buffers_are_reused_and_only_grow(comm):
+    device = FakeDevice(f"gpu{comm.Get_rank()}")
+    gpu.attach(comm, device, path="staged" if comm.Get_size() > 1 else None, probe=NO, settings=TINY_CHUNKS)
+    if comm.Get_size() == 1:
+        return gpu.release(comm)
+    size = comm.Get_size()
+    allocs = []
+    for n in (10, 10, 4, 16, 16, 8):
+        x = device.asarray(np.ones(n))
+        mpidist.allreduce(x, comm)  # no host sync between calls: the last H2D is still queued
+        x2 = device.asarray(np.full(n, 2.0))
+        mpidist.allreduce(x2, comm)
+        np.testing.assert_array_equal(device.to_numpy(x), np.full(n, float(size)))
+        np.testing.assert_array_equal(device.to_numpy(x2), np.full(n, 2.0 * size))
+        allocs.append([e[1] for e in device.log if e[0] == "pinned_alloc"])
+    assert allocs[-1] == [80, 128], allocs  # float64: grew once to 10, once to 16, never shrank
+    gpu.release(comm)
+
+
+@pytest.mark.mpi_skip
+def test_ipc_handles_are_exchanged_once_per_buffer():
+    def body(comm):
+        device = fake_for(comm, 4)
+        gpu.attach(comm, device, probe=NO)
+        path = gpu.engine(comm)
+        after_selftest = path.exchanges  # the self-test's float64 arena of 7 elements
+        for n in (100, 100, 50, 100):
+            x = device.asarray(np.ones(n))
+            mpidist.allreduce(x, comm)
+            np.testing.assert_array_equal(device.to_numpy(x), np.full(n, 4.0))
+        assert path.exchanges - after_selftest == 1
+        mpidist.allreduce(device.asarray(np.ones(200)), comm)  # grows: one more exchange
+        mpidist.allreduce(device.asarray(np.ones(200, np.float32)), comm)  # another dtype, its own arena
+        assert path.exchanges - after_selftest == 3
+        handles = sum(1 for e in device.log if e[0] == "ipc_handle")
+        opens = sum(1 for e in device.log if e[0] == "ipc_open")
+        assert (handles, opens) == (path.exchanges, 3 * path.exchanges)
+        gpu.release(comm)
+        assert sum(1 for e in device.log if e[0] == "ipc_close") == opens
+
+    mpidist.simulate(4, body)
+
+
+@pytest.mark.mpi_skip
+def test_hierarchical_split_sends_only_slices_between_nodes():
+    def body(comm):
+        rank = comm.Get_rank()
+        device = fake_for(comm, 2)
+        assert gpu.attach(comm, device, probe=NO).path == "hierarchical"
+        path = gpu.engine(comm)
+        # MPI between nodes only among ranks with the same local rank; IPC only within a node
+        assert path.cross.allgather(rank) == [rank % 2, rank % 2 + 2]
+        assert path.local.allgather(rank) == [rank - rank % 2, rank - rank % 2 + 1]
+        staged_allocs = len(path.cross_path.pool.buffers)
+        x = device.asarray(np.arange(9.0) + rank)
+        mpidist.allreduce(x, comm, op="mean")
+        np.testing.assert_array_equal(device.to_numpy(x), np.arange(9.0) + 1.5)
+        # 9 elements over 2 local ranks: slices of 5 and 4 elements cross the nodes, never all 9
+        host = path.cross_path.pool.buffers[(np.dtype(np.float64).str, 0)]
+        assert host.size == 5 - rank % 2 and staged_allocs <= 1
+        gpu.release(comm)
+
+    mpidist.simulate(4, body, ranks_per_node=2)
+
+
+def test_device_arrays_never_reach_a_non_cuda_mpi(comm):
+    """Every collective on the staged path: MPI only ever sees host memory (FakeSegfault otherwise)."""
+    device = FakeDevice(f"gpu{comm.Get_rank()}")
+    gpu.attach(comm, device, path="staged" if comm.Get_size() > 1 else None, probe=NO)
+    run_all_collectives(comm, device)
+    assert ("mpi_buffer",) not in device.log
+    with pytest.raises(FakeSegfault):
+        device.mpi_buffer(device.asarray(np.ones(1)))
+    gpu.release(comm)
+
+
+# -- device selection in init() --------------------------------------------------------------------------
+class _StubCupy:
+    """Just what ``select_device`` uses: ``cuda.Device(i).use()`` and the PCI bus id of a device."""
+
+    def __init__(self, count):
+        stub = self
+
+        class Device:
+            def __init__(self, index):
+                assert 0 <= index < count, (index, count)
+                self.index = index
+
+            def use(self):
+                stub.used.append(self.index)
+
+        class Runtime:
+            @staticmethod
+            def deviceGetPCIBusId(index):
+                return f"0000:{index + 1:02x}:00.0"
+
+        self.used = []
+        self.cuda = type("cuda", (), {"Device": Device, "runtime": Runtime})
+
+
+@pytest.mark.parametrize("gpus,per_node,shared", [(4, 4, False), (2, 4, True), (1, 2, True), (2, 2, False)])
+def test_init_selects_local_rank_modulo_gpus(monkeypatch, gpus, per_node, shared):
+    import warnings
+
+    stub = _StubCupy(gpus)
+    monkeypatch.setattr(mpidist.xp, "gpu_count", lambda: gpus)
+    monkeypatch.setattr(mpidist.xp, "get_cupy", lambda: stub)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        infos = mpidist.simulate(4, lambda comm: mpidist.init(comm, abort_on_error=False)[1], ranks_per_node=per_node)
+    assert [i.device for i in infos] == [i.local_rank % gpus for i in infos]
+    assert sorted(stub.used) == sorted(i.local_rank % gpus for i in infos)
+    messages = [str(w.message) for w in caught if "share GPU" in str(w.message)]
+    assert bool(messages) == shared, messages
+    if shared:
+        assert "NCCL cannot be used" in messages[0]
+    assert str(infos[0]).endswith(f" gpu {infos[0].device}")
+
+
+def test_init_without_gpu_selects_nothing(monkeypatch):
+    monkeypatch.setattr(mpidist.xp, "gpu_count", lambda: 0)
+    infos = mpidist.simulate(2, lambda comm: mpidist.init(comm, abort_on_error=False)[1])
+    assert [i.device for i in infos] == [None, None] and "gpu" not in str(infos[0])
