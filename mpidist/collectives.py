@@ -15,6 +15,7 @@ import contextlib
 import numpy as np
 from mpi4py import MPI
 
+from . import guard as _guard
 from . import xp as _xp
 
 __all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "send", "recv", "isend", "irecv",
@@ -31,6 +32,33 @@ _ARITH_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX, 
 # MPI defines no SUM/PROD/MIN/MAX on C_BOOL; the logical ops mean the same thing for booleans.
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "prod": MPI.LAND, "min": MPI.LAND}
 _OP_NAMES = ("sum", "mean", "min", "max", "prod")
+_DTYPE_NAMES = tuple(dt.name for dt in SUPPORTED_DTYPES)
+
+
+# -- tracking: fingerprints for the desync check and in-flight records for the watchdog (mpidist.guard) --
+def _begin(comm, op, x=None, root=-1, reduction=""):
+    """Register collective ``op`` with the guard when it is tracking; return its token (None when not)."""
+    if not _guard.tracking():
+        return None
+    dtype_code = _DTYPE_CODE.get(getattr(x, "dtype", None), -1)
+    return _guard.enter(comm, op, dtype_code, int(getattr(x, "size", -1)), root,
+                        reduction if isinstance(reduction, str) and reduction in _OP_NAMES else "", _DTYPE_NAMES)
+
+
+def _tracked(token, call, *args):
+    """Run ``call(*args)``; the guard forgets ``token`` when the result is complete (a Handle: on wait)."""
+    if token is None:
+        return call(*args)
+    try:
+        result = call(*args)
+    except BaseException:
+        _guard.leave(token)
+        raise
+    if isinstance(result, Handle) and not result._done:
+        result._token = token
+    else:
+        _guard.leave(token)
+    return result
 
 
 def _check_array(fn, x, name="x"):
@@ -61,6 +89,16 @@ def _resolve_op(fn, op, dtype):
     if op in ("min", "max") and dtype.kind == "c":
         raise TypeError(f"{fn}: op {op!r} is not defined for complex arrays (got {dtype})")
     return _ARITH_OPS[op], op == "mean"
+
+
+# (op name, dtype) -> (MPI op, divide by size?) for every valid pair: the allreduce fast path's lookup.
+_FAST_ALLREDUCE = {}
+for _dtype in SUPPORTED_DTYPES:
+    for _name in _OP_NAMES:
+        try:
+            _FAST_ALLREDUCE[(_name, _dtype)] = _resolve_op("allreduce", _name, _dtype) + (_DTYPE_CODE[_dtype],)
+        except TypeError:
+            pass
 
 
 def _check_root(fn, root, comm):
@@ -116,6 +154,7 @@ class Handle:
         self._keep = keep  # buffers MPI still reads or writes; must outlive the requests
         self._result = None
         self._done = False
+        self._token = None  # the guard's record of this collective, while it is in flight
 
     def test(self):
         """Return whether the operation has completed (finishing it if so), without blocking."""
@@ -135,7 +174,12 @@ class Handle:
         return self._result
 
     def _complete(self):
-        self._result = self._finish()
+        try:
+            self._result = self._finish()
+        finally:
+            if self._token is not None:
+                _guard.leave(self._token)
+                self._token = None
         self._done = True
         self._keep = ()
 
@@ -143,11 +187,29 @@ class Handle:
 # ---------------------------------------------------------------------------------------------------
 def allreduce(x, comm, op="sum"):
     """Reduce ``x`` over all ranks in place with ``op`` (sum, mean, min, max, prod); return ``x``."""
-    return iallreduce(x, comm, op, _blocking=True)
+    # The common case (a contiguous, writable numpy array and a valid op) skips the general checks:
+    # at small sizes Python overhead is what separates mpidist from a raw comm.Allreduce.
+    if type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable:
+        entry = _FAST_ALLREDUCE.get((op, x.dtype))
+        if entry is not None:
+            token = _guard.enter(comm, "allreduce", entry[2], x.size, -1, op, _DTYPE_NAMES) if _guard.tracking() else None
+            try:
+                comm.Allreduce(MPI.IN_PLACE, x, op=entry[0])
+            finally:
+                if token is not None:
+                    _guard.leave(token)
+            if entry[1]:
+                x /= comm.Get_size()
+            return x
+    return _tracked(_begin(comm, "allreduce", x, reduction=op), _iallreduce, x, comm, op, True)
 
 
-def iallreduce(x, comm, op="sum", _blocking=False):
+def iallreduce(x, comm, op="sum"):
     """Start an in-place allreduce of ``x``; ``wait()`` returns ``x`` holding the result."""
+    return _tracked(_begin(comm, "iallreduce", x, reduction=op), _iallreduce, x, comm, op, False)
+
+
+def _iallreduce(x, comm, op, _blocking):
     _check_array("allreduce", x)
     mpi_op, mean = _resolve_op("allreduce", op, x.dtype)
     _check_writable("allreduce", x)
@@ -182,11 +244,15 @@ def iallreduce(x, comm, op="sum", _blocking=False):
 
 def broadcast(x, comm, root=0):
     """Overwrite ``x`` on every rank with ``root``'s ``x``; return ``x``."""
-    return ibroadcast(x, comm, root, _blocking=True)
+    return _tracked(_begin(comm, "broadcast", x, root=root), _ibroadcast, x, comm, root, True)
 
 
-def ibroadcast(x, comm, root=0, _blocking=False):
+def ibroadcast(x, comm, root=0):
     """Start a broadcast of ``x`` from ``root``; ``wait()`` returns ``x``."""
+    return _tracked(_begin(comm, "ibroadcast", x, root=root), _ibroadcast, x, comm, root, False)
+
+
+def _ibroadcast(x, comm, root, _blocking):
     _check_array("broadcast", x)
     _check_root("broadcast", root, comm)
     _check_writable("broadcast", x)
@@ -249,11 +315,15 @@ def allgather(x, comm, out=None):
 
     With ``out`` (shape ``(size * n, ...)``) every rank must pass the same shape; no size exchange is needed.
     """
-    return iallgather(x, comm, out, _blocking=True)
+    return _tracked(_begin(comm, "allgather", x), _iallgather, x, comm, out, True)
 
 
-def iallgather(x, comm, out=None, _blocking=False):
+def iallgather(x, comm, out=None):
     """Start an allgather; ``wait()`` returns the concatenated array."""
+    return _tracked(_begin(comm, "iallgather", x), _iallgather, x, comm, out, False)
+
+
+def _iallgather(x, comm, out, _blocking):
     _check_array("allgather", x)
     size = comm.Get_size()
     if out is not None:
@@ -298,6 +368,10 @@ def reduce_scatter(x, comm, op="sum"):
     Rows (axis 0) are split as ``split_sizes(len(x), size)``: when ``len(x)`` does not divide evenly,
     the first ``len(x) % size`` ranks get one row more. Every rank must pass the same shape.
     """
+    return _tracked(_begin(comm, "reduce_scatter", x, reduction=op), _reduce_scatter, x, comm, op)
+
+
+def _reduce_scatter(x, comm, op):
     _check_array("reduce_scatter", x)
     mpi_op, mean = _resolve_op("reduce_scatter", op, x.dtype)
     if x.ndim == 0:
@@ -322,7 +396,7 @@ def reduce_scatter(x, comm, op="sum"):
 
 def barrier(comm):
     """Block until every rank of ``comm`` has called barrier."""
-    comm.Barrier()
+    _tracked(_begin(comm, "barrier"), comm.Barrier)
 
 
 # -- point to point: a small header carries dtype and shape, so the receiver needs to know neither ---
@@ -343,6 +417,16 @@ def _check_peer(fn, peer, comm, name):
 
 def isend(x, dest, comm, tag=0):
     """Start sending ``x`` (any shape and supported dtype) to ``dest``; ``wait()`` when the buffer may be reused."""
+    return _tracked(_p2p_begin(comm, "send"), _isend, x, dest, comm, tag)
+
+
+def _p2p_begin(comm, op):
+    # Point-to-point calls are not matched across all ranks, so they take no fingerprint check;
+    # the watchdog still sees a receive that never completes.
+    return _guard.enter(comm, op, collective=False) if _guard.tracking() else None
+
+
+def _isend(x, dest, comm, tag):
     _check_array("send", x)
     _check_peer("send", dest, comm, "dest")
     header = _header("send", x)
@@ -363,6 +447,10 @@ def send(x, dest, comm, tag=0):
 
 def irecv(source, comm, tag=0):
     """Start receiving an array from ``source`` (``MPI.ANY_SOURCE`` allowed); ``wait()`` returns it."""
+    return _tracked(_p2p_begin(comm, "recv"), _irecv, source, comm, tag)
+
+
+def _irecv(source, comm, tag):
     if source != MPI.ANY_SOURCE:
         _check_peer("recv", source, comm, "source")
     header = np.empty(_HEADER_LEN, dtype=np.int64)

@@ -16,10 +16,13 @@ costs nothing on the hot path but a dictionary update, and is on by default with
 timeout (``MPIDIST_WATCHDOG_TIMEOUT`` seconds, default 900; 0 disables it).
 """
 
+import atexit
+import itertools
 import os
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -44,10 +47,9 @@ class _Settings:
 
 
 settings = _Settings()
-_sequences = {}      # communicator key -> number of mpidist collectives started on it
-_in_flight = {}      # token -> (communicator name, op, sequence, start time)
-_lock = threading.Lock()
-_tokens = iter(range(1, 1 << 62))
+_sequences = {}      # id(communicator) -> (weak reference to it, number of mpidist collectives started on it)
+_in_flight = {}      # token -> (communicator, op, sequence, start time)
+_tokens = itertools.count(1)
 
 
 def configure(desync=None, watchdog_timeout=None):
@@ -56,12 +58,6 @@ def configure(desync=None, watchdog_timeout=None):
         settings.desync = bool(desync)
     if watchdog_timeout is not None:
         settings.watchdog_timeout = float(watchdog_timeout)
-
-
-def _comm_key(comm):
-    # mpi4py communicators are distinct Python objects for one MPI handle; the handle identifies it.
-    handle = getattr(comm, "py2f", None)
-    return ("mpi", handle()) if handle is not None else ("obj", id(comm))
 
 
 def _comm_name(comm):
@@ -83,24 +79,40 @@ def _describe(vec, dtype_names):
     return f"#{seq} {parts[0]}({', '.join(parts[1:])})"
 
 
-def enter(comm, op, dtype_code=-1, count=-1, root=-1, reduction="", dtype_names=()):
-    """Record the start of collective ``op`` on ``comm``; check fingerprints in debug mode; return a token."""
-    key = _comm_key(comm)
-    with _lock:
-        seq = _sequences.get(key, 0)
-        _sequences[key] = seq + 1
-        token = next(_tokens)
-        _in_flight[token] = (_comm_name(comm), op, seq, time.monotonic())
-    if settings.desync:
-        _check(comm, np.array([seq, _OPS.index(op), dtype_code, count, root, _REDUCTIONS.index(reduction)], dtype=np.int64),
-               dtype_names)
+def tracking():
+    """Return whether collectives are being tracked (debug desync checks or a running watchdog)."""
+    return settings.desync or _watchdog is not None
+
+
+def enter(comm, op, dtype_code=-1, count=-1, root=-1, reduction="", dtype_names=(), collective=True):
+    """Record the start of ``op`` on ``comm``; check fingerprints in debug mode; return a token.
+
+    Only collectives (``collective=True``) advance the communicator's sequence number and are checked:
+    point-to-point calls differ by rank by nature. Plain dict operations under the GIL, no lock: this
+    runs on every call while the watchdog is on.
+    """
+    seq = -1
+    if collective:
+        # Keyed by object identity, checked through a weak reference: a new communicator that reuses
+        # a freed one's id (or MPI handle) must start counting from zero, as it does on every rank.
+        ref, started = _sequences.get(id(comm), (None, 0))
+        seq = started if ref is not None and ref() is comm else 0
+        _sequences[id(comm)] = (ref if seq else weakref.ref(comm), seq + 1)
+    token = next(_tokens)
+    _in_flight[token] = (comm, op, seq, time.monotonic())
+    if collective and settings.desync:
+        try:
+            _check(comm, np.array([seq, _OPS.index(op), dtype_code, count, root, _REDUCTIONS.index(reduction)],
+                                  dtype=np.int64), dtype_names)
+        except BaseException:
+            _in_flight.pop(token, None)
+            raise
     return token
 
 
 def leave(token):
     """Record that the collective of ``token`` completed."""
-    with _lock:
-        _in_flight.pop(token, None)
+    _in_flight.pop(token, None)
 
 
 def _check(comm, vec, dtype_names):
@@ -125,8 +137,7 @@ def _check(comm, vec, dtype_names):
 def in_flight():
     """Return [(communicator name, op, sequence, seconds in flight)] of this process's pending collectives."""
     now = time.monotonic()
-    with _lock:
-        return [(name, op, seq, now - start) for name, op, seq, start in _in_flight.values()]
+    return [(_comm_name(comm), op, seq, now - start) for comm, op, seq, start in list(_in_flight.values())]
 
 
 # -- watchdog ----------------------------------------------------------------------------------------
@@ -172,8 +183,10 @@ class Watchdog:
             stuck = [p for p in in_flight() if p[3] > self.timeout + min(0.3 * self.rank, 5.0)]
             if stuck and self.fired is None:
                 self._fire(max(stuck, key=lambda p: p[3]))
-        if hasattr(request, "Cancel"):
-            request.Cancel()
+        # Leave no receive posted when MPI finalizes (UCX warns about requests never returned).
+        request.Cancel()
+        request.Wait()
+        self.world.Free()
 
     def _fire(self, pending):
         name, op, seq, age = pending
@@ -228,6 +241,7 @@ def start_watchdog(world, timeout=None, **kwargs):
         sys.stderr.write("mpidist: watchdog disabled: MPI was not initialized with MPI_THREAD_MULTIPLE\n")
         return None
     _watchdog = Watchdog(world, timeout, **kwargs).start()
+    atexit.register(stop_watchdog)  # runs before mpi4py's MPI_Finalize (registered earlier, runs later)
     return _watchdog
 
 

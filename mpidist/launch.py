@@ -118,15 +118,20 @@ def select_device(local, local_rank):
     return device
 
 
-def init(comm=None, *, abort_on_error=True):
+def init(comm=None, *, abort_on_error=True, watchdog_timeout=None):
     """Return ``(comm, info)``: the world communicator and where this process runs.
 
     Under mpiexec/srun ``comm`` is ``MPI.COMM_WORLD``; started plainly it is a world of one.
     With cupy and a GPU, selects GPU ``local_rank % visible GPUs`` (``info.device``) and warns when
     ranks of a node share a GPU.
     Raises ``LaunchError`` when the launcher started several processes but MPI sees only one.
+    Starts the collective watchdog (``mpidist.guard``): a collective stuck longer than
+    ``watchdog_timeout`` seconds (default ``MPIDIST_WATCHDOG_TIMEOUT`` or 900; 0 turns it off) is
+    reported with the ranks that did and did not arrive, and the job is aborted.
     """
     from mpi4py import MPI
+
+    from . import guard
 
     comm = MPI.COMM_WORLD if comm is None else comm
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -141,4 +146,6 @@ def init(comm=None, *, abort_on_error=True):
     info = LaunchInfo(rank, size, local_rank, local_size, nodes, detect_launcher(), library, version, device)
     if abort_on_error and size > 1 and isinstance(comm, MPI.Comm):
         install_abort_on_error(comm)
+    if size > 1 and isinstance(comm, MPI.Comm):
+        guard.start_watchdog(comm, watchdog_timeout)
     return comm, info
