@@ -408,3 +408,20 @@ def test_backward_prefetch_post_bounds_total_transient_to_two_units(comm):
     assert_matches(comm, fsdp, ref)
     with pytest.raises(ValueError, match=r"backward_prefetch must be 'pre' or 'post' \(got 'early'\)"):
         FSDP(make_model(), comm, backward_prefetch="early")
+
+
+@pytest.mark.world_sizes(2, 3, 4)
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the poisoned input overflows on purpose
+def test_check_finite_names_parameter_and_rank_on_every_rank(comm):
+    bad = comm.Get_size() - 1
+    fsdp = FSDP(make_model(), comm, check_finite=True)
+    crit = nn.CrossEntropyLoss()
+    x, y = next(batches(1))
+    crit(fsdp(my_slice(comm, x)), my_slice(comm, y))
+    fsdp.backward(crit.backward())  # finite: no error
+    xb = my_slice(comm, x).copy()
+    if comm.Get_rank() == bad:
+        xb[0, 0] = np.inf  # only this rank's data is poisoned
+    crit(fsdp(xb), my_slice(comm, y))
+    with pytest.raises(FloatingPointError, match=rf"FSDP: non-finite gradient.*'0.weight' on rank\(s\) \[{bad}\]"):
+        fsdp.backward(crit.backward())

@@ -152,7 +152,8 @@ class FSDP:
     ``fsdp.parameters()`` (one flat shard Parameter per unit).
     """
 
-    def __init__(self, module, comm, strategy="full_shard", units=None, prefetch=True, backward_prefetch="pre"):
+    def __init__(self, module, comm, strategy="full_shard", units=None, prefetch=True, backward_prefetch="pre",
+                 check_finite=False):
         if not isinstance(module, Module):
             raise TypeError(f"FSDP: module must be an mpidist.nn.Module (got {type(module).__name__})")
         if not isinstance(prefetch, bool):
@@ -160,6 +161,8 @@ class FSDP:
         if backward_prefetch not in ("pre", "post"):
             raise ValueError(f"FSDP: backward_prefetch must be 'pre' or 'post' (got {backward_prefetch!r})")
         strategy = ShardingStrategy.parse(strategy)
+        self.check_finite = check_finite
+        self._nonfinite = set()  # parameter names whose local (pre-average) gradient held NaN/Inf this step
         size = comm.Get_size()
         num_shards = 1 if strategy is ShardingStrategy.NO_SHARD else size
         self.module, self.comm = module, comm
@@ -268,7 +271,21 @@ class FSDP:
         """Backpropagate; each unit's gradient is reduce-scattered (mean) into its shard's grad as it finishes."""
         grad_in = self.module.backward(grad_out, mb=mb)
         self._settle()
+        if self.check_finite and self._sync:
+            self._raise_if_nonfinite()
         return grad_in
+
+    def _raise_if_nonfinite(self):
+        """Raise on every rank, naming parameters and ranks, if any rank's local gradient was not finite."""
+        names = [n for unit in self._param_units for n in unit.names]
+        local = np.array([[n in self._nonfinite for n in names]], dtype=np.int8)
+        self._nonfinite.clear()
+        everyone = np.empty((self.comm.Get_size(), len(names)), dtype=np.int8)
+        collectives.allgather(local, self.comm, out=everyone)  # each rank sees only its shard: agree first
+        bad = np.flatnonzero(everyone.any(axis=0))
+        if bad.size:
+            culprits = "; ".join(f"{names[i]!r} on rank(s) {np.flatnonzero(everyone[:, i]).tolist()}" for i in bad)
+            raise FloatingPointError(f"FSDP: non-finite gradient (NaN or Inf): {culprits}; the optimizer step must not be taken")
 
     def parameters(self):
         """Yield the shard Parameters (one flat shard per unit with parameters): give these to the optimizer."""
@@ -430,6 +447,12 @@ class FSDP:
     def _reduce_grad(self, unit):
         """Mean-reduce the unit's unsharded grad over ranks into its shard grad, then release the buffer."""
         unit.pending_reduce = False
+        if self.check_finite:
+            # Look before averaging: afterwards every rank holds the NaN and nobody knows its source.
+            xp = get_array_module(unit.unsharded_grad)
+            for name, view in zip(unit.names, unit.views(unit.unsharded_grad)):
+                if not bool(xp.isfinite(view).all()):
+                    self._nonfinite.add(name)
         if self.settings.strategy is ShardingStrategy.NO_SHARD:
             collectives.allreduce(unit.shard.grad, self.comm, op="mean")  # the unsharded grad is the shard grad
             return
