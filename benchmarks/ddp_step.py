@@ -41,7 +41,8 @@ class Runner:
     def __init__(self, mode, widths, comm, batch):
         self.mode, self.comm = mode, comm
         module = mlp(widths)
-        self.model = mpidist.DDP(module, comm) if mode == "ddp" else module
+        ddp_options = {"ddp": {}, "ddp_no_overlap": {"overlap": False}, "ddp_4mb": {"bucket_cap_mb": 4}}
+        self.model = mpidist.DDP(module, comm, **ddp_options[mode]) if mode in ddp_options else module
         self.params = list(module.parameters())
         self.opt = optim.SGD(self.params, lr=1e-3)
         self.crit = nn.CrossEntropyLoss()
@@ -55,7 +56,7 @@ class Runner:
         self.opt.zero_grad()
         self.crit(self.model(self.x), self.y)
         grad = self.crit.backward()
-        if self.mode == "ddp":
+        if self.mode.startswith("ddp"):
             before = self.model.stats["sync_wait_s"]
             self.model.backward(grad)
             sync = self.model.stats["sync_wait_s"] - before
@@ -95,7 +96,8 @@ def main(argv=None):
     rank, size = comm.Get_rank(), comm.Get_size()
 
     wide = [784, 1024, 1024, 10]
-    big = measure({m: Runner(m, wide, comm, 64) for m in ("local", "ddp", "per_tensor")}, comm, args.steps)
+    big = measure({m: Runner(m, wide, comm, 64) for m in ("local", "ddp", "ddp_no_overlap", "ddp_4mb", "per_tensor")},
+                  comm, args.steps)
     narrow_widths = [32] * 121
     narrow = measure({m: Runner(m, narrow_widths, comm, 64) for m in ("ddp", "per_tensor")}, comm, args.steps)
 
@@ -103,6 +105,8 @@ def main(argv=None):
         "ranks": size, "params": sum(p.data.size for p in mlp(wide).parameters()),
         "local_ms": big["local"][0], "ddp_ms": big["ddp"][0], "per_tensor_ms": big["per_tensor"][0],
         "ddp_sync_ms": big["ddp"][1], "per_tensor_sync_ms": big["per_tensor"][1],
+        "ddp_no_overlap_ms": big["ddp_no_overlap"][0], "ddp_no_overlap_sync_ms": big["ddp_no_overlap"][1],
+        "ddp_4mb_ms": big["ddp_4mb"][0], "ddp_4mb_sync_ms": big["ddp_4mb"][1],
         "narrow_tensors": 2 * (len(narrow_widths) - 1),
         "narrow_ddp_sync_ms": narrow["ddp"][1], "narrow_per_tensor_sync_ms": narrow["per_tensor"][1],
     }
@@ -113,6 +117,8 @@ def main(argv=None):
         print(f"{'mode':<28}{'step ms':>10}{'exposed sync ms':>18}")
         print(f"{'local (no communication)':<28}{result['local_ms']:>10.2f}{0:>18.2f}")
         print(f"{'DDP bucketed + overlapped':<28}{result['ddp_ms']:>10.2f}{result['ddp_sync_ms']:>18.2f}")
+        print(f"{'DDP, overlap=False':<28}{result['ddp_no_overlap_ms']:>10.2f}{result['ddp_no_overlap_sync_ms']:>18.2f}")
+        print(f"{'DDP, 4 MB buckets':<28}{result['ddp_4mb_ms']:>10.2f}{result['ddp_4mb_sync_ms']:>18.2f}")
         print(f"{'per-tensor blocking':<28}{result['per_tensor_ms']:>10.2f}{result['per_tensor_sync_ms']:>18.2f}")
         print(f"narrow MLP (120 layers x 32, {result['narrow_tensors']} tensors): exposed sync DDP "
               f"{result['narrow_ddp_sync_ms']:.3f} ms vs per-tensor {result['narrow_per_tensor_sync_ms']:.3f} ms")
