@@ -1,0 +1,66 @@
+"""Launch detection: world layout from the communicator, launcher from the environment, misconfigurations stop."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import mpidist
+from mpidist.launch import LaunchError, _check_world, detect_launcher, expected_world_size
+
+SRUN = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "4"}
+HYDRA = {"PMI_RANK": "0", "PMI_SIZE": "4"}
+OPEN_MPI = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}
+
+
+def test_detect_launcher_and_expected_size():
+    assert detect_launcher(SRUN) == "srun" and expected_world_size(SRUN) == 4
+    assert detect_launcher(HYDRA) == "mpiexec" and expected_world_size(HYDRA) == 4
+    assert detect_launcher(OPEN_MPI) == "mpiexec" and expected_world_size(OPEN_MPI) == 2
+    assert detect_launcher({}) == "none" and expected_world_size({}) is None
+    # Inside an sbatch script (no srun step) Slurm says how many tasks the job has, not this process's world.
+    assert expected_world_size({"SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}) is None
+
+
+def test_world_of_one_under_srun_with_several_tasks_stops_with_the_fix():
+    with pytest.raises(LaunchError, match=r"started 4 processes but MPI reports a world of 1.*srun --mpi=pmi2.*srun --mpi=pmix"):
+        _check_world(1, SRUN)
+
+
+def test_world_of_one_under_a_foreign_mpiexec_stops():
+    with pytest.raises(LaunchError, match=r"started 4 processes but MPI reports a world of 1.*mpiexec of the same installation"):
+        _check_world(1, HYDRA)
+
+
+def test_consistent_worlds_pass():
+    _check_world(4, SRUN)
+    _check_world(1, {})
+    _check_world(1, {"SLURM_NTASKS": "4"})  # a plain `python train.py` in a batch script is a world of one
+
+
+def test_init_describes_the_world(comm):
+    world, info = mpidist.init(comm, abort_on_error=False)
+    assert world is comm
+    assert (info.rank, info.size) == (comm.Get_rank(), comm.Get_size())
+    assert 0 <= info.local_rank < info.local_size <= info.size
+    # Every node's ranks add up to the world, counted independently of init's own node count.
+    leaders = comm.allgather(info.local_size if info.local_rank == 0 else 0)
+    assert sum(leaders) == info.size and info.nodes == sum(1 for s in leaders if s)
+    assert info.mpi_version.count(".") == 1 and info.mpi_library
+
+
+@pytest.mark.mpi_skip
+def test_simulated_nodes_give_local_ranks():
+    infos = mpidist.simulate(4, lambda c: mpidist.init(c, abort_on_error=False)[1], ranks_per_node=2)
+    assert [(i.local_rank, i.local_size, i.nodes) for i in infos] == [(0, 2, 2), (1, 2, 2), (0, 2, 2), (1, 2, 2)]
+
+
+@pytest.mark.mpi_skip
+def test_srun_mpi_none_is_refused_at_start_up():
+    """A process that believes it is one of 4 srun tasks, but whose MPI says 1, exits with the fix."""
+    env = dict(os.environ, **SRUN)
+    proc = subprocess.run([sys.executable, "-c", "import mpidist; mpidist.init(); print('trained anyway')"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "trained anyway" not in proc.stdout
+    assert "LaunchError" in proc.stderr and "--mpi=pmi2" in proc.stderr
