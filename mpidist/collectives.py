@@ -244,6 +244,16 @@ def _iallreduce(x, comm, op, _blocking):
 
 def broadcast(x, comm, root=0):
     """Overwrite ``x`` on every rank with ``root``'s ``x``; return ``x``."""
+    # Fast path, as for allreduce: a contiguous writable numpy array of a supported dtype and a valid root.
+    if (type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable and x.dtype in _DTYPE_CODE
+            and type(root) is int and 0 <= root < comm.Get_size()):
+        token = _guard.enter(comm, "broadcast", _DTYPE_CODE[x.dtype], x.size, root, "", _DTYPE_NAMES) if _guard.tracking() else None
+        try:
+            comm.Bcast(x, root=root)
+        finally:
+            if token is not None:
+                _guard.leave(token)
+        return x
     return _tracked(_begin(comm, "broadcast", x, root=root), _ibroadcast, x, comm, root, True)
 
 
