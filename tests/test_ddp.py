@@ -261,3 +261,62 @@ def test_check_finite_names_parameter_and_rank_on_every_rank(comm):
         first_bias.grad[...] = np.nan
     with pytest.raises(FloatingPointError, match=rf"non-finite gradient.*'0.weight' on rank\(s\) \[{bad}\]|non-finite gradient.*'0.bias' on rank\(s\) \[{bad}\]"):
         ddp.backward(crit.backward())
+
+
+class SkipsB(nn.Module):
+    """out = x*a + x*b; ranks with ``skip_b`` never produce b's gradient (unused there only)."""
+
+    def __init__(self, skip_b):
+        super().__init__()
+        self.a = nn.Parameter(np.ones(4))
+        self.b = nn.Parameter(np.ones(4))
+        self.skip_b = skip_b
+
+    def forward(self, x, mb=0):
+        self.save_for_backward(mb, x)
+        return x * self.a.data + x * self.b.data
+
+    def backward(self, grad_out, mb=0):
+        x = self.pop_saved(mb)
+        if not self.skip_b:
+            self.b.accumulate_grad(grad_out * x)
+        self.a.accumulate_grad(grad_out * x)
+        return grad_out
+
+
+@pytest.mark.world_sizes(2, 3, 4)
+def test_parameter_unused_on_one_rank_only_is_reported_everywhere(comm):
+    # Tiny buckets: ranks that produce b's gradient launch its bucket during backward, the other does not.
+    ddp = DDP(SkipsB(skip_b=comm.Get_rank() == 1), comm, first_bucket_mb=1e-6, bucket_cap_mb=1e-6,
+              unused_parameters="error")
+    ddp(np.ones(4))
+    with pytest.raises(RuntimeError, match=r"received no gradient in this backward on at least one rank: \['b'\]"):
+        ddp.backward(np.ones(4))
+    # The buckets were all completed first: the next (zero-mode) step runs normally on every rank.
+    ddp.unused_parameters = "zero"
+    ddp.zero_grad()
+    ddp(np.ones(4))
+    ddp.backward(np.ones(4))
+    size = comm.Get_size()
+    np.testing.assert_allclose(ddp.module.b.grad, np.full(4, (size - 1) / size))
+
+
+@pytest.mark.world_sizes(2, 3)
+def test_join_with_no_sync_accumulation_and_buffers(comm):
+    rank = comm.Get_rank()
+    model = nn.Sequential(nn.Linear(3, 2, rng=np.random.default_rng(0), dtype=np.float64))
+    model.register_buffer("counter", np.full(1, float(rank)))
+    ddp = DDP(model, comm)
+    opt = optim.SGD(list(model.parameters()), lr=0.1)
+    with ddp.join(opt):
+        for _ in range(2 + rank):
+            opt.zero_grad()
+            with ddp.no_sync():
+                ddp(np.ones((2, 3)))
+                ddp.backward(np.ones((2, 2)))
+            ddp(np.ones((2, 3)))
+            ddp.backward(np.ones((2, 2)))
+            opt.step()
+    flat = np.concatenate([v.ravel() for v in ddp.state_dict().values()])
+    everyone = mpidist.allgather(flat[np.newaxis], comm)
+    assert (everyone == everyone[0]).all()

@@ -138,7 +138,8 @@ class DDP:
         """Run the wrapped module's forward (and keep a joined rank's collectives matched)."""
         if self._join is not None and self._sync_enabled:
             self._join.announce(active=True)
-        if self.broadcast_buffers:
+        # Buffers are broadcast on synchronized forwards only: a joined rank mirrors exactly those.
+        if self.broadcast_buffers and self._sync_enabled:
             buffers = [b for _, b in self.module.named_buffers()]
             if buffers:
                 self._broadcast_state(buffers)
@@ -223,9 +224,9 @@ class DDP:
 
     def _finish_sync(self):
         unused = [name for b in self.buckets for p, name in zip(b.params, b.names) if id(p) not in b.ready]
-        if self.unused_parameters == "error":
-            self._check_unused(unused)
         # Parameters that got no gradient keep their (zeroed) slot; their buckets launch now, in order.
+        # Every bucket is launched and completed before any other collective (the unused-parameter
+        # check), so all ranks issue the same sequence whatever each launched during backward.
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
@@ -237,6 +238,8 @@ class DDP:
             bucket.ready.clear()
         self._next_launch = 0
         self.stats["steps"] += 1
+        if self.unused_parameters == "error":
+            self._check_unused(unused)
         if self.check_finite:
             self._raise_if_nonfinite()
 
