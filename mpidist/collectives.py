@@ -463,19 +463,65 @@ def irecv(source, comm, tag=0):
 def _irecv(source, comm, tag):
     if source != MPI.ANY_SOURCE:
         _check_peer("recv", source, comm, "source")
-    header = np.empty(_HEADER_LEN, dtype=np.int64)
-    status = MPI.Status()
-    request = comm.Irecv(header, source, tag)
+    return _ArrayReceive(comm, source, tag)
 
-    def finish():
+
+class _ArrayReceive(Handle):
+    """A receive of header + payload that matches the header with a matched probe when it completes.
+
+    No receive is posted in advance: a posted header receive could match another array's payload
+    when two receives from one source with one tag are outstanding. A matched probe takes the header
+    off the queue atomically; the payload is then the next message from that sender with that tag
+    (messages between one pair with one tag do not overtake each other). Receives whose source and
+    tag could match the same message complete in the order they were started, as MPI's do.
+    """
+
+    _pending = {}  # id(comm) -> receives started on it and not complete yet, oldest first
+
+    def __init__(self, comm, source, tag):
+        super().__init__([], self._receive)
+        self._comm, self._source, self._tag = comm, source, tag
+        self._probe_status = MPI.Status()
+        self._message = None
+        self._pending.setdefault(id(comm), []).append(self)
+
+    def _overlaps(self, other):
+        return (MPI.ANY_SOURCE in (self._source, other._source) or self._source == other._source) and \
+               (MPI.ANY_TAG in (self._tag, other._tag) or self._tag == other._tag)
+
+    def _earlier(self):
+        queue = self._pending.get(id(self._comm), [])
+        return [h for h in queue[: queue.index(self)] if self._overlaps(h)] if self in queue else []
+
+    def test(self):
+        if not self._done:
+            if not all(h.test() for h in self._earlier()):
+                return False
+            self._message = self._comm.Improbe(self._source, self._tag, self._probe_status)
+            if self._message is None:
+                return False
+            self._complete()
+        return True
+
+    def wait(self):
+        if not self._done:
+            for h in self._earlier():
+                h.wait()
+            self._message = self._comm.Mprobe(self._source, self._tag, self._probe_status)
+            self._complete()
+        return self._result
+
+    def _receive(self):
+        queue = self._pending.get(id(self._comm), [])
+        queue.remove(self)
+        if not queue:
+            self._pending.pop(id(self._comm), None)
+        header = np.empty(_HEADER_LEN, dtype=np.int64)
+        self._message.Recv(header)
         ndim = int(header[1])
         out = np.empty(tuple(header[2: 2 + ndim]), dtype=SUPPORTED_DTYPES[header[0]])
-        # Messages between one pair with one tag do not overtake each other, so the payload from the
-        # header's sender is the next message with that tag from it.
-        comm.Recv(out.reshape(-1), status.Get_source(), status.Get_tag())
+        self._comm.Recv(out.reshape(-1), self._probe_status.Get_source(), self._probe_status.Get_tag())
         return out
-
-    return Handle([request], finish, keep=(header,), status=status)
 
 
 def recv(source, comm, tag=0):

@@ -287,3 +287,23 @@ def test_property_send_recv(world, dtype, shape, data):
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_array_equal(got, want)
     world.run(body)
+
+
+def test_outstanding_receives_match_in_the_order_they_were_started(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        return
+    if rank == 0:
+        for i in range(3):
+            mpidist.send(np.full(i + 2, i, dtype=np.int32), 1, comm, tag=4)
+        mpidist.send(np.ones(1), 1, comm, tag=9)
+    elif rank == 1:
+        handles = [mpidist.irecv(0, comm, tag=4) for _ in range(3)]
+        other = mpidist.irecv(MPI.ANY_SOURCE, comm, tag=9)
+        # Waited newest first: each handle still gets the message MPI would have matched to it.
+        got = [h.wait() for h in reversed(handles)][::-1]
+        for i, arr in enumerate(got):
+            np.testing.assert_array_equal(arr, np.full(i + 2, i, dtype=np.int32))
+        while not other.test():
+            pass
+        np.testing.assert_array_equal(other.wait(), np.ones(1))

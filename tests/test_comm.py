@@ -324,3 +324,31 @@ def test_sim_watchdog_reports_who_is_missing():
 
     with pytest.raises(WatchdogTimeout, match=r"waited more than 0.2 s in Barrier\(\) #0 on SIM_WORLD.*ranks not in a communication call: \[1\]"):
         simulate(3, body, timeout=0.2)
+
+
+def test_proc_null_and_matched_probes(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    # The halo-shift idiom: the ends talk to PROC_NULL, which sends nowhere and receives nothing.
+    left = rank - 1 if rank > 0 else MPI.PROC_NULL
+    right = rank + 1 if rank < size - 1 else MPI.PROC_NULL
+    got = np.full(1, -7.0)
+    status = MPI.Status()
+    comm.Sendrecv(np.array([float(rank)]), right, 3, got, left, 3, status)
+    if left == MPI.PROC_NULL:
+        assert got[0] == -7.0 and status.Get_source() == MPI.PROC_NULL
+    else:
+        assert got[0] == left and status.Get_source() == left
+    if size > 1:
+        if rank == 0:
+            comm.Send(np.arange(5, dtype=np.int16), 1, tag=8)
+            comm.send({"k": 1}, dest=1, tag=2)
+        elif rank == 1:
+            status = MPI.Status()
+            message = comm.Mprobe(0, 8, status)
+            assert status.Get_source() == 0 and status.Get_tag() == 8
+            buf = np.empty(5, dtype=np.int16)
+            message.Recv(buf)
+            np.testing.assert_array_equal(buf, np.arange(5))
+            status = MPI.Status()
+            assert comm.recv(source=0, tag=2, status=status) == {"k": 1} and status.Get_tag() == 2
+    assert comm.Improbe(MPI.ANY_SOURCE, 77) is None

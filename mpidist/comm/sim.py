@@ -227,6 +227,30 @@ class SimRequest:
     waitall = Waitall
 
 
+class SimMessage:
+    """A message taken off the queue by ``Mprobe``/``Improbe``; ``Recv`` delivers it (like ``MPI.Message``)."""
+
+    def __init__(self, comm, source, tag, payload):
+        self._comm, self.source, self.tag, self._payload = comm, source, tag, payload
+
+    def _fill(self, status):
+        if status is not None:
+            status.Set_source(self.source)
+            status.Set_tag(self.tag)
+            if isinstance(self._payload, np.ndarray):
+                status.Set_elements(MPI.BYTE, self._payload.nbytes)
+
+    def Recv(self, buf, status=None):
+        """Copy the message into ``buf``."""
+        self._comm._buffer_deliverer(buf, "Message.Recv")(self._payload)
+        self._fill(status)
+
+    def recv(self, status=None):
+        """Return the message's Python object."""
+        self._fill(status)
+        return self._payload
+
+
 class SimComm:
     """Simulated intracommunicator with mpi4py's method names and semantics (the subset mpidist uses)."""
 
@@ -537,6 +561,8 @@ class SimComm:
 
     def _post_send(self, payload, dest, tag, name):
         self._check_usable(name)
+        if dest == MPI.PROC_NULL:  # MPI: a send to PROC_NULL completes at once and goes nowhere
+            return SimRequest(self, lambda: True, lambda status: None, name)
         if not 0 <= dest < self.size:
             raise ValueError(f"SimComm.{name}: dest {dest} out of range for communicator of size {self.size}")
         ctx, u = self._ctx, self._ctx.universe
@@ -556,6 +582,13 @@ class SimComm:
         if source not in (MPI.ANY_SOURCE, MPI.PROC_NULL) and not 0 <= source < self.size:
             raise ValueError(f"SimComm.{name}: source {source} out of range for communicator of size {self.size}")
         ctx, u = self._ctx, self._ctx.universe
+        if source == MPI.PROC_NULL:  # MPI: completes at once, empty, from PROC_NULL with ANY_TAG
+            def finish_null(status):
+                if status is not None:
+                    status.Set_source(MPI.PROC_NULL)
+                    status.Set_tag(MPI.ANY_TAG)
+                    status.Set_elements(MPI.BYTE, 0)
+            return SimRequest(self, lambda: True, finish_null, name)
         recv = {"source": source, "tag": tag, "message": None}
         with u.cond:
             queue = ctx.unexpected[self._rank]
@@ -572,7 +605,8 @@ class SimComm:
             if status is not None:
                 status.Set_source(src)
                 status.Set_tag(t)
-                status.Set_elements(MPI.BYTE, count)
+                if count is not None:  # object messages have no element count
+                    status.Set_elements(MPI.BYTE, count)
             return payload if count is None else None
         what = f"{name}(source={'ANY' if source == MPI.ANY_SOURCE else source}, tag={'ANY' if tag == MPI.ANY_TAG else tag}) on {ctx.name}"
         return SimRequest(self, lambda: recv["message"] is not None, finish, what)
@@ -586,6 +620,36 @@ class SimComm:
             arr.view(np.uint8)[: data.nbytes] = data.view(np.uint8).reshape(-1)
             return data.nbytes
         return deliver
+
+    def Improbe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+        """Take the first matching message off the queue if there is one (``SimMessage``), else return None."""
+        self._check_usable("Improbe")
+        ctx, u = self._ctx, self._ctx.universe
+        with u.cond:
+            queue = ctx.unexpected[self._rank]
+            for i, (src, t, payload) in enumerate(queue):
+                if self._matches(source, tag, src, t):
+                    del queue[i]
+                    message = SimMessage(self, src, t, payload)
+                    message._fill(status)
+                    return message
+        return None
+
+    def Mprobe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+        """Block until a matching message arrives and take it off the queue (``SimMessage``)."""
+        self._check_usable("Mprobe")
+        ctx, u = self._ctx, self._ctx.universe
+        found = []
+
+        def ready():
+            message = self.Improbe(source, tag, status) if not found else None
+            if message is not None:
+                found.append(message)
+            return bool(found)
+        what = f"Mprobe(source={'ANY' if source == MPI.ANY_SOURCE else source}, tag={'ANY' if tag == MPI.ANY_TAG else tag}) on {ctx.name}"
+        with u.cond:
+            u.wait_until(self._world_rank, ready, what)
+        return found[0]
 
     def Isend(self, buf, dest, tag=0):
         """Start a send of ``buf`` to ``dest`` (eager: the data is copied at once)."""
