@@ -36,13 +36,28 @@ _DTYPE_NAMES = tuple(dt.name for dt in SUPPORTED_DTYPES)
 
 
 # -- tracking: fingerprints for the desync check and in-flight records for the watchdog (mpidist.guard) --
-def _begin(comm, op, x=None, root=-1, reduction=""):
-    """Register collective ``op`` with the guard when it is tracking; return its token (None when not)."""
+def _begin(comm, op, x=None, root=-1, reduction="", count=None):
+    """Register collective ``op`` with the guard when it is tracking; return its token (None when not).
+
+    Runs before input validation, so it must not trip over bad arguments: those get a neutral value
+    and the validation's own error.
+    """
     if not _guard.tracking():
         return None
     dtype_code = _DTYPE_CODE.get(getattr(x, "dtype", None), -1)
-    return _guard.enter(comm, op, dtype_code, int(getattr(x, "size", -1)), root,
-                        reduction if isinstance(reduction, str) and reduction in _OP_NAMES else "", _DTYPE_NAMES)
+    if count is None:
+        count = getattr(x, "size", -1)
+    root = int(root) if isinstance(root, (int, np.integer)) else -2
+    reduction = reduction.lower() if isinstance(reduction, str) and reduction.lower() in _OP_NAMES else ""
+    return _guard.enter(comm, op, dtype_code, int(count), root, reduction, _DTYPE_NAMES)
+
+
+def _row_size(x):
+    """Elements per row of axis 0: what every rank of an allgather must agree on (row counts may differ)."""
+    shape = getattr(x, "shape", None)
+    if not shape:
+        return getattr(x, "size", -1)
+    return int(np.prod(shape[1:], dtype=np.int64))
 
 
 def _tracked(token, call, *args):
@@ -325,12 +340,12 @@ def allgather(x, comm, out=None):
 
     With ``out`` (shape ``(size * n, ...)``) every rank must pass the same shape; no size exchange is needed.
     """
-    return _tracked(_begin(comm, "allgather", x), _iallgather, x, comm, out, True)
+    return _tracked(_begin(comm, "allgather", x, count=_row_size(x)), _iallgather, x, comm, out, True)
 
 
 def iallgather(x, comm, out=None):
     """Start an allgather; ``wait()`` returns the concatenated array."""
-    return _tracked(_begin(comm, "iallgather", x), _iallgather, x, comm, out, False)
+    return _tracked(_begin(comm, "iallgather", x, count=_row_size(x)), _iallgather, x, comm, out, False)
 
 
 def _iallgather(x, comm, out, _blocking):

@@ -135,7 +135,9 @@ def init(comm=None, *, abort_on_error=True, watchdog_timeout=None):
 
     comm = MPI.COMM_WORLD if comm is None else comm
     size, rank = comm.Get_size(), comm.Get_rank()
-    _check_world(size)
+    if isinstance(comm, MPI.Comm):
+        # The launcher counts processes in the world, whatever communicator the caller hands in.
+        _check_world(MPI.COMM_WORLD.Get_size())
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank, local_size = local.Get_rank(), local.Get_size()
     nodes = comm.allreduce(1 if local_rank == 0 else 0)

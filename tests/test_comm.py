@@ -263,7 +263,7 @@ def test_deadlock_is_reported_not_hung():
     def body(comm):
         comm.recv(source=(comm.rank + 1) % comm.size, tag=9)
 
-    with pytest.raises(DeadlockError, match=r"rank 0 waits in irecv\(source=1, tag=9\).*rank 1 waits in irecv\(source=0, tag=9\)"):
+    with pytest.raises(DeadlockError, match=r"rank 0 waits in recv\(source=1, tag=9\).*rank 1 waits in recv\(source=0, tag=9\)"):
         simulate(2, body)
 
 

@@ -117,7 +117,7 @@ def test_sim_tag_mismatch_is_a_reported_deadlock():
         else:
             mpidist.recv(0, comm, tag=2)
 
-    with pytest.raises(mpidist.DeadlockError, match=r"rank 1 waits in Irecv\(source=0, tag=2\)"):
+    with pytest.raises(mpidist.DeadlockError, match=r"rank 1 waits in Mprobe\(source=0, tag=2\)"):
         mpidist.simulate(2, body)
 
 
@@ -151,3 +151,12 @@ def test_watchdog_reports_and_aborts(kind, arrived, missing):
         assert "rank 2: not in an mpidist collective" in out, out
     if kind == "tag":
         assert "recv" in out, out
+
+
+def test_uneven_allgather_and_bad_roots_in_debug_mode(comm, desync_checks):
+    rank = comm.Get_rank()
+    got = mpidist.allgather(np.ones((rank + 1, 3)), comm)  # legal: leading dims may differ
+    assert got.shape == (sum(range(1, comm.Get_size() + 1)), 3)
+    with pytest.raises(ValueError, match=r"broadcast: root None out of range"):
+        mpidist.broadcast(np.ones(2), comm, root=None)
+    mpidist.allreduce(np.ones(2), comm, op="SUM")  # op names are case-insensitive in fingerprints too

@@ -686,8 +686,7 @@ class SimComm:
 
     def recv(self, buf=None, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
         """Receive a Python object."""
-        req = self.irecv(None, source, tag)
-        return req.wait(status)
+        return self._post_recv(source, tag, lambda obj: None, "recv").wait(status)
 
     def sendrecv(self, sendobj, dest, sendtag=0, recvbuf=None, source=MPI.ANY_SOURCE, recvtag=MPI.ANY_TAG, status=None):
         """Send and receive Python objects."""
