@@ -222,21 +222,31 @@ def _step_dir(root, step):
     return os.path.join(root, f"step_{int(step):08d}")
 
 
-def list_steps(root):
-    """Return the steps of committed checkpoints (those with a manifest) under ``root``, oldest first."""
+def _committed(root):
+    """Return [(commit time, step)] of the committed checkpoints under ``root``."""
     if not os.path.isdir(root):
         return []
-    steps = []
+    found = []
     for entry in os.listdir(root):
-        if entry.startswith("step_") and entry[5:].isdigit() and os.path.exists(os.path.join(root, entry, MANIFEST)):
-            steps.append(int(entry[5:]))
-    return sorted(steps)
+        manifest = os.path.join(root, entry, MANIFEST)
+        if entry.startswith("step_") and entry[5:].isdigit() and os.path.exists(manifest):
+            found.append((os.stat(manifest).st_mtime_ns, int(entry[5:])))
+    return found
+
+
+def list_steps(root):
+    """Return the steps of committed checkpoints (those with a manifest) under ``root``, oldest first."""
+    return sorted(step for _, step in _committed(root))
 
 
 def latest_step(root):
-    """Return the newest committed step under ``root``, or None."""
-    steps = list_steps(root)
-    return steps[-1] if steps else None
+    """Return the most recently committed step under ``root``, or None.
+
+    By commit time, not step number: after a run is rolled back to an older checkpoint and goes on,
+    its new checkpoints are the ones to resume from, not the abandoned run's higher steps.
+    """
+    found = _committed(root)
+    return max(found)[1] if found else None
 
 
 # -- save ------------------------------------------------------------------------------------------
@@ -282,9 +292,15 @@ def save(root, state, comm, step, keep_last=3):
             owner[piece] = r
             load_bytes[r] += hs[0][3]
         assignment = [sorted(p for p, r in owner.items() if r == q) for q in range(size)]
+        # Saving a step that already exists: withdraw its manifest before any rank file is replaced,
+        # so a crash in between leaves no manifest pointing at half-new files (older steps stay valid).
+        existing = os.path.join(directory, MANIFEST)
+        if os.path.exists(existing):
+            os.remove(existing)
+            _fsync_dir(directory)
     else:
         assignment = None
-    mine = set(comm.scatter(assignment, root=0))
+    mine = set(comm.scatter(assignment, root=0))  # no rank writes before rank 0 got here
 
     def write():
         os.makedirs(directory, exist_ok=True)
@@ -328,8 +344,8 @@ def save(root, state, comm, step, keep_last=3):
         _write_atomic(os.path.join(directory, MANIFEST), [json.dumps(manifest, indent=1).encode()])
         _fsync_dir(directory)
         _fsync_dir(root)
-        if keep_last is not None:
-            for old in list_steps(root)[:-keep_last]:
+        if keep_last:
+            for _, old in sorted(_committed(root))[:-keep_last]:  # the least recently committed go first
                 shutil.rmtree(_step_dir(root, old), ignore_errors=True)
         return directory
 
@@ -448,25 +464,41 @@ def load(root, state, comm, step=None, verify=True):
                       lambda: _read_manifest(directory) if comm.Get_rank() == 0 else None)
     manifest = comm.bcast(manifest, root=0)
 
-    def restore():
-        # Optimizer state arrays must exist before slots can point at them.
-        registry, _ = _Registry(), None
+    optimizers = {name: obj for name, obj in state.items() if _is_optimizer(obj)}
+    before = {name: ([dict(g) for g in opt.param_groups], opt.state) for name, opt in optimizers.items()}
+
+    def read():
+        # Optimizer state arrays must exist before slots can point at them (undone below on failure).
+        registry = _Registry()
         for name, obj in state.items():
             if _is_model(obj) and not _is_optimizer(obj):
                 _model_slots(name, obj, registry)
-        for name, obj in state.items():
-            if _is_optimizer(obj):
-                if name not in manifest["json"]:
-                    raise CheckpointError(f"checkpoint: {directory} holds no optimizer {name!r}")
-                _restore_optimizer(name, obj, manifest["json"][name], registry)
+        for name, opt in optimizers.items():
+            if name not in manifest["json"]:
+                raise CheckpointError(f"checkpoint: {directory} holds no optimizer {name!r}")
+            _restore_optimizer(name, opt, manifest["json"][name], registry)
         slots, _ = _plan(state)
         _check_keys(slots, manifest, directory)
         reader = _Reader(directory, manifest, verify)
-        for slot in slots:
+        staged = []
+        for slot in slots:  # read and verify everything before changing anything
             host = np.empty(slot.array.size, dtype=slot.array.dtype)
             host[...] = to_numpy(slot.array).reshape(-1)
             for key, shape, gstart, lstart, count in slot.segments:
                 reader.read(key, gstart, count, host[lstart: lstart + count])
+            staged.append((slot, host))
+        return staged
+
+    try:
+        staged = _agree(comm, f"load of step {step}", read)
+    except CheckpointError:
+        for name, (groups, opt_state) in before.items():  # a failed load leaves the optimizer as it was
+            optimizers[name].param_groups[:] = [dict(g) for g in groups]
+            optimizers[name].state = opt_state
+        raise
+
+    def apply():
+        for slot, host in staged:
             copy_into(slot.array, host.reshape(slot.array.shape))
         entries = manifest["json"]
         if "json_per_rank" in manifest and manifest["world_size"] == comm.Get_size():
@@ -475,7 +507,7 @@ def load(root, state, comm, step=None, verify=True):
             if name in entries and not _is_optimizer(obj):
                 _restore_json(name, state, entries[name])
 
-    _agree(comm, f"load of step {step}", restore)
+    _agree(comm, f"load of step {step} (apply)", apply)
     return int(step)
 
 

@@ -270,3 +270,69 @@ def test_fsdp_saved_at_4_resharded_to_n_keeps_optimizer_state_bitwise(tmp_path, 
     for i in o1["state"]:
         for k, v in o1["state"][i].items():
             assert np.array_equal(v, o2["state"][i][k]), (i, k)
+
+
+@pytest.mark.mpi_skip
+def test_resaving_a_step_that_crashes_before_commit_leaves_no_broken_checkpoint(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    model = make_model()
+    for step in (4, 6):
+        mpidist.simulate(2, lambda comm, s=step: checkpoint.save(root, {"model": model}, comm, step=s))
+    saved4 = {k: v.copy() for k, v in model.state_dict().items()}
+    for p in model.parameters():
+        p.data += 1.0
+    real = checkpoint._write_atomic
+
+    def crash_at_commit(path, chunks):
+        if path.endswith("manifest.json"):
+            raise OSError("power cut (injected)")
+        return real(path, chunks)
+
+    monkeypatch.setattr(checkpoint, "_write_atomic", crash_at_commit)
+    with pytest.raises(CheckpointError, match="power cut"):
+        mpidist.simulate(2, lambda comm: checkpoint.save(root, {"model": model}, comm, step=6))
+    monkeypatch.setattr(checkpoint, "_write_atomic", real)
+    assert checkpoint.list_steps(root) == [4]  # step 6 was withdrawn, not left half-rewritten
+    fresh = make_model(seed=3)
+    assert mpidist.simulate(2, lambda comm: checkpoint.load(root, {"model": fresh}, comm)) == [4, 4]
+    for k, v in saved4.items():
+        np.testing.assert_array_equal(fresh.state_dict()[k], v)
+
+
+@pytest.mark.mpi_skip
+def test_failed_load_changes_nothing(tmp_path):
+    root = str(tmp_path)
+    small = nn.Sequential(nn.Linear(7, 5, dtype=np.float64))
+    small_opt = optim.Adam(list(small.parameters()), lr=0.01)
+    mpidist.simulate(1, lambda comm: checkpoint.save(root, {"model": small, "optim": small_opt}, comm, step=1))
+    model = make_model()
+    opt = optim.Adam(list(model.parameters()), lr=0.01)
+    train(model, opt, 2)
+    params = {k: v.copy() for k, v in model.state_dict().items()}
+    opt_state = opt.state_dict()
+    with pytest.raises(CheckpointError, match="does not match this state|has no saved state for parameter"):
+        mpidist.simulate(1, lambda comm: checkpoint.load(root, {"model": model, "optim": opt}, comm))
+    with pytest.raises(CheckpointError, match=r"does not match this state.*'model.0.weight' has shape \(5, 7\) in the checkpoint"):
+        mpidist.simulate(1, lambda comm: checkpoint.load(root, {"model": model}, comm))
+    for k, v in params.items():
+        np.testing.assert_array_equal(model.state_dict()[k], v)
+    after = opt.state_dict()
+    assert after["param_groups"] == opt_state["param_groups"]
+    for i, s in opt_state["state"].items():
+        for k, v in s.items():
+            np.testing.assert_array_equal(after["state"][i][k], v)
+
+
+@pytest.mark.mpi_skip
+def test_latest_is_the_most_recent_commit_after_a_rollback(tmp_path):
+    import time
+    root = str(tmp_path)
+    model = make_model()
+    for step in (2, 4, 6):
+        mpidist.simulate(1, lambda comm, s=step: checkpoint.save(root, {"model": model}, comm, step=s, keep_last=3))
+    time.sleep(0.01)
+    # Rolled back to step 4 and trained on: the new step-5 checkpoint is the one to resume from, and
+    # pruning removes the least recently committed, not the highest step.
+    mpidist.simulate(1, lambda comm: checkpoint.save(root, {"model": model}, comm, step=5, keep_last=3))
+    assert checkpoint.latest_step(root) == 5
+    assert checkpoint.list_steps(root) == [4, 5, 6]
