@@ -39,8 +39,8 @@ class Preemption:
 
     def install(self):
         """Install the signal handlers (only possible from the main thread; elsewhere a no-op)."""
-        if threading.current_thread() is not threading.main_thread():
-            return self
+        if threading.current_thread() is not threading.main_thread() or self._previous:
+            return self  # Python delivers signals to the main thread only; and install once
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handler)
         return self
