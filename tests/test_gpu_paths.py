@@ -22,6 +22,7 @@ from mpidist.gpu.probe import MPIProbe, find_mpi_library, probe_mpi_cuda_support
 from mpidist.gpu.staged import chunk_bounds
 
 from fake_device import FakeDevice, FakeDeviceArray, FakeSegfault, RecordingComm
+from test_collectives import valid_ops
 from test_collectives import assert_matches, rank_input, reference
 
 YES = MPIProbe("libmpi-fake.so", "MPIX_GPU_query_support", True)
@@ -151,16 +152,6 @@ def test_describe_without_cupy_needs_no_communication():
 
 
 # -- every collective on every path against numpy --------------------------------------------------------
-def _ops_for(dtype):
-    dtype = np.dtype(dtype)
-    ops = ["sum", "prod", "min", "max"]
-    if dtype.kind in "fc":
-        ops.append("mean")
-    if dtype.kind == "c":
-        ops = [o for o in ops if o not in ("min", "max")]
-    return ops
-
-
 DTYPES = ("float64", "float32", "float16", "int32", "int16", "uint8", "bool", "complex64")
 
 
@@ -168,7 +159,7 @@ def run_all_collectives(comm, device):
     """Every public collective on fake device arrays vs numpy references; 13 elements (uneven splits)."""
     size, rank = comm.Get_size(), comm.Get_rank()
     for i, dtype in enumerate(DTYPES):
-        for op in _ops_for(dtype):
+        for op in valid_ops(dtype):
             x = device.asarray(rank_input(rank, (13,), dtype, seed=i))
             got = mpidist.allreduce(x, comm, op=op)
             assert got is x
