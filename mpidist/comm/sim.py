@@ -390,7 +390,7 @@ class SimComm:
             result = _reduce([s.copy() for s, _ in parts], op)
             for r, (_, out) in enumerate(parts):
                 if root is None or r == root:
-                    out[...] = result
+                    out[: result.size] = result  # MPI writes count elements, not the whole buffer
             return [None] * len(parts)
         return self._start(name, sig, (src, recv), work)
 
