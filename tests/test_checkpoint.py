@@ -97,8 +97,14 @@ def test_keep_last_and_latest(comm, tmp_path):
     assert checkpoint.load(os.path.join(root, "nothing-here"), {"model": model}, comm) is None
 
 
-def _save_then(comm_size, fn, root):
-    return mpidist.simulate(comm_size, fn, root)
+def train_and_save_fsdp(comm, root):
+    """Train an FSDP model 3 Adam steps on ``comm`` and checkpoint it as step 3; return its full state dict."""
+    from mpidist.parallel.fsdp import FSDP
+    fsdp = FSDP(make_model(), comm)
+    opt = optim.Adam(fsdp.parameters(), lr=0.01)
+    train(fsdp, opt, 3, comm=comm)
+    checkpoint.save(root, {"model": fsdp, "optim": opt}, comm, step=3)
+    return fsdp.full_state_dict()
 
 
 @pytest.mark.mpi_skip
@@ -107,25 +113,15 @@ def test_reshard_fsdp_saved_at_4(tmp_path, load_size):
     from mpidist.parallel.fsdp import FSDP
     root = str(tmp_path)
 
-    def save(comm, root):
-        fsdp = FSDP(make_model(), comm)
-        opt = optim.Adam(fsdp.parameters(), lr=0.01)
-        train(fsdp, opt, 3, comm=comm)
-        checkpoint.save(root, {"model": fsdp, "optim": opt}, comm, step=3)
-        return fsdp.full_state_dict()
-
-    reference = mpidist.simulate(4, save, root)[0]
+    reference = mpidist.simulate(4, train_and_save_fsdp, root)[0]
 
     def load(comm, root):
         fsdp = FSDP(make_model(seed=8), comm)
         opt = optim.Adam(fsdp.parameters(), lr=0.01)
         checkpoint.load(root, {"model": fsdp, "optim": opt}, comm)
-        full = fsdp.full_state_dict()
-        # Continue training identically at the new size: proves optimizer state was resharded too.
-        return full, opt
+        return fsdp.full_state_dict()
 
-    results = mpidist.simulate(load_size, load, root)
-    full = results[0][0]
+    full = mpidist.simulate(load_size, load, root)[0]
     for k, v in reference.items():
         np.testing.assert_array_equal(full[k], v)
 
@@ -137,13 +133,7 @@ def test_fsdp_optimizer_state_reshards_bitwise(tmp_path, load_size):
     from mpidist.parallel.fsdp import FSDP
     root = str(tmp_path)
 
-    def save(comm, root):
-        fsdp = FSDP(make_model(), comm)
-        opt = optim.Adam(fsdp.parameters(), lr=0.01)
-        train(fsdp, opt, 3, comm=comm)
-        checkpoint.save(root, {"model": fsdp, "optim": opt}, comm, step=3)
-
-    mpidist.simulate(4, save, root)
+    mpidist.simulate(4, train_and_save_fsdp, root)
     # Load the FSDP checkpoint into a plain model + Adam (world of one): layout-independent keys.
     plain = make_model(seed=5)
     plain_opt = optim.Adam(plain.parameters(), lr=0.01)
@@ -242,19 +232,13 @@ def test_fsdp_saved_at_4_resharded_to_n_keeps_optimizer_state_bitwise(tmp_path, 
     from mpidist.parallel.fsdp import FSDP
     first, second = str(tmp_path / "at4"), str(tmp_path / f"at{load_size}")
 
-    def save(comm):
-        fsdp = FSDP(make_model(), comm)
-        opt = optim.Adam(fsdp.parameters(), lr=0.01)
-        train(fsdp, opt, 3, comm=comm)
-        checkpoint.save(first, {"model": fsdp, "optim": opt}, comm, step=3)
-
     def reshard(comm):
         fsdp = FSDP(make_model(seed=8), comm)
         opt = optim.Adam(fsdp.parameters(), lr=0.5)
         checkpoint.load(first, {"model": fsdp, "optim": opt}, comm)
         checkpoint.save(second, {"model": fsdp, "optim": opt}, comm, step=3)
 
-    mpidist.simulate(4, save)
+    mpidist.simulate(4, train_and_save_fsdp, first)
     mpidist.simulate(load_size, reshard)
 
     def read(root):
