@@ -184,7 +184,7 @@ def _setup(op, count, dtype, comm, xp):
 
         def with_mpidist():
             handle = collectives.isend(x, dest, comm)
-            collectives.recv(source, comm)
+            collectives.recv(source, comm, out=y)
             handle.wait()
 
         def raw():

@@ -27,6 +27,10 @@ SUPPORTED_DTYPES = tuple(np.dtype(t) for t in (
     "uint8", "uint16", "uint32", "uint64", "bool", "complex64", "complex128"))
 _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 _HEADER_LEN = 16  # dtype code, ndim, up to 14 dims
+_HEADER_BYTES = _HEADER_LEN * 8
+# send/recv payloads up to this size travel in the header's own message: one message instead of two
+# halves the latency of small sends (the pipeline's activations of small models, state dict pieces).
+_INLINE_MAX = 8192
 
 _ARITH_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX, "mean": MPI.SUM}
 # MPI defines no SUM/PROD/MIN/MAX on C_BOOL; the logical ops mean the same thing for booleans.
@@ -168,8 +172,15 @@ class Handle:
         self._finish = finish
         self._keep = keep  # buffers MPI still reads or writes; must outlive the requests
         self._result = None
+        self._error = None
         self._done = False
         self._token = None  # the guard's record of this collective, while it is in flight
+
+    def __del__(self):
+        # A handle dropped without wait(): MPI completes the operation anyway, so the watchdog must not
+        # go on counting it as in flight and abort the job as hung when its timeout passes.
+        if self._token is not None:
+            _guard.leave(self._token)
 
     def test(self):
         """Return whether the operation has completed (finishing it if so), without blocking."""
@@ -186,17 +197,24 @@ class Handle:
             for i, r in enumerate(self._requests):
                 r.Wait(self._status if i == 0 else None)
             self._complete()
+        if self._error is not None:
+            raise self._error
         return self._result
 
     def _complete(self):
+        # Complete exactly once, even when finishing fails: a second attempt could take another
+        # operation's message. The error is raised again by every later wait().
         try:
             self._result = self._finish()
+        except BaseException as exc:
+            self._error = exc
+            raise
         finally:
             if self._token is not None:
                 _guard.leave(self._token)
                 self._token = None
-        self._done = True
-        self._keep = ()
+            self._done = True
+            self._keep = ()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -455,6 +473,13 @@ def _isend(x, dest, comm, tag):
     _check_array("send", x)
     _check_peer("send", dest, comm, "dest")
     header = _header("send", x)
+    nbytes = x.size * x.dtype.itemsize
+    if nbytes <= _INLINE_MAX:
+        # One message, header then payload; the receiver tells it from a header-only message by its length.
+        message = np.empty(_HEADER_BYTES + nbytes, dtype=np.uint8)
+        message[:_HEADER_BYTES] = header.view(np.uint8)
+        message[_HEADER_BYTES:] = _host_copy(_xp.to_numpy(x)).reshape(-1).view(np.uint8)
+        return Handle([comm.Isend(message, dest, tag)], lambda: None, keep=(message,))
     gpu = None if isinstance(x, np.ndarray) else _gpu(x)
     if gpu is not None:
         header_request = comm.Isend(header, dest, tag)
@@ -470,15 +495,30 @@ def send(x, dest, comm, tag=0):
     isend(x, dest, comm, tag).wait()
 
 
-def irecv(source, comm, tag=0):
-    """Start receiving an array from ``source`` (``MPI.ANY_SOURCE`` allowed); ``wait()`` returns it."""
-    return _tracked(_p2p_begin(comm, "recv"), _irecv, source, comm, tag)
+def irecv(source, comm, tag=0, out=None):
+    """Start receiving an array from ``source`` (``MPI.ANY_SOURCE`` allowed); ``wait()`` returns it.
+
+    With ``out`` (an array of the sent shape and dtype) the data lands there and ``wait()`` returns
+    ``out``: no allocation per message, which matters for large messages received again and again.
+    """
+    return _tracked(_p2p_begin(comm, "recv"), _irecv, source, comm, tag, out)
 
 
-def _irecv(source, comm, tag):
+def _irecv(source, comm, tag, out):
     if source != MPI.ANY_SOURCE:
         _check_peer("recv", source, comm, "source")
-    return _ArrayReceive(comm, source, tag)
+    if out is not None:
+        _check_array("recv", out, "out")
+        _check_writable("recv", out)
+    return _ArrayReceive(comm, source, tag, out)
+
+
+def _settled(step):
+    """Run an earlier receive's test/wait for a later one; its own error is for its own wait() to raise."""
+    try:
+        return step()
+    except Exception:  # noqa: BLE001 - kept in that handle, raised again when the user waits on it
+        return True
 
 
 class _ArrayReceive(Handle):
@@ -493,9 +533,9 @@ class _ArrayReceive(Handle):
 
     _pending = {}  # id(comm) -> receives started on it and not complete yet, oldest first
 
-    def __init__(self, comm, source, tag):
+    def __init__(self, comm, source, tag, out=None):
         super().__init__([], self._receive)
-        self._comm, self._source, self._tag = comm, source, tag
+        self._comm, self._source, self._tag, self._out = comm, source, tag, out
         self._probe_status = MPI.Status()
         self._message = None
         self._pending.setdefault(id(comm), []).append(self)
@@ -510,7 +550,7 @@ class _ArrayReceive(Handle):
 
     def test(self):
         if not self._done:
-            if not all(h.test() for h in self._earlier()):
+            if not all(_settled(h.test) for h in self._earlier()):
                 return False
             self._message = self._comm.Improbe(self._source, self._tag, self._probe_status)
             if self._message is None:
@@ -521,9 +561,11 @@ class _ArrayReceive(Handle):
     def wait(self):
         if not self._done:
             for h in self._earlier():
-                h.wait()
+                _settled(h.wait)
             self._message = self._comm.Mprobe(self._source, self._tag, self._probe_status)
             self._complete()
+        if self._error is not None:
+            raise self._error
         return self._result
 
     def _receive(self):
@@ -531,14 +573,38 @@ class _ArrayReceive(Handle):
         queue.remove(self)
         if not queue:
             self._pending.pop(id(self._comm), None)
-        header = np.empty(_HEADER_LEN, dtype=np.int64)
-        self._message.Recv(header)
-        ndim = int(header[1])
-        out = np.empty(tuple(header[2: 2 + ndim]), dtype=SUPPORTED_DTYPES[header[0]])
-        self._comm.Recv(out.reshape(-1), self._probe_status.Get_source(), self._probe_status.Get_tag())
-        return out
+        source, tag = self._probe_status.Get_source(), self._probe_status.Get_tag()
+        length = self._probe_status.Get_count(MPI.BYTE)
+        if length == _HEADER_BYTES:
+            header, inline = np.empty(_HEADER_LEN, dtype=np.int64), None
+            self._message.Recv(header)
+        else:
+            message = np.empty(length, dtype=np.uint8)
+            self._message.Recv(message)
+            header, inline = message[:_HEADER_BYTES].view(np.int64), message[_HEADER_BYTES:]
+        dtype, shape = SUPPORTED_DTYPES[header[0]], tuple(int(n) for n in header[2: 2 + int(header[1])])
+        if inline is None and 0 in shape:
+            inline = np.empty(0, dtype=np.uint8)  # empty arrays always travel as one message
+        out = self._out
+        if out is not None and (tuple(out.shape) != shape or out.dtype != dtype):
+            if inline is None:  # take the payload off the queue, or the next receive would get it
+                self._comm.Recv(np.empty(int(np.prod(shape)), dtype=dtype), source, tag)
+            raise ValueError(f"recv: out has shape {tuple(out.shape)} and dtype {out.dtype}, but the array from "
+                             f"rank {source} (tag {tag}) has shape {shape} and dtype {dtype}")
+        if inline is not None:
+            data = inline.view(dtype).reshape(shape)
+            if out is None:
+                return data
+            _xp.copy_into(out, data)
+            return out
+        direct = out is None or (isinstance(out, np.ndarray) and out.flags.c_contiguous)
+        target = (np.empty(shape, dtype=dtype) if out is None else out) if direct else np.empty(shape, dtype=dtype)
+        self._comm.Recv(target.reshape(-1), source, tag)
+        if target is not out and out is not None:
+            _xp.copy_into(out, target)
+        return target if out is None else out
 
 
-def recv(source, comm, tag=0):
-    """Receive an array sent with ``send`` from ``source``; return it."""
-    return irecv(source, comm, tag).wait()
+def recv(source, comm, tag=0, out=None):
+    """Receive an array sent with ``send`` from ``source``; return it (``out``, when given: see ``irecv``)."""
+    return irecv(source, comm, tag, out).wait()

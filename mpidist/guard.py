@@ -17,9 +17,13 @@ timeout (``MPIDIST_WATCHDOG_TIMEOUT`` seconds, default 900; 0 disables it).
 """
 
 import atexit
+import fcntl
 import itertools
 import os
+import stat
+import struct
 import sys
+import termios
 import threading
 import time
 import weakref
@@ -151,7 +155,7 @@ class Watchdog:
         self.world = world.Dup()  # a private message space: never matches the application's messages
         self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
         self.timeout, self.poll, self.reply_wait = timeout, poll, reply_wait
-        self.abort = abort or (lambda: world.Abort(1))
+        self.abort = abort or (lambda: (wait_until_pipes_drained((1, 2)), world.Abort(1)))
         self.stream = stream or sys.stderr
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpidist-watchdog", daemon=True)
@@ -219,6 +223,28 @@ class Watchdog:
         self.stream.write("\n".join(lines) + "\n")
         self.stream.flush()
         self.abort()
+
+
+def wait_until_pipes_drained(fds, timeout=2.0):
+    """Wait until whoever reads these pipes (the launcher's stdio forwarder) has read everything written.
+
+    MPI_Abort makes the launcher kill every process, its own stdio forwarder included; bytes still sitting
+    in the pipe at that moment are lost, and with them the traceback that says why the job died (seen with
+    the MPICH wheel's Hydra about once in 50 runs). Files and terminals need no wait; the timeout bounds
+    the wait if nobody reads.
+    """
+    deadline = time.monotonic() + timeout
+    for fd in fds:
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                continue
+            while time.monotonic() < deadline:
+                unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+                if unread == 0:
+                    break
+                time.sleep(0.005)
+        except OSError:
+            continue  # closed or not queryable: nothing we can wait for
 
 
 def _any_source():

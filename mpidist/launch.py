@@ -13,6 +13,8 @@ import threading
 import traceback
 import warnings
 
+from . import guard
+
 __all__ = ["LaunchInfo", "LaunchError", "init", "detect_launcher", "expected_world_size", "install_abort_on_error",
            "select_device"]
 
@@ -52,9 +54,13 @@ def detect_launcher(environ=None):
 
 
 def expected_world_size(environ=None):
-    """Return how many processes the launcher says it started (None when it does not say)."""
+    """Return how many processes the launcher says it started (None when it does not say).
+
+    The MPI launcher's own count comes first: an mpiexec inside a Slurm allocation starts its proxies
+    with srun, so SLURM_STEP_NUM_TASKS then counts proxies (nodes), not MPI processes.
+    """
     env = os.environ if environ is None else environ
-    for key in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+    for key in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"):
         value = env.get(key)
         if value and value.isdigit():
             return int(value)
@@ -82,12 +88,18 @@ def install_abort_on_error(comm):
     rank = comm.Get_rank()
 
     def report_and_abort(exc_type, exc, tb):
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        prefix = f"[rank {rank}] "
-        sys.stderr.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
-        sys.stderr.write(f"{prefix}mpidist: uncaught exception, aborting all {comm.Get_size()} ranks\n")
-        sys.stderr.flush()
-        comm.Abort(1)
+        try:
+            text = "".join(traceback.format_exception(exc_type, exc, tb))
+            prefix = f"[rank {rank}] "
+            sys.stderr.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
+            sys.stderr.write(f"{prefix}mpidist: uncaught exception, aborting all {comm.Get_size()} ranks\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            guard.wait_until_pipes_drained((1, 2))
+        finally:
+            # Whatever went wrong while reporting (a closed stderr, say), the job must still end: a rank
+            # that returns from here would finalize MPI while the others wait for it forever.
+            comm.Abort(1)
 
     sys.excepthook = report_and_abort
     threading.excepthook = lambda args: report_and_abort(args.exc_type, args.exc_value, args.exc_traceback)
@@ -131,7 +143,6 @@ def init(comm=None, *, abort_on_error=True, watchdog_timeout=None):
     """
     from mpi4py import MPI
 
-    from . import guard
 
     comm = MPI.COMM_WORLD if comm is None else comm
     size, rank = comm.Get_size(), comm.Get_rank()

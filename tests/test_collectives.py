@@ -289,6 +289,61 @@ def test_property_send_recv(world, dtype, shape, data):
     world.run(body)
 
 
+# Element counts of float64 arrays on both sides of the one-message limit (8192 bytes), and empty ones.
+P2P_SIZES = [0, 1, 1024, 1025, 40000, 0, 3]
+
+
+def test_small_and_large_messages_keep_their_order_and_land_in_out(comm):
+    """Small payloads ride in the header's message, large ones follow it: the receiver sees one stream."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        return
+    dest, src = (rank + 1) % size, (rank - 1) % size
+    handles = [mpidist.isend(np.arange(n, dtype=np.float64) + 1000 * rank + i, dest, comm, tag=5)
+               for i, n in enumerate(P2P_SIZES)]
+    for i, n in enumerate(P2P_SIZES):
+        want = np.arange(n, dtype=np.float64) + 1000 * src + i
+        if i % 2:
+            out = np.full(n, -1.0)
+            got = mpidist.recv(src, comm, tag=5, out=out)
+            assert got is out
+        else:
+            got = mpidist.recv(src, comm, tag=5)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    for h in handles:
+        h.wait()
+    # A non-contiguous out receives through a staging array and keeps its identity.
+    h = mpidist.isend(np.arange(2000.0).reshape(40, 50), dest, comm, tag=6)
+    block = np.zeros((40, 100))
+    got = mpidist.recv(src, comm, tag=6, out=block[:, ::2])
+    h.wait()
+    np.testing.assert_array_equal(block[:, ::2], np.arange(2000.0).reshape(40, 50))
+    assert got.base is block and (block[:, 1::2] == 0).all()
+
+
+@pytest.mark.parametrize("count", [3, 5000])
+def test_recv_into_the_wrong_out_says_what_arrived_and_keeps_the_stream(comm, count):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        return
+    dest, src = (rank + 1) % size, (rank - 1) % size
+    handles = [mpidist.isend(np.ones((count, 2), dtype=np.float32), dest, comm, tag=3),
+               mpidist.isend(np.arange(4, dtype=np.int64) + rank, dest, comm, tag=3)]
+    pending = mpidist.irecv(src, comm, tag=3, out=np.empty((count, 2), dtype=np.float64))
+    message = (rf"recv: out has shape \({count}, 2\) and dtype float64, but the array from rank {src} \(tag 3\) "
+               rf"has shape \({count}, 2\) and dtype float32")
+    with pytest.raises(ValueError, match=message):
+        pending.wait()
+    with pytest.raises(ValueError, match=message):  # completed once; the same error again, no second match
+        pending.wait()
+    np.testing.assert_array_equal(mpidist.recv(src, comm, tag=3), np.arange(4) + src)
+    for h in handles:
+        h.wait()
+    with pytest.raises(TypeError, match="recv"):
+        mpidist.irecv(src, comm, out=[1.0, 2.0])
+
+
 def test_outstanding_receives_match_in_the_order_they_were_started(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:

@@ -132,6 +132,8 @@ def test_object_collectives(comm):
     assert comm.allgather((rank, "x")) == [(r, "x") for r in range(size)]
     gathered = comm.gather(rank * 2, root=size - 1)
     assert gathered == ([r * 2 for r in range(size)] if rank == size - 1 else None)
+    reduced = comm.reduce(rank + 1, op=MPI.PROD, root=size - 1)
+    assert reduced == (int(np.prod(np.arange(1, size + 1))) if rank == size - 1 else None)
     if size > 1:
         if rank == 0:
             comm.send([1, 2, 3], dest=1, tag=4)
@@ -221,7 +223,7 @@ def test_failure_releases_pending_receive():
 
 
 @pytest.mark.mpi_skip
-@pytest.mark.parametrize("kind", ["op", "count", "dtype", "root", "reduce-op"])
+@pytest.mark.parametrize("kind", ["op", "count", "dtype", "root", "reduce-op", "object-reduce-root"])
 def test_mismatched_collectives_raise_on_every_rank(kind):
     errors = {}
 
@@ -236,8 +238,10 @@ def test_mismatched_collectives_raise_on_every_rank(kind):
                 comm.Bcast(np.zeros(3, dtype=np.float32 if r == 2 else np.float64))
             elif kind == "root":
                 comm.Bcast(np.zeros(3), root=r % 2)
-            else:
+            elif kind == "reduce-op":
                 comm.Allreduce(MPI.IN_PLACE, np.zeros(3), op=MPI.MAX if r == 0 else MPI.SUM)
+            else:
+                comm.reduce(r, root=2 if r == 0 else 0)
         except CollectiveMismatchError as exc:
             errors[r] = str(exc)
             raise
@@ -253,6 +257,7 @@ def test_mismatched_collectives_raise_on_every_rank(kind):
         "dtype": "ranks 0,1 called Bcast(root=0, count=3, dtype=float64); rank 2 called Bcast(root=0, count=3, dtype=float32)",
         "root": "ranks 0,2 called Bcast(root=0, count=3, dtype=float64); rank 1 called Bcast(root=1, count=3, dtype=float64)",
         "reduce-op": "rank 0 called Allreduce(count=3, dtype=float64, op=MAX); ranks 1,2 called Allreduce(count=3, dtype=float64, op=SUM)",
+        "object-reduce-root": "rank 0 called reduce(op=SUM, root=2); ranks 1,2 called reduce(op=SUM, root=0)",
     }[kind]
     assert expected in msg, msg
     assert "collective mismatch on SIM_WORLD (call #0)" in msg
@@ -298,6 +303,13 @@ def test_split_type_follows_simulated_nodes():
 
 
 @pytest.mark.mpi_skip
+@pytest.mark.mpi_skip
+def test_object_calls_check_their_root():
+    for call in ("bcast", "reduce", "gather", "scatter"):
+        with pytest.raises(ValueError, match=rf"SimComm.{call}: root 5 out of range for communicator of size 2"):
+            simulate(2, lambda comm: getattr(comm, call)(None, root=5))
+
+
 def test_simulate_rejects_bad_size():
     with pytest.raises(ValueError, match=r"simulate: n must be a positive int \(got 0\)"):
         simulate(0, lambda c: None)

@@ -160,3 +160,20 @@ def test_uneven_allgather_and_bad_roots_in_debug_mode(comm, desync_checks):
     with pytest.raises(ValueError, match=r"broadcast: root None out of range"):
         mpidist.broadcast(np.ones(2), comm, root=None)
     mpidist.allreduce(np.ones(2), comm, op="SUM")  # op names are case-insensitive in fingerprints too
+
+
+def test_a_handle_dropped_without_wait_is_not_reported_as_in_flight(comm, desync_checks):
+    import gc
+
+    def mine():  # simulated ranks share one process, and so the guard's records
+        return [op for c, op, _, _ in list(guard._in_flight.values()) if c is comm]
+
+    x = np.ones(8)
+    handle = mpidist.iallreduce(x, comm)
+    assert mine() == ["iallreduce"]
+    comm.Barrier()  # every rank has started the operation, so MPI completes it without our wait
+    del handle
+    gc.collect()
+    assert mine() == []
+    mpidist.iallreduce(x, comm).wait()
+    assert mine() == []

@@ -21,6 +21,10 @@ def test_detect_launcher_and_expected_size():
     assert detect_launcher({}) == "none" and expected_world_size({}) is None
     # Inside an sbatch script (no srun step) Slurm says how many tasks the job has, not this process's world.
     assert expected_world_size({"SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}) is None
+    # `mpiexec -n 1` in a 2-node allocation: Hydra starts its 2 proxies with srun; the world is PMI_SIZE's 1.
+    hydra_over_srun = dict(SRUN, SLURM_STEP_NUM_TASKS="2", PMI_RANK="0", PMI_SIZE="1")
+    assert expected_world_size(hydra_over_srun) == 1
+    _check_world(1, hydra_over_srun)  # no false alarm
 
 
 def test_world_of_one_under_srun_with_several_tasks_stops_with_the_fix():
@@ -64,3 +68,35 @@ def test_srun_mpi_none_is_refused_at_start_up():
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "trained anyway" not in proc.stdout
     assert "LaunchError" in proc.stderr and "--mpi=pmi2" in proc.stderr
+
+
+@pytest.mark.mpi_skip
+def test_abort_waits_until_the_launcher_has_read_the_traceback(tmp_path):
+    """Bytes left in a stdio pipe when MPI_Abort kills the launcher are lost: wait for the reader first."""
+    import threading
+    import time
+
+    from mpidist.guard import wait_until_pipes_drained
+
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"[rank 2] Traceback ...\n")
+    got = []
+    reader = threading.Timer(0.3, lambda: got.append(os.read(read_end, 1024)))
+    start = time.monotonic()
+    reader.start()
+    wait_until_pipes_drained([write_end], timeout=10)
+    waited = time.monotonic() - start
+    reader.join()
+    assert got == [b"[rank 2] Traceback ...\n"] and 0.25 < waited < 5, waited
+
+    # Nobody reads: the wait is bounded. A regular file, or a closed descriptor, needs no wait at all.
+    os.write(write_end, b"x")
+    start = time.monotonic()
+    wait_until_pipes_drained([write_end], timeout=0.3)
+    assert 0.25 < time.monotonic() - start < 3
+    with open(tmp_path / "log", "w") as f:
+        start = time.monotonic()
+        wait_until_pipes_drained([f.fileno(), 987654], timeout=5)
+        assert time.monotonic() - start < 1
+    os.close(read_end)
+    os.close(write_end)

@@ -513,22 +513,26 @@ class SimComm:
 
     def allreduce(self, obj, op=MPI.SUM):
         """Reduce Python objects with ``op`` (Python operators, like mpi4py) and return the result on every rank."""
+        return self._reduce_objects("allreduce", obj, op, None)
+
+    def reduce(self, obj, op=MPI.SUM, root=0):
+        """Reduce Python objects to ``root``; other ranks get None."""
+        self._check_root("reduce", root)
+        return self._reduce_objects("reduce", obj, op, root)
+
+    def _reduce_objects(self, call, obj, op, root):
         name = _op_entry(op)[1]
         fn = _PY_OPS.get(name)
         if fn is None:
-            raise TypeError(f"SimComm.allreduce: op {name} is not supported for objects")
+            raise TypeError(f"SimComm.{call}: op {name} is not supported for objects")
 
         def work(objs):
             acc = self._copy(objs[0])
             for o in objs[1:]:
                 acc = fn(acc, self._copy(o))
-            return [self._copy(acc) for _ in objs]
-        return self._run("allreduce", (("op", name),), obj, work)
-
-    def reduce(self, obj, op=MPI.SUM, root=0):
-        """Reduce Python objects to ``root``; other ranks get None."""
-        result = self.allreduce(obj, op)
-        return result if self._rank == root else None
+            return [self._copy(acc) if root is None or r == root else None for r in range(len(objs))]
+        signature = (("op", name),) if root is None else (("op", name), ("root", root))
+        return self._run(call, signature, obj, work)
 
     def allgather(self, obj):
         """Return the list of every rank's object."""
