@@ -11,6 +11,7 @@ Nonblocking calls on device arrays complete before they return (their handle is 
 """
 
 import contextlib
+import math
 
 import numpy as np
 from mpi4py import MPI
@@ -61,7 +62,7 @@ def _row_size(x):
     shape = getattr(x, "shape", None)
     if not shape:
         return getattr(x, "size", -1)
-    return int(np.prod(shape[1:], dtype=np.int64))
+    return math.prod(shape[1:])
 
 
 def _tracked(token, call, *args):
@@ -89,7 +90,7 @@ def _check_array(fn, x, name="x"):
 
 def _check_writable(fn, x):
     if isinstance(x, np.ndarray) and not x.flags.writeable:
-        raise ValueError(f"{fn}: array is read-only and cannot be reduced in place (shape: {x.shape})")
+        raise ValueError(f"{fn}: array is read-only and cannot be written in place (shape: {x.shape})")
     if not x.flags.c_contiguous and any(s == 0 for s, n in zip(x.strides, x.shape) if n > 1):
         raise ValueError(f"{fn}: array has overlapping elements (shape: {x.shape}, strides: {x.strides}) and cannot be used in place")
 
@@ -348,7 +349,7 @@ def _device_allgather(gpu, x, comm, out, blocking):
         result = gpu.allgather(x, comm, counts, out.shape, out=out)
     else:
         rows, trailing = _gather_shapes(x, comm)
-        row_size = int(np.prod(trailing, dtype=np.int64))
+        row_size = math.prod(trailing)
         result = gpu.allgather(x, comm, [r * row_size for r in rows], (sum(rows),) + tuple(trailing))
     return result if blocking else _done(result)
 
@@ -376,14 +377,18 @@ def _iallgather(x, comm, out, _blocking):
         return _device_allgather(gpu, x, comm, out, _blocking)
     send = _host_copy(x).reshape(-1)
     xpm = _xp.get_array_module(x)
-    if out is not None:
+    if out is not None and out.flags.c_contiguous:
+        recv = out
+        request = (comm.Allgather if _blocking else comm.Iallgather)(send, recv)
+        result, finish_out = out, _nothing
+    elif out is not None:
         out_ctx = _on_host(out)
         recv = out_ctx.__enter__()
         request = (comm.Allgather if _blocking else comm.Iallgather)(send, recv)
         result, finish_out = out, (lambda: out_ctx.__exit__(None, None, None))
     else:
         rows, trailing = _gather_shapes(x, comm)
-        row_size = int(np.prod(trailing, dtype=np.int64))
+        row_size = math.prod(trailing)
         recv = np.empty((sum(rows),) + tuple(trailing), dtype=x.dtype)
         if len(set(rows)) == 1:
             request = (comm.Allgather if _blocking else comm.Iallgather)(send, recv)
@@ -421,7 +426,7 @@ def _reduce_scatter(x, comm, op):
         raise ValueError("reduce_scatter: x must have at least one dimension (got a 0-d array)")
     size, rank = comm.Get_size(), comm.Get_rank()
     rows = split_sizes(x.shape[0], size)
-    row_size = int(np.prod(x.shape[1:], dtype=np.int64))
+    row_size = math.prod(x.shape[1:])
     gpu = None if isinstance(x, np.ndarray) else _gpu(x)
     if gpu is not None:
         return gpu.reduce_scatter(x, comm, [r * row_size for r in rows], (rows[rank],) + x.shape[1:], mpi_op, mean)
@@ -443,13 +448,28 @@ def barrier(comm):
 
 
 # -- point to point: a small header carries dtype and shape, so the receiver needs to know neither ---
+_header_cache = {}  # (dtype, shape) -> the header's bytes: a program sends few distinct shapes, over and over
+
+
 def _header(fn, x):
-    if x.ndim > _HEADER_LEN - 2:
-        raise ValueError(f"{fn}: at most {_HEADER_LEN - 2} dims are supported (got shape {x.shape})")
-    header = np.zeros(_HEADER_LEN, dtype=np.int64)
-    header[0], header[1] = _DTYPE_CODE[x.dtype], x.ndim
-    header[2: 2 + x.ndim] = x.shape
+    """Return the header of ``x`` (dtype code, ndim, dims; 16 int64) as read-only bytes."""
+    key = (x.dtype, x.shape)
+    header = _header_cache.get(key)
+    if header is None:
+        if x.ndim > _HEADER_LEN - 2:
+            raise ValueError(f"{fn}: at most {_HEADER_LEN - 2} dims are supported (got shape {x.shape})")
+        words = np.zeros(_HEADER_LEN, dtype=np.int64)
+        words[0], words[1] = _DTYPE_CODE[x.dtype], x.ndim
+        words[2: 2 + x.ndim] = x.shape
+        header = words.view(np.uint8)
+        header.flags.writeable = False
+        if len(_header_cache) < 4096:
+            _header_cache[key] = header
     return header
+
+
+def _nothing():
+    return None
 
 
 def _check_peer(fn, peer, comm, name):
@@ -474,13 +494,16 @@ def _isend(x, dest, comm, tag):
     _check_peer("send", dest, comm, "dest")
     header = _header("send", x)
     nbytes = x.size * x.dtype.itemsize
-    if nbytes <= _INLINE_MAX:
-        # One message, header then payload; the receiver tells it from a header-only message by its length.
+    host = isinstance(x, np.ndarray)
+    if nbytes == 0 or (host and nbytes <= _INLINE_MAX):
+        # One message, header then payload; the receiver tells it from a header-only message by its
+        # length (and an empty array by its shape). Device arrays go through their path's own send.
         message = np.empty(_HEADER_BYTES + nbytes, dtype=np.uint8)
-        message[:_HEADER_BYTES] = header.view(np.uint8)
-        message[_HEADER_BYTES:] = _host_copy(_xp.to_numpy(x)).reshape(-1).view(np.uint8)
-        return Handle([comm.Isend(message, dest, tag)], lambda: None, keep=(message,))
-    gpu = None if isinstance(x, np.ndarray) else _gpu(x)
+        message[:_HEADER_BYTES] = header
+        if nbytes:
+            message[_HEADER_BYTES:] = _host_copy(x).reshape(-1).view(np.uint8)
+        return Handle([comm.Isend(message, dest, tag)], _nothing, keep=(message,))
+    gpu = None if host else _gpu(x)
     if gpu is not None:
         header_request = comm.Isend(header, dest, tag)
         requests, keep = gpu.isend(x, dest, comm, tag)
@@ -505,12 +528,16 @@ def irecv(source, comm, tag=0, out=None):
 
 
 def _irecv(source, comm, tag, out):
+    _check_recv_args(source, comm, out)
+    return _ArrayReceive(comm, source, tag, out)
+
+
+def _check_recv_args(source, comm, out):
     if source != MPI.ANY_SOURCE:
         _check_peer("recv", source, comm, "source")
     if out is not None:
         _check_array("recv", out, "out")
         _check_writable("recv", out)
-    return _ArrayReceive(comm, source, tag, out)
 
 
 def _settled(step):
@@ -573,38 +600,52 @@ class _ArrayReceive(Handle):
         queue.remove(self)
         if not queue:
             self._pending.pop(id(self._comm), None)
-        source, tag = self._probe_status.Get_source(), self._probe_status.Get_tag()
-        length = self._probe_status.Get_count(MPI.BYTE)
-        if length == _HEADER_BYTES:
-            header, inline = np.empty(_HEADER_LEN, dtype=np.int64), None
-            self._message.Recv(header)
+        return _unpack(self._comm, self._message, self._probe_status, self._out)
+
+
+def _unpack(comm, message, status, out):
+    """Receive matched ``message`` (header, with the payload inline or next from the same sender and tag)."""
+    source, tag = status.Get_source(), status.Get_tag()
+    length = status.Get_count(MPI.BYTE)
+    if length == _HEADER_BYTES:
+        header, inline = np.empty(_HEADER_LEN, dtype=np.int64), None
+        message.Recv(header)
+    else:
+        buffer = np.empty(length, dtype=np.uint8)
+        message.Recv(buffer)
+        header, inline = buffer[:_HEADER_BYTES].view(np.int64), buffer[_HEADER_BYTES:]
+    dtype, shape = SUPPORTED_DTYPES[header[0]], tuple(header[2: 2 + header[1]].tolist())
+    if inline is None and 0 in shape:
+        inline = buffer = np.empty(0, dtype=np.uint8)  # empty arrays always travel as one message
+    if out is not None and (out.shape != shape or out.dtype != dtype):
+        if inline is None:  # take the payload off the queue, or the next receive would get it
+            comm.Recv(np.empty(math.prod(shape), dtype=dtype), source, tag)
+        raise ValueError(f"recv: out has shape {tuple(out.shape)} and dtype {out.dtype}, but the array from "
+                         f"rank {source} (tag {tag}) has shape {shape} and dtype {dtype}")
+    if inline is not None:
+        data = inline.view(dtype).reshape(shape)
+        if out is None:
+            return data
+        if type(out) is np.ndarray:
+            np.copyto(out, data)
         else:
-            message = np.empty(length, dtype=np.uint8)
-            self._message.Recv(message)
-            header, inline = message[:_HEADER_BYTES].view(np.int64), message[_HEADER_BYTES:]
-        dtype, shape = SUPPORTED_DTYPES[header[0]], tuple(int(n) for n in header[2: 2 + int(header[1])])
-        if inline is None and 0 in shape:
-            inline = np.empty(0, dtype=np.uint8)  # empty arrays always travel as one message
-        out = self._out
-        if out is not None and (tuple(out.shape) != shape or out.dtype != dtype):
-            if inline is None:  # take the payload off the queue, or the next receive would get it
-                self._comm.Recv(np.empty(int(np.prod(shape)), dtype=dtype), source, tag)
-            raise ValueError(f"recv: out has shape {tuple(out.shape)} and dtype {out.dtype}, but the array from "
-                             f"rank {source} (tag {tag}) has shape {shape} and dtype {dtype}")
-        if inline is not None:
-            data = inline.view(dtype).reshape(shape)
-            if out is None:
-                return data
             _xp.copy_into(out, data)
-            return out
-        direct = out is None or (isinstance(out, np.ndarray) and out.flags.c_contiguous)
-        target = (np.empty(shape, dtype=dtype) if out is None else out) if direct else np.empty(shape, dtype=dtype)
-        self._comm.Recv(target.reshape(-1), source, tag)
-        if target is not out and out is not None:
-            _xp.copy_into(out, target)
-        return target if out is None else out
+        return out
+    if out is None:
+        out = np.empty(shape, dtype=dtype)
+    target = out if isinstance(out, np.ndarray) and out.flags.c_contiguous else np.empty(shape, dtype=dtype)
+    comm.Recv(target.reshape(-1), source, tag)
+    if target is not out:
+        _xp.copy_into(out, target)
+    return out
 
 
 def recv(source, comm, tag=0, out=None):
     """Receive an array sent with ``send`` from ``source``; return it (``out``, when given: see ``irecv``)."""
-    return irecv(source, comm, tag, out).wait()
+    if _guard.tracking() or id(comm) in _ArrayReceive._pending:
+        return irecv(source, comm, tag, out).wait()
+    # Nothing to track and no earlier receive to complete first: match and receive directly.
+    _check_recv_args(source, comm, out)
+    status = MPI.Status()
+    return _unpack(comm, comm.Mprobe(source, tag, status), status, out)
+

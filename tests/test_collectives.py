@@ -342,6 +342,10 @@ def test_recv_into_the_wrong_out_says_what_arrived_and_keeps_the_stream(comm, co
         h.wait()
     with pytest.raises(TypeError, match="recv"):
         mpidist.irecv(src, comm, out=[1.0, 2.0])
+    frozen = np.zeros(2)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"recv: array is read-only and cannot be written in place \(shape: \(2,\)\)"):
+        mpidist.recv(src, comm, out=frozen)
 
 
 def test_outstanding_receives_match_in_the_order_they_were_started(comm):

@@ -200,6 +200,14 @@ def run_all_collectives(comm, device):
     got = mpidist.recv((rank - 1) % size, comm, tag=3)
     handle.wait()
     np.testing.assert_array_equal(got, rank_input((rank - 1) % size, (3, 2), np.float64, seed=13))
+    # an empty device array is one message (header only); the next message must still pair up
+    handles = [mpidist.isend(device.asarray(np.zeros((0, 4), np.float32)), (rank + 1) % size, comm, tag=4),
+               mpidist.isend(device.asarray(msg), (rank + 1) % size, comm, tag=4)]
+    empty, after = mpidist.recv((rank - 1) % size, comm, tag=4), mpidist.recv((rank - 1) % size, comm, tag=4)
+    for h in handles:
+        h.wait()
+    assert empty.shape == (0, 4) and empty.dtype == np.float32
+    np.testing.assert_array_equal(after, rank_input((rank - 1) % size, (3, 2), np.float64, seed=13))
 
 
 ANY_COMM_PATHS = [("staged", {}), ("cuda_aware", {"cuda_aware": True}), ("nccl", {"nccl": True})]
