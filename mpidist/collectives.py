@@ -642,10 +642,15 @@ def _unpack(comm, message, status, out):
 
 def recv(source, comm, tag=0, out=None):
     """Receive an array sent with ``send`` from ``source``; return it (``out``, when given: see ``irecv``)."""
-    if _guard.tracking() or id(comm) in _ArrayReceive._pending:
+    if id(comm) in _ArrayReceive._pending:
         return irecv(source, comm, tag, out).wait()
-    # Nothing to track and no earlier receive to complete first: match and receive directly.
-    _check_recv_args(source, comm, out)
-    status = MPI.Status()
-    return _unpack(comm, comm.Mprobe(source, tag, status), status, out)
+    # No earlier receive to complete first: match and receive directly, without a handle.
+    token = _p2p_begin(comm, "recv")
+    try:
+        _check_recv_args(source, comm, out)
+        status = MPI.Status()
+        return _unpack(comm, comm.Mprobe(source, tag, status), status, out)
+    finally:
+        if token is not None:
+            _guard.leave(token)
 
