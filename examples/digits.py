@@ -222,6 +222,8 @@ def main(argv=None):
     parser.add_argument("--no-check", action="store_true", help="skip the single-process comparison")
     parser.add_argument("--ckpt", default=None, help="checkpoint directory: save after every epoch, resume from the "
                         "newest checkpoint, and on SIGTERM/SIGUSR1 save and exit with status 99 (requeue me)")
+    parser.add_argument("--epoch-seconds", type=float, default=0.0, help="make each epoch last at least this long "
+                        "(sleeping): the demo trains in well under a second, too fast to preempt by hand")
     args = parser.parse_args(argv)
 
     comm, info = mpidist.init()
@@ -261,6 +263,8 @@ def main(argv=None):
                 log(f"preempted: saved checkpoint step {state['global_step']} (epoch {epoch + 1}, step {i + 1}); exiting 99", flush=True)
                 preemption.exit()
         elapsed = time.perf_counter() - t0
+        if args.epoch_seconds > elapsed:
+            time.sleep(args.epoch_seconds - elapsed)
         acc = accuracy(trainer.predict, x_test, y_test)
         comm_now = trainer.comm_seconds()
         comm_share = "n/a" if comm_now is None else f"{(comm_now - comm0) / elapsed:.0%}"

@@ -356,7 +356,8 @@ def check_sweep(cluster, work):
 def _preempt(cluster, work, program, name):
     out, ckpt = os.path.join(work, name, "out"), os.path.join(work, name, "ckpt")
     job = cluster.submit("slurm/preemptible.sbatch", "--nodes=1", "--ntasks-per-node=2",
-                         env=common_env(program, EPOCHS=6, OUT=out, CKPT_DIR=ckpt, STAND_IN_EPOCH_SECONDS=1))
+                         env=common_env(program, EPOCHS=6, OUT=out, CKPT_DIR=ckpt,
+                                        PROGRAM_ARGS="--epoch-seconds 1"))  # slow enough to preempt mid-run
     # Wait until training is under way, then send what --signal=B:USR1@120 sends: SIGUSR1 to the batch shell.
     deadline = time.monotonic() + 60
     while "epoch 1/" not in cluster.job_output(job):
