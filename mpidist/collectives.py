@@ -12,6 +12,7 @@ Nonblocking calls on device arrays complete before they return (their handle is 
 
 import contextlib
 import math
+import weakref
 
 import numpy as np
 from mpi4py import MPI
@@ -170,7 +171,8 @@ class Handle:
     def __init__(self, requests, finish, keep=(), status=None):
         self._requests = requests
         self._status = status  # filled by the first request (receives need source and tag)
-        self._finish = finish
+        if finish is not None:  # subclasses may define _finish as a method instead
+            self._finish = finish
         self._keep = keep  # buffers MPI still reads or writes; must outlive the requests
         self._result = None
         self._error = None
@@ -178,8 +180,8 @@ class Handle:
         self._token = None  # the guard's record of this collective, while it is in flight
 
     def __del__(self):
-        # A handle dropped without wait(): MPI completes the operation anyway, so the watchdog must not
-        # go on counting it as in flight and abort the job as hung when its timeout passes.
+        # A handle dropped without wait() is not a hang: the watchdog must stop counting it as in
+        # flight, or it would abort the job when its timeout passes.
         if self._token is not None:
             _guard.leave(self._token)
 
@@ -540,64 +542,109 @@ def _check_recv_args(source, comm, out):
         _check_writable("recv", out)
 
 
-def _settled(step):
-    """Run an earlier receive's test/wait for a later one; its own error is for its own wait() to raise."""
-    try:
-        return step()
-    except Exception:  # noqa: BLE001 - kept in that handle, raised again when the user waits on it
-        return True
-
-
 class _ArrayReceive(Handle):
     """A receive of header + payload that matches the header with a matched probe when it completes.
 
     No receive is posted in advance: a posted header receive could match another array's payload
     when two receives from one source with one tag are outstanding. A matched probe takes the header
     off the queue atomically; the payload is then the next message from that sender with that tag
-    (messages between one pair with one tag do not overtake each other). Receives whose source and
-    tag could match the same message complete in the order they were started, as MPI's do.
+    (messages between one pair with one tag do not overtake each other).
+
+    Matching follows MPI's rule among the receives started on a communicator: a message goes to the
+    earliest started receive that can take it. A later receive never waits for an earlier one that
+    cannot take its message (an ANY_TAG receive completes while an earlier tag-5 one still waits).
+    A receive handle dropped without completing is cancelled: nothing was posted, and its message
+    stays queued for the next receive.
     """
 
-    _pending = {}  # id(comm) -> receives started on it and not complete yet, oldest first
+    # id(comm) -> weak references to receives started on it and not complete, oldest first. Weak, so
+    # that dropping a handle cancels it (and releases its watchdog record) instead of leaking it here.
+    _pending = {}
 
     def __init__(self, comm, source, tag, out=None):
-        super().__init__([], self._receive)
+        super().__init__([], None)
         self._comm, self._source, self._tag, self._out = comm, source, tag, out
         self._probe_status = MPI.Status()
         self._message = None
-        self._pending.setdefault(id(comm), []).append(self)
+        self._pending.setdefault(id(comm), []).append(weakref.ref(self))
+
+    @classmethod
+    def outstanding(cls, comm):
+        """Return whether receives started on ``comm`` are still pending (forgetting dropped ones)."""
+        queue = cls._pending.get(id(comm))
+        if queue is None:
+            return False
+        queue[:] = [ref for ref in queue if ref() is not None]
+        if not queue:
+            cls._pending.pop(id(comm), None)
+        return bool(queue)
+
+    def _accepts(self, source, tag):
+        return self._source in (MPI.ANY_SOURCE, source) and self._tag in (MPI.ANY_TAG, tag)
 
     def _overlaps(self, other):
         return (MPI.ANY_SOURCE in (self._source, other._source) or self._source == other._source) and \
                (MPI.ANY_TAG in (self._tag, other._tag) or self._tag == other._tag)
 
     def _earlier(self):
-        queue = self._pending.get(id(self._comm), [])
-        return [h for h in queue[: queue.index(self)] if self._overlaps(h)] if self in queue else []
+        """Pending receives started before this one that could take the same messages, oldest first."""
+        earlier = []
+        for ref in self._pending.get(id(self._comm), ()):
+            h = ref()
+            if h is self:
+                return earlier
+            if h is not None and not h._done and self._overlaps(h):
+                earlier.append(h)
+        return []  # complete already: no longer queued
+
+    def _step(self):
+        """Make one non-blocking attempt; return whether this receive is complete."""
+        if self._done:
+            return True
+        earlier = self._earlier()
+        if not earlier:
+            self._message = self._comm.Improbe(self._source, self._tag, self._probe_status)
+        else:
+            # Peek at the first message this receive could take; if an earlier receive can take it
+            # too, that one has the right to it (or to an even earlier message of its own).
+            peek = MPI.Status()
+            if not self._comm.Iprobe(self._source, self._tag, peek):
+                return False
+            source, tag = peek.Get_source(), peek.Get_tag()
+            first = next((h for h in earlier if h._accepts(source, tag)), None)
+            if first is not None:
+                try:
+                    first._step()
+                except Exception:  # noqa: BLE001 - kept in that handle; its own wait() raises it
+                    if not first._done:
+                        raise
+                return False
+            # Messages from one sender with one tag do not overtake: this takes the peeked one.
+            self._message = self._comm.Improbe(source, tag, self._probe_status)
+        if self._message is None:
+            return False
+        self._complete()
+        return True
 
     def test(self):
-        if not self._done:
-            if not all(_settled(h.test) for h in self._earlier()):
-                return False
-            self._message = self._comm.Improbe(self._source, self._tag, self._probe_status)
-            if self._message is None:
-                return False
-            self._complete()
-        return True
+        return self._step()
 
     def wait(self):
         if not self._done:
-            for h in self._earlier():
-                _settled(h.wait)
-            self._message = self._comm.Mprobe(self._source, self._tag, self._probe_status)
-            self._complete()
+            if not self._earlier():
+                self._message = self._comm.Mprobe(self._source, self._tag, self._probe_status)
+                self._complete()
+            else:
+                while not self._step():
+                    # Block until a message this receive could take is queued (never spin).
+                    self._comm.Probe(self._source, self._tag)
         if self._error is not None:
             raise self._error
         return self._result
 
-    def _receive(self):
+    def _finish(self):  # a method, not a bound method stored on the handle: no reference cycle
         queue = self._pending.get(id(self._comm), [])
-        queue.remove(self)
+        queue[:] = [ref for ref in queue if ref() is not None and ref() is not self]
         if not queue:
             self._pending.pop(id(self._comm), None)
         return _unpack(self._comm, self._message, self._probe_status, self._out)
@@ -642,7 +689,7 @@ def _unpack(comm, message, status, out):
 
 def recv(source, comm, tag=0, out=None):
     """Receive an array sent with ``send`` from ``source``; return it (``out``, when given: see ``irecv``)."""
-    if id(comm) in _ArrayReceive._pending:
+    if _ArrayReceive.outstanding(comm):
         return irecv(source, comm, tag, out).wait()
     # No earlier receive to complete first: match and receive directly, without a handle.
     token = _p2p_begin(comm, "recv")

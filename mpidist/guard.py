@@ -174,7 +174,7 @@ class Watchdog:
         if not pending:
             return "not in an mpidist collective"
         name, op, seq, age = max(pending, key=lambda p: p[3])
-        return f"in {op} #{seq} on {name} for {age:.1f} s"
+        return f"in {op}{'' if seq < 0 else f' #{seq}'} on {name} for {age:.1f} s"
 
     def _run(self):
         query = np.zeros(1, dtype=np.int64)
@@ -210,11 +210,15 @@ class Watchdog:
             if not done:
                 break
             replies[int(text.split(":")[0].split()[1])] = text
-        arrived = [self.rank] + [r for r, t in replies.items() if f"in {op} #{seq} on {name}" in t]
-        lines = [f"mpidist watchdog: {op} #{seq} on {name} did not complete within {self.timeout:g} s "
-                 f"(rank {self.rank} waited {age:.1f} s)",
-                 f"  ranks that arrived: {sorted(arrived)}",
-                 f"  ranks that did not: {sorted(r for r in range(self.size) if r not in arrived)}"]
+        if seq < 0:  # point to point: there is no "arrived" for the other ranks, only what each does
+            lines = [f"mpidist watchdog: {op} on {name} did not complete within {self.timeout:g} s "
+                     f"(rank {self.rank} waited {age:.1f} s)"]
+        else:
+            arrived = [self.rank] + [r for r, t in replies.items() if f"in {op} #{seq} on {name}" in t]
+            lines = [f"mpidist watchdog: {op} #{seq} on {name} did not complete within {self.timeout:g} s "
+                     f"(rank {self.rank} waited {age:.1f} s)",
+                     f"  ranks that arrived: {sorted(arrived)}",
+                     f"  ranks that did not: {sorted(r for r in range(self.size) if r not in arrived)}"]
         lines += [f"  {replies[r]}" for r in sorted(replies)]
         silent = [r for r in range(self.size) if r != self.rank and r not in replies]
         if silent:

@@ -46,9 +46,13 @@ class LaunchInfo:
 def detect_launcher(environ=None):
     """Return 'srun', 'mpiexec' or 'none' from the environment a launcher leaves in each process."""
     env = os.environ if environ is None else environ
+    # Variables only an mpiexec sets come first: an mpiexec inside a Slurm allocation starts its
+    # proxies with srun, so its processes see srun's variables too.
+    if any(k in env for k in ("OMPI_COMM_WORLD_SIZE", "HYDRA_CONTROL_FD", "MPI_LOCALRANKID")):
+        return "mpiexec"
     if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
         return "srun"
-    if any(k in env for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "HYDRA_CONTROL_FD", "MPI_LOCALRANKID")):
+    if any(k in env for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK")):
         return "mpiexec"
     return "none"
 

@@ -366,3 +366,51 @@ def test_outstanding_receives_match_in_the_order_they_were_started(comm):
         while not other.test():
             pass
         np.testing.assert_array_equal(other.wait(), np.ones(1))
+
+
+def test_a_wildcard_receive_takes_a_message_an_earlier_receive_cannot_match(comm):
+    """MPI's rule: a message goes to the earliest started receive that can take it, and only to that one."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        return
+    if rank == 0:
+        mpidist.send(np.array([2]), 1, comm, tag=2)
+        mpidist.recv(1, comm, tag=9)  # the tag-1 message only goes out once rank 1 has the tag-2 one
+        mpidist.send(np.array([1]), 1, comm, tag=1)
+        mpidist.send(np.array([3]), 1, comm, tag=1)
+    elif rank == 1:
+        tag_one = mpidist.irecv(0, comm, tag=1)
+        anything = mpidist.irecv(0, comm, tag=MPI.ANY_TAG)
+        assert int(anything.wait()[0]) == 2  # without waiting for tag_one, which would deadlock
+        mpidist.send(np.array([0]), 0, comm, tag=9)
+        # Both later messages carry tag 1: the earlier-started receive gets the first of them.
+        later = mpidist.irecv(0, comm, tag=MPI.ANY_TAG)
+        assert int(later.wait()[0]) == 3 and int(tag_one.wait()[0]) == 1
+
+
+def test_a_dropped_receive_handle_is_cancelled(comm):
+    import gc
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        return
+    if rank == 0:
+        mpidist.send(np.arange(3), 1, comm, tag=6)
+    elif rank == 1:
+        mpidist.irecv(0, comm, tag=6)  # never waited: nothing was posted, so nothing is lost
+        gc.collect()
+        assert not mpidist.collectives._ArrayReceive.outstanding(comm)
+        np.testing.assert_array_equal(mpidist.recv(0, comm, tag=6), np.arange(3))
+    comm.Barrier()
+
+
+@pytest.mark.mpi_skip
+def test_a_hang_behind_an_earlier_receive_is_reported_not_swallowed():
+    from mpidist.comm import DeadlockError
+
+    def body(comm):
+        if comm.Get_rank() == 1:
+            earlier = mpidist.irecv(0, comm, tag=1)  # noqa: F841 - pending while the later one waits
+            mpidist.irecv(0, comm, tag=MPI.ANY_TAG).wait()  # rank 0 never sends
+
+    with pytest.raises(DeadlockError, match=r"rank 1 waits in Probe\(source=0, tag=ANY\)"):
+        mpidist.simulate(2, body)

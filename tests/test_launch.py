@@ -22,9 +22,12 @@ def test_detect_launcher_and_expected_size():
     # Inside an sbatch script (no srun step) Slurm says how many tasks the job has, not this process's world.
     assert expected_world_size({"SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}) is None
     # `mpiexec -n 1` in a 2-node allocation: Hydra starts its 2 proxies with srun; the world is PMI_SIZE's 1.
-    hydra_over_srun = dict(SRUN, SLURM_STEP_NUM_TASKS="2", PMI_RANK="0", PMI_SIZE="1")
-    assert expected_world_size(hydra_over_srun) == 1
+    hydra_over_srun = dict(SRUN, SLURM_STEP_NUM_TASKS="2", PMI_RANK="0", PMI_SIZE="1", MPI_LOCALRANKID="0")
+    assert expected_world_size(hydra_over_srun) == 1 and detect_launcher(hydra_over_srun) == "mpiexec"
     _check_world(1, hydra_over_srun)  # no false alarm
+    # A foreign MPI under that mpiexec: the hint is about the mpiexec, not about srun's --mpi.
+    with pytest.raises(LaunchError, match=r"started 4 processes.*mpiexec that started this job belongs to a different MPI"):
+        _check_world(1, dict(hydra_over_srun, PMI_SIZE="4"))
 
 
 def test_world_of_one_under_srun_with_several_tasks_stops_with_the_fix():

@@ -639,6 +639,26 @@ class SimComm:
                     return message
         return None
 
+    def Iprobe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+        """Return whether a matching message is queued, leaving it there; fill ``status`` for the first."""
+        self._check_usable("Iprobe")
+        ctx, u = self._ctx, self._ctx.universe
+        with u.cond:
+            for src, t, payload in ctx.unexpected[self._rank]:
+                if self._matches(source, tag, src, t):
+                    SimMessage(self, src, t, payload)._fill(status)
+                    return True
+        return False
+
+    def Probe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+        """Block until a matching message is queued, leaving it there; fill ``status``."""
+        self._check_usable("Probe")
+        u = self._ctx.universe
+        what = f"Probe(source={'ANY' if source == MPI.ANY_SOURCE else source}, tag={'ANY' if tag == MPI.ANY_TAG else tag}) on {self._ctx.name}"
+        with u.cond:
+            u.wait_until(self._world_rank, lambda: self.Iprobe(source, tag, status), what)
+        return True
+
     def Mprobe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
         """Block until a matching message arrives and take it off the queue (``SimMessage``)."""
         self._check_usable("Mprobe")
