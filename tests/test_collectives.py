@@ -414,3 +414,52 @@ def test_a_hang_behind_an_earlier_receive_is_reported_not_swallowed():
 
     with pytest.raises(DeadlockError, match=r"rank 1 waits in Probe\(source=0, tag=ANY\)"):
         mpidist.simulate(2, body)
+
+
+def mpi_matching(message_tags, receive_tags):
+    """MPI's matching for one sender: each message, in send order, goes to the earliest started
+    receive still pending that accepts its tag. Returns the message index each receive gets (None: none)."""
+    got = [None] * len(receive_tags)
+    for m, tag in enumerate(message_tags):
+        for r, want in enumerate(receive_tags):
+            if got[r] is None and want in (tag, MPI.ANY_TAG):
+                got[r] = m
+                break
+    return got
+
+
+@given(data=st.data())
+def test_property_receives_match_like_mpi_whatever_order_they_are_waited_in(world, data):
+    tags = st.sampled_from([0, 1, 2])
+    message_tags = data.draw(st.lists(tags, min_size=1, max_size=6))
+    receive_tags = data.draw(st.lists(st.one_of(tags, st.just(MPI.ANY_TAG)), min_size=1, max_size=len(message_tags)))
+    expected = mpi_matching(message_tags, receive_tags)
+    if None in expected:  # a receive no message can reach would wait forever, in MPI too
+        receive_tags = [t for t, e in zip(receive_tags, expected) if e is not None]
+        expected = [e for e in expected if e is not None]
+    order = data.draw(st.permutations(range(len(receive_tags))))
+    polled = data.draw(st.sets(st.sampled_from(range(len(receive_tags)))) if receive_tags else st.just(set()))
+    # Small and large payloads: one-message and two-message sends must pair up alike.
+    sizes = [data.draw(st.sampled_from([1, 2000])) for _ in message_tags]
+
+    def body(comm):
+        size, rank = comm.Get_size(), comm.Get_rank()
+        sender, receiver = 0, 1 % size
+        sends = []
+        if rank == sender:
+            sends = [mpidist.isend(np.full(n, i, dtype=np.int64), receiver, comm, tag=t)
+                     for i, (t, n) in enumerate(zip(message_tags, sizes))]
+        if rank == receiver:
+            handles = [mpidist.irecv(sender, comm, tag=t) for t in receive_tags]
+            for r in polled:  # a few are tested before anything is waited on
+                handles[r].test()
+            got = {}
+            for r in order:
+                got[r] = int(handles[r].wait()[0])
+            assert [got[r] for r in range(len(handles))] == expected
+            # Messages nobody asked for stay queued: drain them so the next example starts clean.
+            for m in sorted(set(range(len(message_tags))) - set(expected)):
+                assert int(mpidist.recv(sender, comm, tag=message_tags[m])[0]) == m
+        for h in sends:
+            h.wait()
+    world.run(body)
