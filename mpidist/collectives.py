@@ -10,8 +10,11 @@ pinned host staging. Numpy arrays never import it. ``_on_host`` is for numpy arr
 Nonblocking calls on device arrays complete before they return (their handle is already done).
 """
 
+import atexit
 import contextlib
 import math
+import threading
+import time
 import weakref
 
 import numpy as np
@@ -165,10 +168,40 @@ def split_sizes(n, parts):
     return [base + (1 if r < extra else 0) for r in range(parts)]
 
 
+# Requests and buffers of handles dropped before completing. MPI still reads (or writes) those
+# buffers; freeing them with the handle would send whatever reuses the memory. They are kept here
+# until their requests complete, checked whenever a new handle is made.
+_orphans = []
+_orphans_lock = threading.Lock()
+
+
+def _reap_orphans():
+    with _orphans_lock:
+        _orphans[:] = [(requests, keep) for requests, keep in _orphans
+                       if not all(r.Test() for r in requests)]
+
+
+def _drain_orphans(timeout=10.0):
+    """At exit, give dropped operations a bounded time to finish before MPI is finalized."""
+    deadline = time.monotonic() + timeout
+    while _orphans and time.monotonic() < deadline:
+        _reap_orphans()
+        time.sleep(0.001)
+
+
+atexit.register(_drain_orphans)  # after mpi4py's finalize hook was registered, so it runs before it
+
+
 class Handle:
-    """Handle of a nonblocking collective: ``wait()`` completes it and returns the result array."""
+    """Handle of a nonblocking collective: ``wait()`` completes it and returns the result array.
+
+    A handle dropped without ``wait()`` is not an error for its buffers: they live on until MPI is
+    done with them. Its result is lost, and a dropped receive is cancelled (see ``irecv``).
+    """
 
     def __init__(self, requests, finish, keep=(), status=None):
+        if _orphans:
+            _reap_orphans()
         self._requests = requests
         self._status = status  # filled by the first request (receives need source and tag)
         if finish is not None:  # subclasses may define _finish as a method instead
@@ -184,6 +217,9 @@ class Handle:
         # flight, or it would abort the job when its timeout passes.
         if self._token is not None:
             _guard.leave(self._token)
+        if not self._done and self._requests:
+            with _orphans_lock:
+                _orphans.append((self._requests, self._keep))
 
     def test(self):
         """Return whether the operation has completed (finishing it if so), without blocking."""

@@ -463,3 +463,31 @@ def test_property_receives_match_like_mpi_whatever_order_they_are_waited_in(worl
         for h in sends:
             h.wait()
     world.run(body)
+
+
+def test_a_dropped_send_handle_keeps_its_buffer_until_mpi_is_done(comm):
+    """Large sends are read by MPI while the receiver takes them: the buffer must outlive the handle."""
+    import gc
+    import time
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        return
+    n = 1 << 20  # 8 MiB of float64: well past the eager limit, so MPI reads it during the receive
+    if rank == 0:
+        data = np.arange(n, dtype=np.float64)
+        mpidist.isend(data, 1, comm, tag=8)  # handle dropped at once
+        del data
+        gc.collect()
+        reuse = [np.full(n, -1.0) for _ in range(3)]  # memory a freed buffer would go to
+        comm.Barrier()
+        del reuse
+    else:
+        if rank == 1:
+            time.sleep(0.3)
+            got = mpidist.recv(0, comm, tag=8)
+            assert (got == np.arange(n, dtype=np.float64)).all(), got[:4]
+        comm.Barrier()
+    mpidist.iallreduce(np.ones(1), comm).wait()  # every new handle lets go of orphans MPI is done with
+    comm.Barrier()
+    mpidist.iallreduce(np.ones(1), comm).wait()
+    assert not mpidist.collectives._orphans
