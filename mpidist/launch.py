@@ -87,11 +87,26 @@ def _check_world(size, environ=None):
                           f"(every process would be rank 0 and repeat the same work); {hint}")
 
 
-def install_abort_on_error(comm):
-    """Make an uncaught exception on this rank print a rank-prefixed traceback and abort every rank."""
+def _abort_without_stderr(comm):
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    finally:
+        comm.Abort(1)
+
+
+def install_abort_on_error(comm, backstop=10.0):
+    """Make an uncaught exception on this rank print a rank-prefixed traceback and abort every rank.
+
+    If reporting takes longer than ``backstop`` seconds (stderr blocked), the job is aborted anyway.
+    """
     rank = comm.Get_rank()
 
     def report_and_abort(exc_type, exc, tb):
+        # Writing can block (a launcher that stopped reading our stderr): abort from a timer then,
+        # with stderr pointed at /dev/null first, as MPI_Abort writes a line there too.
+        timer = threading.Timer(backstop, _abort_without_stderr, (comm,))
+        timer.daemon = True
+        timer.start()
         try:
             text = "".join(traceback.format_exception(exc_type, exc, tb))
             prefix = f"[rank {rank}] "

@@ -103,3 +103,21 @@ def test_abort_waits_until_the_launcher_has_read_the_traceback(tmp_path):
         assert time.monotonic() - start < 1
     os.close(read_end)
     os.close(write_end)
+
+
+@pytest.mark.mpi_skip
+def test_abort_happens_even_when_nobody_reads_the_traceback():
+    """A launcher that stopped reading stderr must not turn one rank's error into a hang."""
+    import time
+    code = ("from mpi4py import MPI\n"
+            "from mpidist.launch import install_abort_on_error\n"
+            "install_abort_on_error(MPI.COMM_WORLD, backstop=1.0)\n"
+            "raise ValueError('x' * 300_000)  # far more than a pipe holds: the report blocks\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    start = time.monotonic()
+    try:
+        status = proc.wait(timeout=30)  # stderr is never read while it runs
+    finally:
+        proc.kill()
+        proc.stderr.close()
+    assert status != 0 and time.monotonic() - start < 20
