@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from .. import collectives
+from ..nn.utils import clip_grad_norm_
 from ..xp import get_array_module
 
 __all__ = ["DDP", "GradientBucket"]
@@ -161,6 +162,14 @@ class DDP:
 
     def parameters(self):
         return self.module.parameters()
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """Clip the averaged gradients to global norm ``max_norm``; return the norm before clipping.
+
+        After backward every rank holds the same averaged gradients, so no communication is needed
+        and every rank computes the same norm and scale.
+        """
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type, None, error_if_nonfinite)
 
     def named_parameters(self, prefix=""):
         return self.module.named_parameters(prefix)

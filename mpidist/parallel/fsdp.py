@@ -28,6 +28,7 @@ import numpy as np
 
 from .. import collectives
 from ..nn.module import Module, Parameter, Sequential
+from ..nn.utils import clip_grad_norm_
 from ..xp import asarray_like, copy_into, get_array_module
 
 __all__ = ["FSDP", "ShardingStrategy", "FSDPSettings", "UnitInfo"]
@@ -296,6 +297,17 @@ class FSDP:
         """Yield ``(unit label, shard Parameter)``."""
         for u in self._param_units:
             yield (f"{prefix}.{u.label}" if prefix else u.label), u.shard
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """Clip the gradients to global norm ``max_norm`` over the whole model; return the norm before.
+
+        Each rank holds a shard of every gradient (padding is zero), so the ranks add up their shards'
+        contributions: the norm and scale equal those of the unsharded model. Call after backward.
+        """
+        self._check_at_rest("clip_grad_norm_")
+        sharded = self.settings.strategy is not ShardingStrategy.NO_SHARD
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.comm if sharded else None,
+                               error_if_nonfinite)
 
     @property
     def units(self):

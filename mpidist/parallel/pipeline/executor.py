@@ -26,6 +26,7 @@ import numpy as np
 
 from mpidist import collectives
 from mpidist.collectives import split_sizes
+from mpidist.nn.utils import clip_grad_norm_
 from mpidist.xp import asarray_like, is_device_array
 
 from .schedules import (Action, Kind, Schedule, gpipe, insert_comms, interleaved_1f1b, one_f_one_b,
@@ -259,6 +260,19 @@ class Pipeline:
         else:
             for param, grad in captured:
                 param.accumulate_grad(grad)
+
+    def parameters(self):
+        """Yield the parameters of every stage module on this rank (what its optimizer steps)."""
+        for stage in self.stages:
+            yield from stage.parameters()
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False) -> float:
+        """Clip the gradients of the whole pipelined model to global norm ``max_norm``; return the norm before.
+
+        Collective over the pipeline's ranks: each holds other stages, so they add up their
+        contributions. Replicas of a mesh hold the same averaged gradients and get the same result.
+        """
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.comm, error_if_nonfinite)
 
     def checkpoint_modules(self) -> List[Tuple[str, object]]:
         """Return ("stage<s>.", module) for each chunk on this rank, named by its global stage index."""
