@@ -159,12 +159,23 @@ class Adam(Optimizer):
             state.update(step=0, exp_avg=xp.zeros_like(p.data), exp_avg_sq=xp.zeros_like(p.data))
         state["step"] += 1
         t, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
+        xp = get_array_module(m)
+        # Two scratch arrays instead of a fresh temporary per operation: for large parameters the
+        # allocations (and first touch of their pages) cost more than the arithmetic. The operations
+        # and their order are those of the plain expressions, so results are bit-for-bit the same.
+        work = xp.multiply(g, 1 - b1)
         m *= b1
-        m += (1 - b1) * g
+        m += work
+        xp.multiply(g, 1 - b2, out=work)
+        work *= g
         v *= b2
-        v += (1 - b2) * g * g
-        denom = v ** 0.5 / math.sqrt(1 - b2 ** t) + eps
-        p.data -= (lr / (1 - b1 ** t)) * m / denom
+        v += work
+        denom = xp.sqrt(v)
+        denom /= math.sqrt(1 - b2 ** t)
+        denom += eps
+        xp.multiply(m, lr / (1 - b1 ** t), out=work)
+        work /= denom
+        p.data -= work
 
 
 class AdamW(Adam):
