@@ -16,6 +16,7 @@ Format: ``ROOT/step_00000006/rank00000.bin`` (raw little-endian bytes of this ra
 back lazily with ``numpy.memmap`` so resharding reads only the ranges it needs) and
 ``manifest.json`` (global shapes and dtypes, which file holds which range, the world size, the step,
 a CRC32 and byte count per file, and the JSON-able state: sampler, RNG, optimizer hyperparameters,
+learning-rate schedules (anything whose ``state_dict()`` is JSON-able),
 user extras). The format needs nothing beyond numpy: safetensors would give the same lazy slice
 reads, but the global layout has to live in a manifest anyway, and one file per rank keeps the
 write path a single sequential stream.
@@ -147,11 +148,14 @@ def _json_value(name, obj):
         return {"__rng__": obj.bit_generator.state}
     if hasattr(obj, "set_epoch") and hasattr(obj, "epoch"):
         return {"__sampler__": {"epoch": obj.epoch, "seed": obj.seed}}
+    if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):  # a learning-rate schedule, say
+        obj = {"__stateful__": obj.state_dict()}
     try:
         json.dumps(obj)
     except TypeError as exc:
         raise CheckpointError(f"checkpoint: state entry {name!r} of type {type(obj).__name__} is neither a model, an "
-                              f"optimizer, an array, a sampler, a numpy Generator nor JSON-serializable ({exc})") from None
+                              f"optimizer, an array, a sampler, a numpy Generator, an object whose state_dict() is "
+                              f"JSON-serializable nor JSON-serializable ({exc})") from None
     return obj
 
 
@@ -451,7 +455,7 @@ def load(root, state, comm, step=None, verify=True):
     """Load checkpoint ``step`` (default: the newest) from ``root`` into ``state``; return the step, or None if there is none.
 
     Works at any world size: each rank reads just the ranges its parameters and shards need.
-    JSON entries (sampler, RNG, numbers) are restored in place where possible and plain values
+    JSON entries (sampler, RNG, learning-rate schedule, numbers) are restored in place where possible and plain values
     replace entries of ``state``. Values that differed by rank at save time (a per-rank RNG) are
     restored per rank when loading at the same world size, and from rank 0 otherwise.
     """
@@ -517,5 +521,7 @@ def _restore_json(name, state, value):
         obj.bit_generator.state = value["__rng__"]
     elif isinstance(value, dict) and "__sampler__" in value:
         obj.set_epoch(value["__sampler__"]["epoch"])
+    elif isinstance(value, dict) and "__stateful__" in value:
+        obj.load_state_dict(value["__stateful__"])
     else:
         state[name] = value

@@ -1,4 +1,4 @@
-"""SGD, Adam and AdamW with PyTorch's update rules, updating ``param.data`` in place.
+"""SGD, Adam and AdamW with PyTorch's update rules, updating ``param.data`` in place, and learning-rate schedules.
 
 In place matters: FSDP hands the optimizer its shard parameters and keeps
 references to their arrays, so a step must never rebind ``p.data``.
@@ -8,7 +8,8 @@ import math
 
 from mpidist.xp import asarray_like, get_array_module
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "LRScheduler", "LambdaLR", "StepLR", "LinearLR",
+           "CosineAnnealingLR", "SequentialLR"]
 
 
 class Optimizer:
@@ -185,3 +186,132 @@ class AdamW(Adam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+# -- learning-rate schedules ---------------------------------------------------------------------------
+class LRScheduler:
+    """Set every parameter group's ``lr`` from a closed-form function of the step count.
+
+    As in PyTorch: construction sets the rate for step 0, each ``step()`` advances one step (call it
+    after ``optimizer.step()``), and a group's starting rate is kept as ``group["initial_lr"]``, so
+    schedules built one after another on the same optimizer (``SequentialLR``) share it.
+    ``state_dict()`` holds only counters: save it (``mpidist.checkpoint`` does) to resume the schedule.
+    """
+
+    def __init__(self, optimizer):
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"{type(self).__name__}: optimizer must be an mpidist.optim.Optimizer "
+                            f"(got {type(optimizer).__name__})")
+        self.optimizer = optimizer
+        self.base_lrs = [group.setdefault("initial_lr", group["lr"]) for group in optimizer.param_groups]
+        self.last_epoch = 0
+        self._apply()
+
+    def lr_at(self, base_lr, step):
+        """Return the learning rate at ``step`` for a group that started at ``base_lr``."""
+        raise NotImplementedError(f"{type(self).__name__}: lr_at() is not implemented")
+
+    def _apply(self):
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = self.lr_at(base, self.last_epoch)
+
+    def step(self):
+        """Advance one step and set the new rates."""
+        self.last_epoch += 1
+        self._apply()
+
+    def get_last_lr(self):
+        """Return the current rate of every group."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self):
+        return {"last_epoch": self.last_epoch, "base_lrs": list(self.base_lrs)}
+
+    def load_state_dict(self, state_dict):
+        """Continue from a saved position (the rates are set for it at once)."""
+        base_lrs = list(state_dict["base_lrs"])
+        if len(base_lrs) != len(self.optimizer.param_groups):
+            raise ValueError(f"{type(self).__name__}.load_state_dict: {len(base_lrs)} saved groups, "
+                             f"the optimizer has {len(self.optimizer.param_groups)}")
+        self.last_epoch, self.base_lrs = int(state_dict["last_epoch"]), base_lrs
+        self._apply()
+
+
+def _check(name, value, ok, want):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ValueError(f"{name} must be {want} (got {value!r})")
+    return value
+
+
+class LambdaLR(LRScheduler):
+    """``lr = initial_lr * lr_lambda(step)``."""
+
+    def __init__(self, optimizer, lr_lambda):
+        if not callable(lr_lambda):
+            raise TypeError(f"LambdaLR: lr_lambda must be callable (got {type(lr_lambda).__name__})")
+        self.lr_lambda = lr_lambda
+        super().__init__(optimizer)
+
+    def lr_at(self, base_lr, step):
+        return base_lr * self.lr_lambda(step)
+
+
+class StepLR(LRScheduler):
+    """``lr = initial_lr * gamma ** (step // step_size)``."""
+
+    def __init__(self, optimizer, step_size, gamma=0.1):
+        self.step_size = _check("StepLR: step_size", step_size, lambda v: isinstance(v, int) and v >= 1, "an int >= 1")
+        self.gamma = _check("StepLR: gamma", gamma, lambda v: v > 0, "> 0")
+        super().__init__(optimizer)
+
+    def lr_at(self, base_lr, step):
+        return base_lr * self.gamma ** (step // self.step_size)
+
+
+class LinearLR(LRScheduler):
+    """Scale by a factor going linearly from ``start_factor`` to ``end_factor`` over ``total_iters`` steps
+    (then constant): the usual warm-up."""
+
+    def __init__(self, optimizer, start_factor=1.0 / 3, end_factor=1.0, total_iters=5):
+        self.start_factor = _check("LinearLR: start_factor", start_factor, lambda v: 0 < v <= 1, "in (0, 1]")
+        self.end_factor = _check("LinearLR: end_factor", end_factor, lambda v: 0 <= v <= 1, "in [0, 1]")
+        self.total_iters = _check("LinearLR: total_iters", total_iters, lambda v: isinstance(v, int) and v >= 1,
+                                  "an int >= 1")
+        super().__init__(optimizer)
+
+    def lr_at(self, base_lr, step):
+        done = min(step, self.total_iters) / self.total_iters
+        return base_lr * (self.start_factor + (self.end_factor - self.start_factor) * done)
+
+
+class CosineAnnealingLR(LRScheduler):
+    """``lr = eta_min + (initial_lr - eta_min) * (1 + cos(pi * step / T_max)) / 2`` up to ``T_max``, then ``eta_min``."""
+
+    def __init__(self, optimizer, T_max, eta_min=0.0):
+        self.T_max = _check("CosineAnnealingLR: T_max", T_max, lambda v: isinstance(v, int) and v >= 1, "an int >= 1")
+        self.eta_min = _check("CosineAnnealingLR: eta_min", eta_min, lambda v: v >= 0, ">= 0")
+        super().__init__(optimizer)
+
+    def lr_at(self, base_lr, step):
+        step = min(step, self.T_max)
+        return self.eta_min + (base_lr - self.eta_min) * (1 + math.cos(math.pi * step / self.T_max)) / 2
+
+
+class SequentialLR(LRScheduler):
+    """Run ``schedulers[0]`` until ``milestones[0]``, then ``schedulers[1]`` from its own step 0, and so on
+    (e.g. ``LinearLR`` warm-up, then ``CosineAnnealingLR``)."""
+
+    def __init__(self, optimizer, schedulers, milestones):
+        schedulers, milestones = list(schedulers), list(milestones)
+        if not schedulers or any(s.optimizer is not optimizer for s in schedulers):
+            raise ValueError("SequentialLR: schedulers must be a non-empty list built on this optimizer")
+        if len(milestones) != len(schedulers) - 1 or milestones != sorted(milestones) or \
+                any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in milestones):
+            raise ValueError(f"SequentialLR: milestones must be {len(schedulers) - 1} increasing ints >= 1 "
+                             f"(got {milestones!r})")
+        self.schedulers, self.milestones = schedulers, milestones
+        super().__init__(optimizer)
+
+    def lr_at(self, base_lr, step):
+        i = sum(step >= m for m in self.milestones)
+        return self.schedulers[i].lr_at(base_lr, step - (self.milestones[i - 1] if i else 0))

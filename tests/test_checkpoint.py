@@ -57,7 +57,11 @@ def test_round_trip_ddp_with_everything(comm, tmp_path):
     rng = np.random.default_rng(5)
     rng.random(7)
     train(ddp, opt, 3, comm=comm)
-    state = {"model": ddp, "optim": opt, "sampler": sampler, "rng": rng, "step": 3, "extra": {"note": "hi"}}
+    schedule = optim.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(3):
+        schedule.step()
+    state = {"model": ddp, "optim": opt, "sampler": sampler, "rng": rng, "step": 3, "extra": {"note": "hi"},
+             "schedule": schedule}
     checkpoint.save(root, state, comm, step=3)
     expected_params, expected_opt = full_params(ddp), opt.state_dict()
     expected_draw = np.random.default_rng(5)
@@ -67,8 +71,11 @@ def test_round_trip_ddp_with_everything(comm, tmp_path):
     fresh_opt = optim.Adam(fresh.parameters(), lr=0.5)
     fresh_sampler = DistributedSampler(100, comm, seed=3)
     fresh_rng = np.random.default_rng(0)
-    new_state = {"model": fresh, "optim": fresh_opt, "sampler": fresh_sampler, "rng": fresh_rng, "step": 0, "extra": None}
+    fresh_schedule = optim.StepLR(fresh_opt, step_size=2, gamma=0.5)
+    new_state = {"model": fresh, "optim": fresh_opt, "sampler": fresh_sampler, "rng": fresh_rng, "step": 0, "extra": None,
+                 "schedule": fresh_schedule}
     assert checkpoint.load(root, new_state, comm) == 3
+    assert fresh_schedule.last_epoch == 3 and fresh_schedule.get_last_lr() == [0.01 * 0.5] == schedule.get_last_lr()
     for k, v in expected_params.items():
         np.testing.assert_array_equal(fresh.state_dict()[k], v)
     got_opt = fresh_opt.state_dict()

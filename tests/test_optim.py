@@ -168,3 +168,77 @@ def test_mlp_learns_xor_with_adam():
     with nn.no_grad():
         accuracy = (model(x).argmax(axis=1) == y).mean()
     assert accuracy > 0.95, f"accuracy {accuracy:.3f}"
+
+
+# -- learning-rate schedules ----------------------------------------------------------------------------
+from mpidist.optim import CosineAnnealingLR, LambdaLR, LinearLR, SequentialLR, StepLR  # noqa: E402
+
+
+def _lrs(make, steps=12, lrs=(0.1, 0.02)):
+    """Rates of both groups at steps 0..steps-1 (two groups with different starting rates)."""
+    params = [nn.Parameter(np.zeros(2)), nn.Parameter(np.zeros(3))]
+    opt = SGD([{"params": [params[0]], "lr": lrs[0]}, {"params": [params[1]], "lr": lrs[1]}], lr=lrs[0])
+    schedule = make(opt)
+    seen = []
+    for _ in range(steps):
+        seen.append(schedule.get_last_lr())
+        opt.step()
+        schedule.step()
+    return np.array(seen)
+
+
+@pytest.mark.parametrize("make, formula", [
+    (lambda o: StepLR(o, step_size=3, gamma=0.5), lambda b, t: b * 0.5 ** (t // 3)),
+    (lambda o: LambdaLR(o, lambda t: 1 / (1 + t)), lambda b, t: b / (1 + t)),
+    (lambda o: LinearLR(o, start_factor=0.25, total_iters=4), lambda b, t: b * (0.25 + 0.75 * min(t, 4) / 4)),
+    (lambda o: CosineAnnealingLR(o, T_max=8, eta_min=0.001),
+     lambda b, t: 0.001 + (b - 0.001) * (1 + np.cos(np.pi * min(t, 8) / 8)) / 2),
+])
+def test_schedules_follow_their_formula(make, formula):
+    got = _lrs(make)
+    want = np.array([[formula(b, t) for b in (0.1, 0.02)] for t in range(12)])
+    np.testing.assert_allclose(got, want, rtol=1e-14)
+
+
+def test_warmup_then_cosine():
+    def make(opt):
+        warm = LinearLR(opt, start_factor=0.1, total_iters=3)
+        cos = CosineAnnealingLR(opt, T_max=6)
+        return SequentialLR(opt, [warm, cos], milestones=[3])
+    got = _lrs(make, steps=10, lrs=(0.1, 0.1))[:, 0]
+    want = [0.1 * (0.1 + 0.9 * t / 3) for t in range(3)] + \
+           [0.1 * (1 + np.cos(np.pi * min(t, 6) / 6)) / 2 for t in range(7)]
+    np.testing.assert_allclose(got, want, rtol=1e-14)
+
+
+def test_schedule_resumes_from_its_state_dict():
+    params = [nn.Parameter(np.zeros(2))]
+    opt = Adam(params, lr=0.1)
+    schedule = CosineAnnealingLR(opt, T_max=10)
+    for _ in range(4):
+        schedule.step()
+    saved_opt, saved = opt.state_dict(), schedule.state_dict()
+    fresh_opt = Adam([nn.Parameter(np.zeros(2))], lr=0.5)
+    fresh = CosineAnnealingLR(fresh_opt, T_max=10)
+    fresh_opt.load_state_dict(saved_opt)
+    fresh.load_state_dict(saved)
+    for _ in range(3):
+        schedule.step()
+        fresh.step()
+        assert fresh.get_last_lr() == schedule.get_last_lr()
+
+
+def test_schedule_arguments_are_checked_with_their_values():
+    opt = SGD([nn.Parameter(np.zeros(1))], lr=0.1)
+    with pytest.raises(ValueError, match=r"StepLR: step_size must be an int >= 1 \(got 0\)"):
+        StepLR(opt, step_size=0)
+    with pytest.raises(ValueError, match=r"LinearLR: start_factor must be in \(0, 1\] \(got 0\)"):
+        LinearLR(opt, start_factor=0)
+    with pytest.raises(ValueError, match=r"CosineAnnealingLR: T_max must be an int >= 1 \(got 2.5\)"):
+        CosineAnnealingLR(opt, T_max=2.5)
+    with pytest.raises(ValueError, match=r"SequentialLR: milestones must be 1 increasing ints >= 1 \(got \[0\]\)"):
+        SequentialLR(opt, [StepLR(opt, 1), StepLR(opt, 2)], milestones=[0])
+    with pytest.raises(TypeError, match=r"LambdaLR: lr_lambda must be callable \(got float\)"):
+        LambdaLR(opt, 0.5)
+    with pytest.raises(TypeError, match=r"StepLR: optimizer must be an mpidist.optim.Optimizer \(got list\)"):
+        StepLR([], 2)
