@@ -31,6 +31,7 @@ import zlib
 import numpy as np
 
 from . import collectives
+from .comm import check_comm
 from .xp import copy_into, to_numpy
 
 __all__ = ["save", "load", "latest_step", "list_steps", "CheckpointError"]
@@ -270,6 +271,7 @@ def save(root, state, comm, step, keep_last=3):
 
     Returns the checkpoint directory. Keeps the newest ``keep_last`` checkpoints (None keeps all).
     """
+    check_comm("checkpoint.save", comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     directory = _step_dir(root, step)
 
@@ -459,6 +461,7 @@ def load(root, state, comm, step=None, verify=True):
     replace entries of ``state``. Values that differed by rank at save time (a per-rank RNG) are
     restored per rank when loading at the same world size, and from rank 0 otherwise.
     """
+    check_comm("checkpoint.load", comm)
     if step is None:
         step = comm.bcast(latest_step(root) if comm.Get_rank() == 0 else None, root=0)
         if step is None:

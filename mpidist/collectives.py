@@ -21,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import guard as _guard
+from .comm import SimComm, check_comm
 from . import xp as _xp
 
 __all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "send", "recv", "isend", "irecv",
@@ -42,6 +43,9 @@ _ARITH_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX, 
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "prod": MPI.LAND, "min": MPI.LAND}
 _OP_NAMES = ("sum", "mean", "min", "max", "prod")
 _DTYPE_NAMES = tuple(dt.name for dt in SUPPORTED_DTYPES)
+# Communicator types the fast paths take without further checks (COMM_NULL is a plain MPI.Comm and
+# intercommunicators an MPI.Intercomm: both go the general way, which refuses them with a clear error).
+_PLAIN_COMMS = frozenset({MPI.Intracomm, SimComm})
 
 
 # -- tracking: fingerprints for the desync check and in-flight records for the watchdog (mpidist.guard) --
@@ -49,8 +53,9 @@ def _begin(comm, op, x=None, root=-1, reduction="", count=None):
     """Register collective ``op`` with the guard when it is tracking; return its token (None when not).
 
     Runs before input validation, so it must not trip over bad arguments: those get a neutral value
-    and the validation's own error.
+    and the validation's own error. A bad communicator is the exception: it is refused here.
     """
+    check_comm(op, comm)
     if not _guard.tracking():
         return None
     dtype_code = _DTYPE_CODE.get(getattr(x, "dtype", None), -1)
@@ -261,12 +266,17 @@ def allreduce(x, comm, op="sum"):
     """Reduce ``x`` over all ranks in place with ``op`` (sum, mean, min, max, prod); return ``x``."""
     # The common case (a contiguous, writable numpy array and a valid op) skips the general checks:
     # at small sizes Python overhead is what separates mpidist from a raw comm.Allreduce.
-    if type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable:
+    if type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable and type(comm) in _PLAIN_COMMS:
         entry = _FAST_ALLREDUCE.get((op, x.dtype))
         if entry is not None:
-            token = _guard.enter(comm, "allreduce", entry[2], x.size, -1, op, _DTYPE_NAMES) if _guard.tracking() else None
+            token = None
             try:
+                if _guard.tracking():
+                    token = _guard.enter(comm, "allreduce", entry[2], x.size, -1, op, _DTYPE_NAMES)
                 comm.Allreduce(MPI.IN_PLACE, x, op=entry[0])
+            except MPI.Exception:
+                check_comm("allreduce", comm)  # COMM_NULL gets an error that says so, not MPI's
+                raise
             finally:
                 if token is not None:
                     _guard.leave(token)
@@ -317,8 +327,12 @@ def _iallreduce(x, comm, op, _blocking):
 def broadcast(x, comm, root=0):
     """Overwrite ``x`` on every rank with ``root``'s ``x``; return ``x``."""
     # Fast path, as for allreduce: a contiguous writable numpy array of a supported dtype and a valid root.
-    if (type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable and x.dtype in _DTYPE_CODE
-            and type(root) is int and 0 <= root < comm.Get_size()):
+    try:
+        fast = (type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable and x.dtype in _DTYPE_CODE
+                and type(comm) in _PLAIN_COMMS and type(root) is int and 0 <= root < comm.Get_size())
+    except MPI.Exception:
+        fast = False  # COMM_NULL: the general path refuses it with a clear error
+    if fast:
         token = _guard.enter(comm, "broadcast", _DTYPE_CODE[x.dtype], x.size, root, "", _DTYPE_NAMES) if _guard.tracking() else None
         try:
             comm.Bcast(x, root=root)
@@ -524,6 +538,7 @@ def isend(x, dest, comm, tag=0):
 def _p2p_begin(comm, op):
     # Point-to-point calls are not matched across all ranks, so they take no fingerprint check;
     # the watchdog still sees a receive that never completes.
+    check_comm(op, comm)
     return _guard.enter(comm, op, collective=False) if _guard.tracking() else None
 
 

@@ -2,6 +2,8 @@
 
 import numpy as np
 
+from .comm import check_comm
+
 __all__ = ["DistributedSampler"]
 
 
@@ -16,6 +18,7 @@ class DistributedSampler:
     def __init__(self, n_samples, comm, shuffle=True, seed=0, drop_last=False):
         if not isinstance(n_samples, (int, np.integer)) or n_samples < 0:
             raise ValueError(f"DistributedSampler: n_samples must be a non-negative int (got {n_samples!r})")
+        check_comm("DistributedSampler", comm)
         self.n_samples = int(n_samples)
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()

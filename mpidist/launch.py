@@ -14,6 +14,7 @@ import traceback
 import warnings
 
 from . import guard
+from .comm import check_comm
 
 __all__ = ["LaunchInfo", "LaunchError", "init", "detect_launcher", "expected_world_size", "install_abort_on_error",
            "select_device"]
@@ -163,7 +164,7 @@ def init(comm=None, *, abort_on_error=True, watchdog_timeout=None):
     from mpi4py import MPI
 
 
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = MPI.COMM_WORLD if comm is None else check_comm("init", comm)
     size, rank = comm.Get_size(), comm.Get_rank()
     if isinstance(comm, MPI.Comm):
         # The launcher counts processes in the world, whatever communicator the caller hands in.

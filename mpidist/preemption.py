@@ -13,6 +13,7 @@ import threading
 import numpy as np
 
 from . import collectives
+from .comm import check_comm
 
 __all__ = ["PREEMPTED_EXIT", "Preemption"]
 
@@ -27,7 +28,7 @@ class Preemption:
     """
 
     def __init__(self, comm, signals=(signal.SIGTERM, signal.SIGUSR1)):
-        self.comm = comm
+        self.comm = check_comm("Preemption", comm)
         self.signals = tuple(signals)
         self.requested = False
         self.received = None

@@ -364,3 +364,42 @@ def test_proc_null_and_matched_probes(comm):
             status = MPI.Status()
             assert comm.recv(source=0, tag=2, status=status) == {"k": 1} and status.Get_tag() == 2
     assert comm.Improbe(MPI.ANY_SOURCE, 77) is None
+
+
+def test_what_is_not_a_communicator_is_refused_by_name(comm):
+    import mpidist.nn as nn
+    from mpidist.data import DistributedSampler
+    calls = {
+        "allreduce": lambda c: mpidist.allreduce(np.ones(2), c),
+        "iallreduce": lambda c: mpidist.iallreduce(np.ones(2), c),
+        "broadcast": lambda c: mpidist.broadcast(np.ones(2), c),
+        "allgather": lambda c: mpidist.allgather(np.ones(2), c),
+        "reduce_scatter": lambda c: mpidist.reduce_scatter(np.ones(2), c),
+        "barrier": lambda c: mpidist.barrier(c),
+        "send": lambda c: mpidist.isend(np.ones(2), 0, c),
+        "recv": lambda c: mpidist.recv(0, c),
+        "DDP": lambda c: mpidist.DDP(nn.Sequential(nn.Linear(2, 2)), c),
+        "FSDP": lambda c: mpidist.FSDP(nn.Sequential(nn.Linear(2, 2)), c),
+        "DistributedSampler": lambda c: DistributedSampler(10, c),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=rf"^{name}: comm must be an mpi4py intracommunicator .*\(got int: 7\)"):
+            call(7)
+    if not isinstance(comm, MPI.Comm):
+        return
+    # Real MPI only: COMM_NULL (what Split gives a rank with color UNDEFINED) and an intercommunicator.
+    rank, size = comm.Get_rank(), comm.Get_size()
+    outside = comm.Split(MPI.UNDEFINED if rank == 0 else 1, rank)
+    if rank == 0:
+        with pytest.raises(TypeError, match=r"broadcast: comm is MPI.COMM_NULL \(freed, or this rank is not a member"):
+            mpidist.broadcast(np.ones(2), outside)
+    else:
+        outside.Free()
+    if size >= 2:
+        half = comm.Split(rank % 2, rank)
+        inter = half.Create_intercomm(0, comm, 1 - rank % 2, tag=11)
+        for name in ("broadcast", "DDP"):  # a broadcast over an intercomm would hang: refused before any message
+            with pytest.raises(TypeError, match=rf"{name}: intercommunicators are not supported .*intercomm.Merge\(\)"):
+                calls[name](inter)
+        inter.Free()
+        half.Free()

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from .. import collectives
+from ..comm import check_comm
 from ..nn.utils import clip_grad_norm_
 from ..xp import get_array_module
 
@@ -72,6 +73,7 @@ class DDP:
 
     def __init__(self, module, comm, bucket_cap_mb=25, first_bucket_mb=1, overlap=True, broadcast_buffers=True,
                  unused_parameters="zero", check_finite=False):
+        check_comm("DDP", comm)
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError(f"DDP: bucket sizes must be positive (bucket_cap_mb={bucket_cap_mb}, first_bucket_mb={first_bucket_mb})")
         if unused_parameters not in ("zero", "error"):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import collectives
+from ..comm import check_comm
 from ..nn.module import Module, Parameter, Sequential
 from ..nn.utils import clip_grad_norm_
 from ..xp import asarray_like, copy_into, get_array_module
@@ -157,6 +158,7 @@ class FSDP:
                  check_finite=False):
         if not isinstance(module, Module):
             raise TypeError(f"FSDP: module must be an mpidist.nn.Module (got {type(module).__name__})")
+        check_comm("FSDP", comm)
         if not isinstance(prefetch, bool):
             raise TypeError(f"FSDP: prefetch must be a bool (got {prefetch!r})")
         if backward_prefetch not in ("pre", "post"):

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mpidist.comm import check_comm
+
 __all__ = ["Mesh", "mesh"]
 
 
@@ -30,6 +32,7 @@ class Mesh:
 
 def mesh(comm, dp: int = 2, pp: int = 2) -> Mesh:
     """Split `comm` into pipeline groups of pp consecutive ranks and data-parallel groups across them."""
+    check_comm("mesh", comm)
     size, rank = comm.Get_size(), comm.Get_rank()
     for name, value in (("dp", dp), ("pp", pp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -26,6 +26,7 @@ import numpy as np
 
 from mpidist import collectives
 from mpidist.collectives import split_sizes
+from mpidist.comm import check_comm
 from mpidist.nn.utils import clip_grad_norm_
 from mpidist.xp import asarray_like, is_device_array
 
@@ -78,7 +79,9 @@ class Pipeline:
 
     def __init__(self, stage, comm, num_microbatches: int, schedule: Union[str, Schedule] = "1f1b",
                  loss_fn=None, dp_comm=None):
-        self.comm = comm
+        self.comm = check_comm("Pipeline", comm)
+        if dp_comm is not None:
+            check_comm("Pipeline (dp_comm)", dp_comm)
         self.rank, self.p = comm.Get_rank(), comm.Get_size()
         self.stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
         self.loss_fn = loss_fn
