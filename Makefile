@@ -19,12 +19,15 @@ endif
 
 .PHONY: venv test test-sim test-mpi demo bench clean test-slurm bench-plot
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+# One marker per MPI choice: switching MPI= (or changing the package metadata) rebuilds the venv from
+# scratch, so an mpi4py built for one MPI never runs against the other's libraries or mpiexec.
+$(VENV)/.installed-$(MPI): setup.cfg pyproject.toml
+	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,examples]' $(MPI_PKGS)
 	touch $@
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed-$(MPI)
 
 test: test-sim test-mpi
 
@@ -45,8 +48,9 @@ bench: venv
 test-slurm: venv
 	$(PY) tests/slurm/run_slurm_checks.py
 
-# The table and plot in docs/cluster.md (needs the plot extra: pip install -e '.[plot]').
+# The table and plot in docs/cluster.md (installs the plot extra, matplotlib, first).
 bench-plot: venv
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[plot]'
 	OMP_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpidist bench allreduce allgather reduce_scatter bcast sendrecv \
 		--sizes 8:64M --plot docs/bench.png --json docs/bench.json
 

@@ -138,7 +138,7 @@ def run_driver(args):
     mib = 1024 * 1024
     print(f"model: {args.layers} x Linear({args.width}, {args.width}) float32, {rows[0]['params'] / 1e6:.2f}M params, "
           f"Adam, batch {args.batch} per rank")
-    print("| strategy | ranks | persistent MiB | ZeRO formula MiB (16 Psi/N) | DDP/N MiB | peak MiB | "
+    print("| strategy | ranks | persistent MiB | its ZeRO formula MiB (16 Psi/N sharded, 16 Psi replicated) | DDP/N MiB | peak MiB | "
           "peak gathered params MiB | 2 largest units MiB | step ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:

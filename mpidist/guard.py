@@ -133,9 +133,12 @@ def _check(comm, vec, dtype_names):
         groups.setdefault(_describe(row, dtype_names), []).append(r)
     differing = [f for i, f in enumerate(_FIELDS) if len(set(everyone[:, i].tolist())) > 1]
     parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {d}" for d, rs in groups.items())
-    mine = comm.Get_rank()
+    expected = _describe(reference, dtype_names)
+    # The same text on every rank: the ranks that differ from rank 0 come first, whoever raises it.
+    deviating = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} called {d}"
+                          for d, rs in groups.items() if d != expected)
     raise DesyncError(f"collective desync on {_comm_name(comm)} at call #{int(vec[0])} (differs in {', '.join(differing)}): "
-                      f"expected {_describe(reference, dtype_names)} (rank 0), rank {mine} got {_describe(vec, dtype_names)}; {parts}")
+                      f"expected {expected} (rank 0), but {deviating}; all ranks: {parts}")
 
 
 def in_flight():

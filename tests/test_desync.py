@@ -80,6 +80,7 @@ def test_fingerprint_mismatch_raises_on_every_rank(comm, kind, desync_checks):
         disagree(kind, comm)
     size = comm.Get_size()
     assert f"rank{'s' if size > 2 else ''} {','.join(map(str, range(size - 1)))}: #1" in str(info.value)
+    assert f"(rank 0), but rank {size - 1} called #1 " in str(info.value)  # the odd rank first, on every rank
 
 
 def test_agreeing_ranks_pass_the_check(comm, desync_checks):

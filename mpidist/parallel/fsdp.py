@@ -20,6 +20,7 @@ Glossary:
 import contextlib
 import enum
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -172,6 +173,9 @@ class FSDP:
         self.settings = FSDPSettings(strategy, prefetch, size, num_shards, backward_prefetch)
         self._sync = True
         self._transient = _Transient()
+        # Seconds spent blocked on communication: waiting for all-gathers, and in the gradient
+        # reduce-scatters (blocking). What prefetching did not hide.
+        self.stats = {"comm_wait_s": 0.0}
 
         groups = _resolve_units(module, units)
         self._units = self._build_units(module, groups, num_shards)
@@ -367,7 +371,9 @@ class FSDP:
     def _finish_gather(self, unit):
         self._start_gather(unit)
         if unit.state is _UnitState.GATHERING:
+            start = time.perf_counter()
             unit.handle.wait()
+            self.stats["comm_wait_s"] += time.perf_counter() - start
             unit.handle = None
             for p, view in zip(unit.params, unit.views(unit.gathered)):
                 p.data = view
@@ -467,11 +473,14 @@ class FSDP:
             for name, view in zip(unit.names, unit.views(unit.unsharded_grad)):
                 if not bool(xp.isfinite(view).all()):
                     self._nonfinite.add(name)
+        start = time.perf_counter()
         if self.settings.strategy is ShardingStrategy.NO_SHARD:
             collectives.allreduce(unit.shard.grad, self.comm, op="mean")  # the unsharded grad is the shard grad
+            self.stats["comm_wait_s"] += time.perf_counter() - start
             return
         # The flat gradient is padded to a multiple of the world size, so every rank gets an equal chunk.
         chunk = collectives.reduce_scatter(unit.unsharded_grad, self.comm, op="mean")
+        self.stats["comm_wait_s"] += time.perf_counter() - start
         if unit.shard.grad is None:
             unit.shard.grad = chunk
         else:
