@@ -2,8 +2,8 @@
 
 from .comm import (CollectiveMismatchError, CommError, DeadlockError, RankFailedError, SimAbort, SimComm,
                    simulate)
-from .collectives import (allgather, allreduce, barrier, broadcast, iallgather, iallreduce, ibroadcast, irecv,
-                          isend, recv, reduce_scatter, send)
+from .collectives import (allgather, allreduce, alltoall, barrier, broadcast, iallgather, iallreduce, ibroadcast,
+                          irecv, isend, recv, reduce_scatter, send)
 from .launch import LaunchError, LaunchInfo, init
 from .parallel import DDP, FSDP, Pipeline, ShardingStrategy, mesh
 
@@ -12,6 +12,6 @@ __version__ = "0.1.0"
 __all__ = [
     "SimComm", "simulate", "init", "LaunchInfo", "LaunchError",
     "CommError", "CollectiveMismatchError", "RankFailedError", "DeadlockError", "SimAbort",
-    "allreduce", "broadcast", "allgather", "reduce_scatter", "send", "recv", "isend", "irecv", "barrier",
+    "allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "send", "recv", "isend", "irecv", "barrier",
     "iallreduce", "ibroadcast", "iallgather", "DDP", "FSDP", "ShardingStrategy", "Pipeline", "mesh",
 ]

@@ -24,7 +24,7 @@ from . import guard as _guard
 from .comm import SimComm, check_comm
 from . import xp as _xp
 
-__all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "send", "recv", "isend", "irecv",
+__all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "send", "recv", "isend", "irecv",
            "barrier", "iallreduce", "ibroadcast", "iallgather", "Handle", "split_sizes", "SUPPORTED_DTYPES"]
 
 # Dtypes a header can name (index = code on the wire); order is part of the send/recv protocol.
@@ -492,6 +492,70 @@ def _reduce_scatter(x, comm, op):
         out /= size
     xpm = _xp.get_array_module(x)
     return out if xpm is np else xpm.asarray(out)
+
+
+def alltoall(x, comm, splits=None, return_splits=False):
+    """Send rows of ``x`` to every rank; return the rows every rank sent here, concatenated in rank order.
+
+    ``splits[j]`` consecutive rows (axis 0) go to rank j; by default ``split_sizes(len(x), size)``
+    (the first ``len(x) % size`` ranks get one row more). With ``return_splits`` the result is
+    ``(rows, received_splits)``: how many rows came from each rank. Ranks must agree on dtype and
+    trailing shape. Bad splits or a disagreement raise on every rank (one small metadata exchange
+    comes first, so no rank is left waiting). Any dtype; device arrays go through a host copy.
+    """
+    return _tracked(_begin(comm, "alltoall", x, count=_row_size(x)), _alltoall, x, comm, splits, return_splits)
+
+
+def _alltoall(x, comm, splits, return_splits):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    # Every local problem travels in the metadata exchange, so that all ranks raise, none waits.
+    problem = None
+    try:
+        _check_array("alltoall", x)
+        if x.ndim == 0 or x.ndim > _HEADER_LEN - 2:
+            raise ValueError(f"alltoall: x must have 1 to {_HEADER_LEN - 2} dimensions (got shape {x.shape})")
+    except (TypeError, ValueError) as exc:
+        problem = str(exc)
+    rows, trailing = (x.shape[0], tuple(x.shape[1:])) if problem is None else (0, ())
+    if splits is None:
+        splits = split_sizes(rows, size)
+    elif problem is None:
+        ok = (len(splits) == size if hasattr(splits, "__len__") else False) and all(
+            isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in splits)
+        if not ok or sum(int(n) for n in splits) != rows:
+            problem = f"alltoall: splits must be {size} ints >= 0 summing to len(x) = {rows} (got {splits!r})"
+    if problem is not None:
+        splits = [0] * size
+    # One row per rank: [problem?, dtype code, ndim of the trailing shape, trailing dims (padded), splits].
+    meta = np.zeros(2 + _HEADER_LEN + size, dtype=np.int64)
+    meta[0] = problem is not None
+    if problem is None:
+        meta[1], meta[2] = _DTYPE_CODE[x.dtype], len(trailing)
+        meta[3: 3 + len(trailing)] = trailing
+    meta[2 + _HEADER_LEN:] = [int(n) for n in splits]
+    everyone = np.empty((size, meta.size), dtype=np.int64)
+    comm.Allgather(meta, everyone)
+    if everyone[:, 0].any():
+        bad = np.flatnonzero(everyone[:, 0]).tolist()
+        raise ValueError(f"alltoall: bad input on rank(s) {bad}" + (f"; here: {problem}" if problem else ""))
+    described = [(SUPPORTED_DTYPES[row[1]], tuple(row[3: 3 + row[2]].tolist())) for row in everyone]
+    if len(set(described)) > 1:
+        parts = ", ".join(f"rank {r}: {dt} (n, {', '.join(map(str, t))})" for r, (dt, t) in enumerate(described))
+        raise ValueError(f"alltoall: ranks disagree on dtype or trailing shape ({parts})")
+    received = everyone[:, 2 + _HEADER_LEN + rank].tolist()
+    row_bytes = math.prod(trailing) * x.dtype.itemsize
+    xpm = _xp.get_array_module(x)
+    send = _host_copy(_xp.to_numpy(x)).reshape(-1).view(np.uint8)  # bytes: every dtype, float16 included
+    out = np.empty((sum(received),) + trailing, dtype=x.dtype)
+    send_counts, recv_counts = [int(n) * row_bytes for n in splits], [n * row_bytes for n in received]
+    comm.Alltoallv([send, (send_counts, _offsets(send_counts))],
+                   [out.reshape(-1).view(np.uint8), (recv_counts, _offsets(recv_counts))])
+    result = out if xpm is np else xpm.asarray(out)
+    return (result, received) if return_splits else result
+
+
+def _offsets(counts):
+    return [sum(counts[:i]) for i in range(len(counts))]
 
 
 def barrier(comm):

@@ -35,7 +35,7 @@ from .comm.errors import CommError
 __all__ = ["DesyncError", "configure", "settings", "enter", "leave", "Watchdog", "start_watchdog", "stop_watchdog"]
 
 _OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "barrier", "send", "recv",
-        "iallreduce", "ibroadcast", "iallgather")
+        "iallreduce", "ibroadcast", "iallgather", "alltoall")
 _REDUCTIONS = ("", "sum", "mean", "min", "max", "prod")
 _FIELDS = ("sequence", "op", "dtype", "count", "root", "reduction")
 

@@ -491,3 +491,57 @@ def test_a_dropped_send_handle_keeps_its_buffer_until_mpi_is_done(comm):
     comm.Barrier()
     mpidist.iallreduce(np.ones(1), comm).wait()
     assert not mpidist.collectives._orphans
+
+
+# -- alltoall ---------------------------------------------------------------------------------------------
+def draw_splits(rank, size, seed):
+    """Rank ``rank``'s rows per destination: random, zeros included, the same on every process."""
+    return np.random.default_rng([seed, rank, 77]).integers(0, 4, size=size).tolist()
+
+
+@given(dtype=dtype_names, trailing=st.lists(st.integers(0, 3), max_size=2).map(tuple), seed=st.integers(0, 50),
+       uneven=st.booleans())
+def test_property_alltoall(world, dtype, trailing, seed, uneven):
+    def body(comm):
+        size, rank = comm.Get_size(), comm.Get_rank()
+        splits = [draw_splits(r, size, seed) for r in range(size)]
+        inputs = [rank_input(r, (sum(splits[r]),) + trailing, dtype, seed) for r in range(size)]
+        if uneven:
+            got, received = mpidist.alltoall(inputs[rank], comm, splits=splits[rank], return_splits=True)
+        else:  # default splits: split_sizes of each rank's length
+            splits = [split_sizes(len(inputs[r]), size) for r in range(size)]
+            got, received = mpidist.alltoall(inputs[rank], comm, return_splits=True)
+        offsets = [np.cumsum([0] + s) for s in splits]
+        want = np.concatenate([inputs[r][offsets[r][rank]: offsets[r][rank + 1]] for r in range(size)])
+        assert received == [splits[r][rank] for r in range(size)]
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+    world.run(body)
+
+
+def test_alltoall_of_a_non_contiguous_array(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    base = np.arange(4 * size * 6, dtype=np.float64).reshape(4 * size, 6) + 1000 * rank
+    got = mpidist.alltoall(base[:, ::2], comm)  # 4 rows to every rank
+    want = np.concatenate([(np.arange(4 * size * 6, dtype=np.float64).reshape(4 * size, 6) + 1000 * r)
+                           [4 * rank: 4 * rank + 4, ::2] for r in range(size)])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_alltoall_bad_input_on_one_rank_raises_on_every_rank(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    odd = rank == size - 1
+    x = np.ones((size, 2))
+    with pytest.raises(ValueError, match=rf"alltoall: bad input on rank\(s\) \[{size - 1}\]"):
+        mpidist.alltoall(x, comm, splits=[1] * (size + 1) if odd else [1] * size)
+    with pytest.raises(ValueError, match=rf"alltoall: bad input on rank\(s\) \[{size - 1}\]"):
+        mpidist.alltoall(np.float64(3.0) if odd else x, comm)
+    if size > 1:
+        with pytest.raises(ValueError, match=rf"ranks disagree on dtype or trailing shape \(.*rank {size - 1}: float32 \(n, 2\)"):
+            mpidist.alltoall(x.astype(np.float32) if odd else x, comm)
+    if odd:
+        with pytest.raises(ValueError, match=r"splits must be \d ints >= 0 summing to len\(x\) = \d+ \(got \[-1"):
+            mpidist.alltoall(x, comm, splits=[-1] + [0] * (size - 1))
+    else:
+        with pytest.raises(ValueError, match=r"bad input on rank"):
+            mpidist.alltoall(x, comm)

@@ -62,6 +62,19 @@ def test_buffer_collectives_match_numpy(comm):
     comm.Reduce_scatter(np.ones(sum(counts)), rv, counts, op=MPI.SUM)
     assert (rv == size).all()
 
+    a = np.empty(2 * size, dtype=np.int64)
+    comm.Alltoall(np.arange(2 * size, dtype=np.int64) + 100 * rank, a)  # block j of rank i goes to rank j
+    np.testing.assert_array_equal(a, np.array([[100 * r + 2 * rank, 100 * r + 2 * rank + 1] for r in range(size)]).ravel())
+
+    # Alltoallv: rank i sends j + 1 copies of 10 i + j to rank j.
+    send_counts = [j + 1 for j in range(size)]
+    send = np.concatenate([np.full(j + 1, 10 * rank + j, dtype=np.float64) for j in range(size)])
+    recv_counts = [rank + 1] * size
+    av = np.empty(sum(recv_counts))
+    comm.Alltoallv([send, (send_counts, [sum(send_counts[:j]) for j in range(size)])],
+                   [av, (recv_counts, [sum(recv_counts[:j]) for j in range(size)])])
+    np.testing.assert_array_equal(av, np.concatenate([np.full(rank + 1, 10 * r + rank) for r in range(size)]))
+
 
 def test_nonblocking_requests(comm):
     size, rank = comm.Get_size(), comm.Get_rank()

@@ -451,6 +451,49 @@ class SimComm:
         """Start a nonblocking Allgatherv."""
         return self._allgather("Iallgatherv", sendbuf, recvbuf)
 
+    def _alltoall(self, name, sendbuf, recvbuf):
+        send, send_counts, send_displs = _parse(sendbuf, name)
+        recv, recv_counts, recv_displs = _parse(recvbuf, name)
+        if send is MPI.IN_PLACE:
+            raise NotImplementedError(f"SimComm.{name}: MPI.IN_PLACE is not supported")
+        n = self.size
+        if send_counts is None:  # Alltoall: equal blocks
+            if send.size % n or recv.size < send.size:
+                raise ValueError(f"SimComm.{name}: send buffer of {send.size} elements does not split into {n} "
+                                 f"equal blocks, or the receive buffer ({recv.size}) is smaller")
+            block = send.size // n
+            send_counts = recv_counts = [block] * n
+            sig = [("count", send.size), ("dtype", send.dtype)]
+        else:
+            sig = [("dtype", send.dtype)]  # counts differ by rank by nature
+        send_displs = send_displs if send_displs is not None else _displs(send_counts)
+        recv_displs = recv_displs if recv_displs is not None else _displs(recv_counts)
+        for what, arr, counts, displs in (("send", send, send_counts, send_displs), ("receive", recv, recv_counts, recv_displs)):
+            if len(counts) != n or any(d + c > arr.size for c, d in zip(counts, displs)):
+                raise ValueError(f"SimComm.{name}: {what} counts {list(counts)} / displacements {list(displs)} do not fit "
+                                 f"a buffer of {arr.size} elements for {n} ranks")
+        mine = (send, list(send_counts), list(send_displs), recv, list(recv_counts), list(recv_displs))
+
+        def work(parts):
+            for i, (_, _, _, out, r_counts, r_displs) in enumerate(parts):
+                for j, (src, s_counts, s_displs, _, _, _) in enumerate(parts):
+                    if s_counts[i] != r_counts[j]:
+                        raise ValueError(f"rank {j} sends {s_counts[i]} elements to rank {i}, which expects {r_counts[j]}")
+            pieces = [[src[d: d + c].copy() for c, d in zip(s_counts, s_displs)] for src, s_counts, s_displs, *_ in parts]
+            for i, (_, _, _, out, r_counts, r_displs) in enumerate(parts):
+                for j in range(len(parts)):
+                    out[r_displs[j]: r_displs[j] + r_counts[j]] = pieces[j][i]
+            return [None] * len(parts)
+        return self._start(name, sig, mine, work)
+
+    def Alltoall(self, sendbuf, recvbuf):
+        """Send block j of ``sendbuf`` to rank j; block i of ``recvbuf`` comes from rank i (equal blocks)."""
+        self._alltoall("Alltoall", sendbuf, recvbuf).Wait()
+
+    def Alltoallv(self, sendbuf, recvbuf):
+        """Variable-size Alltoall: each buffer is ``[buf, (counts, displs)]`` (or ``[buf, counts, displs, type]``)."""
+        self._alltoall("Alltoallv", sendbuf, recvbuf).Wait()
+
     def _reduce_scatter(self, name, sendbuf, recvbuf, counts, op):
         send, _, _ = _parse(sendbuf, name)
         recv, _, _ = _parse(recvbuf, name)
