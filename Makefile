@@ -51,7 +51,7 @@ test-slurm: venv
 # The table and plot in docs/cluster.md (installs the plot extra, matplotlib, first).
 bench-plot: venv
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[plot]'
-	OMP_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpidist bench allreduce allgather reduce_scatter bcast sendrecv \
+	OMP_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpidist bench allreduce allgather reduce_scatter alltoall bcast sendrecv \
 		--sizes 8:64M --plot docs/bench.png --json docs/bench.json
 
 clean:

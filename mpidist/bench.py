@@ -27,12 +27,13 @@ from . import xp as _xp
 __all__ = ["OPS", "BUS_FACTOR", "BenchError", "Result", "parse_sizes", "format_size", "run", "table",
            "write_json", "write_csv", "plot", "device_module", "FIELDS"]
 
-OPS = ("allreduce", "allgather", "reduce_scatter", "bcast", "sendrecv")
+OPS = ("allreduce", "allgather", "reduce_scatter", "alltoall", "bcast", "sendrecv")
 # nccl-tests' bus factors for n ranks (their doc/PERFORMANCE.md).
 BUS_FACTOR = {
     "allreduce": lambda n: 2 * (n - 1) / n,
     "allgather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
+    "alltoall": lambda n: (n - 1) / n,
     "bcast": lambda n: 1.0,
     "sendrecv": lambda n: 1.0,
 }
@@ -125,7 +126,7 @@ def default_iters(nbytes):
 # -- one op at one size: the two implementations as zero-argument callables ------------------------
 def _element_count(op, nbytes, itemsize, n):
     count = max(1, nbytes // itemsize)
-    if op in ("allgather", "reduce_scatter"):
+    if op in ("allgather", "reduce_scatter", "alltoall"):
         count = max(n, count // n * n)  # every rank's share must be whole elements
     return count
 
@@ -176,6 +177,15 @@ def _setup(op, count, dtype, comm, xp):
             comm.Reduce_scatter_block(stage(x), host_out, op=MPI.SUM)
             unstage(host_out, out)
         return (lambda: collectives.reduce_scatter(x, comm)), raw, sync
+    if op == "alltoall":
+        # nccl-tests' alltoall: every rank sends count / n elements to each rank.
+        host_out = np.empty(count, dtype=dtype)
+        out = host_out.copy() if xp is np else None
+
+        def raw():
+            comm.Alltoall(stage(x), host_out)
+            unstage(host_out, x)
+        return (lambda: collectives.alltoall(x, comm, out=out)), raw, sync
     if op == "sendrecv":
         # nccl-tests' sendrecv: every rank sends to the next and receives from the previous (a ring).
         dest, source = (rank + 1) % n, (rank - 1) % n

@@ -494,7 +494,7 @@ def _reduce_scatter(x, comm, op):
     return out if xpm is np else xpm.asarray(out)
 
 
-def alltoall(x, comm, splits=None, return_splits=False):
+def alltoall(x, comm, splits=None, return_splits=False, out=None):
     """Send rows of ``x`` to every rank; return the rows every rank sent here, concatenated in rank order.
 
     ``splits[j]`` consecutive rows (axis 0) go to rank j; by default ``split_sizes(len(x), size)``
@@ -502,11 +502,12 @@ def alltoall(x, comm, splits=None, return_splits=False):
     ``(rows, received_splits)``: how many rows came from each rank. Ranks must agree on dtype and
     trailing shape. Bad splits or a disagreement raise on every rank (one small metadata exchange
     comes first, so no rank is left waiting). Any dtype; device arrays go through a host copy.
+    ``out``: a C-contiguous numpy array of the arriving shape to receive into (no allocation per call).
     """
-    return _tracked(_begin(comm, "alltoall", x, count=_row_size(x)), _alltoall, x, comm, splits, return_splits)
+    return _tracked(_begin(comm, "alltoall", x, count=_row_size(x)), _alltoall, x, comm, splits, return_splits, out)
 
 
-def _alltoall(x, comm, splits, return_splits):
+def _alltoall(x, comm, splits, return_splits, out):
     size, rank = comm.Get_size(), comm.Get_rank()
     # Every local problem travels in the metadata exchange, so that all ranks raise, none waits.
     problem = None
@@ -514,6 +515,11 @@ def _alltoall(x, comm, splits, return_splits):
         _check_array("alltoall", x)
         if x.ndim == 0 or x.ndim > _HEADER_LEN - 2:
             raise ValueError(f"alltoall: x must have 1 to {_HEADER_LEN - 2} dimensions (got shape {x.shape})")
+        if out is not None and not (type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable
+                                    and out.dtype == x.dtype and out.ndim == x.ndim and out.shape[1:] == x.shape[1:]):
+            raise ValueError(f"alltoall: out must be a writable C-contiguous numpy array of dtype {x.dtype} and shape "
+                             f"(n, {', '.join(map(str, x.shape[1:]))}) (got {type(out).__name__} "
+                             f"{getattr(out, 'dtype', '')} {getattr(out, 'shape', '')})")
     except (TypeError, ValueError) as exc:
         problem = str(exc)
     rows, trailing = (x.shape[0], tuple(x.shape[1:])) if problem is None else (0, ())
@@ -526,9 +532,11 @@ def _alltoall(x, comm, splits, return_splits):
             problem = f"alltoall: splits must be {size} ints >= 0 summing to len(x) = {rows} (got {splits!r})"
     if problem is not None:
         splits = [0] * size
-    # One row per rank: [problem?, dtype code, ndim of the trailing shape, trailing dims (padded), splits].
+    # One row per rank: [problem?, dtype code, ndim of the trailing shape, trailing dims (padded),
+    # rows of out (-1: none), splits]. Every rank sees every row, so every rank reaches the same verdict.
     meta = np.zeros(2 + _HEADER_LEN + size, dtype=np.int64)
     meta[0] = problem is not None
+    meta[1 + _HEADER_LEN] = -1 if out is None or problem is not None else out.shape[0]
     if problem is None:
         meta[1], meta[2] = _DTYPE_CODE[x.dtype], len(trailing)
         meta[3: 3 + len(trailing)] = trailing
@@ -538,18 +546,31 @@ def _alltoall(x, comm, splits, return_splits):
     if everyone[:, 0].any():
         bad = np.flatnonzero(everyone[:, 0]).tolist()
         raise ValueError(f"alltoall: bad input on rank(s) {bad}" + (f"; here: {problem}" if problem else ""))
-    described = [(SUPPORTED_DTYPES[row[1]], tuple(row[3: 3 + row[2]].tolist())) for row in everyone]
-    if len(set(described)) > 1:
+    if not (everyone[:, 1: 1 + _HEADER_LEN] == meta[1: 1 + _HEADER_LEN]).all():
+        described = [(SUPPORTED_DTYPES[row[1]], tuple(row[3: 3 + row[2]].tolist())) for row in everyone]
         parts = ", ".join(f"rank {r}: {dt} (n, {', '.join(map(str, t))})" for r, (dt, t) in enumerate(described))
         raise ValueError(f"alltoall: ranks disagree on dtype or trailing shape ({parts})")
+    out_rows = everyone[:, 1 + _HEADER_LEN]
+    if (out_rows >= 0).any():
+        arriving = everyone[:, 2 + _HEADER_LEN:].sum(axis=0)
+        wrong = [(r, int(out_rows[r]), int(arriving[r])) for r in range(size) if 0 <= out_rows[r] != arriving[r]]
+        if wrong:
+            raise ValueError("alltoall: out has the wrong number of rows: " +
+                             "; ".join(f"rank {r}: {have} rows for the {want} that arrive" for r, have, want in wrong))
     received = everyone[:, 2 + _HEADER_LEN + rank].tolist()
     row_bytes = math.prod(trailing) * x.dtype.itemsize
     xpm = _xp.get_array_module(x)
     send = _host_copy(_xp.to_numpy(x)).reshape(-1).view(np.uint8)  # bytes: every dtype, float16 included
-    out = np.empty((sum(received),) + trailing, dtype=x.dtype)
-    send_counts, recv_counts = [int(n) * row_bytes for n in splits], [n * row_bytes for n in received]
-    comm.Alltoallv([send, (send_counts, _offsets(send_counts))],
-                   [out.reshape(-1).view(np.uint8), (recv_counts, _offsets(recv_counts))])
+    if out is None:
+        out = np.empty((sum(received),) + trailing, dtype=x.dtype)
+    all_splits = everyone[:, 2 + _HEADER_LEN:]
+    if (all_splits == all_splits[0, 0]).all():
+        # Equal blocks everywhere: MPI_Alltoall, which MPICH runs ~1.8x faster than Alltoallv (64 MiB, 2 ranks).
+        comm.Alltoall(send, out.reshape(-1).view(np.uint8))
+    else:
+        send_counts, recv_counts = [int(n) * row_bytes for n in splits], [n * row_bytes for n in received]
+        comm.Alltoallv([send, (send_counts, _offsets(send_counts))],
+                       [out.reshape(-1).view(np.uint8), (recv_counts, _offsets(recv_counts))])
     result = out if xpm is np else xpm.asarray(out)
     return (result, received) if return_splits else result
 

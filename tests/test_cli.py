@@ -23,7 +23,8 @@ MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 # Bus factors from nccl-tests' doc/PERFORMANCE.md, written out independently of mpidist.bench.
 NCCL_BUS_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "allgather": lambda n: (n - 1) / n,
-                   "reduce_scatter": lambda n: (n - 1) / n, "bcast": lambda n: 1, "sendrecv": lambda n: 1}
+                   "reduce_scatter": lambda n: (n - 1) / n, "alltoall": lambda n: (n - 1) / n, "bcast": lambda n: 1,
+                   "sendrecv": lambda n: 1}  # nccl-tests doc/PERFORMANCE.md
 ROW_KEYS = {"op", "bytes", "count", "type", "ranks", "iters", "mpidist_us", "mpidist_algbw", "mpidist_busbw",
             "raw_us", "raw_algbw", "raw_busbw", "ratio"}
 
@@ -60,7 +61,7 @@ def test_bench_arguments_parse():
 @pytest.mark.parametrize("argv", [
     ["bench", "allreduce", "--threds", "3"],   # unknown option
     ["bench", "allreduce", "--siz", "8"],      # abbreviations are not accepted
-    ["bench", "alltoall"],                     # unknown op
+    ["bench", "alltoallv"],                    # unknown op
     ["bench", "allreduce", "--device", "tpu"],
     ["bench"],                                 # no op
     ["infos"],                                 # unknown command
@@ -113,14 +114,14 @@ def test_bench_rows_on_simulated_ranks(ranks):
     assert all(r == rows for r in results)  # max over ranks: every rank reports the same times
     assert [(r["op"], r["count"]) for r in rows] == [
         (op, count) for op in bench.OPS for count in
-        ((2, 250) if op not in ("allgather", "reduce_scatter") else (ranks, 250 // ranks * ranks))]
+        ((2, 250) if op not in ("allgather", "reduce_scatter", "alltoall") else (ranks, 250 // ranks * ranks))]
     for row in rows:
         assert_row_matches_formula(row, ranks)
 
 
 def test_bench_rejects_bad_requests():
     with pytest.raises(bench.BenchError, match="unknown op"):
-        simulate(1, lambda comm: bench.run(["alltoall"], [8], comm))
+        simulate(1, lambda comm: bench.run(["alltoallv"], [8], comm))
     with pytest.raises(bench.BenchError, match="--iters"):
         simulate(1, lambda comm: bench.run(["allreduce"], [8], comm, iters=0))
 

@@ -545,3 +545,16 @@ def test_alltoall_bad_input_on_one_rank_raises_on_every_rank(comm):
     else:
         with pytest.raises(ValueError, match=r"bad input on rank"):
             mpidist.alltoall(x, comm)
+
+
+def test_alltoall_into_out_and_a_wrong_out_raises_everywhere(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    x = np.arange(3 * size * 2, dtype=np.int32).reshape(3 * size, 2) + 100 * rank
+    out = np.empty((3 * size, 2), dtype=np.int32)
+    assert mpidist.alltoall(x, comm, out=out) is out
+    np.testing.assert_array_equal(out, np.concatenate([(np.arange(3 * size * 2).reshape(3 * size, 2) + 100 * r)
+                                                       [3 * rank: 3 * rank + 3] for r in range(size)]))
+    short = np.empty((3 * size - (rank == 0), 2), dtype=np.int32)  # rank 0's is one row short
+    with pytest.raises(ValueError, match=rf"alltoall: out has the wrong number of rows: rank 0: {3 * size - 1} rows "
+                                         rf"for the {3 * size} that arrive"):
+        mpidist.alltoall(x, comm, out=short)
