@@ -149,12 +149,13 @@ def _json_value(name, obj):
         return {"__rng__": obj.bit_generator.state}
     if hasattr(obj, "set_epoch") and hasattr(obj, "epoch"):
         return {"__sampler__": {"epoch": obj.epoch, "seed": obj.seed}}
+    kind = type(obj).__name__
     if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):  # a learning-rate schedule, say
         obj = {"__stateful__": obj.state_dict()}
     try:
         json.dumps(obj)
     except TypeError as exc:
-        raise CheckpointError(f"checkpoint: state entry {name!r} of type {type(obj).__name__} is neither a model, an "
+        raise CheckpointError(f"checkpoint: state entry {name!r} of type {kind} is neither a model, an "
                               f"optimizer, an array, a sampler, a numpy Generator, an object whose state_dict() is "
                               f"JSON-serializable nor JSON-serializable ({exc})") from None
     return obj

@@ -11,9 +11,9 @@ Nonblocking calls on device arrays complete before they return (their handle is 
 """
 
 import atexit
+import collections
 import contextlib
 import math
-import threading
 import time
 import weakref
 
@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import guard as _guard
-from .comm import SimComm, check_comm
+from .comm import CommError, SimComm, check_comm
 from . import xp as _xp
 
 __all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "send", "recv", "isend", "irecv",
@@ -175,15 +175,24 @@ def split_sizes(n, parts):
 
 # Requests and buffers of handles dropped before completing. MPI still reads (or writes) those
 # buffers; freeing them with the handle would send whatever reuses the memory. They are kept here
-# until their requests complete, checked whenever a new handle is made.
-_orphans = []
-_orphans_lock = threading.Lock()
+# until their requests complete, checked whenever a new handle is made. A deque, and no lock: a
+# handle's __del__ can run inside the reaper itself (the garbage collector runs where it likes), so
+# it must never wait, and deque appends and pops are atomic.
+_orphans = collections.deque()
 
 
 def _reap_orphans():
-    with _orphans_lock:
-        _orphans[:] = [(requests, keep) for requests, keep in _orphans
-                       if not all(r.Test() for r in requests)]
+    for _ in range(len(_orphans)):
+        try:
+            requests, keep = _orphans.popleft()
+        except IndexError:  # another thread reaped concurrently
+            return
+        try:
+            done = all(r.Test() for r in requests)
+        except Exception:  # noqa: BLE001 - a failed operation has nothing left to protect
+            done = True
+        if not done:
+            _orphans.append((requests, keep))
 
 
 def _drain_orphans(timeout=10.0):
@@ -205,8 +214,6 @@ class Handle:
     """
 
     def __init__(self, requests, finish, keep=(), status=None):
-        if _orphans:
-            _reap_orphans()
         self._requests = requests
         self._status = status  # filled by the first request (receives need source and tag)
         if finish is not None:  # subclasses may define _finish as a method instead
@@ -216,15 +223,20 @@ class Handle:
         self._error = None
         self._done = False
         self._token = None  # the guard's record of this collective, while it is in flight
+        if _orphans:
+            _reap_orphans()
 
     def __del__(self):
         # A handle dropped without wait() is not a hang: the watchdog must stop counting it as in
         # flight, or it would abort the job when its timeout passes.
-        if self._token is not None:
-            _guard.leave(self._token)
-        if not self._done and self._requests:
-            with _orphans_lock:
-                _orphans.append((self._requests, self._keep))
+        token = getattr(self, "_token", None)
+        if token is not None:
+            _guard.leave(token)
+        requests = getattr(self, "_requests", None)
+        # Only real MPI requests read user memory later; SimComm copies at once and its requests
+        # keep their own references.
+        if requests and not self._done and isinstance(requests[0], MPI.Request):
+            _orphans.append((requests, self._keep))
 
     def test(self):
         """Return whether the operation has completed (finishing it if so), without blocking."""
@@ -661,6 +673,7 @@ def irecv(source, comm, tag=0, out=None):
 
     With ``out`` (an array of the sent shape and dtype) the data lands there and ``wait()`` returns
     ``out``: no allocation per message, which matters for large messages received again and again.
+    The handle's ``cancel()`` (or dropping it) withdraws the receive; its message stays queued.
     """
     return _tracked(_p2p_begin(comm, "recv"), _irecv, source, comm, tag, out)
 
@@ -778,11 +791,29 @@ class _ArrayReceive(Handle):
             raise self._error
         return self._result
 
-    def _finish(self):  # a method, not a bound method stored on the handle: no reference cycle
+    def cancel(self):
+        """Withdraw this receive unless it has completed; return whether it was withdrawn.
+
+        Nothing was posted, so the message it would have taken stays queued for the next receive.
+        Dropping the handle does the same when it is freed, which reference cycles can delay.
+        """
+        if self._done:
+            return False
+        self._forget()
+        self._done, self._error = True, CommError(f"recv from {self._source} (tag {self._tag}) was cancelled")
+        if self._token is not None:
+            _guard.leave(self._token)
+            self._token = None
+        return True
+
+    def _forget(self):
         queue = self._pending.get(id(self._comm), [])
         queue[:] = [ref for ref in queue if ref() is not None and ref() is not self]
         if not queue:
             self._pending.pop(id(self._comm), None)
+
+    def _finish(self):  # a method, not a bound method stored on the handle: no reference cycle
+        self._forget()
         return _unpack(self._comm, self._message, self._probe_status, self._out)
 
 

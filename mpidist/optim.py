@@ -5,6 +5,7 @@ references to their arrays, so a step must never rebind ``p.data``.
 """
 
 import math
+import weakref
 
 from mpidist.xp import asarray_like, get_array_module
 
@@ -161,22 +162,22 @@ class Adam(Optimizer):
         state["step"] += 1
         t, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
         xp = get_array_module(m)
-        # Two scratch arrays instead of a fresh temporary per operation: for large parameters the
-        # allocations (and first touch of their pages) cost more than the arithmetic. The operations
-        # and their order are those of the plain expressions, so results are bit-for-bit the same.
-        work = xp.multiply(g, 1 - b1)
+        # Three scratch arrays instead of a fresh temporary per operation (lower transient memory).
+        # The operations, their order and each intermediate's dtype are those of the plain
+        # expressions, so results are bit-for-bit the same, also when grads and params differ in dtype.
+        work = xp.multiply(g, 1 - b1)            # (1 - b1) * g, in the grad's dtype
         m *= b1
         m += work
-        xp.multiply(g, 1 - b2, out=work)
+        xp.multiply(g, 1 - b2, out=work)         # (1 - b2) * g * g
         work *= g
         v *= b2
         v += work
-        denom = xp.sqrt(v)
+        denom = xp.sqrt(v)                       # v ** 0.5 / sqrt(1 - b2 ** t) + eps
         denom /= math.sqrt(1 - b2 ** t)
         denom += eps
-        xp.multiply(m, lr / (1 - b1 ** t), out=work)
-        work /= denom
-        p.data -= work
+        step = xp.multiply(m, lr / (1 - b1 ** t))  # (lr / (1 - b1 ** t)) * m / denom, in m's dtype
+        step /= denom
+        p.data -= step
 
 
 class AdamW(Adam):
@@ -196,6 +197,11 @@ class LRScheduler:
     after ``optimizer.step()``), and a group's starting rate is kept as ``group["initial_lr"]``, so
     schedules built one after another on the same optimizer (``SequentialLR``) share it.
     ``state_dict()`` holds only counters: save it (``mpidist.checkpoint`` does) to resume the schedule.
+
+    Unlike PyTorch's chainable schedules, every rate is computed from ``initial_lr`` in closed form:
+    a rate set by hand is replaced at the next ``step()`` (change ``group["initial_lr"]`` instead),
+    and two schedules stepping one optimizer would overwrite each other, so that raises: combine
+    schedules with ``SequentialLR`` or one ``LambdaLR``.
     """
 
     def __init__(self, optimizer):
@@ -203,8 +209,11 @@ class LRScheduler:
             raise TypeError(f"{type(self).__name__}: optimizer must be an mpidist.optim.Optimizer "
                             f"(got {type(optimizer).__name__})")
         self.optimizer = optimizer
-        self.base_lrs = [group.setdefault("initial_lr", group["lr"]) for group in optimizer.param_groups]
+        self.base_lrs = [float(group.setdefault("initial_lr", float(group["lr"]))) for group in optimizer.param_groups]
         self.last_epoch = 0
+        self._owner = None  # weak reference to the SequentialLR that runs this one, if any (no cycle)
+        # Weak references: a schedule the user dropped does not count as driving the optimizer.
+        optimizer.__dict__.setdefault("_lr_schedules", []).append(weakref.ref(self))
         self._apply()
 
     def lr_at(self, base_lr, step):
@@ -217,8 +226,18 @@ class LRScheduler:
 
     def step(self):
         """Advance one step and set the new rates."""
+        if self._owned():
+            raise RuntimeError(f"{type(self).__name__}.step: this schedule is run by a SequentialLR; step that instead")
+        drivers = [s for s in (ref() for ref in self.optimizer._lr_schedules) if s is not None and not s._owned()]
+        if len(drivers) > 1:
+            raise RuntimeError(f"{type(self).__name__}.step: {len(drivers)} schedules drive this optimizer "
+                               f"({', '.join(type(s).__name__ for s in drivers)}) and would overwrite each other's "
+                               f"rates; combine them with SequentialLR or one LambdaLR")
         self.last_epoch += 1
         self._apply()
+
+    def _owned(self):
+        return self._owner is not None and self._owner() is not None
 
     def get_last_lr(self):
         """Return the current rate of every group."""
@@ -310,6 +329,8 @@ class SequentialLR(LRScheduler):
             raise ValueError(f"SequentialLR: milestones must be {len(schedulers) - 1} increasing ints >= 1 "
                              f"(got {milestones!r})")
         self.schedulers, self.milestones = schedulers, milestones
+        for s in schedulers:
+            s._owner = weakref.ref(self)
         super().__init__(optimizer)
 
     def lr_at(self, base_lr, step):

@@ -165,3 +165,15 @@ def test_pipeline_with_clipping_matches_single_process(comm, schedule):
         ref.opt.step()
         assert ref_norm > PIPELINE_MAX_NORM and norm == pytest.approx(ref_norm, rel=1e-10)
     test_pipeline.assert_stage_matches(chunks, ref, rank, p)
+
+
+@pytest.mark.mpi_skip
+def test_clip_accepts_one_parameter_large_orders_and_refuses_integer_grads():
+    single = params_with_grads([np.array([3.0, 4.0])])[0]
+    assert nn.clip_grad_norm_(single, 1.0) == pytest.approx(5.0)
+    np.testing.assert_allclose(single.grad, np.array([3.0, 4.0]) / (5.0 + 1e-6))
+    big = params_with_grads([np.array([2.0, -2.0, 1.0])])  # 2**1000 overflows without scaling
+    assert nn.grad_norm(big, 1000) == pytest.approx(2.0 * 2 ** (1 / 1000), rel=1e-12)
+    ints = params_with_grads([np.array([1, 2])])
+    with pytest.raises(TypeError, match=r"clip_grad_norm_: gradients must be floating point \(gradient 0 is int64\)"):
+        nn.clip_grad_norm_(ints, 1.0)

@@ -242,3 +242,40 @@ def test_schedule_arguments_are_checked_with_their_values():
         LambdaLR(opt, 0.5)
     with pytest.raises(TypeError, match=r"StepLR: optimizer must be an mpidist.optim.Optimizer \(got list\)"):
         StepLR([], 2)
+
+
+@pytest.mark.parametrize("param_dtype, grad_dtype", [("float64", "float64"), ("float32", "float32"),
+                                                     ("float32", "float16"), ("float64", "float32")])
+def test_adam_in_place_update_is_bitwise_the_plain_expression(param_dtype, grad_dtype):
+    """The scratch-array update must round exactly like the textbook expression, dtype by dtype."""
+    import math
+    rng = np.random.default_rng(3)
+    p = nn.Parameter(rng.standard_normal(500).astype(param_dtype))
+    q, m, v = p.data.copy(), np.zeros(500, param_dtype), np.zeros(500, param_dtype)
+    opt = Adam([p], lr=1e-2)
+    with np.errstate(divide="ignore", over="ignore"):
+        for t in range(1, 6):
+            g = rng.standard_normal(500).astype(grad_dtype)
+            p.grad = g.copy()
+            opt.step()
+            m *= 0.9
+            m += (1 - 0.9) * g
+            v *= 0.999
+            v += (1 - 0.999) * g * g
+            q -= (1e-2 / (1 - 0.9 ** t)) * m / (v ** 0.5 / math.sqrt(1 - 0.999 ** t) + 1e-8)
+    np.testing.assert_array_equal(p.data, q)
+
+
+def test_two_schedules_on_one_optimizer_refuse_to_overwrite_each_other():
+    opt = SGD([nn.Parameter(np.zeros(1))], lr=np.float32(0.1))  # a numpy rate is stored as a float
+    warm = LinearLR(opt, start_factor=0.5, total_iters=2)
+    assert type(warm.base_lrs[0]) is float
+    decay = StepLR(opt, step_size=1)
+    with pytest.raises(RuntimeError, match=r"2 schedules drive this optimizer \(LinearLR, StepLR\).*SequentialLR"):
+        decay.step()
+    both = SequentialLR(opt, [warm, decay], milestones=[2])
+    both.step()  # fine: the children are run by it
+    with pytest.raises(RuntimeError, match=r"LinearLR.step: this schedule is run by a SequentialLR"):
+        warm.step()
+    del both, warm, decay
+    StepLR(opt, step_size=1).step()  # the dropped ones no longer count

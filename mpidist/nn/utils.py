@@ -10,6 +10,9 @@ every rank gets the same norm and the same scale as one process holding the whol
 import math
 import numbers
 
+import numpy as np
+
+from mpidist.nn.module import Parameter
 from mpidist.xp import get_array_module
 
 __all__ = ["clip_grad_norm_", "grad_norm"]
@@ -21,46 +24,74 @@ def _check_norm_type(fn, norm_type):
     return float(norm_type)
 
 
+def _grads(fn, parameters):
+    params = [parameters] if isinstance(parameters, Parameter) else list(parameters)
+    grads = [param.grad for param in params if param.grad is not None]
+    for i, g in enumerate(grads):
+        if g.dtype.kind not in "fc":
+            raise TypeError(f"{fn}: gradients must be floating point (gradient {i} is {g.dtype})")
+    return params, grads
+
+
+def _allreduce_scalar(value, comm, op):
+    from mpidist import collectives  # nn itself needs no communication: only this optional path does
+    return float(collectives.allreduce(np.array([value]), comm, op=op)[0])
+
+
+def _max_abs(grads, comm):
+    """Return max |g| over all gradients (and ranks); NaN if any is NaN."""
+    peaks = [float(get_array_module(g).abs(g).max()) for g in grads if g.size]
+    local = math.nan if any(math.isnan(v) for v in peaks) else max(peaks, default=0.0)
+    if comm is None:
+        return local
+    # MAX of a NaN is not defined in MPI: carry "some rank saw NaN" as a flag of its own.
+    from mpidist import collectives
+    both = collectives.allreduce(np.array([0.0 if math.isnan(local) else local, float(math.isnan(local))]),
+                                 comm, op="max")
+    return math.nan if both[1] else float(both[0])
+
+
+def _norm(grads, p, comm):
+    if p == math.inf:
+        return _max_abs(grads, comm)
+    scale = 1.0
+    if p > 2.0:
+        # |g|^p overflows float64 for large p (p = 1000 and |g| = 2 already): sum (|g| / s)^p with
+        # s the largest |g| of all ranks, and multiply back.
+        scale = _max_abs(grads, comm)
+        if scale == 0.0 or not math.isfinite(scale):
+            return scale
+    local = 0.0
+    for g in grads:  # accumulate in float64 on the host: one number per gradient, whatever its dtype
+        xp = get_array_module(g)
+        a = xp.abs(g.astype(xp.float64, copy=False))
+        if scale != 1.0:
+            a /= scale
+        local += float(xp.sum(a * a) if p == 2.0 else xp.sum(a ** p))
+    if comm is not None:
+        local = _allreduce_scalar(local, comm, "sum")
+    return scale * (math.sqrt(local) if p == 2.0 else local ** (1.0 / p))
+
+
 def grad_norm(parameters, norm_type=2.0, comm=None):
     """Return the ``norm_type``-norm of every gradient together (over ``comm``'s ranks when given)."""
     p = _check_norm_type("grad_norm", norm_type)
-    grads = [param.grad for param in parameters if param.grad is not None]
-    # Accumulate in float64 on the host: one number per gradient, whatever the gradients' dtype.
-    if p == math.inf:
-        peaks = [float(get_array_module(g).abs(g).max()) for g in grads if g.size]
-        local = math.nan if any(math.isnan(v) for v in peaks) else max(peaks, default=0.0)
-    else:
-        local = 0.0
-        for g in grads:
-            xp = get_array_module(g)
-            a = xp.abs(g.astype(xp.float64, copy=False))
-            local += float(xp.sum(a * a) if p == 2.0 else xp.sum(a ** p))
-    if comm is not None:
-        import numpy as np
-
-        from mpidist import collectives
-        if p == math.inf:  # MAX of a NaN is not defined in MPI: carry "some rank saw NaN" as a flag
-            both = collectives.allreduce(np.array([0.0 if math.isnan(local) else local, float(math.isnan(local))]),
-                                         comm, op="max")
-            local = math.nan if both[1] else float(both[0])
-        else:
-            local = float(collectives.allreduce(np.array([local]), comm, op="sum")[0])
-    if p == math.inf:
-        return local
-    return math.sqrt(local) if p == 2.0 else local ** (1.0 / p)
+    return _norm(_grads("grad_norm", parameters)[1], p, comm)
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, comm=None, error_if_nonfinite=False):
     """Scale gradients in place so that their global norm is at most ``max_norm``; return the norm before.
 
-    ``comm``: the ranks over which these parameters are partitioned (each rank passes its part), or
-    None when this rank holds them all (a plain model, or DDP, whose averaged gradients every rank has).
-    A non-finite norm leaves the gradients as they are (or raises, with ``error_if_nonfinite``).
+    ``parameters``: a Parameter or an iterable of them. ``comm``: the ranks over which these
+    parameters are partitioned (each rank passes its part), or None when this rank holds them all
+    (a plain model, or DDP, whose averaged gradients every rank has). A non-finite norm leaves the
+    gradients as they are (or raises, with ``error_if_nonfinite``).
     """
-    parameters = list(parameters)
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not 0 <= max_norm < math.inf:
         raise ValueError(f"clip_grad_norm_: max_norm must be a finite number >= 0 (got {max_norm!r})")
-    total = grad_norm(parameters, norm_type, comm)
+    p = _check_norm_type("clip_grad_norm_", norm_type)
+    _, grads = _grads("clip_grad_norm_", parameters)
+    total = _norm(grads, p, comm)
     if not math.isfinite(total):
         if error_if_nonfinite:
             # Every rank has the same total, so every rank raises.
@@ -69,7 +100,6 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, comm=None, error_if_non
         return total
     scale = float(max_norm) / (total + 1e-6)
     if scale < 1.0:
-        for param in parameters:
-            if param.grad is not None:
-                param.grad *= scale
+        for g in grads:
+            g *= scale
     return total
