@@ -265,6 +265,16 @@ def _check_reduce_scatter(comm):
     return f"{rows} rows over {n} ranks"
 
 
+def _check_alltoall(comm):
+    n, rank = comm.Get_size(), comm.Get_rank()
+    splits = [(rank + j) % 3 for j in range(n)]  # uneven, zeros included
+    inputs = [_rank_input(r, (sum((r + j) % 3 for j in range(n)), 2), "float32") for r in range(n)]
+    got = collectives.alltoall(inputs[rank], comm, splits=splits)
+    offsets = [np.cumsum([0] + [(r + j) % 3 for j in range(n)]) for r in range(n)]
+    _expect(got, np.concatenate([inputs[r][offsets[r][rank]: offsets[r][rank + 1]] for r in range(n)]), "alltoall")
+    return "uneven splits"
+
+
 def _check_sendrecv(comm):
     n, rank = comm.Get_size(), comm.Get_rank()
     dest, source = (rank + 1) % n, (rank - 1) % n
@@ -296,7 +306,7 @@ def _check_gpu(comm):
 
 
 _CHECKS = (("ranks", _check_ranks), ("allreduce", _check_allreduce), ("broadcast", _check_broadcast),
-           ("allgather", _check_allgather), ("reduce_scatter", _check_reduce_scatter),
+           ("allgather", _check_allgather), ("reduce_scatter", _check_reduce_scatter), ("alltoall", _check_alltoall),
            ("send/recv", _check_sendrecv), ("simulator", _check_simulator), ("gpu", _check_gpu))
 
 
