@@ -4,6 +4,7 @@ In place matters: FSDP hands the optimizer its shard parameters and keeps
 references to their arrays, so a step must never rebind ``p.data``.
 """
 
+import gc
 import math
 import weakref
 
@@ -190,6 +191,11 @@ class AdamW(Adam):
 
 
 # -- learning-rate schedules ---------------------------------------------------------------------------
+# optimizer -> weak references to the schedules built on it, in order; weakly keyed and outside the
+# optimizer, which stays picklable and copyable, and a schedule the user dropped stops counting.
+_schedules = weakref.WeakKeyDictionary()
+
+
 class LRScheduler:
     """Set every parameter group's ``lr`` from a closed-form function of the step count.
 
@@ -211,9 +217,9 @@ class LRScheduler:
         self.optimizer = optimizer
         self.base_lrs = [float(group.setdefault("initial_lr", float(group["lr"]))) for group in optimizer.param_groups]
         self.last_epoch = 0
-        self._owner = None  # weak reference to the SequentialLR that runs this one, if any (no cycle)
-        # Weak references: a schedule the user dropped does not count as driving the optimizer.
-        optimizer.__dict__.setdefault("_lr_schedules", []).append(weakref.ref(self))
+        self._owner = None  # the SequentialLR that runs this one, if any
+        built = _schedules.setdefault(optimizer, [])
+        built[:] = [ref for ref in built if ref() is not None] + [weakref.ref(self)]
         self._apply()
 
     def lr_at(self, base_lr, step):
@@ -226,9 +232,11 @@ class LRScheduler:
 
     def step(self):
         """Advance one step and set the new rates."""
-        if self._owned():
+        if self._owner is not None:
             raise RuntimeError(f"{type(self).__name__}.step: this schedule is run by a SequentialLR; step that instead")
-        drivers = [s for s in (ref() for ref in self.optimizer._lr_schedules) if s is not None and not s._owned()]
+        if len(self._drivers()) > 1:
+            gc.collect()  # a dropped schedule caught in a reference cycle is not a driver
+        drivers = self._drivers()
         if len(drivers) > 1:
             raise RuntimeError(f"{type(self).__name__}.step: {len(drivers)} schedules drive this optimizer "
                                f"({', '.join(type(s).__name__ for s in drivers)}) and would overwrite each other's "
@@ -236,8 +244,8 @@ class LRScheduler:
         self.last_epoch += 1
         self._apply()
 
-    def _owned(self):
-        return self._owner is not None and self._owner() is not None
+    def _drivers(self):
+        return [s for s in (ref() for ref in _schedules.get(self.optimizer, ())) if s is not None and s._owner is None]
 
     def get_last_lr(self):
         """Return the current rate of every group."""
@@ -330,7 +338,7 @@ class SequentialLR(LRScheduler):
                              f"(got {milestones!r})")
         self.schedulers, self.milestones = schedulers, milestones
         for s in schedulers:
-            s._owner = weakref.ref(self)
+            s._owner = self
         super().__init__(optimizer)
 
     def lr_at(self, base_lr, step):

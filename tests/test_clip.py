@@ -177,3 +177,21 @@ def test_clip_accepts_one_parameter_large_orders_and_refuses_integer_grads():
     ints = params_with_grads([np.array([1, 2])])
     with pytest.raises(TypeError, match=r"clip_grad_norm_: gradients must be floating point \(gradient 0 is int64\)"):
         nn.clip_grad_norm_(ints, 1.0)
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_complex_gradients_count_with_their_magnitude(comm, norm_type):
+    grads = [np.array([3 + 4j, 0.5j]), np.array([-1.0 + 0j])]
+    want = float(np.linalg.norm(np.abs(np.concatenate(grads)), ord=norm_type))
+    assert nn.grad_norm(params_with_grads(grads), norm_type) == pytest.approx(want, rel=1e-12)
+    if comm.Get_size() > 1:
+        mine = params_with_grads([grads[0]] if comm.Get_rank() == 0 else [grads[1]] if comm.Get_rank() == 1 else [])
+        assert nn.grad_norm(mine, norm_type, comm=comm) == pytest.approx(want, rel=1e-12)
+
+
+def test_an_integer_gradient_on_one_rank_raises_on_every_rank(comm):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    grads = [np.array([1, 2])] if rank == size - 1 else [np.array([1.0, 2.0])]
+    message = (r"gradient 0 is int64" if rank == size - 1 else rf"on rank\(s\) \[{size - 1}\]")
+    with pytest.raises(TypeError, match=rf"clip_grad_norm_: gradients must be floating point \({message}\)"):
+        nn.clip_grad_norm_(params_with_grads(grads), 1.0, comm=comm)

@@ -277,5 +277,15 @@ def test_two_schedules_on_one_optimizer_refuse_to_overwrite_each_other():
     both.step()  # fine: the children are run by it
     with pytest.raises(RuntimeError, match=r"LinearLR.step: this schedule is run by a SequentialLR"):
         warm.step()
-    del both, warm, decay
-    StepLR(opt, step_size=1).step()  # the dropped ones no longer count
+
+    # A schedule the user dropped no longer counts, even one a reference cycle keeps alive for now;
+    # a copy of an optimizer has no schedules, and an optimizer with a schedule still pickles.
+    import copy
+    import pickle
+    fresh = SGD([nn.Parameter(np.zeros(1))], lr=0.1)
+    dropped = StepLR(fresh, step_size=1)
+    dropped.cycle = dropped
+    del dropped
+    StepLR(fresh, step_size=1).step()
+    StepLR(copy.deepcopy(fresh), step_size=1).step()
+    assert pickle.loads(pickle.dumps(fresh)).param_groups[0]["lr"] == fresh.param_groups[0]["lr"]

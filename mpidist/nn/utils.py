@@ -24,13 +24,20 @@ def _check_norm_type(fn, norm_type):
     return float(norm_type)
 
 
-def _grads(fn, parameters):
+def _grads(fn, parameters, comm):
+    """Return the gradients; a non-float one raises on every rank of ``comm`` (none is left waiting)."""
     params = [parameters] if isinstance(parameters, Parameter) else list(parameters)
     grads = [param.grad for param in params if param.grad is not None]
-    for i, g in enumerate(grads):
-        if g.dtype.kind not in "fc":
-            raise TypeError(f"{fn}: gradients must be floating point (gradient {i} is {g.dtype})")
-    return params, grads
+    bad = [(i, g.dtype) for i, g in enumerate(grads) if g.dtype.kind not in "fc"]
+    problem = f"gradient {bad[0][0]} is {bad[0][1]}" if bad else None
+    if comm is not None:
+        from mpidist import collectives
+        flags = collectives.allgather(np.array([problem is not None]), comm)
+        if flags.any() and problem is None:
+            problem = f"on rank(s) {np.flatnonzero(flags).tolist()}"
+    if problem is not None:
+        raise TypeError(f"{fn}: gradients must be floating point ({problem})")
+    return grads
 
 
 def _allreduce_scalar(value, comm, op):
@@ -64,7 +71,7 @@ def _norm(grads, p, comm):
     local = 0.0
     for g in grads:  # accumulate in float64 on the host: one number per gradient, whatever its dtype
         xp = get_array_module(g)
-        a = xp.abs(g.astype(xp.float64, copy=False))
+        a = xp.abs(g).astype(xp.float64, copy=False)  # abs first: complex gradients keep their magnitude
         if scale != 1.0:
             a /= scale
         local += float(xp.sum(a * a) if p == 2.0 else xp.sum(a ** p))
@@ -76,7 +83,7 @@ def _norm(grads, p, comm):
 def grad_norm(parameters, norm_type=2.0, comm=None):
     """Return the ``norm_type``-norm of every gradient together (over ``comm``'s ranks when given)."""
     p = _check_norm_type("grad_norm", norm_type)
-    return _norm(_grads("grad_norm", parameters)[1], p, comm)
+    return _norm(_grads("grad_norm", parameters, comm), p, comm)
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, comm=None, error_if_nonfinite=False):
@@ -90,7 +97,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, comm=None, error_if_non
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not 0 <= max_norm < math.inf:
         raise ValueError(f"clip_grad_norm_: max_norm must be a finite number >= 0 (got {max_norm!r})")
     p = _check_norm_type("clip_grad_norm_", norm_type)
-    _, grads = _grads("clip_grad_norm_", parameters)
+    grads = _grads("clip_grad_norm_", parameters, comm)
     total = _norm(grads, p, comm)
     if not math.isfinite(total):
         if error_if_nonfinite:
