@@ -13,6 +13,7 @@ Nonblocking calls on device arrays complete before they return (their handle is 
 import atexit
 import collections
 import contextlib
+import itertools
 import math
 import time
 import weakref
@@ -25,7 +26,8 @@ from .comm import CommError, SimComm, check_comm
 from . import xp as _xp
 
 __all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "send", "recv", "isend", "irecv",
-           "barrier", "iallreduce", "ibroadcast", "iallgather", "Handle", "split_sizes", "SUPPORTED_DTYPES"]
+           "barrier", "iallreduce", "ibroadcast", "iallgather", "Handle", "split_sizes", "displacements",
+           "SUPPORTED_DTYPES"]
 
 # Dtypes a header can name (index = code on the wire); order is part of the send/recv protocol.
 SUPPORTED_DTYPES = tuple(np.dtype(t) for t in (
@@ -171,6 +173,11 @@ def split_sizes(n, parts):
     """Return how ``n`` rows split over ``parts`` ranks: the first ``n % parts`` get one row more."""
     base, extra = divmod(int(n), parts)
     return [base + (1 if r < extra else 0) for r in range(parts)]
+
+
+def displacements(counts):
+    """Return where each of ``counts`` consecutive blocks starts (MPI's ``displs``)."""
+    return [0, *itertools.accumulate(counts)][:-1] if len(counts) else []
 
 
 # Requests and buffers of handles dropped before completing. MPI still reads (or writes) those
@@ -458,7 +465,7 @@ def _iallgather(x, comm, out, _blocking):
             request = (comm.Allgather if _blocking else comm.Iallgather)(send, recv)
         else:
             counts = [r * row_size for r in rows]
-            spec = [recv, (counts, [sum(counts[:i]) for i in range(size)])]
+            spec = [recv, (counts, displacements(counts))]
             request = (comm.Allgatherv if _blocking else comm.Iallgatherv)(send, spec)
         result = recv if xpm is np else None
         finish_out = None
@@ -581,14 +588,10 @@ def _alltoall(x, comm, splits, return_splits, out):
         comm.Alltoall(send, out.reshape(-1).view(np.uint8))
     else:
         send_counts, recv_counts = [int(n) * row_bytes for n in splits], [n * row_bytes for n in received]
-        comm.Alltoallv([send, (send_counts, _offsets(send_counts))],
-                       [out.reshape(-1).view(np.uint8), (recv_counts, _offsets(recv_counts))])
+        comm.Alltoallv([send, (send_counts, displacements(send_counts))],
+                       [out.reshape(-1).view(np.uint8), (recv_counts, displacements(recv_counts))])
     result = out if xpm is np else xpm.asarray(out)
     return (result, received) if return_splits else result
-
-
-def _offsets(counts):
-    return [sum(counts[:i]) for i in range(len(counts))]
 
 
 def barrier(comm):
@@ -718,12 +721,13 @@ class _ArrayReceive(Handle):
         self._pending.setdefault(id(comm), []).append(weakref.ref(self))
 
     @classmethod
-    def outstanding(cls, comm):
-        """Return whether receives started on ``comm`` are still pending (forgetting dropped ones)."""
+    def outstanding(cls, comm, leaving=None):
+        """Return whether receives started on ``comm`` are still pending, forgetting dropped ones
+        (and ``leaving``, a receive that completes or is cancelled now)."""
         queue = cls._pending.get(id(comm))
         if queue is None:
             return False
-        queue[:] = [ref for ref in queue if ref() is not None]
+        queue[:] = [ref for ref in queue if ref() is not None and ref() is not leaving]
         if not queue:
             cls._pending.pop(id(comm), None)
         return bool(queue)
@@ -799,21 +803,15 @@ class _ArrayReceive(Handle):
         """
         if self._done:
             return False
-        self._forget()
+        self.outstanding(self._comm, leaving=self)
         self._done, self._error = True, CommError(f"recv from {self._source} (tag {self._tag}) was cancelled")
         if self._token is not None:
             _guard.leave(self._token)
             self._token = None
         return True
 
-    def _forget(self):
-        queue = self._pending.get(id(self._comm), [])
-        queue[:] = [ref for ref in queue if ref() is not None and ref() is not self]
-        if not queue:
-            self._pending.pop(id(self._comm), None)
-
     def _finish(self):  # a method, not a bound method stored on the handle: no reference cycle
-        self._forget()
+        self.outstanding(self._comm, leaving=self)
         return _unpack(self._comm, self._message, self._probe_status, self._out)
 
 

@@ -671,12 +671,17 @@ class SimComm:
     def Improbe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
         """Take the first matching message off the queue if there is one (``SimMessage``), else return None."""
         self._check_usable("Improbe")
-        ctx, u = self._ctx, self._ctx.universe
-        with u.cond:
-            queue = ctx.unexpected[self._rank]
+        return self._probe(source, tag, status, take=True)
+
+    def _probe(self, source, tag, status, take):
+        """Return the first queued message matching (source, tag) as a ``SimMessage`` (or None),
+        taking it off the queue when ``take``; fill ``status`` from it."""
+        with self._ctx.universe.cond:
+            queue = self._ctx.unexpected[self._rank]
             for i, (src, t, payload) in enumerate(queue):
                 if self._matches(source, tag, src, t):
-                    del queue[i]
+                    if take:
+                        del queue[i]
                     message = SimMessage(self, src, t, payload)
                     message._fill(status)
                     return message
@@ -685,13 +690,7 @@ class SimComm:
     def Iprobe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
         """Return whether a matching message is queued, leaving it there; fill ``status`` for the first."""
         self._check_usable("Iprobe")
-        ctx, u = self._ctx, self._ctx.universe
-        with u.cond:
-            for src, t, payload in ctx.unexpected[self._rank]:
-                if self._matches(source, tag, src, t):
-                    SimMessage(self, src, t, payload)._fill(status)
-                    return True
-        return False
+        return self._probe(source, tag, status, take=False) is not None
 
     def Probe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
         """Block until a matching message is queued, leaving it there; fill ``status``."""

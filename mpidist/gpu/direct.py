@@ -7,6 +7,7 @@ host pointer: a segfault, which no exception handler can catch.
 
 from mpi4py import MPI
 
+from ..collectives import displacements
 from .base import Path
 
 __all__ = ["DirectPath"]
@@ -37,7 +38,7 @@ class DirectPath(Path):
         if len(set(counts)) == 1:
             self.comm.Allgather(sbuf, rbuf)
         else:
-            self.comm.Allgatherv(sbuf, [rbuf, (list(counts), [sum(counts[:r]) for r in range(len(counts))])])
+            self.comm.Allgatherv(sbuf, [rbuf, (list(counts), displacements(counts))])
 
     def reduce_scatter(self, send, recv, counts, op):
         sbuf, rbuf = self._ready(send, recv)

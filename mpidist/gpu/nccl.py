@@ -10,6 +10,7 @@ allgather/reduce_scatter counts are padded to the largest count. Point-to-point 
 
 import numpy as np
 
+from ..collectives import displacements
 from .base import Path
 
 __all__ = ["NcclPath", "NCCL_DTYPES"]
@@ -25,10 +26,6 @@ def nccl_view(x, op_name):
     if x.dtype.kind == "c":
         return (x.view(np.dtype(f"f{x.dtype.itemsize // 2}")), "SUM") if op_name == "SUM" else None
     return (x, op_name) if x.dtype.name in NCCL_DTYPES else None
-
-
-def _displs(counts):
-    return [sum(counts[:r]) for r in range(len(counts))]
 
 
 class NcclPath(Path):
@@ -61,7 +58,7 @@ class NcclPath(Path):
         pad_send, pad_recv = d.empty(m, send.dtype), d.empty(m * self.size, send.dtype)
         d.copy(pad_send[: send.size], send)
         self.nccl.allgather(pad_send.view(np.uint8), pad_recv.view(np.uint8), stream)
-        for r, (c, lo) in enumerate(zip(counts, _displs(counts))):
+        for r, (c, lo) in enumerate(zip(counts, displacements(counts))):
             d.copy(recv[lo: lo + c], pad_recv[r * m: r * m + c])
 
     def reduce_scatter(self, send, recv, counts, op):
@@ -74,7 +71,7 @@ class NcclPath(Path):
         else:
             m = max(counts)
             padded, mine = d.empty(m * self.size, send.dtype), d.empty(m, send.dtype)
-            for r, (c, lo) in enumerate(zip(counts, _displs(counts))):
+            for r, (c, lo) in enumerate(zip(counts, displacements(counts))):
                 d.copy(padded[r * m: r * m + c], send[lo: lo + c])
             (pv, name), (mv, _) = nccl_view(padded, op.name), nccl_view(mine, op.name)
             self.nccl.reduce_scatter(pv, mv, name, stream)  # padding is reduced too, then dropped

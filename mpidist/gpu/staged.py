@@ -14,6 +14,7 @@ Ordering rules, in the order they happen:
 
 from mpi4py import MPI
 
+from ..collectives import displacements
 from .base import Path
 
 __all__ = ["StagedPath", "StagingPool", "chunk_bounds"]
@@ -138,8 +139,7 @@ class StagedPath(Path):
         if len(set(counts)) == 1:
             self.comm.Allgather(host_send, host_recv)
         else:
-            displs = [sum(counts[:r]) for r in range(len(counts))]
-            self.comm.Allgatherv(host_send, [host_recv, (list(counts), displs)])
+            self.comm.Allgatherv(host_send, [host_recv, (list(counts), displacements(counts))])
         self._up(recv, host_recv, 1)
 
     def reduce_scatter(self, send, recv, counts, op):
