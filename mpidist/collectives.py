@@ -13,7 +13,6 @@ Nonblocking calls on device arrays complete before they return (their handle is 
 import atexit
 import collections
 import contextlib
-import itertools
 import math
 import time
 import weakref
@@ -24,6 +23,7 @@ from mpi4py import MPI
 from . import guard as _guard
 from .comm import CommError, SimComm, check_comm
 from . import xp as _xp
+from .partition import REDUCTIONS, displacements, split_sizes
 
 __all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "send", "recv", "isend", "irecv",
            "barrier", "iallreduce", "ibroadcast", "iallgather", "Handle", "split_sizes", "displacements",
@@ -43,7 +43,7 @@ _INLINE_MAX = 8192
 _ARITH_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX, "mean": MPI.SUM}
 # MPI defines no SUM/PROD/MIN/MAX on C_BOOL; the logical ops mean the same thing for booleans.
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "prod": MPI.LAND, "min": MPI.LAND}
-_OP_NAMES = ("sum", "mean", "min", "max", "prod")
+_OP_NAMES = REDUCTIONS
 _DTYPE_NAMES = tuple(dt.name for dt in SUPPORTED_DTYPES)
 # Communicator types the fast paths take without further checks (COMM_NULL is a plain MPI.Comm and
 # intercommunicators an MPI.Intercomm: both go the general way, which refuses them with a clear error).
@@ -167,17 +167,6 @@ def _on_host(x, write_back=True):
     yield host
     if write_back and host is not x:
         x[...] = host
-
-
-def split_sizes(n, parts):
-    """Return how ``n`` rows split over ``parts`` ranks: the first ``n % parts`` get one row more."""
-    base, extra = divmod(int(n), parts)
-    return [base + (1 if r < extra else 0) for r in range(parts)]
-
-
-def displacements(counts):
-    """Return where each of ``counts`` consecutive blocks starts (MPI's ``displs``)."""
-    return [0, *itertools.accumulate(counts)][:-1] if len(counts) else []
 
 
 # Requests and buffers of handles dropped before completing. MPI still reads (or writes) those

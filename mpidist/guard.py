@@ -31,12 +31,13 @@ import weakref
 import numpy as np
 
 from .comm.errors import CommError
+from .partition import REDUCTIONS
 
 __all__ = ["DesyncError", "configure", "settings", "enter", "leave", "Watchdog", "start_watchdog", "stop_watchdog"]
 
 _OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "barrier", "send", "recv",
         "iallreduce", "ibroadcast", "iallgather", "alltoall")
-_REDUCTIONS = ("", "sum", "mean", "min", "max", "prod")
+_REDUCTIONS = ("",) + REDUCTIONS  # 0: not a reduction
 _FIELDS = ("sequence", "op", "dtype", "count", "root", "reduction")
 
 

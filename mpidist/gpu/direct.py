@@ -7,7 +7,7 @@ host pointer: a segfault, which no exception handler can catch.
 
 from mpi4py import MPI
 
-from ..collectives import displacements
+from ..partition import displacements
 from .base import Path
 
 __all__ = ["DirectPath"]

@@ -8,7 +8,7 @@ Every node must have the same number of ranks, so that slice l has the same boun
 Other collectives use the staged path on the whole communicator.
 """
 
-from ..collectives import split_sizes
+from ..partition import split_sizes
 from .base import Op, Path
 from .ipc import IpcPath
 from .staged import StagedPath

@@ -17,7 +17,7 @@ no rank reads data a peer has not finished writing, and no rank overwrites its a
 may still read it.
 """
 
-from ..collectives import split_sizes
+from ..partition import split_sizes
 from .base import Path
 
 __all__ = ["IpcPath", "IpcUnavailable"]

@@ -10,7 +10,7 @@ allgather/reduce_scatter counts are padded to the largest count. Point-to-point 
 
 import numpy as np
 
-from ..collectives import displacements
+from ..partition import displacements
 from .base import Path
 
 __all__ = ["NcclPath", "NCCL_DTYPES"]

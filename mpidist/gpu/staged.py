@@ -14,7 +14,7 @@ Ordering rules, in the order they happen:
 
 from mpi4py import MPI
 
-from ..collectives import displacements
+from ..partition import displacements
 from .base import Path
 
 __all__ = ["StagedPath", "StagingPool", "chunk_bounds"]

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from mpidist import collectives
-from mpidist.collectives import split_sizes
+from mpidist.partition import split_sizes
 from mpidist.comm import check_comm
 from mpidist.nn.utils import clip_grad_norm_
 from mpidist.xp import asarray_like, is_device_array

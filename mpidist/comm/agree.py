@@ -1,0 +1,64 @@
+"""Agreement on failure: an error found on some ranks is raised on every rank, with every rank's reason.
+
+Without it, a rank that rejects its input raises while the others enter the next collective and wait
+for it forever (or, under MPI, match a later message and compute garbage). Every check that can fail
+on some ranks only ends in one of these two calls, so all ranks leave together with the same message.
+
+- ``raise_if_any(comm, problem, context)``: each rank passes its problem (a string, or None);
+  if any rank has one, every rank raises ``error`` naming each rank's problem.
+- ``agreed(comm, fn, context)``: run ``fn()``; if it raised on any rank, every rank raises an error of
+  the first failing rank's type (``fallback`` when that type cannot be rebuilt from a message),
+  chained to the local exception where there is one.
+
+Both cost one small object allgather, so they belong at set-up and on error paths, not in hot loops.
+"""
+
+__all__ = ["raise_if_any", "agreed", "describe_ranks"]
+
+
+def describe_ranks(problems):
+    """Return "rank 0: x; ranks 2,3: y" for ``problems`` (one entry per rank, None where there is none)."""
+    grouped = {}
+    for rank, problem in enumerate(problems):
+        if problem:
+            grouped.setdefault(problem, []).append(rank)
+    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: {problem}"
+                     for problem, ranks in grouped.items())
+
+
+def _message(context, problems):
+    return f"{context}: {describe_ranks(problems)}" if context else describe_ranks(problems)
+
+
+def raise_if_any(comm, problem, context, error=ValueError):
+    """Raise ``error`` on every rank of ``comm`` if any rank's ``problem`` is set (collective)."""
+    problems = comm.allgather(str(problem) if problem else None)
+    if any(problems):
+        raise error(_message(context, problems))
+
+
+def _rebuild(cls, message, fallback):
+    try:
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            return cls(message)
+    except Exception:  # noqa: BLE001 - an exception type whose constructor wants more than a message
+        pass
+    return fallback(message)
+
+
+def agreed(comm, fn, context, fallback=RuntimeError):
+    """Return ``fn()``; if it raised on any rank of ``comm``, raise on every rank naming each rank's error.
+
+    ``KeyboardInterrupt``/``SystemExit`` on this rank are not caught (a signal is not a disagreement).
+    """
+    error, result = None, None
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised there
+        error = exc
+    reports = comm.allgather(None if error is None else (type(error), f"{type(error).__name__}: {error}"))
+    failed = [report for report in reports if report]
+    if not failed:
+        return result
+    problems = [report[1] if report else None for report in reports]
+    raise _rebuild(failed[0][0], _message(context, problems), fallback) from error
