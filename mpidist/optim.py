@@ -14,6 +14,26 @@ __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "LRScheduler", "LambdaLR", "Step
            "CosineAnnealingLR", "SequentialLR"]
 
 
+# Updating a 16-bit parameter in place loses the update: float16 has 11 bits of mantissa, so lr * step
+# below about 1e-3 of the weight rounds away, and Adam's squared-gradient average underflows to 0
+# (float16's smallest normal is 6e-5), turning the first step into 0/0 = NaN. The fix is an fp32
+# master copy of the weights (mixed precision), which this module does not have yet.
+_LOW_PRECISION = ("float16", "bfloat16")
+
+
+def _refuse_low_precision(name, params):
+    """Raise TypeError naming the float16/bfloat16 parameters an optimizer was given."""
+    low = [(i, str(p.data.dtype), tuple(p.data.shape)) for i, p in enumerate(params)
+           if str(getattr(p.data, "dtype", "")) in _LOW_PRECISION]
+    if low:
+        i, dtype, shape = low[0]
+        raise TypeError(f"{name}: parameter {i} (shape {shape}) is {dtype}"
+                        f"{f' and {len(low) - 1} more are 16-bit' if len(low) > 1 else ''}; updating {dtype} "
+                        f"weights in place rounds small steps away and gives NaN with Adam; keep the parameters "
+                        f"in float32 (e.g. dtype=np.float32 for the layers; mixed precision with float32 master "
+                        f"weights is not supported yet)")
+
+
 class Optimizer:
     """Base class: holds parameters in groups with hyperparameters, and per-parameter state."""
 
@@ -31,6 +51,7 @@ class Optimizer:
             group = {**defaults, **g, "params": list(g["params"])}
             self.param_groups.append(group)
             self.params.extend(group["params"])
+        _refuse_low_precision(type(self).__name__, self.params)
         self.state = {}  # index into self.params -> dict of step and buffers
 
     @property

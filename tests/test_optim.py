@@ -289,3 +289,28 @@ def test_two_schedules_on_one_optimizer_refuse_to_overwrite_each_other():
     StepLR(fresh, step_size=1).step()
     StepLR(copy.deepcopy(fresh), step_size=1).step()
     assert pickle.loads(pickle.dumps(fresh)).param_groups[0]["lr"] == fresh.param_groups[0]["lr"]
+
+
+class _Bfloat16Array:
+    """Stands in for an array of a 16-bit brain-float type (ml_dtypes / CuPy name it ``bfloat16``)."""
+
+    dtype = "bfloat16"
+    shape = (5,)
+
+
+@pytest.mark.parametrize("cls", [SGD, Adam, AdamW])
+def test_16_bit_parameters_are_refused_with_what_to_do(cls):
+    # Why (textbook Adam's first step in plain numpy float16): the squared-gradient average of a small
+    # gradient underflows to 0, so does eps, and the step is infinite.
+    with np.errstate(all="ignore"):
+        g = np.full(3, 1e-4, np.float16)
+        m, v = np.float16(0.1) * g, np.float16(0.001) * g * g
+        assert not np.isfinite((m / np.float16(0.1)) / (np.sqrt(v / np.float16(0.001)) + np.float16(1e-8))).any()
+    params = [nn.Parameter(np.zeros(3, np.float32)), nn.Parameter(np.zeros((2, 4), np.float16)),
+              nn.Parameter(np.zeros(2, np.float16))]
+    with pytest.raises(TypeError, match=rf"{cls.__name__}: parameter 1 \(shape \(2, 4\)\) is float16 and 1 more "
+                                        r"are 16-bit; .* keep the parameters in float32"):
+        cls(params, lr=0.1)
+    with pytest.raises(TypeError, match=rf"{cls.__name__}: parameter 0 \(shape \(5,\)\) is bfloat16; "):
+        cls([{"params": [nn.Parameter(_Bfloat16Array())]}], lr=0.1)
+    cls([nn.Parameter(np.zeros(3, np.float32))], lr=0.1)  # float32 and wider stay accepted
