@@ -1,8 +1,13 @@
 """The one MPI launcher every test that starts processes uses (``make test`` configures it).
 
-- ``MPIDIST_MPIEXEC``: the mpiexec to run (default: the one next to this Python, i.e. the venv's wheel
-  MPI, else ``mpiexec`` on PATH).
-- ``MPIEXEC_FLAGS``: extra launcher flags, split like a shell would (e.g. ``--oversubscribe`` for Open MPI).
+- ``MPIDIST_MPIEXEC``: the mpiexec to run; ``make`` exports the one of its ``MPI=`` choice. Unset (plain
+  ``pytest``): the one next to this Python, i.e. the venv's wheel MPI, else ``mpiexec`` on PATH.
+- ``MPIEXEC_FLAGS``: extra launcher flags, split like a shell would (``make`` puts Open MPI's
+  ``--oversubscribe`` there, followed by the user's own).
+
+A test that starts processes carries the :data:`needed` mark and builds its command with :func:`mpiexec`.
+With no launcher at all it is skipped; but when ``MPIDIST_MPIEXEC`` names a launcher that cannot be found it
+fails, so that ``make test`` with a broken launcher cannot pass by skipping every launch.
 """
 
 import os
@@ -10,17 +15,46 @@ import shlex
 import shutil
 import sys
 
+import pytest
+
 _BESIDE_PYTHON = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-MPIEXEC = os.environ.get("MPIDIST_MPIEXEC") or (
-    _BESIDE_PYTHON if os.path.exists(_BESIDE_PYTHON) else shutil.which("mpiexec"))
-FLAGS = shlex.split(os.environ.get("MPIEXEC_FLAGS", ""))
+
+
+def configured():
+    """Return the launcher named by ``MPIDIST_MPIEXEC``, or '' when it is unset."""
+    return os.environ.get("MPIDIST_MPIEXEC", "")
+
+
+def launcher():
+    """Return the mpiexec to run: the configured one, else the venv's, else the one on PATH (or None)."""
+    if configured():
+        return configured()
+    return _BESIDE_PYTHON if os.path.exists(_BESIDE_PYTHON) else shutil.which("mpiexec")
+
+
+def flags():
+    """Return the extra launcher flags from ``MPIEXEC_FLAGS`` as a list."""
+    return shlex.split(os.environ.get("MPIEXEC_FLAGS", ""))
 
 
 def available():
-    """Return whether a launcher was found."""
-    return bool(MPIEXEC) and (os.path.exists(MPIEXEC) or shutil.which(MPIEXEC) is not None)
+    """Return whether the launcher exists (a path, or a name found on PATH)."""
+    path = launcher()
+    return bool(path) and (os.path.isfile(path) or shutil.which(path) is not None)
 
 
 def mpiexec(n, *command):
     """Return the argv that starts ``command`` on ``n`` ranks with the configured launcher and flags."""
-    return [MPIEXEC, *FLAGS, "-n", str(n), *command]
+    if not available():
+        if configured():
+            pytest.fail(f"MPIDIST_MPIEXEC={configured()!r}: no such launcher (neither a file nor a command on PATH); "
+                        f"`make` sets it from MPI=: check that MPI= matches the installed MPI, or unset it",
+                        pytrace=False)
+        pytest.skip(f"no mpiexec next to {sys.executable} or on PATH (set MPIDIST_MPIEXEC, or run `make test`)")
+    return [launcher(), *flags(), "-n", str(n), *command]
+
+
+# Decided once at collection: skip only when nothing is configured and nothing is found. A configured launcher
+# that is missing makes the test run and fail in mpiexec() instead.
+needed = pytest.mark.skipif(not configured() and not available(),
+                            reason=f"no mpiexec next to {sys.executable} or on PATH (set MPIDIST_MPIEXEC, or run `make test`)")

@@ -16,10 +16,10 @@ import sys
 import numpy as np
 import pytest
 
+import launcher
 from mpidist import bench, simulate, xp
 from mpidist.cli import UsageError, build_parser, main
 
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 # Bus factors from nccl-tests' doc/PERFORMANCE.md, written out independently of mpidist.bench.
 NCCL_BUS_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "allgather": lambda n: (n - 1) / n,
@@ -33,7 +33,7 @@ def run_cli(*args, ranks=None, timeout=120):
     """Run ``python -m mpidist ARGS`` (under ``mpiexec -n ranks`` if given); return the CompletedProcess."""
     cmd = [sys.executable, "-m", "mpidist", *args]
     if ranks is not None:
-        cmd = [MPIEXEC, "-n", str(ranks), *cmd]
+        cmd = launcher.mpiexec(ranks, *cmd)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+import launcher
 import mpidist
 from mpidist import guard
 from mpidist.guard import DesyncError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
 @pytest.fixture
@@ -135,14 +135,14 @@ def test_sim_rank_raising_before_a_collective_releases_the_others():
 
 # -- under a real mpiexec: the watchdog ------------------------------------------------------------------
 @pytest.mark.mpi_skip
-@pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec in the venv")
+@launcher.needed
 @pytest.mark.parametrize("kind, arrived, missing", [
     ("skip", "[0, 1, 3]", "[2]"),
     ("other-comm", None, None),
     ("tag", None, None),
 ])
 def test_watchdog_reports_and_aborts(kind, arrived, missing):
-    proc = subprocess.run([MPIEXEC, "-n", "4", sys.executable, os.path.join(ROOT, "tests", "jobs", "hang.py"), kind],
+    proc = subprocess.run(launcher.mpiexec(4, sys.executable, os.path.join(ROOT, "tests", "jobs", "hang.py"), kind),
                           capture_output=True, text=True, timeout=60)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out

@@ -14,16 +14,16 @@ import time
 import numpy as np
 import pytest
 
+import launcher
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 JOB = os.path.join(ROOT, "examples", "resumable.py")
 
-pytestmark = [pytest.mark.mpi_skip,
-              pytest.mark.skipif(not os.path.exists(MPIEXEC), reason=f"no mpiexec next to {sys.executable}")]
+pytestmark = [pytest.mark.mpi_skip, launcher.needed]
 
 
 def run(args, timeout=120, **kwargs):
-    return subprocess.run([MPIEXEC, "-n", "4", sys.executable, *args], capture_output=True, text=True,
+    return subprocess.run(launcher.mpiexec(4, sys.executable, *args), capture_output=True, text=True,
                           timeout=timeout, **kwargs)
 
 
@@ -80,8 +80,8 @@ def test_kill_9_during_step_7_then_resume_is_bit_identical(strategy, tmp_path, u
 def test_preemption_signal_on_one_rank_saves_everywhere_at_one_step(strategy, tmp_path, uninterrupted):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     os.makedirs(out)
-    proc = subprocess.Popen([MPIEXEC, "-n", "4", sys.executable, JOB, "--strategy", strategy, "--ckpt", ckpt,
-                             "--out", out, "--step-seconds", "0.25"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(launcher.mpiexec(4, sys.executable, JOB, "--strategy", strategy, "--ckpt", ckpt,
+                                             "--out", out, "--step-seconds", "0.25"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     progress = os.path.join(out, "progress")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
