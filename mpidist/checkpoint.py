@@ -10,12 +10,16 @@ Glossary:
 - slot: a local array and the segments of keys it holds (where each key's range sits in the array).
 - commit point: ``manifest.json``. Rank files are written to temporary names, fsynced and renamed;
   rank 0 writes the manifest last, the same way. A checkpoint without a manifest does not exist,
-  so a crash at any moment leaves the previous checkpoint loadable.
+  so a crash at any moment leaves the previous checkpoint loadable. What a failed save leaves is
+  removed: its temporary files at once, and (a killed process cannot clean up) temporary files and
+  never-committed step directories when the next save starts.
+- commit number: each manifest records one more than the newest committed before it; "latest" and
+  pruning follow it, never file times.
 
 Format: ``ROOT/step_00000006/rank00000.bin`` (raw little-endian bytes of this rank's pieces, read
 back lazily with ``numpy.memmap`` so resharding reads only the ranges it needs) and
 ``manifest.json`` (global shapes and dtypes, which file holds which range, the world size, the step,
-a CRC32 and byte count per file, and the JSON-able state: sampler, RNG, optimizer hyperparameters,
+the commit number, a CRC32 and byte count per file, and the JSON-able state: sampler, RNG, optimizer hyperparameters,
 learning-rate schedules (anything whose ``state_dict()`` is JSON-able),
 user extras). The format needs nothing beyond numpy: safetensors would give the same lazy slice
 reads, but the global layout has to live in a manifest anyway, and one file per rank keeps the
@@ -30,14 +34,15 @@ import zlib
 
 import numpy as np
 
-from . import collectives
 from .comm import check_comm
+from .comm.agree import agreed
 from .xp import copy_into, to_numpy
 
-__all__ = ["save", "load", "latest_step", "list_steps", "CheckpointError"]
+__all__ = ["save", "load", "latest_step", "list_steps", "check_writable", "CheckpointError"]
 
 FORMAT = "mpidist-checkpoint-1"
 MANIFEST = "manifest.json"
+TMP_MARK = ".tmp."  # in the name of every file not yet renamed into place: "rank00003.bin.tmp.<pid>"
 
 
 class CheckpointError(RuntimeError):
@@ -102,7 +107,7 @@ def _model_slots(name, obj, registry):
         for bname, buf in module.named_buffers():
             slots.append(_full_slot(f"{name}.{bname}", buf))
         return slots
-    if hasattr(obj, "checkpoint_modules"):  # a pipeline: stage modules named by their global stage index
+    if hasattr(obj, "checkpoint_modules"):  # a pipeline: its layers named by their index in the unsplit model
         modules = obj.checkpoint_modules()
     else:
         modules = [("", getattr(obj, "module", obj))]
@@ -114,6 +119,17 @@ def _model_slots(name, obj, registry):
         for bname, buf in module.named_buffers():
             slots.append(_full_slot(prefix + bname, buf))
     return slots
+
+
+def _name_pipeline_layers(state):
+    """Let every pipeline in ``state`` number its layers globally (collective over its ranks, once).
+
+    Done first, before any step that can fail on some ranks only, so that no rank waits in it for a
+    rank that has already left with an error.
+    """
+    for obj in state.values() if isinstance(state, dict) else ():
+        if hasattr(obj, "checkpoint_modules"):
+            obj.checkpoint_modules()
 
 
 def _is_model(obj):
@@ -184,17 +200,13 @@ def _plan(state):
 
 # -- agreement: an error on one rank is raised on every rank -------------------------------------
 def _agree(comm, what, fn):
-    error, result = None, None
+    """Return ``fn()``; if it raised on any rank, raise CheckpointError on every rank naming each rank's error."""
     try:
-        result = fn()
-    except Exception as exc:  # noqa: BLE001 - reported to every rank below
-        error = exc
-    messages = comm.allgather(None if error is None else f"{type(error).__name__}: {error}")
-    failed = [(r, m) for r, m in enumerate(messages) if m]
-    if failed:
-        detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
-        raise CheckpointError(f"checkpoint {what} failed: {detail}") from error
-    return result
+        return agreed(comm, fn, f"checkpoint {what} failed", fallback=CheckpointError)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the agreed message (an OSError's, say) under this module's type
+        raise CheckpointError(str(exc)) from exc
 
 
 def _fsync_dir(path):
@@ -209,18 +221,28 @@ def _fsync_dir(path):
 
 
 def _write_atomic(path, chunks):
-    """Write byte chunks to ``path`` through a temporary name, fsync, rename; return (bytes, crc32)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+    """Write byte chunks to ``path`` through a temporary name, fsync, rename; return (bytes, crc32).
+
+    On failure the temporary file is removed (a full disk must not fill up further with each retry).
+    """
+    tmp = f"{path}{TMP_MARK}{os.getpid()}"
     crc, total = 0, 0
-    with open(tmp, "wb") as f:
-        for chunk in chunks:
-            view = memoryview(chunk).cast("B")
-            f.write(view)
-            crc = zlib.crc32(view, crc)
-            total += view.nbytes
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                f.write(view)
+                crc = zlib.crc32(view, crc)
+                total += view.nbytes
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
     return total, crc
 
 
@@ -228,31 +250,84 @@ def _step_dir(root, step):
     return os.path.join(root, f"step_{int(step):08d}")
 
 
-def _committed(root):
-    """Return [(commit time, step)] of the committed checkpoints under ``root``."""
+def _step_dirs(root):
+    """Return {step: directory} of every step directory under ``root``, committed or not."""
     if not os.path.isdir(root):
-        return []
+        return {}
+    return {int(entry[5:]): os.path.join(root, entry) for entry in os.listdir(root)
+            if entry.startswith("step_") and entry[5:].isdigit() and os.path.isdir(os.path.join(root, entry))}
+
+
+def _commit_number(manifest_path):
+    """Return the commit number a manifest records (-1 if it records none or cannot be read: those sort first, by step)."""
+    try:
+        with open(manifest_path) as f:
+            return int(json.load(f).get("commit", -1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return -1
+
+
+def _committed(root):
+    """Return [(commit number, step)] of the committed checkpoints under ``root``, in commit order."""
     found = []
-    for entry in os.listdir(root):
-        manifest = os.path.join(root, entry, MANIFEST)
-        if entry.startswith("step_") and entry[5:].isdigit() and os.path.exists(manifest):
-            found.append((os.stat(manifest).st_mtime_ns, int(entry[5:])))
-    return found
+    for step, directory in _step_dirs(root).items():
+        manifest = os.path.join(directory, MANIFEST)
+        if os.path.exists(manifest):
+            found.append((_commit_number(manifest), step))
+    return sorted(found)
 
 
 def list_steps(root):
-    """Return the steps of committed checkpoints (those with a manifest) under ``root``, oldest first."""
+    """Return the steps of committed checkpoints (those with a manifest) under ``root``, in step order."""
     return sorted(step for _, step in _committed(root))
 
 
 def latest_step(root):
     """Return the most recently committed step under ``root``, or None.
 
-    By commit time, not step number: after a run is rolled back to an older checkpoint and goes on,
-    its new checkpoints are the ones to resume from, not the abandoned run's higher steps.
+    In commit order, not step order: after a run is rolled back to an older checkpoint and goes on, its
+    new checkpoints are the ones to resume from, not the abandoned run's higher steps. The order is the
+    commit number each manifest records (one more than the newest already there), never file times,
+    which copies, clock steps and coarse file systems change.
     """
     found = _committed(root)
-    return max(found)[1] if found else None
+    return found[-1][1] if found else None
+
+
+def _remove_leftovers(root):
+    """Remove what failed or killed saves left under ``root``: temporary files, and step directories never committed."""
+    for directory in _step_dirs(root).values():
+        if not os.path.exists(os.path.join(directory, MANIFEST)):
+            shutil.rmtree(directory, ignore_errors=True)
+            continue
+        for entry in os.listdir(directory):
+            if TMP_MARK in entry:
+                try:
+                    os.remove(os.path.join(directory, entry))
+                except OSError:
+                    pass
+
+
+def check_writable(root, comm):
+    """Create ``root`` if needed and check that every rank can write files there (collective).
+
+    Call it before training, so that a read-only or mistyped checkpoint directory fails at once,
+    naming the path, rather than at the first save. Raises CheckpointError on every rank.
+    """
+    check_comm("checkpoint.check_writable", comm)
+
+    def probe():
+        try:
+            os.makedirs(root, exist_ok=True)
+            path = os.path.join(root, f".write-probe.rank{comm.Get_rank():05d}{TMP_MARK}{os.getpid()}")
+            with open(path, "wb") as f:
+                f.write(b"ok")
+            os.remove(path)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint directory {os.path.abspath(root)!r} is not writable "
+                                  f"({exc.strerror or exc}); pass a directory this job can write to") from None
+
+    _agree(comm, "directory check", probe)
 
 
 # -- save ------------------------------------------------------------------------------------------
@@ -275,6 +350,7 @@ def save(root, state, comm, step, keep_last=3):
     check_comm("checkpoint.save", comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     directory = _step_dir(root, step)
+    _name_pipeline_layers(state)
 
     def declare():
         slots, entries = _plan(state)
@@ -288,7 +364,10 @@ def save(root, state, comm, step, keep_last=3):
     held, entries = _agree(comm, f"save of step {step} (collecting state)", declare)
     # Rank 0 assigns every distinct piece to one of the ranks holding it, balancing bytes written.
     declarations = comm.gather([(k, s, d, st, a.size, a.nbytes) for k, s, d, st, a in held], root=0)
-    if rank == 0:
+
+    def assign():
+        if rank != 0:
+            return None
         load_bytes, owner = [0] * size, {}
         holders = {}
         for r, decl in enumerate(declarations):
@@ -305,8 +384,10 @@ def save(root, state, comm, step, keep_last=3):
         if os.path.exists(existing):
             os.remove(existing)
             _fsync_dir(directory)
-    else:
-        assignment = None
+        _remove_leftovers(root)  # of failed or killed saves; no rank of this job writes until the scatter
+        return assignment
+
+    assignment = _agree(comm, f"save of step {step} (assigning pieces)", assign)
     mine = set(comm.scatter(assignment, root=0))  # no rank writes before rank 0 got here
 
     def write():
@@ -343,8 +424,9 @@ def save(root, state, comm, step, keep_last=3):
                 # Per-parameter optimizer state from every rank: pipeline stages each hold their own.
                 for other in per_rank:
                     entry["params"].update(other.get(name, {}).get("params", {}))
-        manifest = {"format": FORMAT, "step": int(step), "world_size": size, "created": time.time(),
-                    "files": files, "tensors": dict(sorted(tensors.items())), "json": entries}
+        commit_number = 1 + max((number for number, _ in _committed(root)), default=0)
+        manifest = {"format": FORMAT, "step": int(step), "commit": commit_number, "world_size": size,
+                    "created": time.time(), "files": files, "tensors": dict(sorted(tensors.items())), "json": entries}
         if any(e != entries for e in per_rank):
             # Per-rank values (e.g. each rank's RNG): restored rank by rank when loaded at the same size.
             manifest["json_per_rank"] = per_rank
@@ -352,7 +434,7 @@ def save(root, state, comm, step, keep_last=3):
         _fsync_dir(directory)
         _fsync_dir(root)
         if keep_last:
-            for _, old in sorted(_committed(root))[:-keep_last]:  # the least recently committed go first
+            for _, old in _committed(root)[:-keep_last]:  # the least recently committed go first
                 shutil.rmtree(_step_dir(root, old), ignore_errors=True)
         return directory
 
@@ -454,18 +536,45 @@ def _restore_optimizer(name, opt, entry, registry):
         opt.state[i] = state
 
 
-def load(root, state, comm, step=None, verify=True):
+def _nothing_to_resume(root):
+    """Return what rank 0 says when ``root`` holds no committed checkpoint; raise if ``root`` is one step of one."""
+    where = os.path.abspath(root)
+    if os.path.exists(os.path.join(root, MANIFEST)):
+        raise CheckpointError(f"checkpoint: {where} is a single checkpoint (it holds {MANIFEST}); pass the directory "
+                              f"that holds the step_* directories: {os.path.dirname(where)}")
+    if not os.path.exists(root):
+        return f"checkpoint: {where} does not exist yet: starting from scratch"
+    incomplete = len(_step_dirs(root))
+    why = f" ({incomplete} step directories without a manifest: saves that never finished)" if incomplete else ""
+    return f"checkpoint: no checkpoint in {where}{why}: starting from scratch"
+
+
+def _print_now(line):
+    print(line, flush=True)
+
+
+def load(root, state, comm, step=None, verify=True, log=_print_now):
     """Load checkpoint ``step`` (default: the newest) from ``root`` into ``state``; return the step, or None if there is none.
 
     Works at any world size: each rank reads just the ranges its parameters and shards need.
     JSON entries (sampler, RNG, learning-rate schedule, numbers) are restored in place where possible and plain values
     replace entries of ``state``. Values that differed by rank at save time (a per-rank RNG) are
     restored per rank when loading at the same world size, and from rank 0 otherwise.
+    When ``root`` holds no checkpoint, rank 0 says so through ``log`` (one line; None: silent), so that a
+    mistyped path is not a silent restart.
     """
     check_comm("checkpoint.load", comm)
+    _name_pipeline_layers(state)
     if step is None:
-        step = comm.bcast(latest_step(root) if comm.Get_rank() == 0 else None, root=0)
+        def newest():
+            if comm.Get_rank() != 0:
+                return None
+            found = latest_step(root)
+            return (found, None) if found is not None else (None, _nothing_to_resume(root))
+        step, message = comm.bcast(_agree(comm, "load (finding the newest checkpoint)", newest), root=0)
         if step is None:
+            if log is not None and comm.Get_rank() == 0:
+                log(message)
             return None
     directory = _step_dir(root, step)
     manifest = _agree(comm, f"load of step {step} (manifest)",
@@ -476,11 +585,14 @@ def load(root, state, comm, step=None, verify=True):
     before = {name: ([dict(g) for g in opt.param_groups], opt.state) for name, opt in optimizers.items()}
 
     def read():
-        # Optimizer state arrays must exist before slots can point at them (undone below on failure).
-        registry = _Registry()
+        # The models' keys first: a checkpoint of another model is reported by its parameters, not by
+        # the optimizer state that then does not fit either.
+        registry, model_slots = _Registry(), []
         for name, obj in state.items():
             if _is_model(obj) and not _is_optimizer(obj):
-                _model_slots(name, obj, registry)
+                model_slots.extend(_model_slots(name, obj, registry))
+        _check_keys(model_slots, manifest, directory)
+        # Optimizer state arrays must exist before slots can point at them (undone below on failure).
         for name, opt in optimizers.items():
             if name not in manifest["json"]:
                 raise CheckpointError(f"checkpoint: {directory} holds no optimizer {name!r}")

@@ -301,7 +301,9 @@ def test_failed_load_changes_nothing(tmp_path):
     train(model, opt, 2)
     params = {k: v.copy() for k, v in model.state_dict().items()}
     opt_state = opt.state_dict()
-    with pytest.raises(CheckpointError, match="does not match this state|has no saved state for parameter"):
+    # Named by the parameters that differ, not by the optimizer state that cannot fit either.
+    with pytest.raises(CheckpointError, match=r"does not match this state.*'model.0.weight' has shape \(5, 7\) in "
+                                              r"the checkpoint, \(11, 7\) in the model; .*'model.2.weight' missing"):
         mpidist.simulate(1, lambda comm: checkpoint.load(root, {"model": model, "optim": opt}, comm))
     with pytest.raises(CheckpointError, match=r"does not match this state.*'model.0.weight' has shape \(5, 7\) in the checkpoint"):
         mpidist.simulate(1, lambda comm: checkpoint.load(root, {"model": model}, comm))
@@ -315,15 +317,236 @@ def test_failed_load_changes_nothing(tmp_path):
 
 
 @pytest.mark.mpi_skip
-def test_latest_is_the_most_recent_commit_after_a_rollback(tmp_path):
-    import time
+def test_latest_is_the_most_recent_commit_after_a_rollback_whatever_the_file_times(tmp_path):
     root = str(tmp_path)
     model = make_model()
     for step in (2, 4, 6):
         mpidist.simulate(1, lambda comm, s=step: checkpoint.save(root, {"model": model}, comm, step=s, keep_last=3))
-    time.sleep(0.01)
     # Rolled back to step 4 and trained on: the new step-5 checkpoint is the one to resume from, and
     # pruning removes the least recently committed, not the highest step.
     mpidist.simulate(1, lambda comm: checkpoint.save(root, {"model": model}, comm, step=5, keep_last=3))
-    assert checkpoint.latest_step(root) == 5
+    commit_order = [4, 6, 5]  # the reference: the order this test committed them in
     assert checkpoint.list_steps(root) == [4, 5, 6]
+    # File times say nothing about that order (a copy, a restore from backup, a clock step, a 1 s
+    # file-system granularity): make them claim the opposite of the commit order.
+    for age, step in enumerate(commit_order):
+        directory = os.path.join(root, f"step_{step:08d}")
+        for name in os.listdir(directory):
+            os.utime(os.path.join(directory, name), (2_000_000_000 - 1000 * age,) * 2)
+        os.utime(directory, (2_000_000_000 - 1000 * age,) * 2)
+    assert checkpoint.latest_step(root) == commit_order[-1]
+    fresh = make_model(seed=3)
+    assert mpidist.simulate(1, lambda comm: checkpoint.load(root, {"model": fresh}, comm)) == [5]
+    mpidist.simulate(1, lambda comm: checkpoint.save(root, {"model": model}, comm, step=8, keep_last=2))
+    assert checkpoint.list_steps(root) == [5, 8] and checkpoint.latest_step(root) == 8
+
+
+def leftovers(root):
+    """Return the paths under ``root`` that no committed checkpoint accounts for."""
+    found = []
+    for directory, _, files in os.walk(root):
+        committed = os.path.exists(os.path.join(directory, "manifest.json"))
+        found += [os.path.join(directory, f) for f in files if ".tmp." in f or not committed]
+    return sorted(found)
+
+
+@pytest.mark.mpi_skip
+def test_a_failed_save_leaves_no_temporary_files_and_the_next_save_clears_older_ones(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    model = make_model()
+    mpidist.simulate(3, lambda comm: checkpoint.save(root, {"model": model}, comm, step=2))
+    real_write = checkpoint._write_rank_file
+
+    def disk_full_midway(path, pieces):
+        if path.endswith(("rank00001.bin", "rank00002.bin")):
+            def chunks():
+                yield b"half a file"
+                raise OSError(28, "No space left on device (injected)")
+            checkpoint._write_atomic(path, chunks())
+        return real_write(path, pieces)
+
+    monkeypatch.setattr(checkpoint, "_write_rank_file", disk_full_midway)
+    with pytest.raises(CheckpointError, match=r"No space left on device \(injected\)"):
+        mpidist.simulate(3, lambda comm: checkpoint.save(root, {"model": model}, comm, step=4))
+    assert [p for p in leftovers(root) if ".tmp." in p] == []
+    assert checkpoint.list_steps(root) == [2]
+    monkeypatch.setattr(checkpoint, "_write_rank_file", real_write)
+
+    # What a killed save leaves (a process cannot clean up after SIGKILL): temporary files beside a
+    # committed checkpoint, and a step directory that never got its manifest (step 4's rank 0 file above).
+    for stale in ("step_00000002/rank00001.bin.tmp.4242", "step_00000002/manifest.json.tmp.4242",
+                  "step_00000003/rank00000.bin.tmp.4242"):
+        os.makedirs(os.path.dirname(os.path.join(root, stale)), exist_ok=True)
+        open(os.path.join(root, stale), "wb").write(b"x" * 100)
+    assert len(leftovers(root)) == 4
+    mpidist.simulate(2, lambda comm: checkpoint.save(root, {"model": model}, comm, step=6))
+    assert leftovers(root) == []
+    assert sorted(os.listdir(root)) == ["step_00000002", "step_00000006"]
+    fresh = make_model(seed=3)
+    assert mpidist.simulate(2, lambda comm: checkpoint.load(root, {"model": fresh}, comm, step=2)) == [2, 2]
+    for k, v in model.state_dict().items():
+        np.testing.assert_array_equal(fresh.state_dict()[k], v)
+
+
+@pytest.mark.mpi_skip
+def test_the_same_failure_on_several_ranks_is_reported_once_naming_them(tmp_path, monkeypatch):
+    def disk_full(path, pieces):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(checkpoint, "_write_rank_file", disk_full)
+    with pytest.raises(CheckpointError) as caught:
+        mpidist.simulate(3, lambda comm: checkpoint.save(str(tmp_path), {"model": make_model()}, comm, step=4))
+    assert str(caught.value).split("\n")[0].endswith(
+        "checkpoint save of step 4 (writing rank files) failed: ranks 0,1,2: OSError: [Errno 28] No space left on "
+        "device (injected)")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """Return a directory no rank can write to (a 0o555 directory; as root, which ignores modes, read-only sysfs)."""
+    path = tmp_path / "read-only"
+    path.mkdir()
+    path.chmod(0o555)
+    try:
+        (path / "probe").write_bytes(b"")
+    except OSError:
+        yield str(path)
+    else:
+        (path / "probe").unlink()
+        try:
+            os.remove(open("/sys/kernel/mpidist-probe", "wb").name)
+        except OSError:
+            yield "/sys/kernel"
+        else:
+            pytest.skip("running as root and no read-only file system to test on")
+    finally:
+        path.chmod(0o755)
+
+
+@pytest.mark.mpi_skip
+def test_an_unwritable_checkpoint_directory_fails_before_training_naming_the_path(tmp_path, read_only_dir):
+    with pytest.raises(CheckpointError, match=rf"checkpoint directory check failed: ranks 0,1: CheckpointError: "
+                                              rf"checkpoint directory '{read_only_dir}' is not writable \("):
+        mpidist.simulate(2, lambda comm: checkpoint.check_writable(read_only_dir, comm))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    with pytest.raises(CheckpointError, match=rf"checkpoint directory '{a_file / 'ckpt'}' is not writable"):
+        mpidist.simulate(2, lambda comm: checkpoint.check_writable(str(a_file / "ckpt"), comm))
+    created = tmp_path / "new" / "ckpt"
+    mpidist.simulate(2, lambda comm: checkpoint.check_writable(str(created), comm))
+    assert created.is_dir() and os.listdir(created) == []  # created, and the probes are gone
+
+
+@pytest.mark.mpi_skip
+def test_a_path_without_a_checkpoint_says_starting_from_scratch_once(tmp_path, capsys):
+    model = make_model()
+    missing = tmp_path / "typo"
+    assert mpidist.simulate(3, lambda comm: checkpoint.load(str(missing), {"model": model}, comm)) == [None] * 3
+    out = capsys.readouterr().out
+    assert out == f"checkpoint: {missing} does not exist yet: starting from scratch\n"
+    os.makedirs(missing / "step_00000004")  # a save that never committed
+    lines = []
+    mpidist.simulate(2, lambda comm: checkpoint.load(str(missing), {"model": model}, comm, log=lines.append))
+    assert lines == [f"checkpoint: no checkpoint in {missing} (1 step directories without a manifest: saves that "
+                     f"never finished): starting from scratch"]
+    mpidist.simulate(2, lambda comm: checkpoint.save(str(tmp_path), {"model": model}, comm, step=3))
+    step_dir = tmp_path / "step_00000003"
+    with pytest.raises(CheckpointError, match=rf"{step_dir} is a single checkpoint .* pass the directory that holds "
+                                              rf"the step_\* directories: {tmp_path}\n"):
+        mpidist.simulate(2, lambda comm: checkpoint.load(str(step_dir), {"model": model}, comm))
+    assert capsys.readouterr().out == ""
+
+
+# -- pipelines: keys are the unsplit model's parameter names, whatever the number of stages ----------
+# Layer bounds of make_model's 5 layers (Linear, Tanh, Linear, LayerNorm, Linear) per number of stages;
+# every stage holds parameters, so every rank has an optimizer.
+STAGE_BOUNDS = {2: [0, 2, 5], 3: [0, 2, 4, 5], 4: [0, 2, 3, 4, 5]}
+
+
+def pipeline_on(comm, seed):
+    """Return (pipeline, Adam, first layer index) of make_model(seed) split into comm's size stages."""
+    from mpidist.parallel.pipeline import Pipeline
+    bounds, rank = STAGE_BOUNDS[comm.Get_size()], comm.Get_rank()
+    layers = list(make_model(seed))[bounds[rank]:bounds[rank + 1]]
+    stage = nn.Sequential(*layers)
+    pipe = Pipeline(stage, comm, num_microbatches=3, schedule="1f1b", loss_fn=nn.CrossEntropyLoss())
+    return pipe, optim.Adam(list(stage.parameters()), lr=0.01), stage, bounds[rank]
+
+
+def train_pipeline(comm, pipe, opt, stage, steps, start):
+    last = comm.Get_size() - 1
+    for step in range(start, start + steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        pipe.step(x if comm.Get_rank() == 0 else None, y if comm.Get_rank() == last else None)
+        opt.step()
+
+
+def gathered(comm, stage, first):
+    """The whole model's parameters on rank 0 under make_model's names (from the stage bounds, not the pipeline)."""
+    mine = {}
+    for key, value in stage.state_dict().items():
+        index, rest = key.split(".", 1)
+        mine[f"{first + int(index)}.{rest}"] = value.copy()
+    parts = comm.gather(mine, root=0)
+    return {k: v for part in parts for k, v in part.items()} if comm.Get_rank() == 0 else None
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("load_stages", [1, 3, 4])
+def test_pipeline_checkpoint_saved_with_2_stages_loads_with_any_number_of_stages(tmp_path, load_stages):
+    root = str(tmp_path)
+
+    def save(comm):
+        pipe, opt, stage, first = pipeline_on(comm, seed=0)
+        train_pipeline(comm, pipe, opt, stage, 3, start=0)
+        checkpoint.save(root, {"model": pipe, "optim": opt, "step": 3}, comm, step=3)
+        return gathered(comm, stage, first)
+
+    saved = mpidist.simulate(2, save)[0]
+    # The reference: one process, the unsplit model, the same 5 full batches.
+    reference = make_model()
+    ref_opt = optim.Adam(reference.parameters(), lr=0.01)
+    train(reference, ref_opt, 5)
+
+    if load_stages == 1:  # into the plain model
+        plain = make_model(seed=7)
+        plain_opt = optim.Adam(plain.parameters(), lr=0.01)
+        mpidist.simulate(1, lambda comm: checkpoint.load(root, {"model": plain, "optim": plain_opt}, comm))
+        loaded = plain.state_dict()
+        train(plain, plain_opt, 2, start=3)
+        final = plain.state_dict()
+    else:
+        def resume(comm):
+            pipe, opt, stage, first = pipeline_on(comm, seed=7)
+            state = {"model": pipe, "optim": opt, "step": 0}
+            assert checkpoint.load(root, state, comm) == 3 and state["step"] == 3
+            at_load = gathered(comm, stage, first)
+            train_pipeline(comm, pipe, opt, stage, 2, start=3)
+            return at_load, gathered(comm, stage, first)
+        loaded, final = mpidist.simulate(load_stages, resume)[0]
+    assert loaded.keys() == saved.keys() == reference.state_dict().keys()
+    for k, v in saved.items():
+        np.testing.assert_array_equal(loaded[k], v)  # parameters bit for bit
+    for k, v in reference.state_dict().items():  # and Adam's moments: training goes on as in one process
+        np.testing.assert_allclose(final[k], v, rtol=0, atol=1e-10, err_msg=k)
+
+
+@pytest.mark.mpi_skip
+def test_pipeline_checkpoint_into_a_different_model_names_the_parameter(tmp_path):
+    root = str(tmp_path)
+
+    def save(comm):
+        pipe, opt, _, _ = pipeline_on(comm, seed=0)
+        checkpoint.save(root, {"model": pipe, "optim": opt}, comm, step=1)
+
+    mpidist.simulate(2, save)
+    rng = np.random.default_rng(0)
+    wider = nn.Sequential(nn.Linear(7, 11, rng=rng, dtype=np.float64), nn.Tanh(),
+                          nn.Linear(11, 17, rng=rng, dtype=np.float64), nn.LayerNorm(17, dtype=np.float64),
+                          nn.Linear(17, 3, rng=rng, dtype=np.float64), nn.Tanh(), nn.Linear(3, 3, dtype=np.float64))
+    opt = optim.Adam(wider.parameters(), lr=0.01)
+    with pytest.raises(CheckpointError, match=r"does not match this state \(from another model\?\): 'model.2.weight' "
+                                              r"has shape \(13, 11\) in the checkpoint, \(17, 11\) in the model; .*"
+                                              r"'model.6.weight' missing"):
+        mpidist.simulate(1, lambda comm: checkpoint.load(root, {"model": wider, "optim": opt}, comm))

@@ -27,6 +27,7 @@ import numpy as np
 from mpidist import collectives
 from mpidist.partition import split_sizes
 from mpidist.comm import check_comm
+from mpidist.nn.module import Sequential
 from mpidist.nn.utils import clip_grad_norm_
 from mpidist.xp import asarray_like, is_device_array
 
@@ -277,9 +278,24 @@ class Pipeline:
         """
         return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.comm, error_if_nonfinite)
 
+    # Global index of the first layer of each chunk on this rank (see checkpoint_modules); found once.
+    _layer_offsets: Optional[List[int]] = None
+
     def checkpoint_modules(self) -> List[Tuple[str, object]]:
-        """Return ("stage<s>.", module) for each chunk on this rank, named by its global stage index."""
-        return [(f"stage{c * self.p + self.rank}.", module) for c, module in enumerate(self.stages)]
+        """Return ("<i>.", layer) for this rank's layers, numbered as in the unsplit model (collective the first time).
+
+        The unsplit model is the stages in stage order, each `Sequential` stage contributing its children and any
+        other stage module counting as one layer; layer i is named "i.". So the names are those of
+        `nn.Sequential(*all_layers)`, the same however the layers are split into stages (a checkpoint saved with
+        2 stages loads with 3, or into the plain model). Counting the earlier stages' layers takes one allgather
+        over the pipeline comm, on the first call only: call it on every rank (`mpidist.checkpoint` does).
+        """
+        if self._layer_offsets is None:
+            counts = self.comm.allgather([len(_layers(module)) for module in self.stages])
+            per_stage = [counts[self.schedule.rank_of(s)][s // self.p] for s in range(self.num_stages)]
+            self._layer_offsets = [sum(per_stage[:c * self.p + self.rank]) for c in range(len(self.stages))]
+        return [(f"{first + i}.", layer) for first, module in zip(self._layer_offsets, self.stages)
+                for i, layer in enumerate(_layers(module))]
 
     # -- helpers -----------------------------------------------------------------------------------------------
 
@@ -309,6 +325,11 @@ class Pipeline:
             for param in stage.parameters():
                 return asarray_like(x, param.data) if is_device_array(param.data) else x
         return x
+
+
+def _layers(module) -> list:
+    """Return the layers a stage module contributes to the unsplit model: a Sequential's children, else itself."""
+    return list(module) if isinstance(module, Sequential) else [module]
 
 
 def _tag(direction: int, stage: int, mb: int, num_stages: int) -> int:
