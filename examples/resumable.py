@@ -4,7 +4,8 @@ Run:  mpiexec -n 4 python examples/resumable.py --strategy ddp --steps 10 --ever
 
 Run it again with the same --ckpt and it continues from the newest checkpoint; the final parameters
 are bit-identical to a run that was never interrupted. On SIGTERM/SIGUSR1 (Slurm's preemption
-warning) every rank stops after the same step, saves, and exits with status 99 (PREEMPTED_EXIT).
+warning) or Ctrl-C every rank stops after the same step, saves, and exits with status 99 (PREEMPTED_EXIT);
+a second Ctrl-C aborts at once.
 ``--kill-rank R --kill-step S`` sends SIGKILL to rank R in the middle of step S (for fault tests).
 """
 
@@ -112,9 +113,10 @@ def main(argv=None):
     job = PipelineJob(comm, args.strategy) if args.strategy == "pipeline" else DataParallelJob(comm, args.strategy)
     noise_rng = np.random.default_rng([99, rank])
     state = {"model": job.model, "optim": job.opt, "rng": noise_rng, "step": 0}
-    resumed = checkpoint.load(args.ckpt, state, comm)
-    if rank == 0:
-        print(f"resumed from step {resumed}" if resumed is not None else "starting from scratch", flush=True)
+    checkpoint.check_writable(args.ckpt, comm)  # a read-only --ckpt fails here, not at the first save
+    resumed = checkpoint.load(args.ckpt, state, comm)  # rank 0 says "starting from scratch" if there is none
+    if rank == 0 and resumed is not None:
+        print(f"resumed from step {resumed}", flush=True)
 
     with Preemption(comm) as preemption:
         for step in range(state["step"] + 1, args.steps + 1):  # steps are numbered from 1

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import sys
 import threading
+import time
 import traceback
 import warnings
 
@@ -88,11 +89,17 @@ def _check_world(size, environ=None):
                           f"(every process would be rank 0 and repeat the same work); {hint}")
 
 
-def _abort_without_stderr(comm):
+# Exit status of a job ended by Ctrl-C (128 + SIGINT, as shells report it), and how long ranks other
+# than 0 wait before reporting an interrupt themselves (rank 0's abort usually ends them first).
+INTERRUPTED_EXIT = 130
+INTERRUPT_GRACE = 1.0
+
+
+def _abort_without_stderr(comm, code=1):
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     finally:
-        comm.Abort(1)
+        comm.Abort(code)
 
 
 def install_abort_on_error(comm, backstop=10.0):
@@ -108,17 +115,28 @@ def install_abort_on_error(comm, backstop=10.0):
         timer = threading.Timer(backstop, _abort_without_stderr, (comm,))
         timer.daemon = True
         timer.start()
+        interrupted = isinstance(exc_type, type) and issubclass(exc_type, KeyboardInterrupt)
         try:
-            text = "".join(traceback.format_exception(exc_type, exc, tb))
             prefix = f"[rank {rank}] "
-            sys.stderr.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
-            sys.stderr.write(f"{prefix}mpidist: uncaught exception, aborting all {comm.Get_size()} ranks\n")
+            if interrupted:
+                # Ctrl-C, which mpiexec forwards to every rank: not a bug, so no traceback, and one line
+                # per job: rank 0 speaks, the others give its abort a moment to end them first.
+                if rank != 0:
+                    time.sleep(INTERRUPT_GRACE)
+                sys.stderr.write(f"{prefix}mpidist: interrupted (KeyboardInterrupt), aborting all "
+                                 f"{comm.Get_size()} ranks without saving\n")
+            else:
+                text = "".join(traceback.format_exception(exc_type, exc, tb))
+                sys.stderr.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
+                sys.stderr.write(f"{prefix}mpidist: uncaught exception, aborting all {comm.Get_size()} ranks\n")
             sys.stderr.flush()
             sys.stdout.flush()
             guard.wait_until_pipes_drained((1, 2))
         finally:
             # Whatever went wrong while reporting (a closed stderr, say), the job must still end: a rank
             # that returns from here would finalize MPI while the others wait for it forever.
+            if interrupted:
+                _abort_without_stderr(comm, INTERRUPTED_EXIT)  # MPI's own abort line adds nothing here
             comm.Abort(1)
 
     sys.excepthook = report_and_abort
