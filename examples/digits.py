@@ -5,6 +5,11 @@ Run:  mpiexec -n 4 python examples/digits.py --strategy ddp      (or fsdp, pipel
 The data is scikit-learn's bundled digits set (1,797 8x8 images, shipped inside scikit-learn: no
 download). Every rank reads its shard of each global batch (DistributedSampler); at the end rank 0
 trains the same model on the same global batches in a single process and compares the weights.
+
+With --ckpt the run can stop (SIGTERM, SIGUSR1, Ctrl-C) and resume at another world size: each
+global batch is the next block of the epoch's sample order, so a resumed run goes on from the sample
+where the last one stopped. The checkpoint records each run's segment (world size, batch per rank,
+where it started), and the single-process reference replays those segments: the run as it happened.
 """
 
 import argparse
@@ -45,12 +50,27 @@ def build_layers(seed, hidden=128):
             nn.Linear(hidden, N_CLASSES, rng=rng, dtype=np.float64)]
 
 
-def global_batches(sampler, batch_per_rank, size):
-    """Yield the list of every rank's index batch for each step of the epoch."""
-    order = sampler.global_order()
-    shards = [order[r::size] for r in range(size)]
-    for start in range(0, len(shards[0]), batch_per_rank):
-        yield [s[start:start + batch_per_rank] for s in shards]
+def epoch_order(n_samples, seed, epoch, size):
+    """Return the epoch's global sample order (padded to a multiple of ``size``), as every rank's sampler has it."""
+    sampler = DistributedSampler(n_samples, _LayoutOnly(size), seed=seed)
+    sampler.set_epoch(epoch)
+    return sampler.global_order()
+
+
+def global_batches(order, batch_per_rank, size, start=0):
+    """Yield (position after the step, every rank's index batch) for the steps of an epoch from sample ``start``.
+
+    A step takes the next ``size * batch_per_rank`` samples of ``order``, rank r every size-th of them:
+    from the start of an epoch that is exactly ``DistributedSampler``'s shard of each rank, batch by
+    batch. From a position another world size stopped at, what is left is padded (as the sampler pads)
+    to a multiple of ``size``, so every rank still gets as many samples as the others.
+    """
+    rest = order[start:]
+    rest = np.concatenate([rest, np.resize(rest, -len(rest) % size)]) if len(rest) else rest
+    step = size * batch_per_rank
+    for first in range(0, len(rest), step):
+        block = rest[first:first + step]
+        yield start + first + len(block), [block[r::size] for r in range(size)]
 
 
 def accuracy(forward, x, y):
@@ -176,21 +196,33 @@ class PipelineTrainer:
 STRATEGIES = {"ddp": DDPTrainer, "fsdp": FSDPTrainer, "pipeline": PipelineTrainer}
 
 
-def train_reference(args, x_train, y_train, size, epochs):
-    """Train the unsplit model in this process on the same global batches; return its state dict."""
+def replayed_steps(segments, n_samples, seed, epochs):
+    """Yield the global batch (all ranks' indices) of every step the runs in ``segments`` took, in order.
+
+    ``segments``: [world size, batch per rank, epoch, position] where each run (the first, and each
+    resumed one) started; a run went on until where the next one started, the last one to the end.
+    """
+    ends = [(epoch, position) for _, _, epoch, position in segments[1:]] + [(epochs, 0)]
+    for (size, batch, epoch, position), end in zip(segments, ends):
+        while (epoch, position) < end:
+            order = epoch_order(n_samples, seed, epoch, size)
+            for after, batches in global_batches(order, batch, size, start=position):
+                yield np.concatenate(batches)
+                if (epoch, after) >= end:
+                    break
+            epoch, position = epoch + 1, 0
+
+
+def train_reference(args, x_train, y_train, segments):
+    """Train the unsplit model in this process on the global batches the distributed runs took; return its state."""
     model = nn.Sequential(*build_layers(args.seed))
     opt = optim.Adam(model.parameters(), lr=args.lr)
     crit = nn.CrossEntropyLoss()
-    # The same global order, split into the same global batches as the distributed run.
-    sampler = DistributedSampler(len(x_train), _LayoutOnly(size), seed=args.seed)
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        for batches in global_batches(sampler, args.batch, size):
-            idx = np.concatenate(batches)
-            opt.zero_grad()
-            crit(model(x_train[idx]), y_train[idx])
-            model.backward(crit.backward())
-            opt.step()
+    for idx in replayed_steps(segments, len(x_train), args.seed, args.epochs):
+        opt.zero_grad()
+        crit(model(x_train[idx]), y_train[idx])
+        model.backward(crit.backward())
+        opt.step()
     return model.state_dict()
 
 
@@ -228,7 +260,8 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="directory to write result.json into")
     parser.add_argument("--no-check", action="store_true", help="skip the single-process comparison")
     parser.add_argument("--ckpt", default=None, help="checkpoint directory: save after every epoch, resume from the "
-                        "newest checkpoint, and on SIGTERM/SIGUSR1 save and exit with status 99 (requeue me)")
+                        "newest checkpoint (also at another world size or strategy), and on SIGTERM/SIGUSR1/Ctrl-C save and exit "
+                        "with status 99 (requeue me; a second Ctrl-C aborts at once)")
     parser.add_argument("--epoch-seconds", type=float, default=0.0, help="make each epoch last at least this long "
                         "(sleeping): the demo trains in well under a second, too fast to preempt by hand")
     args = parser.parse_args(argv)
@@ -240,36 +273,42 @@ def main(argv=None):
     log(f"digits: {len(x_train)} train / {len(x_test)} test images, strategy {args.strategy}, {info}")
 
     trainer = STRATEGIES[args.strategy](comm, args)
-    sampler = DistributedSampler(len(x_train), comm, seed=args.seed)
-    # What a resumed run needs: weights, optimizer moments, and where in which epoch it stopped.
-    state = {"model": trainer.model, "sampler": sampler, "epoch": 0, "step_in_epoch": 0, "global_step": 0}
+    # What a resumed run needs: weights, optimizer moments, where in which epoch it stopped (``position``:
+    # samples of the epoch's order done), and for the reference, the segments the runs so far took.
+    state = {"model": trainer.model, "epoch": 0, "position": 0, "global_step": 0, "segments": []}
     if trainer.opt is not None:
         state["optim"] = trainer.opt
     preemption = None
     if args.ckpt:
-        resumed = checkpoint.load(args.ckpt, state, comm)
+        try:  # a read-only or mistyped --ckpt fails now, not after the first epoch (on every rank alike)
+            checkpoint.check_writable(args.ckpt, comm)
+        except checkpoint.CheckpointError as exc:
+            log(f"digits demo: {str(exc).splitlines()[0]}", flush=True)
+            return 2
+        resumed = checkpoint.load(args.ckpt, state, comm)  # says "starting from scratch" if there is none
         if resumed is not None:
-            where = (f"epoch {state['epoch'] + 1}, step {state['step_in_epoch']}" if state["step_in_epoch"]
+            was = state["segments"][-1][0] if state["segments"] else "?"
+            where = (f"epoch {state['epoch'] + 1}, sample {state['position']}" if state["position"]
                      else f"after epoch {state['epoch']}")
-            log(f"resumed from checkpoint step {resumed} ({where})")
+            log(f"resumed from checkpoint step {resumed} ({where}; saved on {was} ranks, now {size})")
         preemption = Preemption(comm).install()
+    state["segments"] = state["segments"] + [[size, args.batch, state["epoch"], state["position"]]]
     start = time.perf_counter()
     acc = None
     for epoch in range(state["epoch"], args.epochs):
-        sampler.set_epoch(epoch)
+        order = epoch_order(len(x_train), args.seed, epoch, size)  # the DistributedSampler's, at this size
         t0, comm0, losses, seen = time.perf_counter(), trainer.comm_seconds() or 0.0, [], 0
-        skip = state["step_in_epoch"] if epoch == state["epoch"] else 0
-        for i, batches in enumerate(global_batches(sampler, args.batch, size)):
-            if i < skip:
-                continue  # done before the run was preempted
+        position = state["position"] if epoch == state["epoch"] else 0  # done before the run was stopped
+        for position, batches in global_batches(order, args.batch, size, start=position):
             mine = batches[rank]
             losses.append(trainer.step(x_train[mine], y_train[mine]))
             seen += sum(len(b) for b in batches)
             state["global_step"] += 1
             if preemption is not None and preemption.should_stop():
-                state.update(epoch=epoch, step_in_epoch=i + 1)
+                state.update(epoch=epoch, position=position)
                 checkpoint.save(args.ckpt, state, comm, step=state["global_step"])
-                log(f"preempted: saved checkpoint step {state['global_step']} (epoch {epoch + 1}, step {i + 1}); exiting 99", flush=True)
+                log(f"preempted ({preemption.received or 'signal on another rank'}): saved checkpoint step "
+                    f"{state['global_step']} (epoch {epoch + 1}, sample {position}); exiting 99", flush=True)
                 preemption.exit()
         elapsed = time.perf_counter() - t0
         comm_now = trainer.comm_seconds()  # before the evaluation, whose FSDP gathers are not training
@@ -280,7 +319,7 @@ def main(argv=None):
         epoch_loss = trainer.epoch_loss(losses) if losses else float("nan")
         log(f"epoch {epoch + 1}/{args.epochs}  loss {epoch_loss:.4f}  test acc {acc:.2%}  "
             f"{seen / elapsed:8.0f} samples/s  comm {comm_share}", flush=True)
-        state.update(epoch=epoch + 1, step_in_epoch=0)
+        state.update(epoch=epoch + 1, position=0)
         if args.ckpt:
             checkpoint.save(args.ckpt, state, comm, step=state["global_step"])
     train_seconds = time.perf_counter() - start
@@ -288,10 +327,11 @@ def main(argv=None):
         acc = accuracy(trainer.predict, x_test, y_test)
 
     result = {"strategy": args.strategy, "ranks": size, "epochs": args.epochs, "test_accuracy": acc,
-              "train_seconds": train_seconds}
+              "train_seconds": train_seconds, "segments": state["segments"]}
+    segments = state["segments"]
     state = trainer.full_state()
     if rank == 0 and not args.no_check:
-        reference = train_reference(args, x_train, y_train, size, args.epochs)
+        reference = train_reference(args, x_train, y_train, segments)
         diff = max(float(np.max(np.abs(state[k] - reference[k]))) for k in reference)
         result["max_abs_diff_vs_single_process"] = diff
         ok = diff < 1e-8
