@@ -21,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import guard as _guard
+from .guard import record as _record
 from .comm import CommError, SimComm, check_comm
 from . import xp as _xp
 from .partition import REDUCTIONS, displacements, split_sizes
@@ -45,35 +46,55 @@ _ARITH_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX, 
 _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "prod": MPI.LAND, "min": MPI.LAND}
 _OP_NAMES = REDUCTIONS
 _DTYPE_NAMES = tuple(dt.name for dt in SUPPORTED_DTYPES)
+_guard.name_dtypes(_DTYPE_NAMES)  # desync reports name dtypes by these codes
 # Communicator types the fast paths take without further checks (COMM_NULL is a plain MPI.Comm and
 # intercommunicators an MPI.Intercomm: both go the general way, which refuses them with a clear error).
 _PLAIN_COMMS = frozenset({MPI.Intracomm, SimComm})
 
 
-# -- tracking: fingerprints for the desync check and in-flight records for the watchdog (mpidist.guard) --
-def _begin(comm, op, x=None, root=-1, reduction="", count=None):
-    """Register collective ``op`` with the guard when it is tracking; return its token (None when not).
+# -- tracking: the guard's record of every call (flight recorder, watchdog) and its desync check ------
+def _is_array(x):
+    return isinstance(x, np.ndarray) or _xp.is_device_array(x)
 
-    Runs before input validation, so it must not trip over bad arguments: those get a neutral value
-    and the validation's own error. A bad communicator is the exception: it is refused here.
+
+def _begin(comm, op, x=None, root=-1, reduction="", rows=False, sized=True):
+    """Record collective ``op`` with the guard (checking its fingerprint when due); return the record.
+
+    Runs before input validation, so it must not trip over bad arguments (a list, a scalar, a torch
+    tensor whose ``size`` is a method): anything but a numpy or device array is recorded with neutral
+    values and left to the validation's own error. A bad communicator is the exception: refused here.
+    ``rows``: fingerprint the row size (allgather, alltoall: row counts may differ by rank).
+    ``sized``: every rank passes the same bytes, so the size may decide whether to check (see guard).
     """
     check_comm(op, comm)
-    if not _guard.tracking():
+    if not _record.enabled:
         return None
-    dtype_code = _DTYPE_CODE.get(getattr(x, "dtype", None), -1)
-    if count is None:
-        count = getattr(x, "size", -1)
-    root = int(root) if isinstance(root, (int, np.integer)) else -2
+    if _is_array(x):
+        dtype_code = _DTYPE_CODE.get(x.dtype, -1)
+        count = _row_size(x) if rows else int(x.size)
+        nbytes = int(x.nbytes)
+    else:
+        x, dtype_code, count, nbytes = None, -1, -1, 0
+    root = int(root) if isinstance(root, (int, np.integer)) and not isinstance(root, bool) else -2
     reduction = reduction.lower() if isinstance(reduction, str) and reduction.lower() in _OP_NAMES else ""
-    return _guard.enter(comm, op, dtype_code, int(count), root, reduction, _DTYPE_NAMES)
+    return _record.enter(comm, op, x, nbytes, dtype_code, count, root, reduction, sized)
 
 
 def _row_size(x):
-    """Elements per row of axis 0: what every rank of an allgather must agree on (row counts may differ)."""
-    shape = getattr(x, "shape", None)
-    if not shape:
-        return getattr(x, "size", -1)
-    return math.prod(shape[1:])
+    """Elements per row of axis 0 of array ``x``: what every rank of an allgather must agree on."""
+    return math.prod(x.shape[1:]) if x.ndim else 1
+
+
+def _stamp(comm, op):
+    """Return (sequence number, op code) of the collective in progress: the fingerprint that rides on a
+    metadata exchange every rank makes anyway (allgather's shapes, alltoall's splits)."""
+    return _record.sequence(comm), _guard.fingerprint.OP_CODES[op]
+
+
+def _compare_stamps(comm, stamps):
+    """Raise DesyncError on every rank (each sees every row) unless all ranks' stamps agree."""
+    if not (stamps == stamps[0]).all():
+        _guard.fingerprint.compare_stamps(_record.entry_of(comm).name, stamps)
 
 
 def _tracked(token, call, *args):
@@ -83,18 +104,27 @@ def _tracked(token, call, *args):
     try:
         result = call(*args)
     except BaseException:
-        _guard.leave(token)
+        _record.leave(token)
         raise
     if isinstance(result, Handle) and not result._done:
         result._token = token
+        _record.hold(token)
     else:
-        _guard.leave(token)
+        _record.leave(token)
     return result
+
+
+def _type_name(x):
+    kind = type(x)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__.split('.')[0]}.{kind.__qualname__}"
 
 
 def _check_array(fn, x, name="x"):
     if not (isinstance(x, np.ndarray) or _xp.is_device_array(x)):
-        raise TypeError(f"{fn}: {name} must be a numpy or cupy array (got {type(x).__name__})")
+        # Array-likes (torch tensors, ...) are refused rather than copied: results are written in place.
+        hint = ("; pass a numpy view of it, e.g. numpy.asarray(x) (a CPU torch tensor: x.numpy(), which shares "
+                "its memory, so in-place results land in the tensor)") if hasattr(x, "__array__") or hasattr(x, "__dlpack__") else ""
+        raise TypeError(f"{fn}: {name} must be a numpy or cupy array (got {_type_name(x)}){hint}")
     if x.dtype not in _DTYPE_CODE:
         raise TypeError(f"{fn}: unsupported dtype {x.dtype} (supported: {', '.join(map(str, SUPPORTED_DTYPES))})")
 
@@ -227,7 +257,7 @@ class Handle:
         # flight, or it would abort the job when its timeout passes.
         token = getattr(self, "_token", None)
         if token is not None:
-            _guard.leave(token)
+            _record.leave(token)
         requests = getattr(self, "_requests", None)
         # Only real MPI requests read user memory later; SimComm copies at once and its requests
         # keep their own references.
@@ -263,7 +293,7 @@ class Handle:
             raise
         finally:
             if self._token is not None:
-                _guard.leave(self._token)
+                _record.leave(self._token)
                 self._token = None
             self._done = True
             self._keep = ()
@@ -279,15 +309,15 @@ def allreduce(x, comm, op="sum"):
         if entry is not None:
             token = None
             try:
-                if _guard.tracking():
-                    token = _guard.enter(comm, "allreduce", entry[2], x.size, -1, op, _DTYPE_NAMES)
+                if _record.enabled:
+                    token = _record.enter(comm, "allreduce", x, x.nbytes, entry[2], x.size, -1, op)
                 comm.Allreduce(MPI.IN_PLACE, x, op=entry[0])
             except MPI.Exception:
                 check_comm("allreduce", comm)  # COMM_NULL gets an error that says so, not MPI's
                 raise
             finally:
                 if token is not None:
-                    _guard.leave(token)
+                    _record.leave(token)
             if entry[1]:
                 x /= comm.Get_size()
             return x
@@ -341,12 +371,12 @@ def broadcast(x, comm, root=0):
     except MPI.Exception:
         fast = False  # COMM_NULL: the general path refuses it with a clear error
     if fast:
-        token = _guard.enter(comm, "broadcast", _DTYPE_CODE[x.dtype], x.size, root, "", _DTYPE_NAMES) if _guard.tracking() else None
+        token = _record.enter(comm, "broadcast", x, x.nbytes, _DTYPE_CODE[x.dtype], x.size, root, "") if _record.enabled else None
         try:
             comm.Bcast(x, root=root)
         finally:
             if token is not None:
-                _guard.leave(token)
+                _record.leave(token)
         return x
     return _tracked(_begin(comm, "broadcast", x, root=root), _ibroadcast, x, comm, root, True)
 
@@ -377,16 +407,18 @@ def _ibroadcast(x, comm, root, _blocking):
     return Handle([comm.Ibcast(buf, root=root)], finish, keep=(buf,))
 
 
-def _gather_shapes(x, comm):
+def _gather_shapes(x, comm, op):
     """Allgather every rank's leading dim, dtype and trailing shape; raise on every rank if they disagree."""
     shape = x.shape if x.ndim else (1,)
     if len(shape) > _HEADER_LEN - 2:
         raise ValueError(f"allgather: at most {_HEADER_LEN - 2} dims are supported (got shape {x.shape})")
-    header = np.zeros(_HEADER_LEN, dtype=np.int64)
+    header = np.zeros(_HEADER_LEN + 2, dtype=np.int64)  # dtype code, ndim, dims; then the guard's stamp
     header[0], header[1] = _DTYPE_CODE[x.dtype], len(shape)
     header[2: 2 + len(shape)] = shape
-    headers = np.empty((comm.Get_size(), _HEADER_LEN), dtype=np.int64)
+    header[_HEADER_LEN:] = _stamp(comm, op)
+    headers = np.empty((comm.Get_size(), _HEADER_LEN + 2), dtype=np.int64)
     comm.Allgather(header, headers)
+    _compare_stamps(comm, headers[:, _HEADER_LEN:])
     described = [(SUPPORTED_DTYPES[h[0]], tuple(h[3: 2 + h[1]])) for h in headers]
     if len(set(described)) > 1:
         parts = ", ".join(f"rank {r}: {dt} (n, {', '.join(map(str, t))})" for r, (dt, t) in enumerate(described))
@@ -408,7 +440,7 @@ def _device_allgather(gpu, x, comm, out, blocking):
         counts = [x.size] * comm.Get_size()
         result = gpu.allgather(x, comm, counts, out.shape, out=out)
     else:
-        rows, trailing = _gather_shapes(x, comm)
+        rows, trailing = _gather_shapes(x, comm, "allgather" if blocking else "iallgather")
         row_size = math.prod(trailing)
         result = gpu.allgather(x, comm, [r * row_size for r in rows], (sum(rows),) + tuple(trailing))
     return result if blocking else _done(result)
@@ -419,12 +451,12 @@ def allgather(x, comm, out=None):
 
     With ``out`` (shape ``(size * n, ...)``) every rank must pass the same shape; no size exchange is needed.
     """
-    return _tracked(_begin(comm, "allgather", x, count=_row_size(x)), _iallgather, x, comm, out, True)
+    return _tracked(_begin(comm, "allgather", x, rows=True, sized=out is not None), _iallgather, x, comm, out, True)
 
 
 def iallgather(x, comm, out=None):
     """Start an allgather; ``wait()`` returns the concatenated array."""
-    return _tracked(_begin(comm, "iallgather", x, count=_row_size(x)), _iallgather, x, comm, out, False)
+    return _tracked(_begin(comm, "iallgather", x, rows=True, sized=out is not None), _iallgather, x, comm, out, False)
 
 
 def _iallgather(x, comm, out, _blocking):
@@ -447,7 +479,7 @@ def _iallgather(x, comm, out, _blocking):
         request = (comm.Allgather if _blocking else comm.Iallgather)(send, recv)
         result, finish_out = out, (lambda: out_ctx.__exit__(None, None, None))
     else:
-        rows, trailing = _gather_shapes(x, comm)
+        rows, trailing = _gather_shapes(x, comm, "allgather" if _blocking else "iallgather")
         row_size = math.prod(trailing)
         recv = np.empty((sum(rows),) + tuple(trailing), dtype=x.dtype)
         if len(set(rows)) == 1:
@@ -512,7 +544,7 @@ def alltoall(x, comm, splits=None, return_splits=False, out=None):
     comes first, so no rank is left waiting). Any dtype; device arrays go through a host copy.
     ``out``: a C-contiguous numpy array of the arriving shape to receive into (no allocation per call).
     """
-    return _tracked(_begin(comm, "alltoall", x, count=_row_size(x)), _alltoall, x, comm, splits, return_splits, out)
+    return _tracked(_begin(comm, "alltoall", x, rows=True, sized=False), _alltoall, x, comm, splits, return_splits, out)
 
 
 def _alltoall(x, comm, splits, return_splits, out):
@@ -542,15 +574,17 @@ def _alltoall(x, comm, splits, return_splits, out):
         splits = [0] * size
     # One row per rank: [problem?, dtype code, ndim of the trailing shape, trailing dims (padded),
     # rows of out (-1: none), splits]. Every rank sees every row, so every rank reaches the same verdict.
-    meta = np.zeros(2 + _HEADER_LEN + size, dtype=np.int64)
+    meta = np.zeros(4 + _HEADER_LEN + size, dtype=np.int64)  # ..., then the guard's stamp (2 ints)
     meta[0] = problem is not None
     meta[1 + _HEADER_LEN] = -1 if out is None or problem is not None else out.shape[0]
     if problem is None:
         meta[1], meta[2] = _DTYPE_CODE[x.dtype], len(trailing)
         meta[3: 3 + len(trailing)] = trailing
-    meta[2 + _HEADER_LEN:] = [int(n) for n in splits]
+    meta[2 + _HEADER_LEN: 2 + _HEADER_LEN + size] = [int(n) for n in splits]
+    meta[-2:] = _stamp(comm, "alltoall")
     everyone = np.empty((size, meta.size), dtype=np.int64)
     comm.Allgather(meta, everyone)
+    _compare_stamps(comm, everyone[:, -2:])
     if everyone[:, 0].any():
         bad = np.flatnonzero(everyone[:, 0]).tolist()
         raise ValueError(f"alltoall: bad input on rank(s) {bad}" + (f"; here: {problem}" if problem else ""))
@@ -560,7 +594,7 @@ def _alltoall(x, comm, splits, return_splits, out):
         raise ValueError(f"alltoall: ranks disagree on dtype or trailing shape ({parts})")
     out_rows = everyone[:, 1 + _HEADER_LEN]
     if (out_rows >= 0).any():
-        arriving = everyone[:, 2 + _HEADER_LEN:].sum(axis=0)
+        arriving = everyone[:, 2 + _HEADER_LEN: 2 + _HEADER_LEN + size].sum(axis=0)
         wrong = [(r, int(out_rows[r]), int(arriving[r])) for r in range(size) if 0 <= out_rows[r] != arriving[r]]
         if wrong:
             raise ValueError("alltoall: out has the wrong number of rows: " +
@@ -571,7 +605,7 @@ def _alltoall(x, comm, splits, return_splits, out):
     send = _host_copy(_xp.to_numpy(x)).reshape(-1).view(np.uint8)  # bytes: every dtype, float16 included
     if out is None:
         out = np.empty((sum(received),) + trailing, dtype=x.dtype)
-    all_splits = everyone[:, 2 + _HEADER_LEN:]
+    all_splits = everyone[:, 2 + _HEADER_LEN: 2 + _HEADER_LEN + size]
     if (all_splits == all_splits[0, 0]).all():
         # Equal blocks everywhere: MPI_Alltoall, which MPICH runs ~1.8x faster than Alltoallv (64 MiB, 2 ranks).
         comm.Alltoall(send, out.reshape(-1).view(np.uint8))
@@ -592,8 +626,12 @@ def barrier(comm):
 _header_cache = {}  # (dtype, shape) -> the header's bytes: a program sends few distinct shapes, over and over
 
 
-def _header(fn, x):
-    """Return the header of ``x`` (dtype code, ndim, dims; 16 int64) as read-only bytes."""
+def _header(fn, x, stamp=None):
+    """Return the header of ``x`` (dtype code, ndim, dims; 16 int64) as read-only bytes.
+
+    A ``stamp`` (two ints: the pipeline's step and micro-batch) takes the last two words, leaving
+    room for 12 dims; the receiver that expects a stamp compares it before it uses the payload.
+    """
     key = (x.dtype, x.shape)
     header = _header_cache.get(key)
     if header is None:
@@ -606,7 +644,21 @@ def _header(fn, x):
         header.flags.writeable = False
         if len(_header_cache) < 4096:
             _header_cache[key] = header
-    return header
+    if stamp is None:
+        return header
+    if x.ndim > _HEADER_LEN - 4:
+        raise ValueError(f"{fn}: a stamped message has at most {_HEADER_LEN - 4} dims (got shape {x.shape})")
+    words = header.view(np.int64).copy()
+    words[_HEADER_LEN - 2:] = _stamp_words(fn, stamp)
+    return words.view(np.uint8)
+
+
+def _stamp_words(fn, stamp):
+    try:
+        a, b = (int(v) for v in stamp)
+    except (TypeError, ValueError):
+        raise TypeError(f"{fn}: stamp must be a pair of ints (got {stamp!r})") from None
+    return a + 1, b + 1  # stored plus one: a zero word means "not stamped"
 
 
 def _nothing():
@@ -619,22 +671,28 @@ def _check_peer(fn, peer, comm, name):
         raise ValueError(f"{fn}: {name} {peer!r} out of range for a communicator of size {size}")
 
 
-def isend(x, dest, comm, tag=0):
-    """Start sending ``x`` (any shape and supported dtype) to ``dest``; ``wait()`` when the buffer may be reused."""
-    return _tracked(_p2p_begin(comm, "send"), _isend, x, dest, comm, tag)
+def isend(x, dest, comm, tag=0, stamp=None):
+    """Start sending ``x`` (any shape and supported dtype) to ``dest``; ``wait()`` when the buffer may be reused.
+
+    ``stamp``: a pair of non-negative ints the receiver checks (``recv(..., stamp=)``), e.g. (step, micro-batch).
+    """
+    return _tracked(_p2p_begin(comm, "send", x, dest), _isend, x, dest, comm, tag, stamp)
 
 
-def _p2p_begin(comm, op):
+def _p2p_begin(comm, op, x, peer):
     # Point-to-point calls are not matched across all ranks, so they take no fingerprint check;
-    # the watchdog still sees a receive that never completes.
+    # the watchdog still sees a receive that never completes, and the flight recorder records them.
     check_comm(op, comm)
-    return _guard.enter(comm, op, collective=False) if _guard.tracking() else None
+    if not _record.enabled:
+        return None
+    peer = int(peer) if isinstance(peer, (int, np.integer)) and not isinstance(peer, bool) else -1
+    return _record.enter_p2p(comm, op, int(x.nbytes) if _is_array(x) else -1, peer)
 
 
-def _isend(x, dest, comm, tag):
+def _isend(x, dest, comm, tag, stamp=None):
     _check_array("send", x)
     _check_peer("send", dest, comm, "dest")
-    header = _header("send", x)
+    header = _header("send", x, stamp)
     nbytes = x.size * x.dtype.itemsize
     host = isinstance(x, np.ndarray)
     if nbytes == 0 or (host and nbytes <= _INLINE_MAX):
@@ -655,24 +713,26 @@ def _isend(x, dest, comm, tag):
     return Handle(requests, lambda: None, keep=(header, data))
 
 
-def send(x, dest, comm, tag=0):
+def send(x, dest, comm, tag=0, stamp=None):
     """Send ``x`` to ``dest``; the receiver learns dtype and shape from a small header."""
-    isend(x, dest, comm, tag).wait()
+    isend(x, dest, comm, tag, stamp).wait()
 
 
-def irecv(source, comm, tag=0, out=None):
+def irecv(source, comm, tag=0, out=None, stamp=None):
     """Start receiving an array from ``source`` (``MPI.ANY_SOURCE`` allowed); ``wait()`` returns it.
 
     With ``out`` (an array of the sent shape and dtype) the data lands there and ``wait()`` returns
     ``out``: no allocation per message, which matters for large messages received again and again.
     The handle's ``cancel()`` (or dropping it) withdraws the receive; its message stays queued.
     """
-    return _tracked(_p2p_begin(comm, "recv"), _irecv, source, comm, tag, out)
+    return _tracked(_p2p_begin(comm, "recv", out, source), _irecv, source, comm, tag, out, stamp)
 
 
-def _irecv(source, comm, tag, out):
+def _irecv(source, comm, tag, out, stamp=None):
     _check_recv_args(source, comm, out)
-    return _ArrayReceive(comm, source, tag, out)
+    receive = _ArrayReceive(comm, source, tag, out)
+    receive._stamp = stamp
+    return receive
 
 
 def _check_recv_args(source, comm, out):
@@ -701,6 +761,8 @@ class _ArrayReceive(Handle):
     # id(comm) -> weak references to receives started on it and not complete, oldest first. Weak, so
     # that dropping a handle cancels it (and releases its watchdog record) instead of leaking it here.
     _pending = {}
+
+    _stamp = None  # the (step, micro-batch) the sender must have stamped, when the caller expects one
 
     def __init__(self, comm, source, tag, out=None):
         super().__init__([], None)
@@ -795,16 +857,16 @@ class _ArrayReceive(Handle):
         self.outstanding(self._comm, leaving=self)
         self._done, self._error = True, CommError(f"recv from {self._source} (tag {self._tag}) was cancelled")
         if self._token is not None:
-            _guard.leave(self._token)
+            _record.leave(self._token)
             self._token = None
         return True
 
     def _finish(self):  # a method, not a bound method stored on the handle: no reference cycle
         self.outstanding(self._comm, leaving=self)
-        return _unpack(self._comm, self._message, self._probe_status, self._out)
+        return _unpack(self._comm, self._message, self._probe_status, self._out, self._stamp)
 
 
-def _unpack(comm, message, status, out):
+def _unpack(comm, message, status, out, stamp=None):
     """Receive matched ``message`` (header, with the payload inline or next from the same sender and tag)."""
     source, tag = status.Get_source(), status.Get_tag()
     length = status.Get_count(MPI.BYTE)
@@ -818,6 +880,15 @@ def _unpack(comm, message, status, out):
     dtype, shape = SUPPORTED_DTYPES[header[0]], tuple(header[2: 2 + header[1]].tolist())
     if inline is None and 0 in shape:
         inline = buffer = np.empty(0, dtype=np.uint8)  # empty arrays always travel as one message
+    if stamp is not None:
+        got, expected = header[_HEADER_LEN - 2:], _stamp_words("recv", stamp)
+        if tuple(got.tolist()) != expected:
+            if inline is None:  # take the payload off the queue, or the next receive would get it
+                comm.Recv(np.empty(math.prod(shape), dtype=dtype), source, tag)
+            sent = "no stamp" if not got.any() else f"stamp {tuple(int(v) - 1 for v in got)}"
+            raise _guard.DesyncError(f"recv: the message from rank {source} (tag {tag}) carries {sent}, but this "
+                                     f"receive expects stamp {tuple(int(v) for v in stamp)}: sender and receiver are "
+                                     f"at different steps")
     if out is not None and (out.shape != shape or out.dtype != dtype):
         if inline is None:  # take the payload off the queue, or the next receive would get it
             comm.Recv(np.empty(math.prod(shape), dtype=dtype), source, tag)
@@ -841,17 +912,20 @@ def _unpack(comm, message, status, out):
     return out
 
 
-def recv(source, comm, tag=0, out=None):
-    """Receive an array sent with ``send`` from ``source``; return it (``out``, when given: see ``irecv``)."""
+def recv(source, comm, tag=0, out=None, stamp=None):
+    """Receive an array sent with ``send`` from ``source``; return it (``out``, when given: see ``irecv``).
+
+    With ``stamp`` the sender must have sent the same stamp; otherwise DesyncError (payload discarded).
+    """
     if _ArrayReceive.outstanding(comm):
-        return irecv(source, comm, tag, out).wait()
+        return irecv(source, comm, tag, out, stamp).wait()
     # No earlier receive to complete first: match and receive directly, without a handle.
-    token = _p2p_begin(comm, "recv")
+    token = _p2p_begin(comm, "recv", out, source)
     try:
         _check_recv_args(source, comm, out)
         status = MPI.Status()
-        return _unpack(comm, comm.Mprobe(source, tag, status), status, out)
+        return _unpack(comm, comm.Mprobe(source, tag, status), status, out, stamp)
     finally:
         if token is not None:
-            _guard.leave(token)
+            _record.leave(token)
 

@@ -76,6 +76,7 @@ class Optimizer:
         for i, p, group in self._indexed():
             if p.grad is not None:
                 self._update(p, self.state.setdefault(i, {}), group)
+                p.version += 1
 
     def _update(self, p, state, group):
         raise NotImplementedError(f"{type(self).__name__}: _update() is not implemented")

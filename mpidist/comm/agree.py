@@ -9,11 +9,16 @@ on some ranks only ends in one of these two calls, so all ranks leave together w
 - ``agreed(comm, fn, context)``: run ``fn()``; if it raised on any rank, every rank raises an error of
   the first failing rank's type (``fallback`` when that type cannot be rebuilt from a message),
   chained to the local exception where there is one.
+- ``check_same(comm, items, context)``: every rank must pass equal lists (a model's parameter names,
+  shapes and dtypes; a schedule's settings); otherwise every rank raises naming the first difference
+  and which ranks hold which value.
 
 Both cost one small object allgather, so they belong at set-up and on error paths, not in hot loops.
 """
 
-__all__ = ["raise_if_any", "agreed", "describe_ranks"]
+import hashlib
+
+__all__ = ["raise_if_any", "agreed", "check_same", "describe_ranks"]
 
 
 def describe_ranks(problems):
@@ -32,6 +37,8 @@ def _message(context, problems):
 
 def raise_if_any(comm, problem, context, error=ValueError):
     """Raise ``error`` on every rank of ``comm`` if any rank's ``problem`` is set (collective)."""
+    if problem and context and str(problem).startswith(f"{context}: "):
+        problem = str(problem)[len(context) + 2:]  # said once, in front of all ranks' problems
     problems = comm.allgather(str(problem) if problem else None)
     if any(problems):
         raise error(_message(context, problems))
@@ -62,3 +69,28 @@ def agreed(comm, fn, context, fallback=RuntimeError):
         return result
     problems = [report[1] if report else None for report in reports]
     raise _rebuild(failed[0][0], _message(context, problems), fallback) from error
+
+
+def _digest(items):
+    return hashlib.blake2b(repr(list(items)).encode(), digest_size=8).hexdigest()
+
+
+def check_same(comm, items, context, what="item", error=ValueError):
+    """Raise ``error`` on every rank unless every rank of ``comm`` passed an equal ``items`` list (collective).
+
+    Only a digest travels when the ranks agree; on a difference the lists are gathered and the message
+    names the first index where some rank differs from rank 0, with every rank's value there.
+    """
+    items = list(items)
+    digests = comm.allgather(_digest(items))
+    if len(set(digests)) == 1:
+        return
+    everyone = comm.allgather(items)
+    lengths = [len(x) for x in everyone]
+    first = next((i for i in range(max(lengths))
+                  if len({repr(x[i]) if i < len(x) else "<missing>" for x in everyone}) > 1), None)
+    if first is None:  # equal reprs, different digests cannot happen; report the lengths all the same
+        first = min(lengths)
+    values = [repr(x[first]) if first < len(x) else f"<none: only {len(x)} {what}s>" for x in everyone]
+    count = "" if len(set(lengths)) == 1 else f" ({what} counts: {describe_ranks(lengths)})"
+    raise error(f"{context}: ranks disagree at {what} {first}{count}: {describe_ranks(values)}")

@@ -62,6 +62,8 @@ class Parameter:
     def __init__(self, data):
         self.data = data
         self.grad = None
+        # How many times an optimizer updated ``data``: ranks that must agree on the step compare it.
+        self.version = 0
         self._grad_ready_hooks = {}
 
     @property

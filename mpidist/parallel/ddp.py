@@ -20,6 +20,7 @@ from .. import collectives
 from ..comm import check_comm
 from ..nn.utils import clip_grad_norm_
 from ..xp import get_array_module
+from .agreement import StepStamp, check_same_structure
 
 __all__ = ["DDP", "GradientBucket"]
 
@@ -91,6 +92,9 @@ class DDP:
         named = list(module.named_parameters())
         if not named:
             raise ValueError(f"DDP: module {type(module).__name__} has no parameters")
+        # Before the first broadcast: different models would fail there with MPI's size error, or worse.
+        check_same_structure(comm, named, "DDP")
+        self._stamp = StepStamp(comm, "DDP")
         self._broadcast_state([p.data for _, p in named])
         if broadcast_buffers:
             self._broadcast_state([b for _, b in module.named_buffers()])
@@ -146,13 +150,17 @@ class DDP:
             buffers = [b for _, b in self.module.named_buffers()]
             if buffers:
                 self._broadcast_state(buffers)
+        self._stamp.count_forward(self.module.saves_for_backward())
         return self.module.forward(x, mb)
 
     def backward(self, grad_out, mb=0):
         """Backpropagate; on return every gradient is averaged over ranks (outside ``no_sync``)."""
+        self._stamp.count_backward(self._sync_enabled)
         if self._sync_enabled:
             for bucket in self.buckets:
                 bucket.reattach()
+            if self._join is None:  # joined ranks mirror only the buckets' collectives
+                self._stamp.start(self.module.parameters())
         start = time.perf_counter()
         grad_in = self.module.backward(grad_out, mb)
         computed = time.perf_counter()
@@ -249,6 +257,7 @@ class DDP:
             bucket.ready.clear()
         self._next_launch = 0
         self.stats["steps"] += 1
+        self._stamp.finish(f"gradient synchronization #{self.stats['steps']}")
         if self.unused_parameters == "error":
             self._check_unused(unused)
         if self.check_finite:
@@ -283,6 +292,8 @@ class DDP:
             bucket.reattach()
             bucket.ready.update(id(p) for p in bucket.params)
         self._next_launch = 0
+        if self._join is None:
+            self._stamp.start(self.module.parameters())
         self._finish_sync()
 
     @contextlib.contextmanager
@@ -311,6 +322,8 @@ class DDP:
         try:
             yield
             self._join.shadow(self, optimizer)
+            # Ranks ran different numbers of steps inside the block, by design: count afresh from here.
+            self._stamp.rebase(self.module.parameters())
         finally:
             self._join = None
 

@@ -32,6 +32,7 @@ from ..comm import check_comm
 from ..nn.module import Module, Parameter, Sequential
 from ..nn.utils import clip_grad_norm_
 from ..xp import asarray_like, copy_into, get_array_module
+from .agreement import StepStamp, check_same_structure
 
 __all__ = ["FSDP", "ShardingStrategy", "FSDPSettings", "UnitInfo"]
 
@@ -177,6 +178,10 @@ class FSDP:
         # reduce-scatters (blocking). What prefetching did not hide.
         self.stats = {"comm_wait_s": 0.0}
 
+        # Before the first broadcast: different models would fail there with MPI's size error, or worse.
+        check_same_structure(comm, module.named_parameters(), "FSDP")
+        self._stamp = StepStamp(comm, "FSDP")
+        self._syncs = 0
         groups = _resolve_units(module, units)
         self._units = self._build_units(module, groups, num_shards)
         self._param_units = [u for u in self._units if u.params]
@@ -270,12 +275,23 @@ class FSDP:
         """Run the wrapped module's forward, gathering each unit just before it runs."""
         if self.module.num_inflight() == 0:
             self._transient.reset_peak()  # a new step begins: the peak covers this forward and backward
+        training = self.module.saves_for_backward()
+        self._stamp.count_forward(training)
+        if training:  # waited for before the first all-gather: a mismatched one must never start
+            self._stamp.start(self.parameters())
+            self._stamp.finish(f"training forward #{self._stamp.forwards}")
         y = self.module(x, mb=mb)
         self._settle()
         return y
 
     def backward(self, grad_out, mb=0):
         """Backpropagate; each unit's gradient is reduce-scattered (mean) into its shard's grad as it finishes."""
+        self._stamp.count_backward(self._sync)
+        self._stamp.start(self.parameters())  # waited for before the first all-gather or reduce-scatter
+        self._stamp.finish(f"gradient synchronization #{self._syncs + 1}" if self._sync else
+                           f"backward #{self._stamp.backwards} (under no_sync)")
+        if self._sync:
+            self._syncs += 1
         grad_in = self.module.backward(grad_out, mb=mb)
         self._settle()
         if self.check_finite and self._sync:
@@ -508,6 +524,9 @@ class FSDP:
 
     def sync_gradients(self):
         """Reduce every gradient accumulated under ``no_sync`` into the shard grads now (blocking)."""
+        self._syncs += 1
+        self._stamp.start(self.parameters())
+        self._stamp.finish(f"gradient synchronization #{self._syncs}")
         for u in self._param_units:
             if u.pending_reduce:
                 self._reduce_grad(u)

@@ -18,6 +18,7 @@ message can only match the receive it was meant for.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple, Union
@@ -25,8 +26,10 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from mpidist import collectives
-from mpidist.partition import split_sizes
 from mpidist.comm import check_comm
+from mpidist.comm.agree import check_same, raise_if_any
+from mpidist.guard import DesyncError
+from mpidist.partition import split_sizes
 from mpidist.nn.module import Sequential
 from mpidist.nn.utils import clip_grad_norm_
 from mpidist.xp import asarray_like, is_device_array
@@ -89,7 +92,10 @@ class Pipeline:
         self.m = num_microbatches
         error = self._check_arguments(schedule)
         # Agree before anything else: a rank that raised alone would leave the others blocked in a receive.
-        _raise_if_any(comm, error, "Pipeline")
+        raise_if_any(comm, error, "Pipeline")
+        # Ranks with different settings would exchange messages meant for other micro-batches or stages.
+        check_same(comm, self._settings(schedule, dp_comm), "Pipeline: ranks were built with different settings",
+                   what="setting")
         self.schedule = self._resolve(schedule)
         self.v = self.schedule.v
         self.num_stages = self.schedule.num_stages
@@ -105,6 +111,7 @@ class Pipeline:
                                   f"({exc})") from exc
             self._ddp = [DDP(s, dp_comm) for s in self.stages]
         self.stats: Optional[StepStats] = None
+        self._step_number = 0  # steps started; every boundary message is stamped (step, micro-batch)
 
     # -- construction ------------------------------------------------------------------------------------------
 
@@ -132,6 +139,14 @@ class Pipeline:
             return f"Pipeline: rank {self.rank} holds the last stage ({p * v - 1}) and needs loss_fn (got None)"
         return None
 
+    def _settings(self, schedule, dp_comm):
+        """What every pipeline rank must agree on: schedule, micro-batches, stages, data-parallel replicas."""
+        if isinstance(schedule, Schedule):
+            actions = hashlib.blake2b(repr(schedule.actions).encode(), digest_size=6).hexdigest()
+            schedule = f"Schedule {schedule.name!r} (p={schedule.p}, m={schedule.m}, v={schedule.v}, actions {actions})"
+        return [("schedule", schedule), ("num_microbatches", self.m), ("stage modules per rank", len(self.stages)),
+                ("data-parallel replicas", 1 if dp_comm is None else dp_comm.Get_size())]
+
     def _resolve(self, schedule) -> Schedule:
         p, m, v = self.p, self.m, len(self.stages)
         if not isinstance(schedule, Schedule):
@@ -154,7 +169,8 @@ class Pipeline:
         """
         t_start = time.perf_counter()
         x_mbs, y_mbs, error = self._split_batch(inputs, targets)
-        _raise_if_any(self.comm, error, "Pipeline.step")
+        raise_if_any(self.comm, error, "Pipeline.step")
+        self._step_number += 1
         self._compute = self._idle = 0.0
         self._peak = self._peak_w = 0
         self._sends: List[collectives.Handle] = []
@@ -216,13 +232,13 @@ class Pipeline:
     def _run(self, a: Action) -> None:
         kind, s, k = a.kind, a.stage, a.mb
         if kind is Kind.RECV_F:
-            self._inbox[("F", s, k)] = self._recv(s - 1, _tag(0, s, k, self.num_stages))
+            self._inbox[("F", s, k)] = self._recv(s - 1, _tag(0, s, k, self.num_stages), k)
         elif kind is Kind.RECV_B:
-            self._inbox[("B", s, k)] = self._recv(s + 1, _tag(1, s, k, self.num_stages))
+            self._inbox[("B", s, k)] = self._recv(s + 1, _tag(1, s, k, self.num_stages), k)
         elif kind is Kind.SEND_F:
-            self._send(self._inbox.pop(("F", s + 1, k)), s + 1, _tag(0, s + 1, k, self.num_stages))
+            self._send(self._inbox.pop(("F", s + 1, k)), s + 1, _tag(0, s + 1, k, self.num_stages), k)
         elif kind is Kind.SEND_B:
-            self._send(self._inbox.pop(("B", s - 1, k)), s - 1, _tag(1, s - 1, k, self.num_stages))
+            self._send(self._inbox.pop(("B", s - 1, k)), s - 1, _tag(1, s - 1, k, self.num_stages), k)
         else:
             t0 = time.perf_counter()
             {Kind.F: self._forward, Kind.B: self._backward, Kind.W: self._weight}[kind](s, k)
@@ -310,14 +326,21 @@ class Pipeline:
             stack.enter_context(ddp.no_sync())
         return stack
 
-    def _recv(self, stage: int, tag: int):
+    def _recv(self, stage: int, tag: int, mb: int):
         t0 = time.perf_counter()
-        x = collectives.recv(self.schedule.rank_of(stage), self.comm, tag=tag)
+        try:
+            x = collectives.recv(self.schedule.rank_of(stage), self.comm, tag=tag, stamp=(self._step_number, mb))
+        except DesyncError as exc:
+            raise DesyncError(f"Pipeline.step {self._step_number}: rank {self.rank} expected micro-batch {mb} of this "
+                              f"step from rank {self.schedule.rank_of(stage)} (stage {stage}), but the ranks are at "
+                              f"different steps (a rank skipped or repeated step(), or continued after an error "
+                              f"inside one): {exc}") from None
         self._idle += time.perf_counter() - t0
         return self._to_stage_device(x)
 
-    def _send(self, x, stage: int, tag: int) -> None:
-        self._sends.append(collectives.isend(x, self.schedule.rank_of(stage), self.comm, tag=tag))
+    def _send(self, x, stage: int, tag: int, mb: int) -> None:
+        self._sends.append(collectives.isend(x, self.schedule.rank_of(stage), self.comm, tag=tag,
+                                             stamp=(self._step_number, mb)))
 
     def _to_stage_device(self, x):
         """Move a received host array to where this rank's parameters live (a no-op for numpy stages)."""
@@ -357,15 +380,3 @@ def _capture_param_grads(module, captured: list):
                 del p.accumulate_grad
             else:
                 p.accumulate_grad = original
-
-
-def _raise_if_any(comm, error: Optional[str], where: str) -> None:
-    """Raise ValueError on every rank if any rank has an error (its own message where it happened)."""
-    size = comm.Get_size()
-    flags = collectives.allgather(np.array([error is not None], dtype=np.int64), comm,
-                                  out=np.empty(size, dtype=np.int64))
-    if error is not None:
-        raise ValueError(error)
-    if flags.any():
-        bad = [r for r in range(size) if flags[r]]
-        raise ValueError(f"{where}: rank(s) {bad} rejected their arguments (their errors name the problem)")
