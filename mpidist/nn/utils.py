@@ -12,6 +12,7 @@ import numbers
 
 import numpy as np
 
+from mpidist.comm.agree import raise_if_any
 from mpidist.nn.module import Parameter
 from mpidist.xp import get_array_module
 
@@ -31,12 +32,9 @@ def _grads(fn, parameters, comm):
     bad = [(i, g.dtype) for i, g in enumerate(grads) if g.dtype.kind not in "fc"]
     problem = f"gradient {bad[0][0]} is {bad[0][1]}" if bad else None
     if comm is not None:
-        from mpidist import collectives
-        flags = collectives.allgather(np.array([problem is not None]), comm)
-        if flags.any() and problem is None:
-            problem = f"on rank(s) {np.flatnonzero(flags).tolist()}"
-    if problem is not None:
-        raise TypeError(f"{fn}: gradients must be floating point ({problem})")
+        raise_if_any(comm, problem, f"{fn}: gradients must be floating point", TypeError)
+    elif problem is not None:
+        raise TypeError(f"{fn}: gradients must be floating point: {problem}")
     return grads
 
 

@@ -32,6 +32,7 @@ from ..comm import check_comm
 from ..nn.module import Module, Parameter, Sequential
 from ..nn.utils import clip_grad_norm_
 from ..xp import asarray_like, copy_into, get_array_module
+from ..comm.agree import raise_if_any
 from .agreement import StepStamp, check_same_structure
 
 __all__ = ["FSDP", "ShardingStrategy", "FSDPSettings", "UnitInfo"]
@@ -627,14 +628,8 @@ class FSDP:
         return None
 
     def _agree_on_error(self, message):
-        """Raise ValueError on every rank if rank 0 found ``message`` (so no rank waits in a collective)."""
-        encoded = (message or "").encode()
-        length = np.array([len(encoded)], dtype=np.int64)
-        collectives.broadcast(length, self.comm)
-        if length[0]:
-            buf = np.frombuffer(encoded, dtype=np.uint8).copy() if message else np.empty(int(length[0]), np.uint8)
-            collectives.broadcast(buf, self.comm)
-            raise ValueError(bytes(buf).decode() + ("" if message else " (reported by rank 0)"))
+        """Raise ValueError on every rank if any rank (in practice rank 0, which validates) found ``message``."""
+        raise_if_any(self.comm, message, "")
 
     def sharded_state_dict(self):
         """Return this rank's shards, no communication: ``{unit label: {"shard", "params", "numel", "num_shards", "rank"}}``."""
