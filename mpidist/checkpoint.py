@@ -34,6 +34,7 @@ import zlib
 
 import numpy as np
 
+from . import guard
 from .comm import check_comm
 from .comm.agree import agreed
 from .xp import copy_into, to_numpy
@@ -342,6 +343,7 @@ def _write_rank_file(path, pieces):
     return {"bytes": nbytes, "crc32": crc}, records
 
 
+@guard.phase("checkpoint")  # its own time limit: writing a large checkpoint takes long
 def save(root, state, comm, step, keep_last=3):
     """Write ``state`` as checkpoint ``step`` under ``root``; every rank writes its own file.
 
@@ -553,6 +555,7 @@ def _print_now(line):
     print(line, flush=True)
 
 
+@guard.phase("checkpoint")
 def load(root, state, comm, step=None, verify=True, log=_print_now):
     """Load checkpoint ``step`` (default: the newest) from ``root`` into ``state``; return the step, or None if there is none.
 

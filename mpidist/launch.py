@@ -131,6 +131,7 @@ def install_abort_on_error(comm, backstop=10.0):
                 sys.stderr.write(f"{prefix}mpidist: uncaught exception, aborting all {comm.Get_size()} ranks\n")
             sys.stderr.flush()
             sys.stdout.flush()
+            guard.dump_flight_record(f"abort: {getattr(exc_type, '__name__', exc_type)}: {exc}")
             guard.wait_until_pipes_drained((1, 2))
         finally:
             # Whatever went wrong while reporting (a closed stderr, say), the job must still end: a rank
@@ -168,16 +169,18 @@ def select_device(local, local_rank):
     return device
 
 
-def init(comm=None, *, abort_on_error=True, watchdog_timeout=None):
+def init(comm=None, *, abort_on_error=True, collective_timeout=None, checkpoint_timeout=None, watchdog_timeout=None):
     """Return ``(comm, info)``: the world communicator and where this process runs.
 
     Under mpiexec/srun ``comm`` is ``MPI.COMM_WORLD``; started plainly it is a world of one.
     With cupy and a GPU, selects GPU ``local_rank % visible GPUs`` (``info.device``) and warns when
     ranks of a node share a GPU.
     Raises ``LaunchError`` when the launcher started several processes but MPI sees only one.
-    Starts the collective watchdog (``mpidist.guard``): a collective stuck longer than
-    ``watchdog_timeout`` seconds (default ``MPIDIST_WATCHDOG_TIMEOUT`` or 900; 0 turns it off) is
-    reported with the ranks that did and did not arrive, and the job is aborted.
+    Starts the watchdog (``mpidist.guard``): a collective stuck longer than ``collective_timeout``
+    seconds (default ``MPIDIST_COLLECTIVE_TIMEOUT`` or 300; 0: no limit; ``watchdog_timeout`` is its
+    former name), or a checkpoint save/load longer than ``checkpoint_timeout`` (default
+    ``MPIDIST_CHECKPOINT_TIMEOUT`` or 1800), is reported with the ranks that did and did not arrive,
+    every rank writes its flight record, and the job is aborted.
     """
     from mpi4py import MPI
 
@@ -197,6 +200,8 @@ def init(comm=None, *, abort_on_error=True, watchdog_timeout=None):
     info = LaunchInfo(rank, size, local_rank, local_size, nodes, detect_launcher(), library, version, device)
     if abort_on_error and size > 1 and isinstance(comm, MPI.Comm):
         install_abort_on_error(comm)
+    guard.configure(collective_timeout=watchdog_timeout if collective_timeout is None else collective_timeout,
+                    checkpoint_timeout=checkpoint_timeout)
     if size > 1 and isinstance(comm, MPI.Comm):
-        guard.start_watchdog(comm, watchdog_timeout)
+        guard.start_watchdog(comm)
     return comm, info

@@ -168,7 +168,7 @@ def test_a_handle_dropped_without_wait_is_not_reported_as_in_flight(comm, desync
     import gc
 
     def mine():  # simulated ranks share one process, and so the guard's records
-        return [op for c, op, _, _ in list(guard._in_flight.values()) if c is comm]
+        return [op for _, op, _, _ in guard.in_flight(comm)]
 
     x = np.ones(8)
     handle = mpidist.iallreduce(x, comm)

@@ -1,0 +1,285 @@
+"""The watchdog: time limits per phase, reports of who arrived and who did not, and straddle verdicts.
+
+Glossary:
+- limit: how long a collective (or receive) may stay in flight: ``collective_timeout``, or inside a
+  phase that phase's limit. A phase is itself watched: one that lasts longer than its limit (a
+  checkpoint write stuck on a file system, with no collective in flight) is reported too.
+- phase: a named stretch of the program with its own limit (``guard.phases``).
+- query: one watchdog asks others what they are doing (optionally after writing their flight record,
+  or printing a verdict); each answers with a one-line status and the records it has in flight.
+- verdict: see ``fingerprint``. The watchdog that finds one hands it to its waiting check (which
+  raises ``DesyncError``) after the ranks that went ahead have printed it.
+
+The watchdog is a daemon thread per process (it needs MPI_THREAD_MULTIPLE), talking over a private
+duplicate of the world communicator, polling every 0.2 s: nothing on the collectives' hot path.
+"""
+
+import atexit
+import fcntl
+import os
+import stat
+import struct
+import sys
+import termios
+import threading
+import time
+
+from mpi4py import MPI
+
+from . import fingerprint, flight, record as _record
+from .phases import active_phases, phases_now
+
+__all__ = ["Watchdog", "start_watchdog", "stop_watchdog", "running", "status_line", "wait_until_pipes_drained"]
+
+_QUERY, _REPLY = 31001, 31002
+_settings = None  # the package's current Settings (set by configure)
+
+
+def use_settings(settings):
+    global _settings
+    _settings = settings
+
+
+def status_line(rank):
+    """Return what this rank is doing, in one line ('rank 2: in allreduce #3 on MPI_COMM_WORLD for 2.1 s')."""
+    now = time.monotonic()
+    pending = _record.in_flight()
+    phases = active_phases()
+    where = f" (in phase {phases[-1][0]} for {phases[-1][1]:.1f} s)" if phases else ""
+    if not pending:
+        return f"rank {rank}: not in an mpidist collective{where}"
+    r = pending[0]
+    seq = r[_record.SEQ]
+    check = " (desync check)" if r[_record.STATE] == _record.CHECKING else ""
+    return (f"rank {rank}: in {r[_record.OP]}{'' if seq < 0 else f' #{seq}'}{check} on {r[_record.COMM].name} "
+            f"for {now - r[_record.START]:.1f} s{where}")
+
+
+# -- the watchdog thread -------------------------------------------------------------------------------
+class Watchdog:
+    """Abort the job when a call or phase stays in flight longer than its limit; resolve straddles."""
+
+    def __init__(self, world, timeout=None, poll=0.2, reply_wait=5.0, abort=None, stream=None):
+        self.world = world.Dup()  # a private message space: never matches the application's messages
+        self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
+        self.timeout = timeout  # the collective limit; None: the settings' (which configure may change)
+        self.poll, self.reply_wait = poll, reply_wait
+        self.abort = abort or (lambda: (wait_until_pipes_drained((1, 2)), world.Abort(1)))
+        self.stream = stream or sys.stderr
+        # Communicator members are world ranks (MPI.COMM_WORLD); this watchdog talks over ``world``'s ranks.
+        mine, everyone = self.world.Get_group(), MPI.COMM_WORLD.Get_group()
+        ranks = MPI.Group.Translate_ranks(everyone, list(range(everyone.Get_size())), mine)
+        self._to_local = {w: int(r) for w, r in enumerate(ranks) if r != MPI.UNDEFINED}
+        mine.Free()
+        everyone.Free()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mpidist-watchdog", daemon=True)
+        self._round = 0
+        self._checked = {}  # id(record) -> when the last query about its straddle was made
+        self._requests = []  # (reason, done event) of flight dumps this process asked every rank for
+        self.fired = None
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def limit(self):
+        """Return the limit of a call in flight now (seconds; 0: none)."""
+        phases = phases_now()
+        if phases:
+            return phases[-1][2]
+        return _settings.collective_timeout if self.timeout is None else self.timeout
+
+    # -- answering others -------------------------------------------------------------------------
+    def _summary(self):
+        return {"text": status_line(self.rank), "calls": [_record.summary(r) for r in _record.in_flight()]}
+
+    def _serve(self):
+        """Answer queued queries (never blocks)."""
+        while self.world.iprobe(source=MPI.ANY_SOURCE, tag=_QUERY):
+            asker, round_id, dump_reason, verdict = self.world.recv(source=MPI.ANY_SOURCE, tag=_QUERY)
+            if verdict:
+                prefix = f"[rank {self.rank}] mpidist: "
+                self.stream.write(f"{prefix}DesyncError: {verdict}\n{prefix}this rank is blocked inside MPI and cannot "
+                                  f"raise it; rank {asker} raises it, and the job ends when that error aborts it (or "
+                                  f"at the collective timeout)\n")
+                self.stream.flush()
+                wait_until_pipes_drained((2,))  # the abort that follows must not swallow it
+            if dump_reason:
+                flight.dump(dump_reason)
+            self.world.send((round_id, self.rank, self._summary()), dest=asker, tag=_REPLY)
+
+    def _ask(self, ranks, dump_reason=None, wait=None, verdict=None):
+        """Query ``ranks`` (who first write their flight record / print ``verdict``, when given);
+        return {rank: summary} of those that answered within ``wait`` seconds."""
+        self._round += 1
+        for r in ranks:
+            self.world.send((self.rank, self._round, dump_reason, verdict), dest=r, tag=_QUERY)  # small: eager
+        replies = {}
+        deadline = time.monotonic() + (self.reply_wait if wait is None else wait)
+        while len(replies) < len(ranks) and time.monotonic() < deadline:
+            self._serve()  # a rank asking this one at the same time waits for an answer too
+            if self.world.iprobe(source=MPI.ANY_SOURCE, tag=_REPLY):
+                round_id, r, summary = self.world.recv(source=MPI.ANY_SOURCE, tag=_REPLY)
+                if round_id == self._round:
+                    replies[r] = summary
+            else:
+                time.sleep(0.002)
+        return replies
+
+    def request_dump(self, reason, wait):
+        """Ask every rank (from another thread) to write its flight record; wait up to ``wait`` seconds."""
+        done = threading.Event()
+        self._requests.append((reason, done))
+        return done.wait(wait)
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def _run(self):
+        try:
+            while not self._stop.wait(self.poll):
+                self._serve()
+                while self._requests:
+                    reason, done = self._requests.pop(0)
+                    self._ask([r for r in range(self.size) if r != self.rank], reason, wait=min(self.reply_wait, 3.0))
+                    done.set()
+                if self.fired is None:
+                    self._watch()
+        finally:
+            self.world.Free()
+
+    def _watch(self):
+        now = time.monotonic()
+        pending = _record.in_flight()
+        self._resolve_straddles(pending, now)
+        limit = self.limit()
+        stagger = min(0.3 * self.rank, 5.0)  # when several ranks are stuck, one report comes first
+        if limit:
+            stuck = [r for r in pending if now - r[_record.START] > limit + stagger]
+            if stuck:
+                self._fire(stuck[0], limit)
+                return
+        for name, age, phase_limit in active_phases():
+            if phase_limit and age > phase_limit + stagger:
+                self._fire((name, age), phase_limit)
+                return
+
+    def _resolve_straddles(self, pending, now):
+        grace = _settings.desync_grace
+        waiting = [r for r in pending if r[_record.STATE] == _record.CHECKING and now - r[_record.START] > grace]
+        self._checked = {k: t for k, t in self._checked.items() if any(id(r) == k for r in waiting)}
+        for rec in waiting:
+            entry = rec[_record.COMM]
+            if entry.members is None or now - self._checked.get(id(rec), 0.0) < grace:
+                continue
+            self._checked[id(rec)] = now
+            members = [self._to_local[m] for m in entry.members if m in self._to_local]
+            members = [m for m in members if m != self.rank]
+            replies = self._ask(members, wait=min(self.reply_wait, 2.0))
+            mine = _record.summary(rec)
+            verdict = fingerprint.mediate(self.rank, mine, {r: s["calls"] for r, s in replies.items()},
+                                          _settings.check_bytes)
+            if verdict is None or rec[_record.END] is not None:
+                continue
+            # The ranks that went ahead print it first (they cannot raise); then this rank's check raises it.
+            ahead = [r for r, s in replies.items() if any(c["comm"] == mine["comm"] and not c["checking"] for c in s["calls"])]
+            self._ask(ahead, verdict=verdict, wait=min(self.reply_wait, 3.0))
+            fingerprint.verdicts[id(rec)] = verdict
+
+    def _fire(self, what, limit):
+        self.fired = what
+        if isinstance(what, tuple):  # a phase
+            name, age = what
+            headline = (f"mpidist watchdog: phase {name} did not complete within {limit:g} s "
+                        f"(rank {self.rank} has been in it {age:.1f} s)")
+            seq, key = -1, None
+        else:
+            seq, key = what[_record.SEQ], what[_record.COMM].key
+            age = time.monotonic() - what[_record.START]
+            label = f"{what[_record.OP]}{'' if seq < 0 else f' #{seq}'} on {what[_record.COMM].name}"
+            headline = f"mpidist watchdog: {label} did not complete within {limit:g} s (rank {self.rank} waited {age:.1f} s)"
+        reason = headline.replace("mpidist watchdog: ", "watchdog: ")
+        path = flight.dump(reason)
+        replies = self._ask([r for r in range(self.size) if r != self.rank], dump_reason=reason)
+        lines = [headline]
+        if seq >= 0:
+            arrived = [self.rank] + [r for r, s in replies.items()
+                                     if any(c["comm"] == key and c["seq"] == seq for c in s["calls"])]
+            lines += [f"  ranks that arrived: {sorted(arrived)}",
+                      f"  ranks that did not: {sorted(r for r in range(self.size) if r not in arrived)}"]
+        lines += [f"  {replies[r]['text']}" for r in sorted(replies)]
+        silent = [r for r in range(self.size) if r != self.rank and r not in replies]
+        if silent:
+            lines.append(f"  no answer from ranks {silent} (busy outside MPI, or dead)")
+        lines.append("  if this wait is legitimate, raise the limit: mpidist.init(collective_timeout=...) or "
+                     "MPIDIST_COLLECTIVE_TIMEOUT, or wrap the slow part in guard.phase(name, timeout)")
+        if path:
+            directory = os.path.dirname(path)
+            lines.append(f"  flight records: {directory}/rank*.json (python -m mpidist flight {directory})")
+        lines.append("  aborting the job")
+        self.stream.write("\n".join(lines) + "\n")
+        self.stream.flush()
+        self.abort()
+
+
+def wait_until_pipes_drained(fds, timeout=2.0):
+    """Wait until whoever reads these pipes (the launcher's stdio forwarder) has read everything written.
+
+    MPI_Abort makes the launcher kill every process, its own stdio forwarder included; bytes still sitting
+    in the pipe at that moment are lost, and with them the traceback that says why the job died (seen with
+    the MPICH wheel's Hydra about once in 50 runs). Files and terminals need no wait; the timeout bounds
+    the wait if nobody reads.
+    """
+    deadline = time.monotonic() + timeout
+    for fd in fds:
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                continue
+            while time.monotonic() < deadline:
+                unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+                if unread == 0:
+                    break
+                time.sleep(0.005)
+        except OSError:
+            continue  # closed or not queryable: nothing we can wait for
+
+
+_watchdog = None
+
+
+def running():
+    """Return this process's watchdog, or None."""
+    return _watchdog
+
+
+def start_watchdog(world, timeout=None, **kwargs):
+    """Start this process's watchdog over ``world`` (collective). Returns it, or None when it cannot run.
+
+    ``timeout``: the collective limit (default: the settings'). Also agrees on a job id for flight
+    records and installs the SIGUSR2 flight dump.
+    """
+    global _watchdog
+    if _watchdog is not None:
+        return _watchdog
+    if isinstance(world, MPI.Comm) and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        # The watchdog thread talks MPI while the main thread may be blocked in MPI.
+        sys.stderr.write("mpidist: watchdog disabled: MPI was not initialized with MPI_THREAD_MULTIPLE\n")
+        return None
+    flight.set_job(world.bcast(flight.new_job_id() if world.Get_rank() == 0 else None, root=0))
+    flight.install_signal()
+    _watchdog = Watchdog(world, timeout, **kwargs).start()
+    fingerprint.mediated = True
+    atexit.register(stop_watchdog)  # runs before mpi4py's MPI_Finalize (registered earlier, runs later)
+    return _watchdog
+
+
+def stop_watchdog():
+    """Stop the watchdog thread, if any."""
+    global _watchdog
+    if _watchdog is not None:
+        fingerprint.mediated = False
+        _watchdog.stop()
+        _watchdog = None
