@@ -35,14 +35,24 @@ def mlp(widths, seed=0):
     return nn.Sequential(*layers)
 
 
+class _NoStepStamp:
+    """Stands in for DDP's step stamp (mpidist.parallel.agreement) to measure what the check costs."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
 class Runner:
-    """One training setup in one of three modes: local, ddp, per_tensor."""
+    """One training setup in one mode: local, ddp (and variants), ddp_unchecked, per_tensor."""
 
     def __init__(self, mode, widths, comm, batch):
         self.mode, self.comm = mode, comm
         module = mlp(widths)
-        ddp_options = {"ddp": {}, "ddp_no_overlap": {"overlap": False}, "ddp_4mb": {"bucket_cap_mb": 4}}
+        ddp_options = {"ddp": {}, "ddp_no_overlap": {"overlap": False}, "ddp_4mb": {"bucket_cap_mb": 4},
+                       "ddp_unchecked": {}}
         self.model = mpidist.DDP(module, comm, **ddp_options[mode]) if mode in ddp_options else module
+        if mode == "ddp_unchecked":
+            self.model._stamp = _NoStepStamp()  # the step-agreement check off: its cost is ddp - ddp_unchecked
         self.params = list(module.parameters())
         self.opt = optim.SGD(self.params, lr=1e-3)
         self.crit = nn.CrossEntropyLoss()
@@ -96,10 +106,12 @@ def main(argv=None):
     rank, size = comm.Get_rank(), comm.Get_size()
 
     wide = [784, 1024, 1024, 10]
-    big = measure({m: Runner(m, wide, comm, 64) for m in ("local", "ddp", "ddp_no_overlap", "ddp_4mb", "per_tensor")},
+    big = measure({m: Runner(m, wide, comm, 64) for m in ("local", "ddp", "ddp_unchecked", "ddp_no_overlap", "ddp_4mb",
+                                                             "per_tensor")},
                   comm, args.steps)
     narrow_widths = [32] * 121
-    narrow = measure({m: Runner(m, narrow_widths, comm, 64) for m in ("ddp", "per_tensor")}, comm, args.steps)
+    narrow = measure({m: Runner(m, narrow_widths, comm, 64) for m in ("ddp", "ddp_unchecked", "per_tensor")},
+                     comm, args.steps)
 
     result = {
         "ranks": size, "params": sum(p.data.size for p in mlp(wide).parameters()),
@@ -109,7 +121,12 @@ def main(argv=None):
         "ddp_4mb_ms": big["ddp_4mb"][0], "ddp_4mb_sync_ms": big["ddp_4mb"][1],
         "narrow_tensors": 2 * (len(narrow_widths) - 1),
         "narrow_ddp_sync_ms": narrow["ddp"][1], "narrow_per_tensor_sync_ms": narrow["per_tensor"][1],
+        "ddp_unchecked_ms": big["ddp_unchecked"][0], "narrow_ddp_ms": narrow["ddp"][0],
+        "narrow_ddp_unchecked_ms": narrow["ddp_unchecked"][0],
     }
+    # The rank-agreement step check (issue 11): target under 2% of a DDP step.
+    result["step_check_cost"] = result["ddp_ms"] / result["ddp_unchecked_ms"] - 1
+    result["narrow_step_check_cost"] = result["narrow_ddp_ms"] / result["narrow_ddp_unchecked_ms"] - 1
     result["ddp_over_local"] = result["ddp_ms"] / result["local_ms"]
     result["narrow_sync_ratio"] = result["narrow_per_tensor_sync_ms"] / max(result["narrow_ddp_sync_ms"], 1e-9)
     if rank == 0:
@@ -117,6 +134,7 @@ def main(argv=None):
         print(f"{'mode':<28}{'step ms':>10}{'exposed sync ms':>18}")
         print(f"{'local (no communication)':<28}{result['local_ms']:>10.2f}{0:>18.2f}")
         print(f"{'DDP bucketed + overlapped':<28}{result['ddp_ms']:>10.2f}{result['ddp_sync_ms']:>18.2f}")
+        print(f"{'DDP without step check':<28}{result['ddp_unchecked_ms']:>10.2f}{big['ddp_unchecked'][1]:>18.2f}")
         print(f"{'DDP, overlap=False':<28}{result['ddp_no_overlap_ms']:>10.2f}{result['ddp_no_overlap_sync_ms']:>18.2f}")
         print(f"{'DDP, 4 MB buckets':<28}{result['ddp_4mb_ms']:>10.2f}{result['ddp_4mb_sync_ms']:>18.2f}")
         print(f"{'per-tensor blocking':<28}{result['per_tensor_ms']:>10.2f}{result['per_tensor_sync_ms']:>18.2f}")
@@ -126,6 +144,9 @@ def main(argv=None):
               f"({'met' if result['ddp_over_local'] <= 1.25 else 'MISSED'}); "
               f"narrow per-tensor >= 2x DDP -> {result['narrow_sync_ratio']:.1f}x "
               f"({'met' if result['narrow_sync_ratio'] >= 2 else 'MISSED'})")
+        print(f"step check (rank agreement): {100 * result['step_check_cost']:+.2f}% of a DDP step (wide MLP), "
+              f"{100 * result['narrow_step_check_cost']:+.2f}% (narrow MLP, {result['narrow_ddp_ms']:.2f} ms steps); "
+              f"target < 2%")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
