@@ -13,9 +13,11 @@ Not collected by pytest (the file name does not start with test_): it needs root
 """
 
 import argparse
+import datetime
 import glob
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -30,8 +32,20 @@ STAND_IN = os.path.join(REPO, "tests", "slurm", "stand_in.py")
 DEMO = os.path.join(REPO, "examples", "digits.py")
 PYTHON = os.path.join(REPO, ".venv", "bin", "python")
 DECLARED_CPUS = 8  # more than the CI machine's 2 cores, so 4-task jobs start (SlurmdParameters=config_overrides)
-FAKE_GPUS = 4
-TRAIN_EPOCHS = 3  # the demo exits 1 below 95% test accuracy; 3 epochs reach it (2 are borderline)  # gres declared without devices: enough for sbatch to schedule and set CUDA_VISIBLE_DEVICES
+FAKE_GPUS = 4  # gres declared without devices: enough for sbatch to schedule and set CUDA_VISIBLE_DEVICES
+TRAIN_EPOCHS = 3  # the demo exits 1 below 95% test accuracy; 3 epochs reach it (2 are borderline)
+# preemptible.sbatch's REQUEUE_DELAY for the checks: far above the ~20 ms between the requeue and the end of
+# the old run here (so Slurm keeps the begin time the job sets), far below Slurm's own 121 s hold.
+REQUEUE_DELAY = 5
+REQUEUE_SLACK = 30  # seconds a loaded machine may add between the revocation and the job's `scontrol update`
+# MPICH (the 5.0 wheel here) names each node's init segment /dev/shm/mpich_shm_<FNV-1a of the PMI kvsname>_<node>,
+# and under srun --mpi=pmi2 the kvsname is "<job id>.<step id>". Ranks that die before MPI_Finalize leave
+# that segment behind, and the next job with the same ids attaches to it and fails or hangs in MPI_Init
+# ("UCX ERROR failed to unpack address", "Message from rank 1 and tag 7 truncated"): seen when a fresh
+# cluster numbered its jobs from 1 again and met the segments of an earlier run's failed job. So each
+# cluster numbers its jobs from a random start of its own, and removes the segments its jobs left.
+FIRST_JOB_IDS = (100_000, 60_000_000)  # below Slurm's default MaxJobId (67,043,328)
+JOB_IDS_PER_CLUSTER = 1000
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
             "DEADLINE", "PREEMPTED"}
 SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo")
@@ -64,6 +78,14 @@ def ensure_slurm():
                    check=True, env=env, stdout=subprocess.DEVNULL, timeout=600)
 
 
+def fnv1a(text):
+    """Return the 32-bit FNV-1a hash of ``text`` (MPICH's world id from the PMI kvsname)."""
+    value = 2166136261
+    for byte in text.encode():
+        value = ((value ^ byte) * 16777619) & 0xFFFFFFFF
+    return value
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,6 +100,7 @@ class Cluster:
         self.conf = os.path.join(root, "etc", "slurm.conf")
         self.env = dict(os.environ, SLURM_CONF=self.conf)
         self.procs = []
+        self.first_job_id = random.SystemRandom().randrange(*FIRST_JOB_IDS)
 
     def write_config(self):
         hw = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, timeout=30, check=True).stdout
@@ -100,7 +123,9 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=pmi2
 SlurmdParameters=config_overrides
+SlurmdDebug=debug
 ReturnToService=2
+FirstJobId={self.first_job_id}
 JobRequeue=1
 MinJobAge=3600
 SchedulerParameters=sched_interval=2
@@ -182,6 +207,23 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
                     proc.kill()
                     proc.wait(timeout=10)
         self.procs = []
+        self.remove_mpich_segments()
+
+    def remove_mpich_segments(self, max_steps=16):
+        """Remove the MPICH init segments of this cluster's jobs from /dev/shm (see FIRST_JOB_IDS)."""
+        ours = {fnv1a(f"{job}.{step}") for job in range(self.first_job_id, self.first_job_id + JOB_IDS_PER_CLUSTER)
+                for step in range(max_steps)}
+        removed = []
+        for name in (os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []):
+            match = re.fullmatch(r"mpich_(?:shm|vci)_([0-9a-f]+)_\d+", name)
+            if match and int(match.group(1), 16) in ours:
+                try:
+                    os.unlink(os.path.join("/dev/shm", name))
+                    removed.append(name)
+                except FileNotFoundError:
+                    pass
+        if removed:
+            log(f"removed {len(removed)} MPICH segment(s) this cluster's jobs left in /dev/shm: {', '.join(sorted(removed))}")
 
     # -- jobs -------------------------------------------------------------------------------------
     def submit(self, script, *sbatch_args, env=None):
@@ -353,54 +395,109 @@ def check_sweep(cluster, work):
     return f"array job {job}: {len(grid)} tasks ran {runs} ({os.path.relpath(program, REPO)})"
 
 
-def _preempt(cluster, work, program, name):
+def slurm_time(text):
+    """Parse a Slurm timestamp ("2026-11-23T09:27:28", log lines add ".259") to a datetime."""
+    return datetime.datetime.strptime(text.split(".")[0], "%Y-%m-%dT%H:%M:%S")
+
+
+def revocations(cluster, job_id):
+    """Return when slurmd revoked the job's credential, once per kill (slurmd.log at debug level)."""
+    with open(os.path.join(cluster.root, "log", "slurmd.log"), errors="replace") as f:
+        return [slurm_time(m.group(1)) for m in
+                re.finditer(rf"^\[(\S+)\] debug:\s+credential for job {job_id} revoked$", f.read(), re.M)]
+
+
+def _wait_for_output(cluster, job, needle, after, timeout=60):
+    """Wait until the job's output has ``needle`` after its ``after``-th character; fail early if the job ended."""
+    deadline = time.monotonic() + timeout
+    while needle not in cluster.job_output(job)[after:]:
+        states = cluster.job_states(job)
+        if states and states[0].get("JobState") in TERMINAL:
+            raise CheckFailed(f"job {job} ended {states[0].get('JobState')} (exit {states[0].get('ExitCode')}) "
+                              f"before printing {needle!r}\n{cluster.job_output(job)}\n{cluster.daemon_logs()}")
+        if time.monotonic() > deadline:
+            raise CheckFailed(f"job {job} printed no {needle!r} within {timeout} s\n{cluster.job_output(job)}")
+        time.sleep(0.3)
+
+
+def _preempt(cluster, work, program, name, epochs, preemptions):
+    """Preempt a preemptible.sbatch job ``preemptions`` times, each time soon after it (re)starts training.
+
+    Each requeue kills the running job, and slurmd revokes its credential as of that second: a restart
+    launched within the same second is refused ("Job credential revoked") and the job ends FAILED. Checked
+    after every requeue: the job may start again no earlier than the second after the revocation and no
+    later than REQUEUE_DELAY (plus slack) after it (Slurm alone would hold it 121 s). At the end: COMPLETED,
+    one restart per preemption, and the program resumed each time.
+    """
     out, ckpt = os.path.join(work, name, "out"), os.path.join(work, name, "ckpt")
     job = cluster.submit("slurm/preemptible.sbatch", "--nodes=1", "--ntasks-per-node=2",
-                         env=common_env(program, EPOCHS=6, OUT=out, CKPT_DIR=ckpt,
+                         env=common_env(program, EPOCHS=epochs, OUT=out, CKPT_DIR=ckpt, REQUEUE_DELAY=REQUEUE_DELAY,
                                         PROGRAM_ARGS="--epoch-seconds 1"))  # slow enough to preempt mid-run
-    # Wait until training is under way, then send what --signal=B:USR1@120 sends: SIGUSR1 to the batch shell.
-    deadline = time.monotonic() + 60
-    while "epoch 1/" not in cluster.job_output(job):
-        if time.monotonic() > deadline:
-            raise CheckFailed(f"job {job} printed no 'epoch 1/' within 60 s\n{cluster.job_output(job)}")
-        time.sleep(0.3)
-    cluster.run(["scancel", "--batch", "--signal=USR1", job])
-    # The requeued job is held back by Slurm for a while; make it eligible now (the harness only).
-    deadline = time.monotonic() + 60
-    while not any(int(s.get("Restarts", "0")) >= 1 for s in cluster.job_states(job)):
-        if time.monotonic() > deadline:
-            raise CheckFailed(f"job {job} was not requeued within 60 s of SIGUSR1\n{cluster.job_output(job)}")
-        time.sleep(0.3)
-    cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
-    states = cluster.wait(job, timeout=180, until=lambda st: int(st[0].get("Restarts", "0")) >= 1)
+    delays = []
+    for k in range(1, preemptions + 1):
+        # Wait until start k is training, then send what --signal=B:USR1@120 sends: SIGUSR1 to the batch shell.
+        marker = f"mpidist: start {k} of job {job}"
+        _wait_for_output(cluster, job, marker, 0)
+        _wait_for_output(cluster, job, "\nepoch ", cluster.job_output(job).index(marker))
+        cluster.run(["scancel", "--batch", "--signal=USR1", job])
+        # The requeue is over once the old run has finished (COMPLETING cleared); the begin time is final then.
+        deadline = time.monotonic() + 60
+        while True:
+            states = cluster.job_states(job)
+            state = states[0] if states else {}
+            if int(state.get("Restarts", "0")) >= k and state.get("JobState") not in ("COMPLETING", None):
+                break
+            if state.get("JobState") in TERMINAL or time.monotonic() > deadline:
+                raise CheckFailed(f"job {job} was not requeued within 60 s of SIGUSR1 number {k} (state "
+                                  f"{state.get('JobState')}, restarts {state.get('Restarts')})\n{cluster.job_output(job)}")
+            time.sleep(0.3)
+        if state["JobState"] in TERMINAL:
+            raise CheckFailed(f"job {job} ended {state['JobState']} right after requeue {k}\n{cluster.job_output(job)}")
+        revoked = revocations(cluster, job)
+        if len(revoked) < k:
+            raise CheckFailed(f"job {job}: slurmd logged {len(revoked)} credential revocations after {k} requeues\n"
+                              f"{cluster.daemon_logs()}")
+        eligible = slurm_time(state["EligibleTime"])
+        delay = (eligible - revoked[k - 1]).total_seconds()
+        if not 1 <= delay <= REQUEUE_DELAY + REQUEUE_SLACK:
+            raise CheckFailed(f"job {job}, requeue {k}: credential revoked at {revoked[k - 1]:%T}, eligible again at "
+                              f"{eligible:%T} ({delay:.0f} s later; want 1..{REQUEUE_DELAY + REQUEUE_SLACK} s: a restart "
+                              f"within the revocation's second is refused, Slurm's own hold is 121 s)\n"
+                              f"{cluster.job_output(job)}")
+        delays.append(delay)
+    states = cluster.wait(job, timeout=180, until=lambda st: int(st[0].get("Restarts", "0")) >= preemptions)
     text = cluster.job_output(job)
     expect_state(states, "COMPLETED", text, "0:0")
-    for needle in ("SIGUSR1 received", "requeueing job", "start 2 of job"):
+    if int(states[0]["Restarts"]) != preemptions:
+        raise CheckFailed(f"job {job}: {states[0]['Restarts']} restarts (want {preemptions}, one per SIGUSR1)\n{text}")
+    with open(os.path.join(cluster.root, "log", "slurmctld.log"), errors="replace") as f:
+        refused = [line for line in f if f"non-startable batch JobId={job}:" in line]
+    if refused:
+        raise CheckFailed(f"job {job}: slurmctld refused a restart: {refused[0].strip()}\n{text}")
+    for needle in ["SIGUSR1 received", f"requeued, eligible to start again in {REQUEUE_DELAY} s",
+                   f"start {preemptions + 1} of job"]:
         if needle not in text:
             raise CheckFailed(f"job {job}: {needle!r} not in its output\n{text}")
-    return job, out, text
+    return job, out, text, delays
 
 
 def check_preemptible_protocol(cluster, work):
-    """preemptible.sbatch: SIGUSR1 -> forwarded -> checkpoint, exit 99 -> requeue -> resume -> finish (stand-in)."""
-    job, out, text = _preempt(cluster, work, STAND_IN, "preempt-stand-in")
+    """preemptible.sbatch, twice: SIGUSR1 -> forwarded -> checkpoint, exit 99 -> requeue -> resume -> finish (stand-in)."""
+    epochs, preemptions = 8, 2
+    job, out, text, delays = _preempt(cluster, work, STAND_IN, "preempt-stand-in", epochs, preemptions)
     rows = read_rank_files(out, 2, text)
-    if not all(r["resumed_from"] >= 1 and r["restarts"] >= 1 and r["epochs"] == 6 for r in rows):
+    if not all(r["resumed_from"] >= preemptions and r["restarts"] == preemptions and r["epochs"] == epochs for r in rows):
         raise CheckFailed(f"job {job}: resumed_from/restarts/epochs {[(r['resumed_from'], r['restarts'], r['epochs']) for r in rows]} "
-                          f"(want >= 1, >= 1, 6)\n{text}")
-    return f"job {job}: checkpointed at epoch {rows[0]['resumed_from']}, requeued, resumed, finished 6 epochs"
+                          f"(want >= {preemptions}, {preemptions}, {epochs})\n{text}")
+    return (f"job {job}: preempted {preemptions} times, each restart eligible {', '.join(f'{d:.0f}' for d in delays)} s "
+            f"after the credential revocation; last resumed at epoch {rows[0]['resumed_from']}, finished {epochs} epochs")
 
 
 def check_preemptible_demo(cluster, work):
-    """preemptible.sbatch with the demo: needs checkpoint/resume in examples/digits.py (issue 6)."""
+    """preemptible.sbatch with examples/digits.py: preempted once, resumed from its checkpoint, same weights."""
     if not os.path.exists(DEMO):
-        raise Skip("examples/digits.py is not there yet")
-    with open(DEMO) as f:
-        source = f.read()
-    if "--ckpt" not in source:
-        raise Skip("examples/digits.py takes no --ckpt yet: wiring mpidist.preemption/checkpoint into the demo "
-                   "is issue 6 (the protocol itself is proven by check_preemptible_protocol)")
-    job, out, text = _preempt(cluster, work, DEMO, "preempt-demo")
+        raise Skip("examples/digits.py is not there")
+    job, out, text, _ = _preempt(cluster, work, DEMO, "preempt-demo", 6, 1)
     return f"job {job}: requeued and resumed; " + check_training_result(DEMO, out, 2, 6, text)
 
 
