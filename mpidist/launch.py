@@ -131,7 +131,8 @@ def install_abort_on_error(comm, backstop=10.0):
                 sys.stderr.write(f"{prefix}mpidist: uncaught exception, aborting all {comm.Get_size()} ranks\n")
             sys.stderr.flush()
             sys.stdout.flush()
-            guard.dump_flight_record(f"abort: {getattr(exc_type, '__name__', exc_type)}: {exc}")
+            if not interrupted:  # Ctrl-C is the user's choice, not a failure to diagnose: no files, no extra line
+                guard.dump_flight_record(f"abort: {getattr(exc_type, '__name__', exc_type)}: {exc}")
             guard.wait_until_pipes_drained((1, 2))
         finally:
             # Whatever went wrong while reporting (a closed stderr, say), the job must still end: a rank

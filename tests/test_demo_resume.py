@@ -65,10 +65,10 @@ def test_stopped_mid_epoch_and_resumed_as_a_pipeline_of_another_size_matches_its
     deadline = time.monotonic() + 120
     while not os.path.exists(first_epoch) and time.monotonic() < deadline and job.poll() is None:
         time.sleep(0.05)
-    job.send_signal(signal.SIGINT)  # Ctrl-C: every rank stops after the same step of epoch 2 or 3, saves
+    job.send_signal(signal.SIGUSR1)  # forwarded by mpiexec: every rank stops after the same step of epoch 2 or 3
     stdout, stderr = job.communicate(timeout=120)
     assert job.returncode == 99, stdout + stderr
-    stop = re.search(r"preempted \(SIGINT\): saved checkpoint step (\d+) \(epoch (\d+), sample (\d+)\); exiting 99", stdout)
+    stop = re.search(r"preempted \(SIGUSR1\): saved checkpoint step (\d+) \(epoch (\d+), sample (\d+)\); exiting 99", stdout)
     assert stop, stdout
     step, epoch, sample = map(int, stop.groups())
     assert epoch in (2, 3) and sample == min((step - 23 * (epoch - 1)) * 4 * BATCH, 1440), stop.group(0)
