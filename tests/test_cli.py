@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -63,13 +64,18 @@ def test_bench_arguments_parse():
     ["bench", "allreduce", "--siz", "8"],      # abbreviations are not accepted
     ["bench", "alltoallv"],                    # unknown op
     ["bench", "allreduce", "--device", "tpu"],
-    ["bench"],                                 # no op
+    ["bench", "allreduce", "all"],             # no op is "all"; "all" is not an op
     ["infos"],                                 # unknown command
     ["info", "--verbose"],
 ])
 def test_bad_arguments_fail_loudly(argv):
     with pytest.raises(UsageError):
         build_parser().parse_args(argv)
+
+
+def test_bench_without_ops_sweeps_every_op():
+    args = build_parser().parse_args(["bench"])
+    assert sorted(args.ops) == sorted(NCCL_BUS_FACTOR) and args.sizes == "8:64M"
 
 
 @pytest.mark.mpi_skip
@@ -195,6 +201,48 @@ def test_bench_under_mpiexec_writes_json_and_csv(tmp_path):
     assert [(r["op"], int(r["bytes"])) for r in csv_rows] == [(r["op"], r["bytes"]) for r in rows]
     for row in rows + csv_rows:
         assert_row_matches_formula(row, 2)
+
+
+@pytest.mark.mpi_skip
+def test_bench_without_ops_runs_the_default_sweep(tmp_path):
+    json_path = tmp_path / "b.json"
+    result = run_cli("bench", "--sizes", "8,4K", "--iters", "2", "--reps", "1", "--json", str(json_path))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(json_path.read_text())["rows"]
+    assert sorted((r["op"], r["bytes"]) for r in rows) == sorted((op, b) for op in NCCL_BUS_FACTOR for b in (8, 4096))
+    for row in rows:
+        assert_row_matches_formula(row, 1)
+        assert result.stdout.count(f"# {row['op']} on 1 ranks") == 1
+
+
+@pytest.mark.mpi_skip
+def test_launches_use_the_configured_launcher_and_flags(tmp_path, monkeypatch):
+    """MPIDIST_MPIEXEC and MPIEXEC_FLAGS (what `make` exports) decide how tests start ranks."""
+    real = launcher.mpiexec(2, "true")  # [launcher, *flags, "-n", "2", "true"] of this session (skips if none)
+    real_launcher, real_flags = real[0], real[1:-3]
+    log, wrapper = tmp_path / "argv", tmp_path / "my-mpiexec"
+    # Records its arguments one per line, drops the two made-up ones and starts the ranks with the real launcher.
+    wrapper.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{log}"\nshift 2\nexec "{real_launcher}" "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("MPIDIST_MPIEXEC", str(wrapper))
+    monkeypatch.setenv("MPIEXEC_FLAGS", "--made-up 'two words' " + shlex.join(real_flags))
+    result = run_cli("info", ranks=2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ranks        2" in result.stdout
+    assert log.read_text().splitlines() == ["--made-up", "two words", *real_flags,
+                                            "-n", "2", sys.executable, "-m", "mpidist", "info"]
+
+
+@pytest.mark.mpi_skip
+def test_a_configured_launcher_that_is_missing_fails_instead_of_skipping(monkeypatch):
+    monkeypatch.setenv("MPIDIST_MPIEXEC", "/nonexistent/mpiexec")
+    with pytest.raises(pytest.fail.Exception, match=r"MPIDIST_MPIEXEC='/nonexistent/mpiexec': no such launcher"):
+        launcher.mpiexec(2, "true")
+    monkeypatch.delenv("MPIDIST_MPIEXEC")
+    monkeypatch.setattr(launcher, "_BESIDE_PYTHON", "/nonexistent/mpiexec")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(pytest.skip.Exception, match="no mpiexec"):
+        launcher.mpiexec(2, "true")
 
 
 @pytest.mark.mpi_skip
