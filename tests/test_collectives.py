@@ -5,6 +5,9 @@ communication. Values are multiples of 1/4 in [-8, 8] so that sums, minima and m
 in every float dtype whatever order MPI reduces in; products and means get a dtype tolerance.
 """
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -120,9 +123,8 @@ def test_allgather_into_out(comm):
     np.testing.assert_array_equal(out, np.concatenate([rank_input(r, (2, 2), np.int64) for r in range(size)]))
 
 
+@pytest.mark.world_sizes(2, 3, 4)
 def test_allgather_disagreeing_trailing_shape_raises_on_every_rank(comm):
-    if comm.Get_size() == 1:
-        return
     x = np.zeros((2, 3 if comm.Get_rank() == 0 else 4))
     with pytest.raises(ValueError, match=r"ranks disagree on dtype or trailing shape.*rank 0: float64 \(n, 3\).*rank 1: float64 \(n, 4\)"):
         mpidist.allgather(x, comm)
@@ -147,9 +149,8 @@ def test_split_sizes_formula():
 
 def test_send_recv_carries_shape_and_dtype(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1:
-        return
-    # A ring: every rank sends a differently shaped array; the receiver knows neither shape nor dtype.
+    # A ring (one rank sends to itself): every rank sends a differently shaped array; the receiver knows
+    # neither shape nor dtype.
     dtypes = ["float16", "int8", "complex128", "bool"]
     mine = rank_input(rank, (rank + 1, 2, 1), dtypes[rank % 4], seed=9)
     handle = mpidist.isend(mine, (rank + 1) % size, comm, tag=7)
@@ -163,16 +164,17 @@ def test_send_recv_carries_shape_and_dtype(comm):
 
 def test_recv_any_source_pairs_header_with_payload(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
-    if rank != 0:
-        mpidist.send(np.full((rank, rank), rank, dtype=np.int16), 0, comm, tag=rank)
-        return
-    seen = set()
-    for _ in range(size - 1):
-        got = mpidist.recv(MPI.ANY_SOURCE, comm, tag=MPI.ANY_TAG)
-        r = int(got.flat[0])
-        assert got.shape == (r, r) and (got == r).all()
-        seen.add(r)
-    assert seen == set(range(1, size))
+    # Rank 0 sends to itself too, so one rank has a sender as well.
+    handle = mpidist.isend(np.full((rank + 1, rank + 1), rank, dtype=np.int16), 0, comm, tag=rank)
+    if rank == 0:
+        seen = set()
+        for _ in range(size):
+            got = mpidist.recv(MPI.ANY_SOURCE, comm, tag=MPI.ANY_TAG)
+            r = int(got.flat[0])
+            assert got.shape == (r + 1, r + 1) and (got == r).all()
+            seen.add(r)
+        assert seen == set(range(size))
+    handle.wait()
 
 
 def test_nonblocking_collectives_overlap(comm):
@@ -295,9 +297,7 @@ P2P_SIZES = [0, 1, 1024, 1025, 40000, 0, 3]
 
 def test_small_and_large_messages_keep_their_order_and_land_in_out(comm):
     """Small payloads ride in the header's message, large ones follow it: the receiver sees one stream."""
-    size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1:
-        return
+    size, rank = comm.Get_size(), comm.Get_rank()  # a ring; one rank sends to itself
     dest, src = (rank + 1) % size, (rank - 1) % size
     handles = [mpidist.isend(np.arange(n, dtype=np.float64) + 1000 * rank + i, dest, comm, tag=5)
                for i, n in enumerate(P2P_SIZES)]
@@ -324,9 +324,7 @@ def test_small_and_large_messages_keep_their_order_and_land_in_out(comm):
 
 @pytest.mark.parametrize("count", [3, 5000])
 def test_recv_into_the_wrong_out_says_what_arrived_and_keeps_the_stream(comm, count):
-    size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1:
-        return
+    size, rank = comm.Get_size(), comm.Get_rank()  # a ring; one rank sends to itself
     dest, src = (rank + 1) % size, (rank - 1) % size
     handles = [mpidist.isend(np.ones((count, 2), dtype=np.float32), dest, comm, tag=3),
                mpidist.isend(np.arange(4, dtype=np.int64) + rank, dest, comm, tag=3)]
@@ -349,15 +347,14 @@ def test_recv_into_the_wrong_out_says_what_arrived_and_keeps_the_stream(comm, co
 
 
 def test_outstanding_receives_match_in_the_order_they_were_started(comm):
-    size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1:
-        return
-    if rank == 0:
-        for i in range(3):
-            mpidist.send(np.full(i + 2, i, dtype=np.int32), 1, comm, tag=4)
-        mpidist.send(np.ones(1), 1, comm, tag=9)
-    elif rank == 1:
-        handles = [mpidist.irecv(0, comm, tag=4) for _ in range(3)]
+    rank = comm.Get_rank()
+    sender, receiver = 0, 1 % comm.Get_size()  # one rank: it sends to itself
+    sends = []
+    if rank == sender:
+        sends = [mpidist.isend(np.full(i + 2, i, dtype=np.int32), receiver, comm, tag=4) for i in range(3)]
+        sends.append(mpidist.isend(np.ones(1), receiver, comm, tag=9))
+    if rank == receiver:
+        handles = [mpidist.irecv(sender, comm, tag=4) for _ in range(3)]
         other = mpidist.irecv(MPI.ANY_SOURCE, comm, tag=9)
         # Waited newest first: each handle still gets the message MPI would have matched to it.
         got = [h.wait() for h in reversed(handles)][::-1]
@@ -366,40 +363,47 @@ def test_outstanding_receives_match_in_the_order_they_were_started(comm):
         while not other.test():
             pass
         np.testing.assert_array_equal(other.wait(), np.ones(1))
+    for h in sends:
+        h.wait()
 
 
 def test_a_wildcard_receive_takes_a_message_an_earlier_receive_cannot_match(comm):
     """MPI's rule: a message goes to the earliest started receive that can take it, and only to that one."""
-    size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1:
-        return
-    if rank == 0:
-        mpidist.send(np.array([2]), 1, comm, tag=2)
-        mpidist.recv(1, comm, tag=9)  # the tag-1 message only goes out once rank 1 has the tag-2 one
-        mpidist.send(np.array([1]), 1, comm, tag=1)
-        mpidist.send(np.array([3]), 1, comm, tag=1)
-    elif rank == 1:
-        tag_one = mpidist.irecv(0, comm, tag=1)
-        anything = mpidist.irecv(0, comm, tag=MPI.ANY_TAG)
+    rank = comm.Get_rank()
+    sender, receiver = 0, 1 % comm.Get_size()  # one rank: it sends to itself, in program order
+    sends = []
+    if rank == sender:
+        sends.append(mpidist.isend(np.array([2]), receiver, comm, tag=2))
+    if rank == receiver:
+        tag_one = mpidist.irecv(sender, comm, tag=1)
+        anything = mpidist.irecv(sender, comm, tag=MPI.ANY_TAG)
         assert int(anything.wait()[0]) == 2  # without waiting for tag_one, which would deadlock
-        mpidist.send(np.array([0]), 0, comm, tag=9)
+    if sender != receiver:  # the tag-1 messages only go out once the receiver has the tag-2 one
+        if rank == receiver:
+            mpidist.send(np.array([0]), sender, comm, tag=9)
+        elif rank == sender:
+            mpidist.recv(receiver, comm, tag=9)
+    if rank == sender:
+        sends += [mpidist.isend(np.array([1]), receiver, comm, tag=1), mpidist.isend(np.array([3]), receiver, comm, tag=1)]
+    if rank == receiver:
         # Both later messages carry tag 1: the earlier-started receive gets the first of them.
-        later = mpidist.irecv(0, comm, tag=MPI.ANY_TAG)
+        later = mpidist.irecv(sender, comm, tag=MPI.ANY_TAG)
         assert int(later.wait()[0]) == 3 and int(tag_one.wait()[0]) == 1
+    for h in sends:
+        h.wait()
 
 
 def test_a_dropped_receive_handle_is_cancelled(comm):
-    import gc
-    size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1:
-        return
-    if rank == 0:
-        mpidist.send(np.arange(3), 1, comm, tag=6)
-    elif rank == 1:
-        mpidist.irecv(0, comm, tag=6)  # never waited: nothing was posted, so nothing is lost
+    rank = comm.Get_rank()
+    sender, receiver = 0, 1 % comm.Get_size()  # one rank: it sends to itself
+    send = mpidist.isend(np.arange(3), receiver, comm, tag=6) if rank == sender else None
+    if rank == receiver:
+        mpidist.irecv(sender, comm, tag=6)  # never waited: nothing was posted, so nothing is lost
         gc.collect()
         assert not mpidist.collectives._ArrayReceive.outstanding(comm)
-        np.testing.assert_array_equal(mpidist.recv(0, comm, tag=6), np.arange(3))
+        np.testing.assert_array_equal(mpidist.recv(sender, comm, tag=6), np.arange(3))
+    if send is not None:
+        send.wait()
     comm.Barrier()
 
 
@@ -465,31 +469,59 @@ def test_property_receives_match_like_mpi_whatever_order_they_are_waited_in(worl
     world.run(body)
 
 
-def test_a_dropped_send_handle_keeps_its_buffer_until_mpi_is_done(comm):
-    """Large sends are read by MPI while the receiver takes them: the buffer must outlive the handle."""
-    import gc
-    import time
-    size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1:
-        return
-    n = 1 << 20  # 8 MiB of float64: well past the eager limit, so MPI reads it during the receive
+# 32 KiB of float64: past the one-message limit, so the payload goes to MPI straight from the caller's
+# array, and small enough that the allocator hands a freed buffer's memory to the next array of its size.
+DROPPED_SEND_ELEMENTS = 4096
+
+
+def test_a_dropped_send_handle_keeps_its_buffer_until_the_receive_takes_it():
+    """MPI reads a large send's buffer when the receive matches it: dropping the handle must not free it.
+
+    On COMM_SELF, a real MPI communicator in every run (SimComm copies at Isend, so it cannot show this), MPI
+    reads the buffer only when the receive starts. Here that is after the handle was dropped, garbage
+    collected, and memory of the buffer's size was allocated and filled with -1 again.
+    """
+    comm, n = MPI.COMM_SELF, DROPPED_SEND_ELEMENTS
+    data = np.arange(n, dtype=np.float64)
+    buffer = weakref.ref(data)
+    mpidist.isend(data, 0, comm, tag=8)  # handle dropped at once
+    del data
+    gc.collect()
+    kept = buffer() is not None
+    reuse = [np.full(n, -1.0) for _ in range(4)]  # where a freed buffer's memory goes
+    got = mpidist.recv(0, comm, tag=8)
+    np.testing.assert_array_equal(got, np.arange(n, dtype=np.float64))
+    assert kept, "the buffer of a pending send was freed with its handle"
+    mpidist.iallreduce(np.ones(1), comm).wait()  # a new handle lets go of the sends MPI is done with
+    assert buffer() is None, "the buffer of a completed send is never released"
+    del reuse
+
+
+@pytest.mark.world_sizes(2, 3, 4)
+def test_a_dropped_send_handle_still_delivers_to_another_rank(comm):
+    """The same across processes: rank 1 starts its receive only after rank 0 dropped the handle, collected
+    the garbage and reallocated the memory (it waits for a later message, not for time to pass)."""
+    rank, n = comm.Get_rank(), DROPPED_SEND_ELEMENTS
+    got = np.arange(n, dtype=np.float64)  # what the ranks that receive nothing compare
     if rank == 0:
         data = np.arange(n, dtype=np.float64)
         mpidist.isend(data, 1, comm, tag=8)  # handle dropped at once
         del data
         gc.collect()
-        reuse = [np.full(n, -1.0) for _ in range(3)]  # memory a freed buffer would go to
+        reuse = [np.full(n, -1.0) for _ in range(4)]  # where a freed buffer's memory goes
+        mpidist.send(np.zeros(1), 1, comm, tag=9)
         comm.Barrier()
         del reuse
     else:
         if rank == 1:
-            time.sleep(0.3)
+            mpidist.recv(0, comm, tag=9)
             got = mpidist.recv(0, comm, tag=8)
-            assert (got == np.arange(n, dtype=np.float64)).all(), got[:4]
         comm.Barrier()
     mpidist.iallreduce(np.ones(1), comm).wait()  # every new handle lets go of orphans MPI is done with
     comm.Barrier()
     mpidist.iallreduce(np.ones(1), comm).wait()
+    # Checked after the collectives, so that a wrong array on rank 1 fails the test instead of hanging rank 0.
+    np.testing.assert_array_equal(got, np.arange(n, dtype=np.float64))
     assert not mpidist.collectives._orphans  # (SimComm requests are never parked)
 
 
@@ -562,18 +594,18 @@ def test_alltoall_into_out_and_a_wrong_out_raises_everywhere(comm):
 
 def test_a_cancelled_receive_leaves_its_message_for_the_next(comm):
     from mpidist.comm import CommError
-    size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1:
-        return
-    if rank == 0:
-        mpidist.send(np.arange(4), 1, comm, tag=12)
-    elif rank == 1:
-        keeper = {"handle": mpidist.irecv(0, comm, tag=12)}
+    rank = comm.Get_rank()
+    sender, receiver = 0, 1 % comm.Get_size()  # one rank: it sends to itself
+    send = mpidist.isend(np.arange(4), receiver, comm, tag=12) if rank == sender else None
+    if rank == receiver:
+        keeper = {"handle": mpidist.irecv(sender, comm, tag=12)}
         keeper["self"] = keeper  # a reference cycle: dropping would not free it now, cancel() is explicit
         assert keeper["handle"].cancel() and not keeper["handle"].cancel()
         with pytest.raises(CommError, match=r"recv from 0 \(tag 12\) was cancelled"):
             keeper["handle"].wait()
-        np.testing.assert_array_equal(mpidist.recv(0, comm, tag=12), np.arange(4))
+        np.testing.assert_array_equal(mpidist.recv(sender, comm, tag=12), np.arange(4))
+    if send is not None:
+        send.wait()
     comm.Barrier()
 
 
