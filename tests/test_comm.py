@@ -94,39 +94,39 @@ def test_nonblocking_requests(comm):
 
 def test_point_to_point_tags_any_source_status(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1:
-        return
+    # Every rank sends to rank 0, rank 0 to itself as well (nonblocking: a blocking send to oneself can
+    # wait forever for the receive). ANY_TAG order follows arrival per source.
+    sent = [np.full(3, rank * 10 + 2.0), np.full(3, rank * 10 + 1.0)]
+    reqs = [comm.Isend(sent[0], 0, tag=2), comm.Isend(sent[1], 0, tag=1)]
     if rank == 0:
         got = {}
-        for _ in range(2 * (size - 1)):
+        for _ in range(2 * size):
             buf = np.empty(3, dtype=np.float64)
             status = MPI.Status()
             comm.Recv(buf, MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             assert status.Get_count(MPI.DOUBLE) == 3
             got[(status.Get_source(), status.Get_tag())] = buf[0]
-        assert got == {(r, t): r * 10 + t for r in range(1, size) for t in (1, 2)}
-    else:
-        # Tag 2 is sent first but received by tag: ANY_TAG order follows arrival per source.
-        comm.Send(np.full(3, rank * 10 + 2.0), 0, tag=2)
-        req = comm.Isend(np.full(3, rank * 10 + 1.0), 0, tag=1)
+        assert got == {(r, t): r * 10 + t for r in range(size) for t in (1, 2)}
+    for req in reqs:
         req.Wait()
 
 
 def test_messages_with_one_tag_do_not_overtake(comm):
-    size, rank = comm.Get_size(), comm.Get_rank()
-    if size == 1:
-        return
-    if rank == 1:
-        for i in range(5):
-            comm.Send(np.array([i], dtype=np.int64), 0, tag=3)
-    elif rank == 0:
+    rank = comm.Get_rank()
+    sender = 1 % comm.Get_size()  # one rank: it sends to itself
+    sent, sends = [np.array([i], dtype=np.int64) for i in range(5)], []
+    if rank == sender:
+        sends = [comm.Isend(s, 0, tag=3) for s in sent]
+    if rank == 0:
         reqs, bufs = [], []
         for _ in range(5):
             bufs.append(np.empty(1, dtype=np.int64))
-            reqs.append(comm.Irecv(bufs[-1], 1, 3))
+            reqs.append(comm.Irecv(bufs[-1], sender, 3))
         for req in reversed(reqs):
             req.Wait()
         assert [int(b[0]) for b in bufs] == [0, 1, 2, 3, 4]
+    for req in sends:
+        req.Wait()
 
 
 def test_sendrecv_ring(comm):
