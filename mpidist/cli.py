@@ -1,4 +1,5 @@
-"""``mpidist`` / ``python -m mpidist``: ``info``, ``bench`` and ``check`` for an installation and a launch.
+"""``mpidist`` / ``python -m mpidist``: ``info``, ``bench`` and ``check`` for an installation and a launch;
+``flight`` for the flight records a hung or aborted job left.
 
 Every command runs the same way on one process or on every rank of an ``mpiexec``/``srun`` launch.
 Output and errors are printed once, by rank 0 (or, when a misconfigured launcher made every process
@@ -16,7 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import bench, collectives, xp
+from . import bench, collectives, guard, xp
 from .comm import simulate
 from .launch import LaunchError, init
 
@@ -67,7 +68,7 @@ def build_parser():
     """Return the argument parser of the ``mpidist`` command."""
     parser = _Parser(prog="mpidist", allow_abbrev=False,
                      description="Inspect, benchmark and self-test an mpidist installation (run under mpiexec/srun for N ranks).")
-    sub = parser.add_subparsers(dest="command", metavar="{info,bench,check}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{info,bench,check,flight}", parser_class=_Parser)
     sub.add_parser("info", allow_abbrev=False, help="versions, MPI library, ranks and nodes, launcher, GPUs")
     b = sub.add_parser("bench", allow_abbrev=False, help="collective bandwidth, mpidist next to raw mpi4py",
                        description="Time collectives nccl-tests style (size, count, type, time, algbw, busbw) for "
@@ -85,6 +86,10 @@ def build_parser():
     b.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     b.add_argument("--plot", metavar="PNG", help="draw busbw against size, mpidist next to raw mpi4py (needs matplotlib)")
     sub.add_parser("check", allow_abbrev=False, help="self-test: ranks, every collective against numpy, the GPU path")
+    f = sub.add_parser("flight", allow_abbrev=False, help="read the flight records a hung or aborted job left",
+                       description="Per communicator, the first call where the ranks' flight records differ and the "
+                                   "ranks that never arrived (one process; no mpiexec needed).")
+    f.add_argument("dir", metavar="DIR", help="a job's flight directory, or MPIDIST_FLIGHT_DIR (the newest job is read)")
     return parser
 
 
@@ -100,7 +105,7 @@ def main(argv=None):
         parser.print_help()
         return 2
     try:
-        return {"info": cmd_info, "bench": cmd_bench, "check": cmd_check}[args.command](args)
+        return {"info": cmd_info, "bench": cmd_bench, "check": cmd_check, "flight": cmd_flight}[args.command](args)
     except (UsageError, bench.BenchError, LaunchError) as exc:
         _say(f"mpidist {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, LaunchError) else 2
@@ -342,3 +347,14 @@ def cmd_check(args):
     _say(f"mpidist check: {counts['ok']} ok, {counts['FAIL']} failed, {counts['skip']} skipped "
          f"in {time.perf_counter() - started:.2f} s")
     return 1 if counts["FAIL"] else 0
+
+
+# -- flight -------------------------------------------------------------------------------------------
+def cmd_flight(args):
+    """Print the report of the flight records in ``args.dir``; 1 when there are none to read."""
+    try:
+        _say(guard.flight_report(args.dir))
+    except (OSError, ValueError) as exc:
+        _say(str(exc), file=sys.stderr)
+        return 1
+    return 0

@@ -451,12 +451,12 @@ def allgather(x, comm, out=None):
 
     With ``out`` (shape ``(size * n, ...)``) every rank must pass the same shape; no size exchange is needed.
     """
-    return _tracked(_begin(comm, "allgather", x, rows=True, sized=out is not None), _iallgather, x, comm, out, True)
+    return _tracked(_begin(comm, "allgather", x, rows=out is None, sized=out is not None), _iallgather, x, comm, out, True)
 
 
 def iallgather(x, comm, out=None):
     """Start an allgather; ``wait()`` returns the concatenated array."""
-    return _tracked(_begin(comm, "iallgather", x, rows=True, sized=out is not None), _iallgather, x, comm, out, False)
+    return _tracked(_begin(comm, "iallgather", x, rows=out is None, sized=out is not None), _iallgather, x, comm, out, False)
 
 
 def _iallgather(x, comm, out, _blocking):

@@ -16,11 +16,11 @@ import dataclasses
 import sys
 import time
 
-from . import fingerprint, flight, phases as _phases, record, settings as _settings_module, watchdog
+from . import config, fingerprint, flight, phases as _phases, record, watchdog
 from .fingerprint import DesyncError
 from .flight import report as flight_report
 from .phases import phase
-from .settings import Settings
+from .config import Settings
 from .watchdog import Watchdog, start_watchdog, stop_watchdog, wait_until_pipes_drained
 
 __all__ = ["DesyncError", "Settings", "settings", "configure", "phase", "dump_flight_record", "flight_report",
@@ -37,7 +37,7 @@ def _use(new):
         module.use_settings(new)
 
 
-_use(_settings_module.from_environment())
+_use(config.from_environment())
 
 
 def configure(**changes):

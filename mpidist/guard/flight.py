@@ -76,7 +76,7 @@ def _content(reason):
     calls.sort(key=lambda c: c["start"])
     return {"format": FORMAT, "rank": rank, "size": size, "job": _job, "host": socket.gethostname(),
             "pid": os.getpid(), "reason": reason, "time": time.time(),
-            "phases": [{"name": n, "seconds": a, "limit": lim} for n, a, lim in active_phases()],
+            "phases": [{"name": n, "seconds": a, "limit": lim} for n, a, lim in active_phases(every_thread=True)],
             "communicators": {key: entry.describe() for key, entry in comms.items()},
             "dtypes": list(fingerprint.dtype_names), "calls": calls}
 

@@ -4,8 +4,8 @@ Glossary:
 - record: one call, a list indexed by the constants below: the communicator's sequence number (-1 for
   point-to-point), op, the communicator's entry, bytes, peer (root of a rooted collective, dest/source
   of point-to-point, -1 otherwise), start and end (``time.monotonic``; end is None while in flight),
-  dtype code, element count, reduction, state (RUNNING, or CHECKING while in a desync check) and
-  whether a handle holds it. A record is also the token ``enter`` returns and ``leave`` takes.
+  dtype code, element count, reduction, and state (RUNNING, or CHECKING while in a desync check).
+  A record is also the token ``enter`` returns and ``leave`` takes.
 - entry: what this process knows of one communicator: its key, name, size, members, the number of
   collectives started on it, and its shadow (the private duplicate desync checks talk on).
 - key: a communicator's name that is the same on every member rank: its members' world ranks, its
@@ -30,7 +30,7 @@ from . import fingerprint
 
 __all__ = ["enter", "enter_p2p", "leave", "hold", "in_flight", "sequence", "entry_of", "snapshot", "summary", "Entry"]
 
-SEQ, OP, COMM, BYTES, PEER, START, END, DTYPE, COUNT, REDUCTION, STATE, HELD = range(12)
+SEQ, OP, COMM, BYTES, PEER, START, END, DTYPE, COUNT, REDUCTION, STATE = range(11)
 RUNNING, CHECKING = 0, 1
 
 _clock = time.monotonic
@@ -40,6 +40,7 @@ _check_bytes = 1 << 62    # settings.check_bytes, "never" when 0
 _ring = collections.deque(maxlen=2000)
 _held = {}                # id(record) -> record
 _entries = {}             # id(communicator) -> Entry (checked against a weak reference: ids are reused)
+_last = (None, None)      # (communicator, entry) of the last call: most calls use the one before's
 _ordinals = collections.Counter()
 
 
@@ -110,8 +111,10 @@ class Entry:
 
     def break_(self, reason):
         """Refuse every later call on this communicator (a check on its shadow can never complete)."""
+        global _last
         self.broken = reason
         self.ref = _nothing  # the next call takes the slow path, which raises
+        _last = (None, None)
 
     def describe(self):
         """Return the JSON-able description flight records carry."""
@@ -141,13 +144,19 @@ def enter(comm, op, x, nbytes, dtype_code, count, peer, reduction, sized=True):
     allgather into ``out``), so the size may decide whether to check. Collectives whose sizes differ by
     rank (allgather, alltoall) carry their fingerprint in their own metadata exchange instead.
     """
-    entry = _entries.get(id(comm))
-    if entry is None or entry.ref() is not comm:
-        entry = _register(comm)
+    global _last
+    last = _last
+    if comm is last[0]:
+        entry = last[1]
+    else:
+        entry = _entries.get(id(comm))
+        if entry is None or entry.ref() is not comm:
+            entry = _register(comm)
+        _last = (comm, entry)
     seq = entry.seq
     entry.seq = seq + 1
     checking = (_debug or (sized and nbytes >= _check_bytes)) and entry.size > 1
-    record = [seq, op, entry, nbytes, peer, _clock(), None, dtype_code, count, reduction, checking, False]
+    record = [seq, op, entry, nbytes, peer, _clock(), None, dtype_code, count, reduction, checking]
     _ring.append(record)
     if checking or entry.shadow is None:
         try:
@@ -167,10 +176,16 @@ def enter(comm, op, x, nbytes, dtype_code, count, peer, reduction, sized=True):
 
 def enter_p2p(comm, op, nbytes, peer):
     """Record the start of point-to-point ``op`` (send or recv) on ``comm``; return the record."""
-    entry = _entries.get(id(comm))
-    if entry is None or entry.ref() is not comm:
-        entry = _register(comm)
-    record = [-1, op, entry, nbytes, peer, _clock(), None, -1, -1, "", RUNNING, False]
+    global _last
+    last = _last
+    if comm is last[0]:
+        entry = last[1]
+    else:
+        entry = _entries.get(id(comm))
+        if entry is None or entry.ref() is not comm:
+            entry = _register(comm)
+        _last = (comm, entry)
+    record = [-1, op, entry, nbytes, peer, _clock(), None, -1, -1, "", RUNNING]
     _ring.append(record)
     return record
 
@@ -178,13 +193,12 @@ def enter_p2p(comm, op, nbytes, peer):
 def leave(record):
     """Record that the call of ``record`` completed (or failed)."""
     record[END] = _clock()
-    if record[HELD]:
+    if _held:
         _held.pop(id(record), None)
 
 
 def hold(record):
     """Keep ``record`` in flight until ``leave``, however many calls follow (a handle waits for it)."""
-    record[HELD] = True
     _held[id(record)] = record
 
 

@@ -27,7 +27,7 @@ import time
 from mpi4py import MPI
 
 from . import fingerprint, flight, record as _record
-from .phases import active_phases, phases_now
+from .phases import active_phases, innermost_limit
 
 __all__ = ["Watchdog", "start_watchdog", "stop_watchdog", "running", "status_line", "wait_until_pipes_drained"]
 
@@ -44,7 +44,7 @@ def status_line(rank):
     """Return what this rank is doing, in one line ('rank 2: in allreduce #3 on MPI_COMM_WORLD for 2.1 s')."""
     now = time.monotonic()
     pending = _record.in_flight()
-    phases = active_phases()
+    phases = active_phases(every_thread=True)
     where = f" (in phase {phases[-1][0]} for {phases[-1][1]:.1f} s)" if phases else ""
     if not pending:
         return f"rank {rank}: not in an mpidist collective{where}"
@@ -89,9 +89,9 @@ class Watchdog:
 
     def limit(self):
         """Return the limit of a call in flight now (seconds; 0: none)."""
-        phases = phases_now()
-        if phases:
-            return phases[-1][2]
+        limit = innermost_limit()
+        if limit is not None:
+            return limit
         return _settings.collective_timeout if self.timeout is None else self.timeout
 
     # -- answering others -------------------------------------------------------------------------
@@ -162,7 +162,7 @@ class Watchdog:
             if stuck:
                 self._fire(stuck[0], limit)
                 return
-        for name, age, phase_limit in active_phases():
+        for name, age, phase_limit in active_phases(every_thread=True):
             if phase_limit and age > phase_limit + stagger:
                 self._fire((name, age), phase_limit)
                 return
