@@ -271,17 +271,18 @@ def test_every_path_waits_for_the_producing_stream(path, kw, per_node):
 
 
 def test_staged_pipeline_order(comm):
-    """D2H k+1 is issued before MPI works on chunk k; H2D k-1 is in flight during MPI on chunk k."""
+    """D2H k+1 is issued before MPI works on chunk k; H2D k-1 is in flight during MPI on chunk k.
+
+    The staged path is forced on one rank too (it would pick "self" there): its chunks still go through MPI.
+    """
     device = FakeDevice(f"gpu{comm.Get_rank()}")
     rec = RecordingComm(comm, device.log)
-    gpu.attach(rec, device, path="staged" if comm.Get_size() > 1 else None, probe=NO, settings=TINY_CHUNKS)
+    assert gpu.attach(rec, device, path="staged", probe=NO, settings=TINY_CHUNKS).path == "staged"
     x = device.asarray(np.arange(14.0))  # 5 chunks of 3, 3, 3, 3, 2 elements
     start = len(device.log)
     mpidist.allreduce(x, rec)
     log = device.log[start:]
     np.testing.assert_array_equal(device.to_numpy(x), np.arange(14.0) * comm.Get_size())
-    if comm.Get_size() == 1:
-        return gpu.release(rec)  # the self path moves nothing
     chunks = chunk_bounds(14, 8, 24)
     assert len(chunks) == 5
     mpi = [i for i, e in enumerate(log) if e == ("mpi", "Allreduce")]
@@ -301,11 +302,27 @@ def test_staged_pipeline_order(comm):
     gpu.release(rec)
 
 
+def test_the_self_path_moves_nothing():
+    """One rank picks "self": no copies and no MPI call (COMM_SELF: real MPI in every run, one rank always)."""
+    device = FakeDevice("gpu0")
+    rec = RecordingComm(MPI.COMM_SELF, device.log)
+    assert gpu.attach(rec, device, probe=NO, settings=TINY_CHUNKS).path == "self"
+    try:
+        x = device.asarray(np.arange(14.0))
+        start = len(device.log)
+        for op in ("sum", "mean", "max"):
+            mpidist.allreduce(x, rec, op=op)
+        np.testing.assert_array_equal(device.to_numpy(x), np.arange(14.0))
+        moved = [e for e in device.log[start:] if e[0] in ("d2h", "h2d", "mpi", "pinned_alloc")]
+        assert moved == [], moved
+    finally:
+        gpu.release(rec)
+
+
 def test_staging_buffers_are_reused_and_only_grow(comm):
     device = FakeDevice(f"gpu{comm.Get_rank()}")
-    gpu.attach(comm, device, path="staged" if comm.Get_size() > 1 else None, probe=NO, settings=TINY_CHUNKS)
-    if comm.Get_size() == 1:
-        return gpu.release(comm)
+    # Forced on one rank too, where "self" would be chosen.
+    assert gpu.attach(comm, device, path="staged", probe=NO, settings=TINY_CHUNKS).path == "staged"
     size = comm.Get_size()
     allocs = []
     for n in (10, 10, 4, 16, 16, 8):
