@@ -11,7 +11,7 @@ from mpidist.collectives import allreduce
 from mpidist.nn import CrossEntropyLoss, Linear, Module, Sequential, Tanh
 from mpidist.optim import SGD
 from mpidist.parallel.mesh import mesh
-from mpidist.parallel.pipeline import Pipeline, Schedule, StepStats, one_f_one_b
+from mpidist.parallel.pipeline import Action, Kind, Pipeline, Schedule, StepStats, insert_comms, one_f_one_b
 
 IN, WIDTH, CLASSES = 3, 4, 3
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb_h1"]
@@ -200,16 +200,22 @@ def test_activation_memory_follows_the_schedule(comm, m):
     assert 1 <= peaks["zb_h1"].peak_pending_w <= min(rank + 1, m)
 
 
-@pytest.mark.world_sizes(2, 4)
-def test_custom_schedule_object(comm):
-    p = comm.Get_size()
-    train_schedule = one_f_one_b(p, 3)
-    renamed = Schedule("mine", p, 3, 1, train_schedule.actions)
-    chunks, _ = split_model(comm, "1f1b")
-    pipe = Pipeline(chunks[0], comm, 3, schedule=renamed, loss_fn=CrossEntropyLoss())
-    assert pipe.schedule.has_comms
-    x, y = batch(0, 5)
-    pipe.step(x, y)
+def newest_first_backward(p, m):
+    """A schedule that is none of the built-ins: GPipe's forwards, then the backwards newest micro-batch first."""
+    return Schedule("newest-first", p, m, 1, [[Action(r, Kind.F, k) for k in range(m)] +
+                                              [Action(r, Kind.B, k) for k in reversed(range(m))] for r in range(p)])
+
+
+@pytest.mark.parametrize("with_comms", [False, True], ids=["compute-only", "with-comms"])
+def test_custom_schedule_object(comm, with_comms):
+    """A hand-written Schedule, given with or without its send/recv actions, runs in its own order and trains
+    like one process on the whole batch (micro-batches of 5, 4 and 4 samples)."""
+    p, rank, m = comm.Get_size(), comm.Get_rank(), 3
+    custom = newest_first_backward(p, m)
+    pipe = train_and_compare(comm, insert_comms(custom) if with_comms else custom, m, n=13)
+    assert pipe.schedule.has_comms == (p > 1)
+    assert [a for a in pipe.actions if a.kind.is_compute] == list(custom.actions[rank])
+    assert pipe.stats.peak_activations == m  # every forward before the first backward
 
 
 # -- errors -------------------------------------------------------------------------------------------------
