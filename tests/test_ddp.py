@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 
-import mpidist
 from mpidist import nn, optim
 from mpidist.data import DistributedSampler
 from mpidist.parallel.ddp import DDP
@@ -160,21 +159,37 @@ def test_uneven_inputs_with_join(comm):
     assert_params_equal(ddp.state_dict(), reference_params("sgd", max(batches), reference_batch))
 
 
-@pytest.mark.world_sizes(2, 3)
-def test_join_without_optimizer_ends_with_equal_parameters(comm):
-    rank = comm.Get_rank()
+def join_batches(size, per_rank=4):
+    """Rank r has 2 + r batches of ``per_rank`` samples; returns (batch of rank r at step t, reference batch at t).
+
+    The reference batch of step t joins the batches of the ranks that still have data at t: equal slices, so
+    the mean of their mean gradients is its mean gradient.
+    """
+    def rank_batch(r, step):
+        return global_batch(step + 10 * r, per_rank)
+
+    def reference_batch(step):
+        parts = [rank_batch(r, step) for r in range(size) if 2 + r > step]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    return rank_batch, reference_batch
+
+
+@pytest.mark.world_sizes(2, 3, 4)
+def test_join_without_optimizer_ends_with_the_last_ranks_parameters(comm):
+    """Joined ranks stop stepping; at the end every rank gets the parameters of the last rank to finish, which
+    trained like one process on the batches of the ranks still active at each step."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    rank_batch, reference_batch = join_batches(size)
     ddp = DDP(make_model(), comm)
     opt = make_optimizer("sgd", ddp.parameters())
     crit = nn.CrossEntropyLoss()
     with ddp.join():
         for step in range(2 + rank):
-            x, y = global_batch(step + 10 * rank, 4)
+            x, y = rank_batch(rank, step)
             opt.zero_grad()
             train_step(ddp, opt, crit, x, y)
             opt.step()
-    flat = np.concatenate([v.ravel() for v in ddp.state_dict().values()])
-    gathered = mpidist.allgather(flat[np.newaxis], comm)
-    assert (gathered == gathered[0]).all()
+    assert_params_equal(ddp.state_dict(), reference_params("sgd", size + 1, reference_batch))
 
 
 class WithUnused(nn.Module):
@@ -301,22 +316,57 @@ def test_parameter_unused_on_one_rank_only_is_reported_everywhere(comm):
     np.testing.assert_allclose(ddp.module.b.grad, np.full(4, (size - 1) / size))
 
 
-@pytest.mark.world_sizes(2, 3)
-def test_join_with_no_sync_accumulation_and_buffers(comm):
+class CountsSamples(nn.Module):
+    """make_model() with a buffer its forward updates: the number of samples seen (a running statistic)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.net = make_model()
+        self.register_buffer("seen", np.full(1, 1000.0 * rank))  # differs per rank until DDP broadcasts it
+
+    def forward(self, x, mb=0):
+        self.seen[0] += len(x)
+        return self.net(x, mb)
+
+    def backward(self, grad_out, mb=0):
+        return self.net.backward(grad_out, mb)
+
+
+def train_with_join_and_no_sync(comm, module):
+    """Rank r runs 2 + r steps inside ``join(optimizer)``; each step accumulates two half-batches under
+    no_sync, so the gradient is that of the whole batch of 4."""
     rank = comm.Get_rank()
-    model = nn.Sequential(nn.Linear(3, 2, rng=np.random.default_rng(0), dtype=np.float64))
-    model.register_buffer("counter", np.full(1, float(rank)))
-    ddp = DDP(model, comm)
-    opt = optim.SGD(list(model.parameters()), lr=0.1)
+    rank_batch, _ = join_batches(comm.Get_size())
+    ddp = DDP(module, comm)
+    opt = make_optimizer("sgd", ddp.parameters())
+    crit = nn.CrossEntropyLoss()
     with ddp.join(opt):
-        for _ in range(2 + rank):
+        for step in range(2 + rank):
+            x, y = rank_batch(rank, step)
             opt.zero_grad()
             with ddp.no_sync():
-                ddp(np.ones((2, 3)))
-                ddp.backward(np.ones((2, 2)))
-            ddp(np.ones((2, 3)))
-            ddp.backward(np.ones((2, 2)))
+                train_step(ddp, opt, crit, x[:2], y[:2], scale=0.5)
+            train_step(ddp, opt, crit, x[2:], y[2:], scale=0.5)
             opt.step()
-    flat = np.concatenate([v.ravel() for v in ddp.state_dict().values()])
-    everyone = mpidist.allgather(flat[np.newaxis], comm)
-    assert (everyone == everyone[0]).all()
+    return ddp
+
+
+@pytest.mark.world_sizes(2, 3, 4)
+def test_join_with_no_sync_accumulation_trains_like_one_process(comm):
+    """Joined ranks step the optimizer with the averaged gradients: every rank ends with the parameters of one
+    process trained on the batches of the ranks still active at each step."""
+    size = comm.Get_size()
+    ddp = train_with_join_and_no_sync(comm, CountsSamples(comm.Get_rank()))
+    _, reference_batch = join_batches(size)
+    assert_params_equal(ddp.module.net.state_dict(), reference_params("sgd", size + 1, reference_batch))
+
+
+@pytest.mark.world_sizes(2, 3, 4)
+@pytest.mark.xfail(strict=True, reason="DDP bug: buffers are broadcast from rank 0 even after rank 0 joined, and "
+                                       "not synchronized when join ends")
+def test_join_with_no_sync_ends_with_the_buffers_of_one_process(comm):
+    """Buffers follow a rank that still has data (a joined rank's are stale), and every rank ends with those of
+    the last rank to finish: one process that saw its 2 + (size - 1) steps of two half-batches, 4 samples each."""
+    size = comm.Get_size()
+    ddp = train_with_join_and_no_sync(comm, CountsSamples(comm.Get_rank()))
+    np.testing.assert_array_equal(ddp.module.seen, [4.0 * (size + 1)])
