@@ -19,22 +19,43 @@ from mpidist.parallel.fsdp import FSDP, ShardingStrategy
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
 TOL = 1e-10
 BATCH = 72  # divisible by 1..4 ranks, and each slice by 2 and 3 micro-batches
-UNIT_SIZES = [35, 0, 77, 0, 156, 26, 65]  # per child of make_model(); 0: no parameters
 ITEMSIZE = 8
+
+# The children of make_model(): ("linear", fan_in, fan_out, bias), ("layernorm", features) or an activation.
+LAYERS = [("linear", 4, 7, True), ("tanh",), ("linear", 7, 11, False), ("relu",), ("linear", 11, 13, True),
+          ("layernorm", 13), ("linear", 13, 5, False)]
+
+
+def numel_of(kind, *dims):
+    """Elements of a layer's parameters, from its shape alone: a linear layer has fan_in * fan_out weights and
+    fan_out biases, a layer norm a scale and a shift per feature, an activation none."""
+    if kind == "linear":
+        fan_in, fan_out, bias = dims
+        return fan_in * fan_out + (fan_out if bias else 0)
+    if kind == "layernorm":
+        return 2 * dims[0]
+    return 0
+
+
+UNIT_SIZES = [numel_of(*layer) for layer in LAYERS]  # 35, 0, 77, 0, 156, 26, 65
 
 
 def make_model(seed=0, dtype=np.float64):
-    """Return the test MLP; children 0, 2, 4, 5, 6 hold parameters (sizes in UNIT_SIZES)."""
+    """Return the test MLP of LAYERS; children 0, 2, 4, 5, 6 hold parameters (sizes in UNIT_SIZES)."""
     rng = np.random.default_rng(seed)
-    return nn.Sequential(
-        nn.Linear(4, 7, rng=rng, dtype=dtype),                # 28 + 7 = 35
-        nn.Tanh(),
-        nn.Linear(7, 11, bias=False, rng=rng, dtype=dtype),   # 77
-        nn.ReLU(),
-        nn.Linear(11, 13, rng=rng, dtype=dtype),              # 143 + 13 = 156
-        nn.LayerNorm(13, dtype=dtype),                        # 26
-        nn.Linear(13, 5, bias=False, rng=rng, dtype=dtype),   # 65
-    )
+    build = {"linear": lambda i, o, bias: nn.Linear(i, o, bias=bias, rng=rng, dtype=dtype),
+             "layernorm": lambda d: nn.LayerNorm(d, dtype=dtype), "tanh": nn.Tanh, "relu": nn.ReLU}
+    return nn.Sequential(*(build[kind](*dims) for kind, *dims in LAYERS))
+
+
+def expected_shard(model, children, num_shards, rank):
+    """This rank's chunk of a unit's flat parameter, by the glossary's definition: the parameters of
+    ``children`` concatenated in order, zero-padded to ceil(numel / num_shards) * num_shards elements,
+    cut into ``num_shards`` equal chunks."""
+    flat = np.concatenate([p.data.ravel() for i in children for p in model[i].parameters()])
+    per_shard = math.ceil(flat.size / num_shards)
+    padded = np.concatenate([flat, np.zeros(per_shard * num_shards - flat.size, dtype=flat.dtype)])
+    return padded[rank * per_shard: (rank + 1) * per_shard]
 
 
 def batches(steps, seed=1, batch=BATCH):
@@ -103,7 +124,9 @@ def test_training_matches_single_process(comm, strategy, prefetch):
 
 
 def test_shards_are_uneven_for_this_model():
-    """Guard the premise: several units are not divisible by 2, 3 or 4."""
+    """Guard the premises: the formula's sizes are the model's, and several are not divisible by 2, 3 or 4."""
+    model = make_model()
+    assert [sum(p.data.size for p in child.parameters()) for child in model] == UNIT_SIZES
     uneven = [s for s in UNIT_SIZES if s and all(s % n for n in (2, 3, 4))]
     assert len(uneven) >= 3
 
@@ -134,7 +157,9 @@ def test_unit_choices_train_like_the_reference(comm, units, labels):
     fsdp = FSDP(model, comm, units=units)
     assert [u.label for u in fsdp.units] == labels
     n = comm.Get_size()
-    assert [u.shard_numel for u in fsdp.units] == [math.ceil(u.numel / n) for u in fsdp.units]
+    numels = [sum(UNIT_SIZES[int(i)] for i in label.split("+")) for label in labels]
+    assert [u.numel for u in fsdp.units] == numels
+    assert [u.shard_numel for u in fsdp.units] == [math.ceil(s / n) for s in numels]
     ref = make_model()
     opt, ref_opt = Adam(fsdp.parameters(), lr=1e-2), Adam(list(ref.parameters()), lr=1e-2)
     for x, y in batches(3):
@@ -279,6 +304,20 @@ def test_sharded_state_dict_round_trip(comm, strategy):
     got = fsdp.full_state_dict()
     assert list(got) == list(expected)
     assert all(np.array_equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_shards_hold_the_ranks_chunk_of_the_padded_flat_parameter(comm, strategy):
+    fsdp = FSDP(make_model(), comm, strategy=strategy)
+    n = 1 if strategy == "no_shard" else comm.Get_size()
+    rank = 0 if strategy == "no_shard" else comm.Get_rank()
+    reference = make_model()
+    saved = fsdp.sharded_state_dict()
+    assert list(saved) == ["0", "2", "4", "5", "6"]
+    for label, entry in saved.items():
+        want = expected_shard(reference, [int(label)], n, rank)
+        assert entry["shard"].dtype == want.dtype
+        np.testing.assert_array_equal(entry["shard"], want, err_msg=label)
 
 
 # -- memory ------------------------------------------------------------------------------------------------
