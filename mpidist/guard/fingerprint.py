@@ -29,8 +29,6 @@ stderr. Without a watchdog (no ``init()``), a straddle waits like any other hang
 compares the calls of every round itself, it raises ``CollectiveMismatchError`` on every rank.
 """
 
-import time
-
 import numpy as np
 from mpi4py import MPI
 
@@ -49,7 +47,7 @@ _MAX_DIMS = 8  # dims a mismatch report shows
 
 dtype_names = ()  # names of the dtype codes collectives use (set by mpidist.collectives)
 verdicts = {}      # id(record) -> DesyncError message, left by the watchdog for the waiting check
-mediated = False   # a watchdog runs and can resolve straddles (see the module docstring)
+waker = None       # the watchdog's Waker while one runs: it resolves straddles (see the module docstring)
 _abandoned = []    # requests of checks given up after a verdict: MPI may still touch their buffers
 
 
@@ -136,7 +134,8 @@ def check(entry, mine, x, token):
     k = len(mine)
     both = np.array(mine + [-v for v in mine], dtype=np.int64)
     _max_allreduce(entry, token, both)
-    if (both[:k] == -both[k:]).all():
+    result = both.tolist()  # a list compares faster than four small numpy operations
+    if result[:k] == [-v for v in result[k:]]:
         return
     row = np.array(mine + _dims(x), dtype=np.int64)
     rows = np.empty((entry.size, row.size), dtype=np.int64)
@@ -146,21 +145,22 @@ def check(entry, mine, x, token):
 
 def _max_allreduce(entry, token, both):
     shadow = entry.shadow
-    if not (mediated and isinstance(shadow, MPI.Comm)):
+    wake = waker.request() if waker is not None and isinstance(shadow, MPI.Comm) else None
+    if wake is None:
         shadow.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
         return
-    # With a watchdog, wait so that its verdict can end the wait (a blocking call could not be left).
+    # With a watchdog, wait for the check or for the watchdog's wake-up, whichever comes first: a
+    # verdict must be able to end the wait (a blocking call could not be left), and MPI's own wait
+    # costs what a blocking call costs (a loop of Test calls in Python cost 10-20 us per check).
     request = shadow.Iallreduce(MPI.IN_PLACE, both, op=MPI.MAX)
-    polls = 0
-    while not request.Test():
+    while MPI.Request.Waitany([request, wake]) != 0:
+        waker.consumed()
         verdict = verdicts.pop(id(token), None)
         if verdict is not None:
             _abandoned.append((request, both))
             entry.break_(verdict)  # its shadow holds a check that never completes: refuse later calls
             raise DesyncError(verdict)
-        polls += 1
-        if polls > 2000:  # the others are late: stop spinning on a core they may need
-            time.sleep(0.0002)
+        wake = waker.request()
 
 
 def compare_stamps(name, stamps):

@@ -209,6 +209,19 @@ def _state(call, now):
     return "completed"
 
 
+def _states(calls, ranks, by_rank):
+    """Return 'in flight for 2.0-2.4 s', 'completed', or both with the ranks of each."""
+    flying = [m for m in ranks if calls[m]["end"] is None]
+    ages = [by_rank[m]["time"] - calls[m]["start"] for m in flying]
+    span = "" if not ages else f"{min(ages):.1f} s" if max(ages) - min(ages) < 0.05 else f"{min(ages):.1f}-{max(ages):.1f} s"
+    checking = " (in the desync check)" if any(calls[m]["checking"] for m in flying) else ""
+    if len(flying) == len(ranks):
+        return f"in flight for {span}{checking}"
+    if not flying:
+        return "completed"
+    return f"in flight for {span}{checking} on ranks {flying}, completed on the others"
+
+
 def analyze(records):
     """Return the report's lines: per communicator, the first sequence number where ranks differ."""
     records = sorted(records, key=lambda r: r["rank"])
@@ -261,8 +274,7 @@ def _compare(key, comm, by_rank):
             continue
         out = [f"{label}: first difference at #{seq}"]
         for ranks in kinds.values():
-            states = {_state(here[m], by_rank[m]["time"]) for m in ranks}
-            out.append(f"  ranks {ranks}: {_call_text(here[ranks[0]], dtypes)}, {' / '.join(sorted(states))}")
+            out.append(f"  ranks {ranks}: {_call_text(here[ranks[0]], dtypes)}, {_states(here, ranks, by_rank)}")
         for m in never:
             before = calls[m].get(last[m])
             was = (f"; its last call here: #{last[m]} {before['op']}, {_state(before, by_rank[m]['time'])}" if before

@@ -24,6 +24,7 @@ import termios
 import threading
 import time
 
+import numpy as np
 from mpi4py import MPI
 
 from . import fingerprint, flight, record as _record
@@ -31,7 +32,7 @@ from .phases import active_phases, innermost_limit
 
 __all__ = ["Watchdog", "start_watchdog", "stop_watchdog", "running", "status_line", "wait_until_pipes_drained"]
 
-_QUERY, _REPLY = 31001, 31002
+_QUERY, _REPLY, _WAKE = 31001, 31002, 31003
 _settings = None  # the package's current Settings (set by configure)
 
 
@@ -56,6 +57,43 @@ def status_line(rank):
 
 
 # -- the watchdog thread -------------------------------------------------------------------------------
+class Waker:
+    """A receive the main thread's desync checks wait on beside their collective; a verdict completes it.
+
+    One receive stays posted (from the main thread) until a wake-up arrives; other threads' checks wait
+    without it (a blocking call: their straddles end at the collective timeout).
+    """
+
+    def __init__(self, world):
+        self.world, self.rank = world, world.Get_rank()
+        self._buffer = np.zeros(1, dtype=np.int64)
+        self._request = None
+        self._main = threading.main_thread().ident
+
+    def request(self):
+        """Return the pending wake-up receive (posting it), or None off the main thread."""
+        if threading.get_ident() != self._main:
+            return None
+        if self._request is None:
+            self._request = self.world.Irecv(self._buffer, source=self.rank, tag=_WAKE)
+        return self._request
+
+    def consumed(self):
+        """Forget the receive that just completed (the next wait posts a new one)."""
+        self._request = None
+
+    def wake(self):
+        """Complete the main thread's pending wait (from the watchdog thread)."""
+        self.world.Send(np.zeros(1, dtype=np.int64), dest=self.rank, tag=_WAKE)  # to itself: eager
+
+    def close(self):
+        """Withdraw the pending receive (main thread, before the watchdog's communicator is freed)."""
+        request, self._request = self._request, None
+        if request is not None:
+            request.Cancel()
+            request.Wait()
+
+
 class Watchdog:
     """Abort the job when a call or phase stays in flight longer than its limit; resolve straddles."""
 
@@ -77,6 +115,7 @@ class Watchdog:
         self._round = 0
         self._checked = {}  # id(record) -> when the last query about its straddle was made
         self._requests = []  # (reason, done event) of flight dumps this process asked every rank for
+        self.waker = Waker(self.world)
         self.fired = None
 
     def start(self):
@@ -188,6 +227,7 @@ class Watchdog:
             ahead = [r for r, s in replies.items() if any(c["comm"] == mine["comm"] and not c["checking"] for c in s["calls"])]
             self._ask(ahead, verdict=verdict, wait=min(self.reply_wait, 3.0))
             fingerprint.verdicts[id(rec)] = verdict
+            self.waker.wake()
 
     def _fire(self, what, limit):
         self.fired = what
@@ -271,7 +311,7 @@ def start_watchdog(world, timeout=None, **kwargs):
     flight.set_job(world.bcast(flight.new_job_id() if world.Get_rank() == 0 else None, root=0))
     flight.install_signal()
     _watchdog = Watchdog(world, timeout, **kwargs).start()
-    fingerprint.mediated = True
+    fingerprint.waker = _watchdog.waker
     atexit.register(stop_watchdog)  # runs before mpi4py's MPI_Finalize (registered earlier, runs later)
     return _watchdog
 
@@ -280,6 +320,8 @@ def stop_watchdog():
     """Stop the watchdog thread, if any."""
     global _watchdog
     if _watchdog is not None:
-        fingerprint.mediated = False
+        fingerprint.waker = None
+        if threading.current_thread() is threading.main_thread():
+            _watchdog.waker.close()
         _watchdog.stop()
         _watchdog = None
