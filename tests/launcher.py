@@ -5,9 +5,9 @@
 - ``MPIEXEC_FLAGS``: extra launcher flags, split like a shell would (``make`` puts Open MPI's
   ``--oversubscribe`` there, followed by the user's own).
 
-A test that starts processes carries the :data:`needed` mark and builds its command with :func:`mpiexec`.
-With no launcher at all it is skipped; but when ``MPIDIST_MPIEXEC`` names a launcher that cannot be found it
-fails, so that ``make test`` with a broken launcher cannot pass by skipping every launch.
+A test that starts processes carries the :data:`needed` mark, builds its command with :func:`mpiexec` and
+passes ``env=env()``. With no launcher at all it is skipped; but when ``MPIDIST_MPIEXEC`` names a launcher that
+cannot be found it fails, so that ``make test`` with a broken launcher cannot pass by skipping every launch.
 """
 
 import os
@@ -41,6 +41,17 @@ def available():
     """Return whether the launcher exists (a path, or a name found on PATH)."""
     path = launcher()
     return bool(path) and (os.path.isfile(path) or shutil.which(path) is not None)
+
+
+def env(**extra):
+    """Return the environment for a launched job: this process's environment as it started, plus ``extra``.
+
+    The test session has imported mpi4py, so it is an MPI singleton, and Open MPI 4 (Debian's, for one) then
+    writes its PMIx contact (``PMIX_*``, ``OMPI_MCA_ess=singleton``, ...) into the C environment. A child
+    started with the inherited environment (``env=None``) takes itself for part of that singleton: its mpiexec
+    exits 1 without a word, its ``MPI_Init`` hangs. ``os.environ`` was read before MPI started, so it is clean.
+    """
+    return dict(os.environ, **extra)
 
 
 def mpiexec(n, *command):

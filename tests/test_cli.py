@@ -35,8 +35,7 @@ def run_cli(*args, ranks=None, timeout=120):
     cmd = [sys.executable, "-m", "mpidist", *args]
     if ranks is not None:
         cmd = launcher.mpiexec(ranks, *cmd)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=launcher.env(OMP_NUM_THREADS="1"))
 
 
 def assert_row_matches_formula(row, ranks):
@@ -231,6 +230,20 @@ def test_launches_use_the_configured_launcher_and_flags(tmp_path, monkeypatch):
     assert "ranks        2" in result.stdout
     assert log.read_text().splitlines() == ["--made-up", "two words", *real_flags,
                                             "-n", "2", sys.executable, "-m", "mpidist", "info"]
+
+
+@pytest.mark.mpi_skip
+def test_launched_jobs_get_the_environment_python_started_with():
+    # What Open MPI 4's singleton init does with PMIX_* (os.putenv writes the C environment, not os.environ):
+    # a child that inherits it takes itself for part of this process's MPI job.
+    os.putenv("MPIDIST_TEST_LEAKED", "1")
+    try:
+        show = [sys.executable, "-c", "import os; print(os.environ.get('MPIDIST_TEST_LEAKED'))"]
+        assert subprocess.run(show, capture_output=True, text=True).stdout.split() == ["1"]
+        assert subprocess.run(show, capture_output=True, text=True, env=launcher.env()).stdout.split() == ["None"]
+        assert launcher.env(A="b") == dict(os.environ, A="b")
+    finally:
+        os.unsetenv("MPIDIST_TEST_LEAKED")
 
 
 @pytest.mark.mpi_skip

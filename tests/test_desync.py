@@ -143,7 +143,7 @@ def test_sim_rank_raising_before_a_collective_releases_the_others():
 ])
 def test_watchdog_reports_and_aborts(kind, arrived, missing):
     proc = subprocess.run(launcher.mpiexec(4, sys.executable, os.path.join(ROOT, "tests", "jobs", "hang.py"), kind),
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=launcher.env())
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert "mpidist watchdog:" in out and "did not complete within 2 s" in out and "aborting the job" in out, out

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import launcher
 import mpidist
 from mpidist.launch import LaunchError, _check_world, detect_launcher, expected_world_size
 
@@ -113,7 +114,8 @@ def test_abort_happens_even_when_nobody_reads_the_traceback():
             "from mpidist.launch import install_abort_on_error\n"
             "install_abort_on_error(MPI.COMM_WORLD, backstop=1.0)\n"
             "raise ValueError('x' * 300_000)  # far more than a pipe holds: the report blocks\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env=launcher.env())
     start = time.monotonic()
     try:
         status = proc.wait(timeout=30)  # stderr is never read while it runs

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.mpi_skip, launcher.needed]
 
 def run(args, timeout=120, **kwargs):
     return subprocess.run(launcher.mpiexec(4, sys.executable, *args), capture_output=True, text=True,
-                          timeout=timeout, **kwargs)
+                          timeout=timeout, env=launcher.env(), **kwargs)
 
 
 def test_uncaught_exception_on_one_rank_ends_the_job_with_its_traceback():
@@ -81,7 +81,8 @@ def test_preemption_signal_on_one_rank_saves_everywhere_at_one_step(strategy, tm
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     os.makedirs(out)
     proc = subprocess.Popen(launcher.mpiexec(4, sys.executable, JOB, "--strategy", strategy, "--ckpt", ckpt,
-                                             "--out", out, "--step-seconds", "0.25"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                             "--out", out, "--step-seconds", "0.25"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=launcher.env())
     progress = os.path.join(out, "progress")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
