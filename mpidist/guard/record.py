@@ -92,7 +92,10 @@ class Entry:
         ordinal = _ordinals[basis]
         _ordinals[basis] += 1
         if self.members is None:
-            self.key = f"{label}#{ordinal}"
+            # SimComm: one process holds every rank, so a per-process ordinal depends on which ranks used
+            # which communicators before; the shared context's id is the same on every rank and unique.
+            context = getattr(comm, "_ctx", None)
+            self.key = f"{label}#{context.id if context is not None else ordinal}"
         else:
             self.key = f"{span(self.members)}{':' + label if label else ''}#{ordinal}"
         self.name = label or f"comm {self.key}"
