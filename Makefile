@@ -111,8 +111,7 @@ test-slurm: venv
 bench-plot: venv
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[plot]'
 	mkdir -p $(BENCH_OUT)
-	OMP_NUM_THREADS=1 $(LAUNCH) -n 2 $(PY) -m mpidist bench allreduce allgather reduce_scatter alltoall bcast sendrecv \
-		--sizes 8:64M --plot $(BENCH_OUT)/bench.png --json $(BENCH_OUT)/bench.json
+	OMP_NUM_THREADS=1 $(LAUNCH) -n 2 $(PY) -m mpidist bench --sizes 8:64M --plot $(BENCH_OUT)/bench.png --json $(BENCH_OUT)/bench.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info
