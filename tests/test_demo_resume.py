@@ -26,7 +26,7 @@ pytest.importorskip("sklearn", reason="the digits demo needs scikit-learn (the e
 
 def demo(n, *args, timeout=180):
     return subprocess.run(launcher.mpiexec(n, sys.executable, DEMO, *args), capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=launcher.env())
 
 
 def check_ok(proc):
@@ -60,7 +60,7 @@ def test_stopped_mid_epoch_and_resumed_as_a_pipeline_of_another_size_matches_its
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     job = subprocess.Popen(launcher.mpiexec(4, sys.executable, DEMO, "--ckpt", ckpt, "--epochs", "3",
                                             "--epoch-seconds", "1.5"),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launcher.env())
     first_epoch = os.path.join(ckpt, "step_00000023", "manifest.json")  # saved after epoch 1
     deadline = time.monotonic() + 120
     while not os.path.exists(first_epoch) and time.monotonic() < deadline and job.poll() is None:

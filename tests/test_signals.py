@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.mpi_skip, launcher.needed]
 
 def start(args):
     return subprocess.Popen(launcher.mpiexec(NP, sys.executable, *args), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=launcher.env())
 
 
 def wait_for(predicate, timeout=60, what="the job to get going"):
@@ -101,12 +101,13 @@ def test_ctrl_c_stops_every_rank_after_one_step_saves_and_exits_99(tmp_path):
 
     # The reference: the same job never interrupted. Resumed, the stopped one ends bit for bit the same.
     resumed = subprocess.run(launcher.mpiexec(NP, sys.executable, JOB, "--strategy", "ddp", "--ckpt", ckpt,
-                                              "--out", out), capture_output=True, text=True, timeout=120)
+                                              "--out", out), capture_output=True, text=True, timeout=120,
+                             env=launcher.env())
     assert resumed.returncode == 0 and f"resumed from step {step}" in resumed.stdout, resumed.stdout + resumed.stderr
     ref_out = str(tmp_path / "ref")
     reference = subprocess.run(launcher.mpiexec(NP, sys.executable, JOB, "--strategy", "ddp", "--ckpt",
                                                 str(tmp_path / "ref-ckpt"), "--out", ref_out),
-                               capture_output=True, text=True, timeout=120)
+                               capture_output=True, text=True, timeout=120, env=launcher.env())
     assert reference.returncode == 0, reference.stdout + reference.stderr
     got, want = final_params(out), final_params(ref_out)
     assert got.keys() == want.keys() and got
