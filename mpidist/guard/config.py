@@ -24,7 +24,7 @@ class Settings:
     """
 
     desync: bool = False
-    check_bytes: int = 4 << 20
+    check_bytes: int = 32 << 20  # measured: docs/reliability.md, benchmarks/guard_cost.py
     collective_timeout: float = 300.0
     checkpoint_timeout: float = 1800.0
     desync_grace: float = 1.0
