@@ -139,6 +139,16 @@ def entry_of(comm):
     return entry if entry is not None and entry.ref() is comm else _register(comm)
 
 
+def _lookup(comm):
+    """Return ``comm``'s entry (registering it) and remember it as the last one used."""
+    global _last
+    entry = _entries.get(id(comm))
+    if entry is None or entry.ref() is not comm:
+        entry = _register(comm)
+    _last = (comm, entry)
+    return entry
+
+
 def enter(comm, op, x, nbytes, dtype_code, count, peer, reduction, sized=True):
     """Record the start of collective ``op`` on ``comm``; check its fingerprint when due; return the record.
 
@@ -147,15 +157,8 @@ def enter(comm, op, x, nbytes, dtype_code, count, peer, reduction, sized=True):
     allgather into ``out``), so the size may decide whether to check. Collectives whose sizes differ by
     rank (allgather, alltoall) carry their fingerprint in their own metadata exchange instead.
     """
-    global _last
     last = _last
-    if comm is last[0]:
-        entry = last[1]
-    else:
-        entry = _entries.get(id(comm))
-        if entry is None or entry.ref() is not comm:
-            entry = _register(comm)
-        _last = (comm, entry)
+    entry = last[1] if comm is last[0] else _lookup(comm)  # the same communicator as last time: no dict lookup
     seq = entry.seq
     entry.seq = seq + 1
     checking = (_debug or (sized and nbytes >= _check_bytes)) and entry.size > 1
@@ -179,15 +182,8 @@ def enter(comm, op, x, nbytes, dtype_code, count, peer, reduction, sized=True):
 
 def enter_p2p(comm, op, nbytes, peer):
     """Record the start of point-to-point ``op`` (send or recv) on ``comm``; return the record."""
-    global _last
     last = _last
-    if comm is last[0]:
-        entry = last[1]
-    else:
-        entry = _entries.get(id(comm))
-        if entry is None or entry.ref() is not comm:
-            entry = _register(comm)
-        _last = (comm, entry)
+    entry = last[1] if comm is last[0] else _lookup(comm)  # the same communicator as last time: no dict lookup
     record = [-1, op, entry, nbytes, peer, _clock(), None, -1, -1, "", RUNNING]
     _ring.append(record)
     return record
