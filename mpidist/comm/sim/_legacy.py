@@ -22,7 +22,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .errors import CollectiveMismatchError, DeadlockError, RankFailedError, SimAbort, WatchdogTimeout
+from ..errors import CollectiveMismatchError, DeadlockError, RankFailedError, SimAbort, WatchdogTimeout
 
 __all__ = ["SimComm", "SimRequest", "simulate"]
 

@@ -1,0 +1,28 @@
+"""MPI's own exception for errors MPI reports, so callers catch the same class under mpiexec and here."""
+
+from mpi4py import MPI
+
+__all__ = ["SimMPIError", "mpi_error"]
+
+
+class SimMPIError(MPI.Exception, ValueError):
+    """``MPI.Exception`` with MPI's error class and our explanation of the values that caused it.
+
+    Also a ValueError: argument errors (a bad root or rank) raised ValueError before they carried MPI's
+    error class, and callers written against that keep working.
+    """
+
+    def __init__(self, error_class, message):
+        super().__init__(error_class)
+        self.message = message
+
+    def __str__(self):
+        return f"{MPI.Get_error_string(self.Get_error_class())}: {self.message}"
+
+    def __reduce__(self):
+        return (SimMPIError, (self.Get_error_class(), self.message))
+
+
+def mpi_error(error_class, message):
+    """Return an ``MPI.Exception`` of ``error_class`` whose text also says ``message``."""
+    return SimMPIError(error_class, message)
