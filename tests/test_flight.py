@@ -161,7 +161,7 @@ def test_a_dump_is_valid_json_with_this_process_calls(tmp_path):
 
 # -- under mpiexec: the three ways records get written ---------------------------------------------------
 def run_job(n, *args, tmp, env=None, timeout=60):
-    full = dict(os.environ, MPIDIST_FLIGHT_DIR=str(tmp), **(env or {}))
+    full = launcher.env(MPIDIST_FLIGHT_DIR=str(tmp), **(env or {}))
     proc = subprocess.run(launcher.mpiexec(n, sys.executable, JOB, *args), capture_output=True, text=True,
                           timeout=timeout, env=full, cwd=str(tmp))
     return proc.returncode, proc.stdout + proc.stderr
@@ -174,7 +174,7 @@ def report(tmp):
 
 
 @pytest.mark.mpi_skip
-@pytest.mark.skipif(not launcher.available(), reason="no mpiexec")
+@launcher.needed
 @pytest.mark.parametrize("n", [2, 3])
 def test_watchdog_timeout_writes_every_rank_and_the_report_names_who_never_arrived(n, tmp_path):
     code, out = run_job(n, "skip", tmp=tmp_path, env={"MPIDIST_COLLECTIVE_TIMEOUT": "2"})
@@ -189,7 +189,7 @@ def test_watchdog_timeout_writes_every_rank_and_the_report_names_who_never_arriv
 
 
 @pytest.mark.mpi_skip
-@pytest.mark.skipif(not launcher.available(), reason="no mpiexec")
+@launcher.needed
 def test_an_abort_writes_every_rank(tmp_path):
     code, out = run_job(3, "abort", tmp=tmp_path)
     assert code != 0 and "RuntimeError: bad batch on rank 2" in out, out
@@ -200,12 +200,12 @@ def test_an_abort_writes_every_rank(tmp_path):
 
 
 @pytest.mark.mpi_skip
-@pytest.mark.skipif(not launcher.available(), reason="no mpiexec")
+@launcher.needed
 def test_sigusr2_dumps_a_rank_blocked_inside_mpi(tmp_path):
     records = tmp_path / "records"
     proc = subprocess.Popen(launcher.mpiexec(2, sys.executable, JOB, "sigusr2", str(tmp_path)), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path),
-                            env=dict(os.environ, MPIDIST_FLIGHT_DIR=str(records)))
+                            env=launcher.env(MPIDIST_FLIGHT_DIR=str(records)))
     try:
         deadline = time.monotonic() + 30
         while not all((tmp_path / f"pid{r}").exists() for r in range(2)) and time.monotonic() < deadline:

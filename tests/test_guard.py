@@ -172,14 +172,14 @@ def test_straddling_sizes_on_the_simulator_move_no_data(large):
 
 
 def run_job(*args, env=None, timeout=60):
-    full_env = dict(os.environ, **(env or {}))
+    full_env = launcher.env(**(env or {}))
     proc = subprocess.run(launcher.mpiexec(args[0], sys.executable, JOB, *map(str, args[1:])), capture_output=True,
                           text=True, timeout=timeout, env=full_env, cwd=env.get("TMP_CWD") if env else None)
     return proc.returncode, proc.stdout + proc.stderr
 
 
 @pytest.mark.mpi_skip
-@pytest.mark.skipif(not launcher.available(), reason="no mpiexec")
+@launcher.needed
 @pytest.mark.parametrize("n, large", [(2, 0), (2, 1), (3, 1)])
 def test_straddling_sizes_under_mpiexec_end_in_desync_error(n, large, tmp_path):
     code, out = run_job(n, "straddle", large, env={"MPIDIST_CHECK_BYTES": "65536",
@@ -247,7 +247,7 @@ def test_checkpoint_save_and_load_run_in_the_checkpoint_phase(comm, tmp_path):
 
 
 @pytest.mark.mpi_skip
-@pytest.mark.skipif(not launcher.available(), reason="no mpiexec")
+@launcher.needed
 def test_a_checkpoint_phase_has_its_own_limit(tmp_path):
     env = {"MPIDIST_FLIGHT_DIR": str(tmp_path), "TMP_CWD": str(tmp_path)}
     # 3 s inside the checkpoint phase: fine with a 30 s checkpoint limit though collectives get 1 s.
