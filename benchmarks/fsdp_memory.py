@@ -4,6 +4,10 @@ Run from the repo root (spawns ``mpiexec -n N`` for each N, one worker per rank)
 
     .venv/bin/python benchmarks/fsdp_memory.py --json fsdp_memory.json
 
+The launcher is the one ``make`` configures, as for the tests (tests/launcher.py): ``MPIDIST_MPIEXEC``
+(default: the mpiexec next to this Python, else the one on PATH) with ``MPIEXEC_FLAGS`` (e.g.
+``--oversubscribe`` for -n 4 on fewer cores under Open MPI).
+
 Memory is counted exactly from the arrays each wrapper owns (not RSS): FSDP from ``memory_stats(optimizer)``;
 DDP as module parameters + its flat gradient buckets + Adam state. ``peak_bytes`` is persistent bytes plus the
 peak of transient gathered parameters and full-size gradient buffers during the last step (activations are
@@ -14,6 +18,8 @@ import argparse
 import json
 import math
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -124,15 +130,27 @@ def run_worker(args):
         print("ROWS " + json.dumps(rows), flush=True)
 
 
+def launch_command(n):
+    """Return the launcher and its flags for ``n`` ranks, chosen as tests/launcher.py chooses them."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    mpiexec = os.environ.get("MPIDIST_MPIEXEC") or (beside if os.path.exists(beside) else shutil.which("mpiexec"))
+    if not mpiexec or not (os.path.isfile(mpiexec) or shutil.which(mpiexec)):
+        sys.exit(f"fsdp_memory: no launcher (MPIDIST_MPIEXEC={os.environ.get('MPIDIST_MPIEXEC', '')!r}, "
+                 f"no mpiexec next to {sys.executable} or on PATH): set MPIDIST_MPIEXEC")
+    return [mpiexec, *shlex.split(os.environ.get("MPIEXEC_FLAGS", "")), "-n", str(n)]
+
+
 def run_driver(args):
     here = os.path.abspath(__file__)
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     rows = []
     for n in args.ranks:
-        cmd = [mpiexec, "-n", str(n), sys.executable, here, "--worker", "--width", str(args.width),
+        cmd = [*launch_command(n), sys.executable, here, "--worker", "--width", str(args.width),
                "--layers", str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--strategies", *args.strategies]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"fsdp_memory: {shlex.join(cmd)} exited with {proc.returncode}:\n{proc.stdout}{proc.stderr}")
+        out = proc.stdout
         rows += json.loads(next(line[5:] for line in out.splitlines() if line.startswith("ROWS ")))
     ddp = {r["ranks"]: r["persistent_bytes"] for r in rows if r["strategy"] == "ddp"}
     mib = 1024 * 1024

@@ -233,6 +233,24 @@ def test_launches_use_the_configured_launcher_and_flags(tmp_path, monkeypatch):
 
 
 @pytest.mark.mpi_skip
+def test_the_fsdp_memory_benchmark_starts_its_ranks_with_the_configured_launcher(tmp_path, monkeypatch):
+    real = launcher.mpiexec(1, "true")  # skips if there is no launcher at all
+    real_launcher, real_flags = real[0], real[1:-3]
+    log, wrapper = tmp_path / "argv", tmp_path / "my-mpiexec"
+    wrapper.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{log}"\nshift\nexec "{real_launcher}" "$@"\n')
+    wrapper.chmod(0o755)
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "fsdp_memory.py")
+    env = launcher.env(MPIDIST_MPIEXEC=str(wrapper), MPIEXEC_FLAGS="--made-up " + shlex.join(real_flags),
+                       OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, script, "--ranks", "1", "--width", "8", "--layers", "2", "--steps", "1",
+                             "--warmup", "0", "--strategies", "ddp"], capture_output=True, text=True, timeout=120,
+                            env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| ddp | 1 |" in result.stdout, result.stdout
+    assert log.read_text().splitlines()[:len(real_flags) + 3] == ["--made-up", *real_flags, "-n", "1"]
+
+
+@pytest.mark.mpi_skip
 def test_launched_jobs_get_the_environment_python_started_with():
     # What Open MPI 4's singleton init does with PMIX_* (os.putenv writes the C environment, not os.environ):
     # a child that inherits it takes itself for part of this process's MPI job.
