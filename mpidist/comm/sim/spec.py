@@ -91,8 +91,6 @@ def typemap(dt):
 
 
 def _format_datatype(fmt):
-    if fmt == "B":
-        return MPI.BYTE
     if fmt and fmt[0] in "@=<>!":
         fmt = fmt[1:]
     try:

@@ -1,0 +1,140 @@
+"""Matching engine: the state one simulated run shares, collective rounds, and point-to-point matching.
+
+Glossary:
+- universe: everything one ``simulate`` call shares: the lock, the failure flag, the deadlock bookkeeping
+  and the match-order generator. Every communicator derived from the world lives in the same universe.
+- context: the shared state of one communicator (its members, collective rounds, mailboxes).
+- round: one collective call, matched across ranks by its per-communicator sequence number.
+  The last rank to arrive checks that every rank called the same thing and computes all results.
+- envelope: (source, tag, payload, kind) of a message in a mailbox; payload is packed bytes (buffer
+  messages) or pickled bytes (object messages).
+
+Point-to-point messages match posted receives in posting order and are non-overtaking per sender.
+Among the messages that may legally match a wildcard receive (the oldest matching one of each sender),
+the default takes the oldest (FIFO); with a seed the universe picks one at random, as MPI allows.
+"""
+
+import itertools
+import random
+import threading
+import time
+
+from mpi4py import MPI
+
+from ..errors import DeadlockError, RankFailedError, WatchdogTimeout
+
+__all__ = ["Universe", "Context", "Round", "ANY_SOURCE", "ANY_TAG"]
+
+ANY_SOURCE, ANY_TAG = MPI.ANY_SOURCE, MPI.ANY_TAG
+
+
+class Universe:
+    """State shared by every simulated rank of one ``simulate`` run."""
+
+    def __init__(self, size, timeout=None, seed=None, ranks_per_node=None):
+        self.cond = threading.Condition()
+        self.size = size
+        self.timeout = timeout       # watchdog: seconds one wait may last (None: forever)
+        self.alive = size
+        self.failure = None          # (world rank, exception) of the first rank that failed
+        self.epoch = 0               # bumped on every state change, for deadlock detection
+        self.waiting = {}            # world rank -> (epoch it last found its wait unsatisfied, description)
+        self.deadlock = None
+        self.seed = seed
+        self.rng = random.Random(seed) if seed is not None else None
+        self.ranks_per_node = ranks_per_node or size
+        self.attrs = {}              # universe-wide state other modules keep (keyvals, published names)
+
+    def changed(self):
+        self.epoch += 1
+        self.cond.notify_all()
+
+    def wait_until(self, world_rank, ready, what):
+        """Block (lock held) until ``ready()``; raise if another rank failed, all ranks are stuck, or the watchdog fires."""
+        if ready():
+            return
+        started = time.monotonic()
+        try:
+            while not ready():
+                if self.timeout is not None and time.monotonic() - started > self.timeout:
+                    busy = [r for r in range(self.size) if r not in self.waiting and r != world_rank]
+                    lines = "; ".join(f"rank {r} waits in {self.waiting[r][1]}" for r in sorted(self.waiting))
+                    raise WatchdogTimeout(f"watchdog: rank {world_rank} waited more than {self.timeout:g} s in {what}; "
+                                          f"{lines}{'; ' if lines else ''}ranks not in a communication call: {busy}")
+                if self.failure is not None and self.failure[0] != world_rank:
+                    r, exc = self.failure
+                    raise RankFailedError(f"simulated rank {r} failed ({type(exc).__name__}: {exc}); rank {world_rank} was released from {what}")
+                if self.deadlock is not None:
+                    raise DeadlockError(self.deadlock)
+                self.waiting[world_rank] = (self.epoch, what)
+                stuck = [r for r, (e, _) in self.waiting.items() if e == self.epoch]
+                if len(stuck) == self.alive:
+                    lines = "; ".join(f"rank {r} waits in {self.waiting[r][1]}" for r in sorted(stuck))
+                    self.deadlock = f"deadlock: every live simulated rank is blocked: {lines}"
+                    self.changed()
+                    raise DeadlockError(self.deadlock)
+                self.cond.wait(timeout=5.0 if self.timeout is None else min(5.0, self.timeout / 4))
+        finally:
+            self.waiting.pop(world_rank, None)
+
+
+class Round:
+    """One collective call on one communicator, filled in as ranks arrive."""
+
+    __slots__ = ("calls", "arrived", "departed", "done", "error", "results")
+
+    def __init__(self, size):
+        self.calls = [None] * size
+        self.arrived = 0
+        self.departed = 0
+        self.done = False
+        self.error = None
+        self.results = [None] * size
+
+
+class Context:
+    """Shared state of one communicator: members, collective rounds and point-to-point queues."""
+
+    _ids = itertools.count()
+
+    def __init__(self, universe, world_ranks, name, topo=None):
+        self.universe = universe
+        self.world_ranks = list(world_ranks)
+        self.name = name
+        self.id = next(self._ids)
+        self.rounds = {}
+        self.unexpected = [[] for _ in self.world_ranks]   # per destination: envelopes nobody has asked for yet
+        self.posted = [[] for _ in self.world_ranks]       # per destination: receives waiting for a message
+        self.topo = topo                                   # Cartesian/graph layout, or None
+
+    def take(self, dest, source, tag, remove=True):
+        """Return (lock held) the envelope a receive (source, tag) at ``dest`` matches now, or None."""
+        queue = self.unexpected[dest]
+        if not queue:
+            return None
+        rng = self.universe.rng
+        if rng is None or (source != ANY_SOURCE and tag != ANY_TAG):
+            for i, env in enumerate(queue):
+                if (source == ANY_SOURCE or env[0] == source) and (tag == ANY_TAG or env[1] == tag):
+                    return queue.pop(i) if remove else env
+            return None
+        # Any sender's oldest matching message may match (non-overtaking holds per sender only).
+        firsts, seen = [], set()
+        for i, env in enumerate(queue):
+            if env[0] not in seen and (source == ANY_SOURCE or env[0] == source) and (tag == ANY_TAG or env[1] == tag):
+                seen.add(env[0])
+                firsts.append(i)
+        if not firsts:
+            return None
+        i = firsts[rng.randrange(len(firsts))] if len(firsts) > 1 else firsts[0]
+        return queue.pop(i) if remove else queue[i]
+
+    def deliver(self, dest, env):
+        """Hand (lock held) an envelope to the oldest matching posted receive at ``dest``, else queue it."""
+        posted = self.posted[dest]
+        for i, recv in enumerate(posted):
+            if (recv.source == ANY_SOURCE or recv.source == env[0]) and (recv.tag == ANY_TAG or recv.tag == env[1]):
+                del posted[i]
+                recv.envelope = env
+                return
+        self.unexpected[dest].append(env)
