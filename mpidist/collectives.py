@@ -13,6 +13,7 @@ Nonblocking calls on device arrays complete before they return (their handle is 
 import atexit
 import collections
 import contextlib
+import functools
 import math
 import time
 import weakref
@@ -47,9 +48,43 @@ _BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "prod": MPI.LAND, "min": MPI.LAND}
 _OP_NAMES = REDUCTIONS
 _DTYPE_NAMES = tuple(dt.name for dt in SUPPORTED_DTYPES)
 _guard.name_dtypes(_DTYPE_NAMES)  # desync reports name dtypes by these codes
+# float16: MPI 3.1 has no float16 datatype (Open MPI 4.1's mpi4py raises ``KeyError: 'e'`` on such a buffer).
+# Copies (broadcast, allgather, send/recv) carry float16 as its uint16 bit patterns on every MPI: exact, and
+# one code path everywhere. Reductions use MPI's own float16 where this MPI reduces it (MPICH: MPIX_C_FLOAT16),
+# else a float32 copy, rounded to float16 once at the end: twice the bytes on the wire, no precision lost.
+_FLOAT16 = np.dtype(np.float16)
+_COPY_AS = {_FLOAT16: np.dtype(np.uint16)}
+
+
+def _mpi_reduces_float16():
+    """Return whether this MPI can sum float16 buffers (it has a datatype for them and SUM takes it)."""
+    ones = np.ones(2, dtype=_FLOAT16)
+    try:
+        MPI.SUM.Reduce_local(ones[:1], ones[1:])
+    except (KeyError, ValueError, NotImplementedError, MPI.Exception):
+        return False
+    return bool(ones[1] == 2)
+
+
+_FLOAT16_REDUCES = _mpi_reduces_float16()
+
+
+def _wire(buf):
+    """Return numpy or device buffer ``buf`` as MPI should carry it in a copy: float16 as uint16, else itself."""
+    kind = _COPY_AS.get(buf.dtype)
+    return buf if kind is None else buf.view(kind)
+
+
+def _widened(x):
+    """Return whether reducing array ``x`` goes through a float32 copy (float16 on an MPI that cannot reduce it)."""
+    return x.dtype == _FLOAT16 and not _FLOAT16_REDUCES and isinstance(x, np.ndarray)
+
+
 # Communicator types the fast paths take without further checks (COMM_NULL is a plain MPI.Comm and
 # intercommunicators an MPI.Intercomm: both go the general way, which refuses them with a clear error).
 _PLAIN_COMMS = frozenset({MPI.Intracomm, SimComm})
+# Dtypes the broadcast fast path hands to MPI as they are (float16 goes the general way, as uint16).
+_NATIVE_COPY = frozenset(dt for dt in SUPPORTED_DTYPES if dt not in _COPY_AS)
 
 
 # -- tracking: the guard's record of every call (flight recorder, watchdog) and its desync check ------
@@ -153,8 +188,11 @@ def _resolve_op(fn, op, dtype):
 
 
 # (op name, dtype) -> (MPI op, divide by size?) for every valid pair: the allreduce fast path's lookup.
+# float16 is left to the general path, which decides how to carry it (see _widened).
 _FAST_ALLREDUCE = {}
 for _dtype in SUPPORTED_DTYPES:
+    if _dtype in _COPY_AS:
+        continue
     for _name in _OP_NAMES:
         try:
             _FAST_ALLREDUCE[(_name, _dtype)] = _resolve_op("allreduce", _name, _dtype) + (_DTYPE_CODE[_dtype],)
@@ -334,7 +372,10 @@ def _iallreduce(x, comm, op, _blocking):
     mpi_op, mean = _resolve_op("allreduce", op, x.dtype)
     _check_writable("allreduce", x)
     size = comm.Get_size()
-    if isinstance(x, np.ndarray) and x.flags.c_contiguous:
+    if _widened(x):
+        buf = x.astype(np.float32)
+        write_back = functools.partial(np.copyto, x, buf, casting="same_kind")  # rounds once, after the mean
+    elif isinstance(x, np.ndarray) and x.flags.c_contiguous:
         if _blocking:
             comm.Allreduce(MPI.IN_PLACE, x, op=mpi_op)
             if mean:
@@ -347,13 +388,13 @@ def _iallreduce(x, comm, op, _blocking):
     else:
         ctx = _on_host(x)
         buf = ctx.__enter__()
-        write_back = ctx
+        write_back = functools.partial(ctx.__exit__, None, None, None)
 
     def finish():
         if mean:
             buf[...] /= size
         if write_back is not None:
-            write_back.__exit__(None, None, None)
+            write_back()
         return x
 
     if _blocking:
@@ -366,7 +407,7 @@ def broadcast(x, comm, root=0):
     """Overwrite ``x`` on every rank with ``root``'s ``x``; return ``x``."""
     # Fast path, as for allreduce: a contiguous writable numpy array of a supported dtype and a valid root.
     try:
-        fast = (type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable and x.dtype in _DTYPE_CODE
+        fast = (type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable and x.dtype in _NATIVE_COPY
                 and type(comm) in _PLAIN_COMMS and type(root) is int and 0 <= root < comm.Get_size())
     except MPI.Exception:
         fast = False  # COMM_NULL: the general path refuses it with a clear error
@@ -402,9 +443,9 @@ def _ibroadcast(x, comm, root, _blocking):
         return x
 
     if _blocking:
-        comm.Bcast(buf, root=root)
+        comm.Bcast(_wire(buf), root=root)
         return finish()
-    return Handle([comm.Ibcast(buf, root=root)], finish, keep=(buf,))
+    return Handle([comm.Ibcast(_wire(buf), root=root)], finish, keep=(buf,))
 
 
 def _gather_shapes(x, comm, op):
@@ -467,26 +508,26 @@ def _iallgather(x, comm, out, _blocking):
     gpu = None if isinstance(x, np.ndarray) else _gpu(x)
     if gpu is not None:
         return _device_allgather(gpu, x, comm, out, _blocking)
-    send = _host_copy(x).reshape(-1)
+    send = _wire(_host_copy(x).reshape(-1))
     xpm = _xp.get_array_module(x)
     if out is not None and out.flags.c_contiguous:
         recv = out
-        request = (comm.Allgather if _blocking else comm.Iallgather)(send, recv)
+        request = (comm.Allgather if _blocking else comm.Iallgather)(send, _wire(recv))
         result, finish_out = out, _nothing
     elif out is not None:
         out_ctx = _on_host(out)
         recv = out_ctx.__enter__()
-        request = (comm.Allgather if _blocking else comm.Iallgather)(send, recv)
+        request = (comm.Allgather if _blocking else comm.Iallgather)(send, _wire(recv))
         result, finish_out = out, (lambda: out_ctx.__exit__(None, None, None))
     else:
         rows, trailing = _gather_shapes(x, comm, "allgather" if _blocking else "iallgather")
         row_size = math.prod(trailing)
         recv = np.empty((sum(rows),) + tuple(trailing), dtype=x.dtype)
         if len(set(rows)) == 1:
-            request = (comm.Allgather if _blocking else comm.Iallgather)(send, recv)
+            request = (comm.Allgather if _blocking else comm.Iallgather)(send, _wire(recv))
         else:
             counts = [r * row_size for r in rows]
-            spec = [recv, (counts, displacements(counts))]
+            spec = [_wire(recv), (counts, displacements(counts))]
             request = (comm.Allgatherv if _blocking else comm.Iallgatherv)(send, spec)
         result = recv if xpm is np else None
         finish_out = None
@@ -522,14 +563,17 @@ def _reduce_scatter(x, comm, op):
     gpu = None if isinstance(x, np.ndarray) else _gpu(x)
     if gpu is not None:
         return gpu.reduce_scatter(x, comm, [r * row_size for r in rows], (rows[rank],) + x.shape[1:], mpi_op, mean)
-    out = np.empty((rows[rank],) + x.shape[1:], dtype=x.dtype)
-    send = _host_copy(x)
+    widened = _widened(x)
+    out = np.empty((rows[rank],) + x.shape[1:], dtype=np.float32 if widened else x.dtype)
+    send = x.astype(np.float32) if widened else _host_copy(x)
     if len(set(rows)) == 1:
         comm.Reduce_scatter_block(send, out, op=mpi_op)
     else:
         comm.Reduce_scatter(send, out, [r * row_size for r in rows], op=mpi_op)
     if mean:
         out /= size
+    if widened:
+        out = out.astype(_FLOAT16)
     xpm = _xp.get_array_module(x)
     return out if xpm is np else xpm.asarray(out)
 
@@ -706,9 +750,9 @@ def _isend(x, dest, comm, tag, stamp=None):
     gpu = None if host else _gpu(x)
     if gpu is not None:
         header_request = comm.Isend(header, dest, tag)
-        requests, keep = gpu.isend(x, dest, comm, tag)
+        requests, keep = gpu.isend(_wire(x), dest, comm, tag)
         return Handle([header_request] + requests, lambda: None, keep=(header,) + keep)
-    data = _host_copy(x).reshape(-1)
+    data = _wire(_host_copy(x).reshape(-1))
     requests = [comm.Isend(header, dest, tag), comm.Isend(data, dest, tag)]
     return Handle(requests, lambda: None, keep=(header, data))
 
@@ -884,14 +928,14 @@ def _unpack(comm, message, status, out, stamp=None):
         got, expected = header[_HEADER_LEN - 2:], _stamp_words("recv", stamp)
         if tuple(got.tolist()) != expected:
             if inline is None:  # take the payload off the queue, or the next receive would get it
-                comm.Recv(np.empty(math.prod(shape), dtype=dtype), source, tag)
+                comm.Recv(_wire(np.empty(math.prod(shape), dtype=dtype)), source, tag)
             sent = "no stamp" if not got.any() else f"stamp {tuple(int(v) - 1 for v in got)}"
             raise _guard.DesyncError(f"recv: the message from rank {source} (tag {tag}) carries {sent}, but this "
                                      f"receive expects stamp {tuple(int(v) for v in stamp)}: sender and receiver are "
                                      f"at different steps")
     if out is not None and (out.shape != shape or out.dtype != dtype):
         if inline is None:  # take the payload off the queue, or the next receive would get it
-            comm.Recv(np.empty(math.prod(shape), dtype=dtype), source, tag)
+            comm.Recv(_wire(np.empty(math.prod(shape), dtype=dtype)), source, tag)
         raise ValueError(f"recv: out has shape {tuple(out.shape)} and dtype {out.dtype}, but the array from "
                          f"rank {source} (tag {tag}) has shape {shape} and dtype {dtype}")
     if inline is not None:
@@ -906,7 +950,7 @@ def _unpack(comm, message, status, out, stamp=None):
     if out is None:
         out = np.empty(shape, dtype=dtype)
     target = out if isinstance(out, np.ndarray) and out.flags.c_contiguous else np.empty(shape, dtype=dtype)
-    comm.Recv(target.reshape(-1), source, tag)
+    comm.Recv(_wire(target.reshape(-1)), source, tag)
     if target is not out:
         _xp.copy_into(out, target)
     return out

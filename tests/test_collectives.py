@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 import mpidist
+from mpidist import collectives
 from mpidist.collectives import SUPPORTED_DTYPES, split_sizes
 
 REDUCE_FNS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
@@ -139,6 +140,64 @@ def test_reduce_scatter_any_length(comm, rows, op):
     sizes = split_sizes(rows, size)
     start = sum(sizes[:rank])
     assert_matches(got, full[start: start + sizes[rank]], op)
+
+
+@pytest.mark.parametrize("mpi_reduces", [True, False], ids=["mpi_float16", "via_float32"])
+def test_float16_with_and_without_an_mpi_float16_type(comm, mpi_reduces, monkeypatch):
+    """MPI 3.1 (Open MPI 4.1) has no float16 datatype: copies then travel as uint16, reductions in float32."""
+    if mpi_reduces and not collectives._FLOAT16_REDUCES:
+        pytest.skip("this MPI has no float16 reduction (the via_float32 case is what runs here)")
+    monkeypatch.setattr(collectives, "_FLOAT16_REDUCES", mpi_reduces)
+    size, rank = comm.Get_size(), comm.Get_rank()
+    inputs = [rank_input(r, (5, 3), np.float16, seed=11) for r in range(size)]
+    for op in valid_ops("float16"):
+        want = reference(op, inputs)
+        x = inputs[rank].copy()
+        assert mpidist.allreduce(x, comm, op=op) is x
+        assert_matches(x, want, op)
+        x = inputs[rank].copy()
+        assert mpidist.iallreduce(x, comm, op=op).wait() is x
+        assert_matches(x, want, op)
+        base = np.full((5, 6), 7, dtype=np.float16)
+        base[:, ::2] = inputs[rank]
+        mpidist.allreduce(base[:, ::2], comm, op=op)
+        assert_matches(base[:, ::2], want, op)
+        assert (base[:, 1::2] == 7).all()
+    sizes = split_sizes(5, size)  # uneven on 2 and 4 ranks
+    start = sum(sizes[:rank])
+    for op in ("sum", "mean", "max"):
+        got = mpidist.reduce_scatter(inputs[rank], comm, op=op)
+        assert_matches(got, reference(op, inputs)[start: start + sizes[rank]], op)
+
+    # Copies are bit-exact whatever the bits: signed zeros, infinities, NaN payloads, subnormals.
+    def bits(r, n=7):
+        return ((np.arange(n) * 977 + r * 31) % 65536).astype(np.uint16).view(np.float16)
+
+    root = size - 1
+    x = bits(rank)
+    assert mpidist.broadcast(x, comm, root=root) is x
+    np.testing.assert_array_equal(x.view(np.uint16), bits(root).view(np.uint16))
+    x = bits(rank)[::2]
+    mpidist.ibroadcast(x, comm, root=root).wait()
+    np.testing.assert_array_equal(x.view(np.uint16), bits(root)[::2].view(np.uint16))
+    got = mpidist.allgather(bits(rank, rank + 1), comm)
+    np.testing.assert_array_equal(got.view(np.uint16), np.concatenate([bits(r, r + 1) for r in range(size)]).view(np.uint16))
+    out = np.empty(3 * size, dtype=np.float16)
+    assert mpidist.iallgather(bits(rank, 3), comm, out=out).wait() is out
+    np.testing.assert_array_equal(out.view(np.uint16), np.concatenate([bits(r, 3) for r in range(size)]).view(np.uint16))
+    # send/recv in a ring, inline (small) and as a separate payload (larger than the inline limit), into out too.
+    dest, src = (rank + 1) % size, (rank - 1) % size
+    for n in (7, 5000):
+        handle = mpidist.isend(bits(rank, n), dest, comm, tag=n)
+        got = mpidist.recv(src, comm, tag=n)
+        handle.wait()
+        assert got.dtype == np.float16
+        np.testing.assert_array_equal(got.view(np.uint16), bits(src, n).view(np.uint16))
+        handle = mpidist.isend(bits(rank, n), dest, comm, tag=n)
+        out = np.empty(n, dtype=np.float16)
+        assert mpidist.recv(src, comm, tag=n, out=out) is out
+        handle.wait()
+        np.testing.assert_array_equal(out.view(np.uint16), bits(src, n).view(np.uint16))
 
 
 def test_split_sizes_formula():
