@@ -242,6 +242,20 @@ class ProcessGroupMPI(dist.ProcessGroup):
         send, out = as_bytes(op, input), as_bytes(op, output, copy_in=False)
         if not send.array.size:
             return completed(op, [output])
+        if np.shares_memory(send.array, out.array):
+            # FSDP2 gathers in place: its input is this rank's block of the output. MPI forbids aliased
+            # buffers, so say IN_PLACE (collectives has no in-place allgather: raw mpi4py here).
+            n = send.array.size
+            mine = out.array[self._rank * n:(self._rank + 1) * n]
+            if mine.__array_interface__["data"][0] != send.array.__array_interface__["data"][0]:
+                send.array = send.array.copy()
+            else:
+                request = self.comm.Iallgather(MPI.IN_PLACE, out.array)
+
+                def finish_in_place():
+                    out.write_back()
+                    return [output]
+                return Work(op, [Requests([request], keep=(out.array,))], finish_in_place)
         handle = collectives.iallgather(send.array, self.comm, out=out.array)
 
         def finish():
