@@ -16,6 +16,7 @@ for works with a future, the caller's ``wait()`` otherwise.
 """
 
 import datetime
+import os
 import queue
 import threading
 import time
@@ -70,6 +71,14 @@ class _Progress:
     def _run(self):
         while True:
             work = self._queue.get()
+            if PROGRESS == "poll":
+                # Sleep between tests instead of spinning inside MPI: on an oversubscribed node a spinning
+                # wait takes the core the rank's own backward (or another rank) needs. Measured here (MPICH,
+                # 2 ranks, 4 MB Iallreduce, idle machine): wait 1.4 ms, tests 10 us apart 1.9 ms, 200 us 2.8 ms.
+                delay = 1e-5
+                while not work._ready():
+                    time.sleep(delay)
+                    delay = min(2 * delay, _POLL_MAX)
             try:
                 work._complete()
             except BaseException:  # noqa: BLE001 - the error travels in the work's future
@@ -77,6 +86,13 @@ class _Progress:
 
 
 _progress = _Progress()
+_POLL_MAX = 1e-4
+# How futures complete: "thread" (default): the progress thread waits inside MPI; "poll": it tests and
+# sleeps (10-100 us) between tests, leaving the core to computation; "inline": get_future() completes the
+# operation at once in the caller (no overlap, no thread; what a blocking backend does).
+PROGRESS = os.environ.get("MPIDIST_TORCH_PROGRESS", "thread")
+if PROGRESS not in ("thread", "poll", "inline"):
+    raise ValueError(f"MPIDIST_TORCH_PROGRESS={PROGRESS!r}: expected thread, poll or inline")
 
 
 def _no_limit(timeout):
@@ -119,6 +135,16 @@ class Work(dist._Work):
                         self._settle()
         if self._error is not None:
             raise self._error
+
+    def _ready(self):
+        """Return whether every pending part has completed (testing, never blocking)."""
+        with self._lock:
+            if self._done:
+                return True
+            try:
+                return all(part.test() for part in self._pending)
+            except BaseException:  # noqa: BLE001 - _complete records it
+                return True
 
     def _settle(self):
         if self._error is not None:
@@ -169,6 +195,11 @@ class Work(dist._Work):
 
     def get_future(self):
         """Return a ``torch.futures.Future`` completed with the result (the progress thread completes it)."""
+        if PROGRESS == "inline" and not self._done:
+            try:
+                self._complete()
+            except BaseException:  # noqa: BLE001 - travels in the future
+                pass
         with self._lock:
             if self._future is None:
                 self._future = torch.futures.Future()
