@@ -11,6 +11,8 @@ compares the weights, as examples/digits.py does for mpidist's own DDP.
 """
 
 import argparse
+import json
+import os
 import sys
 import time
 
@@ -65,6 +67,9 @@ def main():
     parser.add_argument("--batch", type=int, default=16, help="rows per rank of each global batch")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    # What slurm/cpu.sbatch passes (MPIDIST_PROGRAM=examples/torch_ddp.py): DDP is the one strategy here.
+    parser.add_argument("--strategy", default="ddp", choices=["ddp"])
+    parser.add_argument("--out", help="directory for result.json (rank 0)")
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
@@ -86,6 +91,11 @@ def main():
         diff = max((a - b).abs().max().item() for a, b in zip(model.module.parameters(), reference.parameters()))
         ok = diff < 1e-9
         print(f"check: max |w_distributed - w_single_process| = {diff:.2e} ({'OK' if ok else 'MISMATCH'})")
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "result.json"), "w") as f:
+                json.dump({"backend": args.backend, "world": world, "epochs": args.epochs, "seconds": seconds,
+                           "test_accuracy": accuracy, "max_abs_diff_vs_single_process": diff}, f, indent=1)
     verdict = torch.tensor([int(ok)])
     dist.broadcast(verdict, 0)
     dist.destroy_process_group()
