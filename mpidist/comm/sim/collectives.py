@@ -20,8 +20,8 @@ def _dtname(msg):
     dt = msg.dtype
     try:
         return np.dtype(dt.tocode()).name
-    except Exception:  # derived or pair types have no numpy code
-        return dt.Get_name() or f"datatype-{dt.handle}"
+    except Exception:  # derived or pair types have no numpy code: ranks may build equal ones apart
+        return dt.Get_name() if dt.is_predefined else f"derived({msg.tm.size} bytes)"
 
 
 def _nb(name):

@@ -74,11 +74,10 @@ class SimRequest:
     # -- completion ---------------------------------------------------------------------------------
     def Wait(self, status=None):
         """Block until the operation completes."""
-        if self._ready is not None and not self._ready():
-            with self._universe.cond:
-                self._universe.wait_until(self._world_rank, self._ready, self._what)
         if self._universe is not None:
             with self._universe.cond:
+                if self._ready is not None:
+                    self._universe.wait_until(self._world_rank, self._ready, self._what)
                 self._complete(status)
         else:
             self._complete(status)
@@ -302,7 +301,7 @@ class SimRequest:
 class SimPrequest(SimRequest):
     """Persistent request: ``Start`` begins the operation again; it stays valid until ``Free``."""
 
-    def __init__(self, start, what):
+    def __init__(self, start=None, what="persistent request"):
         super().__init__(what=what)
         self._start = start
         self._inner = None

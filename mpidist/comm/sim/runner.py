@@ -19,6 +19,16 @@ def current():
     return getattr(_local, "comms", None)
 
 
+def bind_thread(size=1, rank=0):
+    """Give the calling (non-rank) thread rank ``rank`` of a fresh world of ``size``, for queries such as
+    ``MPI.COMM_WORLD.Get_size()`` made while a module is imported; return the previous binding."""
+    previous = current()
+    universe = Universe(size)
+    _local.comms = (SimComm(Context(universe, range(size), "SIM_WORLD"), rank),
+                    SimComm(Context(universe, [rank], "SIM_SELF"), 0))
+    return previous
+
+
 def rank_threads(n, target, *, ranks_per_node=None, timeout=None, seed=None, name="SIM_WORLD"):
     """Run ``target(rank, world)`` on ``n`` rank threads; return (results, errors, universe)."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:

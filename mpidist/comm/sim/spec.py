@@ -70,8 +70,6 @@ def typemap(dt):
     elif predefined and size == extent and dt not in (MPI.SHORT_INT, MPI.LONG_DOUBLE_INT):
         tm = TypeMap(np.arange(size, dtype=np.intp), extent, size, lb)
     else:
-        if not predefined and not dt.Is_committed():
-            raise mpi_error(MPI.ERR_TYPE, f"message: datatype {dt.Get_name() or dt.combiner} is not committed")
         tlb, span = dt.Get_true_extent()
         shifted = MPI.Datatype.Create_struct([1], [-tlb], [dt]).Create_resized(0, span).Commit()
         try:
@@ -79,7 +77,7 @@ def typemap(dt):
             offsets = np.zeros(size, np.intp)
             out = np.empty(size, np.uint8)
             for plane in range(0, max(1, int(span - 1).bit_length()), 8):
-                shifted.Pack([((k >> plane) & 0xFF).astype(np.uint8), 1, shifted], out, 0, MPI.COMM_SELF)
+                shifted.Pack(((k >> plane) & 0xFF).astype(np.uint8), out, 0, MPI.COMM_SELF)
                 offsets |= out.astype(np.intp) << plane
         finally:
             shifted.Free()
@@ -99,19 +97,44 @@ def _format_datatype(fmt):
         raise KeyError(f"message: cannot map buffer format {fmt!r} to MPI datatype") from None
 
 
-def _buffer(obj, readonly):
+_DEVICE_MODULES = ("cupy", "numba", "torch", "jax", "tensorflow")
+
+
+def _host_view(obj):
+    """A buffer-protocol view of a DLPack CPU tensor or a host-memory ``__cuda_array_interface__`` object."""
+    if hasattr(obj, "__dlpack_device__") and not hasattr(obj, "__cuda_array_interface__"):
+        # np.from_dlpack crashed (SIGSEGV) on mpi4py's ctypes DLPack test double: not simulated yet
+        raise NotImplementedError(f"message: DLPack-only buffers are not simulated ({type(obj).__name__}); "
+                                  f"pass an object with the buffer protocol")
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None and not type(obj).__module__.split(".")[0] in _DEVICE_MODULES:
+        # mpi4py hands this pointer to MPI as it is; objects that are not a GPU library's arrays (test
+        # doubles, shims) point at host memory, which we can read the same way.
+        if cai.get("strides") is not None:
+            raise BufferError(f"__cuda_array_interface__: buffer is not contiguous (strides: {cai['strides']})")
+        itemsize = np.dtype(cai["typestr"]).itemsize
+        nbytes = int(np.prod(cai["shape"], dtype=np.int64)) * itemsize
+        address, readonly = cai["data"]
+        if nbytes == 0:
+            return np.zeros(0, np.dtype(cai["typestr"]))
+        raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+        arr = raw.view(np.dtype(cai["typestr"]))
+        if readonly:
+            arr.flags.writeable = False
+        return arr
+    raise NotImplementedError(f"message: device buffers are not simulated ({type(obj).__module__}."
+                              f"{type(obj).__name__}); stage through host memory")
+
+
+def _buffer(obj, readonly, need_format=True):
     """Return (uint8 array over the whole buffer, its default datatype)."""
-    if hasattr(obj, "__cuda_array_interface__") or (hasattr(obj, "__dlpack__") and not isinstance(obj, np.ndarray)
-                                                    and not hasattr(obj, "__buffer__")):
-        try:
-            memoryview(obj)
-        except TypeError:
-            raise TypeError(f"message: device buffers are not accepted by the simulated communicator "
-                            f"({type(obj).__name__}); stage through host memory") from None
     try:
         view = memoryview(obj)
     except TypeError:
-        raise TypeError(f"message: expecting buffer or list/tuple (got {type(obj).__name__})") from None
+        if hasattr(obj, "__dlpack_device__") or hasattr(obj, "__cuda_array_interface__"):
+            view = memoryview(_host_view(obj))
+        else:
+            raise TypeError(f"message: expecting buffer or list/tuple (got {type(obj).__name__})") from None
     if not view.contiguous:
         raise BufferError(f"message: buffer is not contiguous (shape: {view.shape}, strides: {view.strides})")
     if not readonly and view.readonly:
@@ -119,7 +142,7 @@ def _buffer(obj, readonly):
     data = np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.zeros(0, np.uint8)
     if view.nbytes and view.ndim > 1 and not view.c_contiguous:  # Fortran order: the memory itself
         data = np.asarray(view).reshape(-1, order="K").view(np.uint8)
-    return data, _format_datatype(view.format)
+    return data, (_format_datatype(view.format) if need_format else None)
 
 
 class Msg:
@@ -216,12 +239,14 @@ def _basic(buf, dtype, readonly):
     if buf is None:
         dt = to_datatype(dtype) if dtype is not None else None
         return None, dt, False
-    base, fmt_dt = _buffer(buf, readonly)
+    base, fmt_dt = _buffer(buf, readonly, need_format=dtype is None)
     return base, (to_datatype(dtype) if dtype is not None else fmt_dt), False
 
 
 def _check_spec(spec):
     if spec is None or spec is MPI.BOTTOM or isinstance(spec, (list, tuple)):
+        return
+    if hasattr(spec, "__dlpack_device__") or hasattr(spec, "__cuda_array_interface__"):
         return
     try:
         memoryview(spec)
