@@ -72,7 +72,7 @@ endif
 # The single-process tests that start their own mpiexec: the test files that import tests/launcher.py.
 LAUNCH_TESTS = $(shell grep -l '^import launcher' tests/test_*.py)
 
-.PHONY: venv test test-sim test-mpi test-launch demo bench clean test-slurm bench-plot
+.PHONY: venv test test-sim test-mpi test-launch demo bench clean test-slurm bench-plot test-mpi4py
 
 $(MARKER): setup.cfg pyproject.toml
 ifeq ($(MPI),system)
@@ -97,6 +97,11 @@ test-mpi: venv
 # With test-mpi, everything that depends on the MPI library: how CI proves a second MPI (test-sim runs these too).
 test-launch: venv
 	$(PY) $(PYTEST) $(LAUNCH_TESTS)
+
+# mpi4py's own unit tests (its sdist, downloaded at run time) on the simulated communicator at n = 1..4:
+# prints the per-file table of docs/simulation.md. Not part of `make test` (it takes minutes).
+test-mpi4py: venv
+	$(PY) tests/mpi4py_upstream.py --sizes 1,2,3,4
 
 demo: venv
 	$(LAUNCH) -n $(NP) $(PY) examples/digits.py --strategy $(STRATEGY) $(DEMO_ARGS)

@@ -68,7 +68,7 @@ def build_parser():
     """Return the argument parser of the ``mpidist`` command."""
     parser = _Parser(prog="mpidist", allow_abbrev=False,
                      description="Inspect, benchmark and self-test an mpidist installation (run under mpiexec/srun for N ranks).")
-    sub = parser.add_subparsers(dest="command", metavar="{info,bench,check,flight}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{info,bench,check,flight,sim}", parser_class=_Parser)
     sub.add_parser("info", allow_abbrev=False, help="versions, MPI library, ranks and nodes, launcher, GPUs")
     b = sub.add_parser("bench", allow_abbrev=False, help="collective bandwidth, mpidist next to raw mpi4py",
                        description="Time collectives nccl-tests style (size, count, type, time, algbw, busbw) for "
@@ -90,7 +90,19 @@ def build_parser():
                        description="Per communicator, the first call where the ranks' flight records differ and the "
                                    "ranks that never arrived (one process; no mpiexec needed).")
     f.add_argument("dir", metavar="DIR", help="a job's flight directory, or MPIDIST_FLIGHT_DIR (the newest job is read)")
+    s = sub.add_parser("sim", allow_abbrev=False, help="run an mpi4py program on N simulated ranks in this process",
+                       description="Run PROG with N rank threads; 'from mpi4py import MPI' gives the simulated namespace.")
+    s.add_argument("-n", type=int, required=True, metavar="N", help="number of simulated ranks")
+    s.add_argument("--seed", type=int, default=None, help="seeded order among messages a wildcard receive may match (default FIFO)")
+    s.add_argument("prog", metavar="PROG", help="the Python file to run")
+    s.add_argument("args", nargs=argparse.REMAINDER, help="PROG's arguments")
     return parser
+
+
+def cmd_sim(args):
+    """Run a program on simulated ranks; return its exit status as mpiexec would."""
+    from .comm.sim.program import run_program
+    return run_program(args.n, args.prog, args.args, seed=args.seed)
 
 
 def main(argv=None):
@@ -105,7 +117,8 @@ def main(argv=None):
         parser.print_help()
         return 2
     try:
-        return {"info": cmd_info, "bench": cmd_bench, "check": cmd_check, "flight": cmd_flight}[args.command](args)
+        return {"info": cmd_info, "bench": cmd_bench, "check": cmd_check, "flight": cmd_flight,
+                "sim": cmd_sim}[args.command](args)
     except (UsageError, bench.BenchError, LaunchError) as exc:
         _say(f"mpidist {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, LaunchError) else 2
