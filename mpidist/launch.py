@@ -7,6 +7,7 @@ exception on one rank aborts the whole job instead of leaving the other ranks wa
 """
 
 import dataclasses
+import faulthandler
 import os
 import sys
 import threading
@@ -95,24 +96,38 @@ INTERRUPTED_EXIT = 130
 INTERRUPT_GRACE = 1.0
 
 
-def _abort_without_stderr(comm, code=1):
+def _abort(comm, code=1, grace=10.0, quiet=False):
+    """Abort the job (with stderr on /dev/null when ``quiet``); end this process ``grace`` s later if Abort has not.
+
+    MPI_Abort need not return, nor end the process, and it waits holding the GIL: a singleton under Open MPI 4
+    waits there for its orted, which inherited our stderr and blocks writing its own abort message to it when
+    nobody reads. faulthandler's watchdog is a C thread, so its exit (status 1) comes even then.
+    """
+    faulthandler.dump_traceback_later(grace, exit=True, file=open(os.devnull, "w"))
     try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        if quiet:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     finally:
-        comm.Abort(code)
+        try:
+            comm.Abort(code)
+        except BaseException:
+            faulthandler.cancel_dump_traceback_later()  # a simulated communicator's Abort raises: no exit
+            raise
+        os._exit(code)  # an Abort that returned: the process must still end, not finalize and wait
 
 
 def install_abort_on_error(comm, backstop=10.0):
     """Make an uncaught exception on this rank print a rank-prefixed traceback and abort every rank.
 
-    If reporting takes longer than ``backstop`` seconds (stderr blocked), the job is aborted anyway.
+    If reporting takes longer than ``backstop`` seconds (stderr blocked), the job is aborted anyway, and
+    if that abort has not ended this process ``backstop`` seconds later, it exits without MPI.
     """
     rank = comm.Get_rank()
 
     def report_and_abort(exc_type, exc, tb):
         # Writing can block (a launcher that stopped reading our stderr): abort from a timer then,
         # with stderr pointed at /dev/null first, as MPI_Abort writes a line there too.
-        timer = threading.Timer(backstop, _abort_without_stderr, (comm,))
+        timer = threading.Timer(backstop, _abort, (comm, 1, backstop, True))
         timer.daemon = True
         timer.start()
         interrupted = isinstance(exc_type, type) and issubclass(exc_type, KeyboardInterrupt)
@@ -137,9 +152,8 @@ def install_abort_on_error(comm, backstop=10.0):
         finally:
             # Whatever went wrong while reporting (a closed stderr, say), the job must still end: a rank
             # that returns from here would finalize MPI while the others wait for it forever.
-            if interrupted:
-                _abort_without_stderr(comm, INTERRUPTED_EXIT)  # MPI's own abort line adds nothing here
-            comm.Abort(1)
+            # MPI's own abort line adds nothing after Ctrl-C
+            _abort(comm, INTERRUPTED_EXIT if interrupted else 1, backstop, quiet=interrupted)
 
     sys.excepthook = report_and_abort
     threading.excepthook = lambda args: report_and_abort(args.exc_type, args.exc_value, args.exc_traceback)
