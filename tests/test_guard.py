@@ -10,6 +10,7 @@ simulator reports the mismatch, and under mpiexec the watchdog turns it into Des
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -194,6 +195,26 @@ def test_straddling_sizes_under_mpiexec_end_in_desync_error(n, large, tmp_path):
         assert f"rank {r} called #1 allreduce(dtype=float32, count=10, op=sum) (40 B) and went ahead without a check" in out, out
         assert f"[rank {r}] mpidist: DesyncError: collective desync on MPI_COMM_WORLD at call #1" in out, out
         assert f"[rank {r}] mpidist: this rank is blocked inside MPI and cannot raise it; rank {large} raises it" in out, out
+
+
+@pytest.mark.mpi_skip
+@launcher.needed
+@pytest.mark.parametrize("n, large", [(2, 0), (3, 1)])
+def test_a_caught_straddle_desync_aborts_at_exit_instead_of_hanging_in_finalize(n, large, tmp_path):
+    # The ranks that went ahead wait inside MPI for ever; MPI_Finalize on rank LARGE would wait for them until
+    # their collective timeout (30 s here), which then blamed rank LARGE for never arriving.
+    start = time.monotonic()
+    code, out = run_job(n, "straddle-caught", large, env={"MPIDIST_CHECK_BYTES": "65536", "MPIDIST_COLLECTIVE_TIMEOUT": "30",
+                                                          "MPIDIST_FLIGHT_DIR": str(tmp_path), "TMP_CWD": str(tmp_path)},
+                        timeout=90)
+    elapsed = time.monotonic() - start
+    ahead = [r for r in range(n) if r != large]
+    assert code != 0 and f"rank {large}: caught DesyncError" in out and "did not complete within" not in out, out
+    assert (f"[rank {large}] mpidist: this rank caught a DesyncError on MPI_COMM_WORLD that left rank(s) {ahead} "
+            f"blocked inside MPI, in a collective it never joins; MPI_Finalize would wait for them, so the job is "
+            f"aborted at exit") in out, out
+    assert "done" not in out.replace(f"rank {large}: done", ""), out  # only rank LARGE got to the end
+    assert elapsed < 25, (elapsed, out)
 
 
 # -- phases --------------------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ FIELDS = ("sequence", "op", "dtype", "count", "shape", "root", "reduction")
 _MAX_DIMS = 8  # dims a mismatch report shows
 
 dtype_names = ()  # names of the dtype codes collectives use (set by mpidist.collectives)
-verdicts = {}      # id(record) -> DesyncError message, left by the watchdog for the waiting check
+verdicts = {}      # id(record) -> (DesyncError message, ranks it strands), left by the watchdog for the waiting check
+stranded = []      # (communicator name, ranks) this rank left blocked inside MPI by raising a verdict
 waker = None       # the watchdog's Waker while one runs: it resolves straddles (see the module docstring)
 _abandoned = []    # requests of checks given up after a verdict: MPI may still touch their buffers
 
@@ -155,10 +156,12 @@ def _max_allreduce(entry, token, both):
     request = shadow.Iallreduce(MPI.IN_PLACE, both, op=MPI.MAX)
     while MPI.Request.Waitany([request, wake]) != 0:
         waker.consumed()
-        verdict = verdicts.pop(id(token), None)
-        if verdict is not None:
+        found = verdicts.pop(id(token), None)
+        if found is not None:
+            verdict, ahead = found
             _abandoned.append((request, both))
             entry.break_(verdict)  # its shadow holds a check that never completes: refuse later calls
+            stranded.append((entry.name, ahead))  # they wait for this rank forever (see watchdog's exit hook)
             raise DesyncError(verdict)
         wake = waker.request()
 

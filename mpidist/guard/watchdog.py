@@ -144,8 +144,8 @@ class Watchdog:
             if verdict:
                 prefix = f"[rank {self.rank}] mpidist: "
                 self.stream.write(f"{prefix}DesyncError: {verdict}\n{prefix}this rank is blocked inside MPI and cannot "
-                                  f"raise it; rank {asker} raises it, and the job ends when that error aborts it (or "
-                                  f"at the collective timeout)\n")
+                                  f"raise it; rank {asker} raises it, and the job is aborted when that error ends rank "
+                                  f"{asker} (caught or not; or at the collective timeout)\n")
                 self.stream.flush()
                 wait_until_pipes_drained((2,))  # the abort that follows must not swallow it
             if dump_reason:
@@ -226,7 +226,7 @@ class Watchdog:
             # The ranks that went ahead print it first (they cannot raise); then this rank's check raises it.
             ahead = [r for r, s in replies.items() if any(c["comm"] == mine["comm"] and not c["checking"] for c in s["calls"])]
             self._ask(ahead, verdict=verdict, wait=min(self.reply_wait, 3.0))
-            fingerprint.verdicts[id(rec)] = verdict
+            fingerprint.verdicts[id(rec)] = (verdict, ahead)
             self.waker.wake()
 
     def _fire(self, what, limit):
@@ -313,7 +313,29 @@ def start_watchdog(world, timeout=None, **kwargs):
     _watchdog = Watchdog(world, timeout, **kwargs).start()
     fingerprint.waker = _watchdog.waker
     atexit.register(stop_watchdog)  # runs before mpi4py's MPI_Finalize (registered earlier, runs later)
+    atexit.register(_abort_if_stranded)  # and this before stop_watchdog
     return _watchdog
+
+
+def _abort_if_stranded():
+    """At exit, abort the job if a caught straddle DesyncError left other ranks blocked inside MPI.
+
+    Those ranks wait in a collective this rank never joins and cannot leave it: MPI_Finalize would wait
+    for them until their own watchdog's collective timeout (300 s by default), and then blame this rank.
+    """
+    if not fingerprint.stranded:
+        return
+    rank = MPI.COMM_WORLD.Get_rank()
+    for name, ranks in fingerprint.stranded:
+        sys.stderr.write(f"[rank {rank}] mpidist: this rank caught a DesyncError on {name} that left rank(s) "
+                         f"{sorted(ranks)} blocked inside MPI, in a collective it never joins; MPI_Finalize would wait "
+                         f"for them, so the job is aborted at exit\n")
+    sys.stderr.flush()
+    if _watchdog is not None:
+        _watchdog.abort()
+    else:
+        wait_until_pipes_drained((1, 2))
+        MPI.COMM_WORLD.Abort(1)
 
 
 def stop_watchdog():

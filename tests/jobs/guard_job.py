@@ -1,6 +1,7 @@
 """Jobs for the guard's tests under a real mpiexec: python guard_job.py KIND [ARGS].
 
 - straddle LARGE: rank LARGE passes 1M float32 (above MPIDIST_CHECK_BYTES), the others 10 elements.
+- straddle-caught LARGE: the same, and rank LARGE catches the DesyncError and goes on to the end.
 - phase-limit / phase-ok: inside guard.phase("checkpoint"), rank 0 sleeps 3 s while the others wait in
   a barrier; the job's limits come from MPIDIST_COLLECTIVE_TIMEOUT / MPIDIST_CHECKPOINT_TIMEOUT.
 - skip: after 3 agreed allreduces on a duplicate of the world, the last rank skips the 4th and sleeps.
@@ -29,6 +30,13 @@ if kind == "straddle":
     x = np.full(1 << 20 if rank == large else 10, rank + 1, dtype=np.float32)
     mpidist.allreduce(x, comm)
     print(f"rank {rank}: returned {x[:3].tolist()}", flush=True)
+elif kind == "straddle-caught":
+    large = int(sys.argv[2])
+    x = np.full(1 << 20 if rank == large else 10, rank + 1, dtype=np.float32)
+    try:
+        mpidist.allreduce(x, comm)
+    except guard.DesyncError:
+        print(f"rank {rank}: caught DesyncError", flush=True)
 elif kind in ("phase-limit", "phase-ok"):
     with guard.phase("checkpoint"):
         if rank == 0:
