@@ -19,7 +19,8 @@ from mpidist.xp import get_array_module, scatter_add
 __all__ = ["add", "sub", "mul", "div", "neg", "pow", "matmul", "linear", "reshape", "transpose", "permute",
            "swapaxes", "getitem", "cat", "split", "stack", "sum", "mean", "max", "exp", "log", "sqrt", "tanh",
            "sigmoid", "relu", "gelu", "softmax", "log_softmax", "layer_norm", "rms_norm", "embedding",
-           "dropout", "cross_entropy", "mse_loss", "scaled_dot_product_attention", "where", "var"]
+           "dropout", "cross_entropy", "mse_loss", "scaled_dot_product_attention", "where", "var", "conv2d",
+           "max_pool2d", "avg_pool2d", "batch_norm"]
 
 
 def _d(x):
@@ -591,6 +592,237 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale
             gk = unbroadcast(ds.swapaxes(-1, -2) @ Q, K.shape) if n[1] else None
         return gq, gk, gv
     return make_result("Attention", out, (q, k, v), backward)
+
+
+# -- convolution, pooling, batch norm (images: (N, C, H, W)) ------------------------------------------------
+
+def _pair(name, v):
+    t = (v, v) if isinstance(v, (int, np.integer)) else tuple(v)
+    if len(t) != 2 or any(int(i) != i for i in t):
+        raise ValueError(f"{name}: expected an int or a pair of ints (got {v!r})")
+    return int(t[0]), int(t[1])
+
+
+def _windows(xpad, kernel, stride, dilation, out_hw):
+    """Return a read-only strided view (N, C, Ho, Wo, kh, kw) of the windows of ``xpad`` (no copy)."""
+    xp = get_array_module(xpad)
+    n, c, _, _ = xpad.shape
+    s0, s1, s2, s3 = xpad.strides
+    shape = (n, c, out_hw[0], out_hw[1], kernel[0], kernel[1])
+    strides = (s0, s1, s2 * stride[0], s3 * stride[1], s2 * dilation[0], s3 * dilation[1])
+    return xp.lib.stride_tricks.as_strided(xpad, shape=shape, strides=strides)
+
+
+def _pad(x, padding, value=0.0):
+    if padding == (0, 0):
+        return x
+    xp = get_array_module(x)
+    ph, pw = padding
+    return xp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=value)
+
+
+def _out_hw(name, shape, kernel, stride, padding, dilation):
+    h, w = shape[2], shape[3]
+    out = tuple((size + 2 * p - d * (k - 1) - 1) // s + 1
+                for size, k, s, p, d in zip((h, w), kernel, stride, padding, dilation))
+    if out[0] < 1 or out[1] < 1:
+        raise ValueError(f"{name}: the window does not fit the input (input: {shape}, kernel: {kernel}, "
+                         f"stride: {stride}, padding: {padding}, dilation: {dilation})")
+    return out
+
+
+def _col2im(dwin, xshape, kernel, stride, padding, dilation):
+    """Sum window gradients (N, C, Ho, Wo, kh, kw) back onto the input (N, C, H, W): im2col's adjoint.
+
+    One strided add per kernel offset (kh * kw of them): windows overlap when stride < kernel, and
+    each offset touches every output position once, so no index is written twice in one add.
+    """
+    xp = get_array_module(dwin)
+    n, c, h, w = xshape
+    ph, pw = padding
+    ho, wo = dwin.shape[2:4]
+    full = xp.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=dwin.dtype)
+    for i in range(kernel[0]):
+        r = i * dilation[0]
+        for j in range(kernel[1]):
+            q = j * dilation[1]
+            full[:, :, r:r + stride[0] * (ho - 1) + 1:stride[0], q:q + stride[1] * (wo - 1) + 1:stride[1]] += \
+                dwin[:, :, :, :, i, j]
+    return full[:, :, ph:ph + h, pw:pw + w]
+
+
+def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """2-D cross-correlation of ``x`` (N, C, H, W) with ``weight`` (O, C/groups, kh, kw), plus ``bias`` (O,).
+
+    im2col as a strided view copied once into (groups, N*Ho*Wo, C/groups*kh*kw), then one batched
+    matmul; backward recomputes the columns from the input when the weight needs a gradient (they are
+    kh*kw times the input's size, too much to keep) and sums column gradients back with ``_col2im``.
+    """
+    dx, w = _d(x), _d(weight)
+    stride, padding, dilation = _pair("conv2d stride", stride), _pair("conv2d padding", padding), \
+        _pair("conv2d dilation", dilation)
+    if dx.ndim != 4 or w.ndim != 4:
+        raise ValueError(f"conv2d: expected input (N, C, H, W) and weight (O, C/groups, kh, kw) "
+                         f"(input: {dx.shape}, weight: {w.shape})")
+    n, c = dx.shape[:2]
+    o, cg, kh, kw = w.shape
+    if c % groups or o % groups or cg != c // groups:
+        raise ValueError(f"conv2d: channels do not fit groups={groups} (input: {dx.shape}, weight: {w.shape}; "
+                         f"weight.shape[1] must be C/groups and both C and O divisible by groups)")
+    kernel = (kh, kw)
+    ho, wo = _out_hw("conv2d", dx.shape, kernel, stride, padding, dilation)
+    og, k = o // groups, cg * kh * kw
+
+    def columns(xa):
+        win = _windows(_pad(xa, padding), kernel, stride, dilation, (ho, wo))
+        win = win.reshape(n, groups, cg, ho, wo, kh, kw)
+        return win.transpose(1, 0, 3, 4, 2, 5, 6).reshape(groups, n * ho * wo, k)
+
+    out = columns(dx) @ w.reshape(groups, og, k).transpose(0, 2, 1)  # (G, N*Ho*Wo, Og)
+    out = out.reshape(groups, n, ho, wo, og).transpose(1, 0, 4, 2, 3).reshape(n, o, ho, wo)
+    if bias is not None:
+        out += _d(bias).reshape(1, o, 1, 1)
+    xp = get_array_module(dx)
+    out = xp.ascontiguousarray(out)
+
+    def backward(g, need):
+        # (N, O, Ho, Wo) -> (G, N*Ho*Wo, Og), the layout of the forward's product.
+        g2 = g.reshape(n, groups, og, ho, wo).transpose(1, 0, 3, 4, 2).reshape(groups, n * ho * wo, og)
+        gx = gw = gb = None
+        if need[0]:
+            dcols = g2 @ _d(weight).reshape(groups, og, k)  # (G, N*Ho*Wo, K)
+            dwin = dcols.reshape(groups, n, ho, wo, cg, kh, kw).transpose(1, 0, 4, 2, 3, 5, 6)
+            gx = _col2im(dwin.reshape(n, c, ho, wo, kh, kw), dx.shape, kernel, stride, padding, dilation)
+        if need[1]:
+            gw = (g2.transpose(0, 2, 1) @ columns(_d(x))).reshape(o, cg, kh, kw)
+        if bias is not None and need[2]:
+            gb = g.sum(axis=(0, 2, 3))
+        return gx, gw, gb
+    return make_result("Conv2d", out, (x, weight, bias), backward)
+
+
+def _pool_args(name, kernel_size, stride, padding):
+    kernel = _pair(f"{name} kernel_size", kernel_size)
+    stride = kernel if stride is None else _pair(f"{name} stride", stride)
+    padding = _pair(f"{name} padding", padding)
+    if padding[0] * 2 > kernel[0] or padding[1] * 2 > kernel[1]:
+        raise ValueError(f"{name}: padding must be at most half the kernel (kernel: {kernel}, padding: {padding})")
+    return kernel, stride, padding
+
+
+def max_pool2d(x, kernel_size, stride=None, padding=0):
+    """Maximum over each window of ``x`` (N, C, H, W); padding counts as -inf. The gradient goes to the
+    first maximum of each window (PyTorch's rule)."""
+    dx = _d(x)
+    kernel, stride, padding = _pool_args("max_pool2d", kernel_size, stride, padding)
+    ho, wo = _out_hw("max_pool2d", dx.shape, kernel, stride, padding, (1, 1))
+    win = _windows(_pad(dx, padding, -np.inf), kernel, stride, (1, 1), (ho, wo))
+    flat = win.reshape(win.shape[:4] + (-1,))  # copies: windows overlap in memory
+    arg = flat.argmax(axis=-1)
+    xp = get_array_module(dx)
+    out = xp.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
+    del flat, win
+    shape = dx.shape
+
+    def backward(g, need):
+        kk = kernel[0] * kernel[1]
+        onehot = (arg[..., None] == xp.arange(kk)) * g[..., None]
+        return (_col2im(onehot.reshape(g.shape + kernel), shape, kernel, stride, padding, (1, 1)),)
+    return make_result("MaxPool2d", out, (x,), backward)
+
+
+def avg_pool2d(x, kernel_size, stride=None, padding=0, count_include_pad=True):
+    """Mean over each window of ``x`` (N, C, H, W); ``count_include_pad`` divides by the whole window
+    (PyTorch's default) instead of by the elements inside the input."""
+    dx = _d(x)
+    xp = get_array_module(dx)
+    kernel, stride, padding = _pool_args("avg_pool2d", kernel_size, stride, padding)
+    ho, wo = _out_hw("avg_pool2d", dx.shape, kernel, stride, padding, (1, 1))
+    win = _windows(_pad(dx, padding), kernel, stride, (1, 1), (ho, wo))
+    if count_include_pad or padding == (0, 0):
+        divisor = dx.dtype.type(kernel[0] * kernel[1])
+    else:
+        ones = xp.ones((1, 1) + dx.shape[2:], dtype=dx.dtype)
+        divisor = _windows(_pad(ones, padding), kernel, stride, (1, 1), (ho, wo)).sum(axis=(4, 5))
+    out = win.sum(axis=(4, 5)) / divisor
+    shape = dx.shape
+
+    def backward(g, need):
+        share = xp.broadcast_to((g / divisor)[..., None, None], g.shape + kernel)
+        return (_col2im(share, shape, kernel, stride, padding, (1, 1)),)
+    return make_result("AvgPool2d", out, (x,), backward)
+
+
+def batch_norm(x, running_mean=None, running_var=None, weight=None, bias=None, training=True, momentum=0.1,
+               eps=1e-5, comm=None):
+    """Normalize ``x`` (N, C, ...) per channel (axis 1), then scale by ``weight`` and shift by ``bias``.
+
+    Training: batch statistics (biased variance), and ``running_mean``/``running_var`` (arrays, updated
+    in place when given) move by ``momentum`` towards the batch mean and unbiased variance. Eval: the
+    running statistics. ``comm``: the batch is spread over its ranks (SyncBatchNorm); the per-channel sum,
+    sum of squares and count are allreduced in one call, and backward allreduces the two gradient sums,
+    so every rank normalizes and differentiates as one process holding the whole batch would.
+    """
+    dx = _d(x)
+    xp = get_array_module(dx)
+    if dx.ndim < 2:
+        raise ValueError(f"batch_norm: expected input (N, C, ...) (input: {dx.shape})")
+    c = dx.shape[1]
+    for name, a in (("running_mean", running_mean), ("running_var", running_var), ("weight", _d(weight)),
+                    ("bias", _d(bias))):
+        if a is not None and tuple(a.shape) != (c,):
+            raise ValueError(f"batch_norm: {name} shape {tuple(a.shape)} does not match the {c} channels of "
+                             f"the input {dx.shape}")
+    axes = (0,) + tuple(range(2, dx.ndim))
+    bshape = (1, c) + (1,) * (dx.ndim - 2)
+    dt = dx.dtype.type
+    if training:
+        if comm is not None:
+            from mpidist import collectives  # lazily: only SyncBatchNorm communicates (as nn.utils does)
+            stats = xp.concatenate([dx.sum(axis=axes), (dx * dx).sum(axis=axes),
+                                    xp.full((1,), dx.size // c, dtype=dx.dtype)])
+            collectives.allreduce(stats, comm)
+            count = int(round(float(stats[-1])))
+            mean = stats[:c] / dt(count)
+            var = xp.maximum(stats[c:2 * c] / dt(count) - mean * mean, 0)
+        else:
+            count = dx.size // c
+            mean = dx.mean(axis=axes)
+            var = ((dx - mean.reshape(bshape)) ** 2).mean(axis=axes)
+        if count <= 1:
+            raise ValueError(f"batch_norm: training needs more than one value per channel (input: {dx.shape})")
+        if running_mean is not None:
+            running_mean *= 1 - momentum
+            running_mean += momentum * mean.astype(running_mean.dtype, copy=False)
+        if running_var is not None:
+            running_var *= 1 - momentum
+            running_var += (momentum * count / (count - 1)) * var.astype(running_var.dtype, copy=False)
+    else:
+        if running_mean is None or running_var is None:
+            raise ValueError("batch_norm: evaluation needs running_mean and running_var")
+        mean, var = running_mean.astype(dx.dtype), running_var.astype(dx.dtype)
+    rstd = (1.0 / xp.sqrt(var + eps)).astype(dx.dtype, copy=False).reshape(bshape)
+    xhat = (dx - mean.reshape(bshape)) * rstd
+    out = xhat * _d(weight).reshape(bshape) if weight is not None else xhat
+    if bias is not None:
+        out = out + _d(bias).reshape(bshape)
+
+    def backward(g, need):
+        gx = None
+        if need[0]:
+            dxhat = g * _d(weight).reshape(bshape) if weight is not None else g
+            if training:
+                sums = xp.concatenate([dxhat.sum(axis=axes), (dxhat * xhat).sum(axis=axes)])
+                if comm is not None:
+                    collectives.allreduce(sums, comm)
+                gx = rstd * (dxhat - (sums[:c] / dt(count)).reshape(bshape)
+                             - xhat * (sums[c:] / dt(count)).reshape(bshape))
+            else:
+                gx = dxhat * rstd
+        gw = (g * xhat).sum(axis=axes) if weight is not None and need[1] else None
+        gb = g.sum(axis=axes) if bias is not None and need[2] else None
+        return gx, gw, gb
+    return make_result("BatchNorm", out, (x, weight, bias), backward)
 
 
 # -- Tensor methods and operators ----------------------------------------------------------------------------

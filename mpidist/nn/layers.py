@@ -13,7 +13,8 @@ from mpidist.nn.module import Module, Parameter
 from mpidist.nn.random import default_generator
 
 __all__ = ["Linear", "ReLU", "GELU", "Tanh", "Sigmoid", "Dropout", "LayerNorm", "RMSNorm", "Embedding", "Flatten",
-           "Identity", "MultiheadAttention", "MLP", "TransformerBlock"]
+           "Identity", "MultiheadAttention", "MLP", "TransformerBlock", "Conv2d", "MaxPool2d", "AvgPool2d",
+           "BatchNorm2d", "SyncBatchNorm"]
 
 
 def _gen(rng):
@@ -216,3 +217,128 @@ class TransformerBlock(Module):
     def forward(self, x):
         x = x + self.drop(self.attn(self.ln1(x)))
         return x + self.mlp(self.ln2(x))
+
+
+class Conv2d(Module):
+    """2-D convolution over (N, C, H, W) inputs; weight (out, in/groups, kh, kw)."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+                 bias=True, *, rng=None, dtype=np.float32):
+        super().__init__()
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"Conv2d: in_channels {in_channels} and out_channels {out_channels} must both be "
+                             f"divisible by groups {groups}")
+        kh, kw = F._pair("Conv2d kernel_size", kernel_size)
+        self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, (kh, kw)
+        self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
+        rng = _gen(rng)
+        # PyTorch's default init, as for Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        fan_in = in_channels // groups * kh * kw
+        bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+        self.weight = Parameter(rng.uniform(-bound, bound, (out_channels, in_channels // groups, kh, kw))
+                                .astype(dtype))
+        self.bias = Parameter(rng.uniform(-bound, bound, (out_channels,)).astype(dtype)) if bias else None
+
+    def forward(self, x):
+        """Return the convolution of ``x`` (N, C, H, W)."""
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def extra_repr(self):
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, "
+                f"bias={self.bias is not None}")
+
+
+class MaxPool2d(Module):
+    """Maximum over windows of (N, C, H, W) inputs; ``stride`` defaults to the kernel size."""
+
+    def __init__(self, kernel_size, stride=None, padding=0):
+        super().__init__()
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+
+    def forward(self, x):
+        return F.max_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+    def extra_repr(self):
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+
+
+class AvgPool2d(Module):
+    """Mean over windows of (N, C, H, W) inputs; ``stride`` defaults to the kernel size."""
+
+    def __init__(self, kernel_size, stride=None, padding=0, count_include_pad=True):
+        super().__init__()
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+        self.count_include_pad = count_include_pad
+
+    def forward(self, x):
+        return F.avg_pool2d(x, self.kernel_size, self.stride, self.padding, self.count_include_pad)
+
+    def extra_repr(self):
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+
+
+class BatchNorm2d(Module):
+    """Per-channel normalization of (N, C, ...) inputs with batch statistics in training and running
+    statistics in eval; buffers ``running_mean``, ``running_var``, ``num_batches_tracked``.
+
+    ``momentum=None`` makes the running statistics a cumulative average (PyTorch's rule).
+    """
+
+    _comm = None  # SyncBatchNorm: the ranks the batch is spread over
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True, *,
+                 dtype=np.float32):
+        super().__init__()
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.affine, self.track_running_stats = affine, track_running_stats
+        self.weight = Parameter(np.ones(num_features, dtype=dtype)) if affine else None
+        self.bias = Parameter(np.zeros(num_features, dtype=dtype)) if affine else None
+        if track_running_stats:
+            self.register_buffer("running_mean", np.zeros(num_features, dtype=dtype))
+            self.register_buffer("running_var", np.ones(num_features, dtype=dtype))
+            self.register_buffer("num_batches_tracked", np.zeros((), dtype=np.int64))
+        else:
+            self.running_mean = self.running_var = self.num_batches_tracked = None
+
+    def reset_running_stats(self):
+        """Set the running statistics back to mean 0, variance 1, no batches seen."""
+        if self.track_running_stats:
+            self.running_mean[...] = 0
+            self.running_var[...] = 1
+            self.num_batches_tracked[...] = 0
+
+    def forward(self, x):
+        """Return the normalized ``x``; in training, update the running statistics."""
+        batch_stats = self.training or not self.track_running_stats
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked += 1  # in place: the buffer array stays the one in state_dict
+            if self.momentum is None:
+                momentum = 1.0 / float(self.num_batches_tracked)
+        update = self.training and self.track_running_stats
+        return F.batch_norm(x, self.running_mean if update or not batch_stats else None,
+                            self.running_var if update or not batch_stats else None,
+                            self.weight, self.bias, batch_stats, momentum, self.eps, self._comm)
+
+    def extra_repr(self):
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+                f"track_running_stats={self.track_running_stats}")
+
+
+class SyncBatchNorm(BatchNorm2d):
+    """BatchNorm whose training statistics are those of the whole batch spread over ``comm``'s ranks.
+
+    Every rank must call forward and backward of this layer in the same order (the statistics and the
+    two gradient sums are allreduced); the running statistics are then the same on every rank.
+    """
+
+    def __init__(self, num_features, comm, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True, *,
+                 dtype=np.float32):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, dtype=dtype)
+        self._comm = comm
+
+    @property
+    def comm(self):
+        """The communicator whose ranks share the batch."""
+        return self._comm
