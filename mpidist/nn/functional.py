@@ -104,15 +104,12 @@ def matmul(a, b):
 
     def backward(g, n):
         x, w = _d(a), _d(b)
+        # Promote 1-D operands to matrices as numpy does (a row on the left, a column on the right) and
+        # give the gradient the promoted product's shape, so one rule covers every case (dot included).
         x2 = x[None, :] if x.ndim == 1 else x
         w2 = w[:, None] if w.ndim == 1 else w
-        g2 = g
-        if x.ndim == 1:
-            g2 = g2[..., None, :] if w.ndim > 1 else g2
-        if w.ndim == 1:
-            g2 = g2[..., None]
-        ga = unbroadcast(g2 @ w2.swapaxes(-1, -2), x2.shape if x.ndim > 1 else (1,) + sa).reshape(sa) \
-            if n[0] else None
+        g2 = g.reshape(np.broadcast_shapes(x2.shape[:-2], w2.shape[:-2]) + (x2.shape[-2], w2.shape[-1]))
+        ga = unbroadcast(g2 @ w2.swapaxes(-1, -2), x2.shape).reshape(sa) if n[0] else None
         gb = unbroadcast(x2.swapaxes(-1, -2) @ g2, w2.shape).reshape(sb) if n[1] else None
         return ga, gb
     return make_result("Matmul", out, (a, b), backward)
