@@ -420,3 +420,319 @@ def test_sync_batch_norm_equals_batch_norm_on_the_whole_batch(comm):
     sync.eval()
     ref.eval()
     np.testing.assert_allclose(sync(x[part]).data, ref(x).data[part], rtol=1e-12)
+
+
+# -- the engine -------------------------------------------------------------------------------------------
+
+def mlp(seed=0, dropout=0.0):
+    rng = np.random.default_rng(seed)
+    return nn.Sequential(nn.Linear(4, 8, rng=rng, dtype=F64), nn.Tanh(), nn.Dropout(dropout),
+                         nn.Linear(8, 8, rng=rng, dtype=F64), nn.GELU(), nn.Linear(8, 3, rng=rng, dtype=F64))
+
+
+def spy_needs(module):
+    """Record the ``needs`` every backward of ``module``'s output node receives."""
+    seen = []
+
+    def hook(mod, args, out):
+        node = out.grad_fn
+        if node is None:  # nothing required grad: no node
+            return
+        inner = node.backward_fn
+
+        def backward(g, needs):
+            seen.append(tuple(needs))
+            return inner(g, needs)
+        node.backward_fn = backward
+    module.register_forward_hook(hook)
+    return seen
+
+
+def test_tied_parameter_hook_fires_once_after_last_use():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5, 4, rng=np.random.default_rng(0), dtype=F64)
+            self.mid = nn.Linear(4, 4, rng=np.random.default_rng(1), dtype=F64)
+
+        def forward(self, idx):
+            h = F.tanh(self.mid(self.emb(idx)))
+            return F.linear(h, self.emb.weight)  # the table again, as the output projection
+
+    model = Tied()
+    fired = []
+    model.emb.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.copy()))
+    idx = np.array([[0, 3, 3], [4, 1, 0]])
+    dy = rand(2, 3, 5, seed=2)
+    model(idx).backward(dy)
+    assert len(fired) == 1
+    np.testing.assert_array_equal(fired[0], model.emb.weight.grad)  # final when it fired
+    # The final gradient is the sum of both uses: against finite differences.
+    gradcheck(model, idx, module=model)
+    # A second backward fires it once more and accumulates.
+    model.zero_grad()
+    model(idx).backward(dy)
+    model(idx).backward(dy)
+    assert len(fired) == 4  # 1 before, 1 in gradcheck's own backward, then one per backward
+    np.testing.assert_allclose(model.emb.weight.grad, 2 * fired[0])
+
+
+def test_gradients_flow_only_to_what_requires_them():
+    model = mlp()
+    first, last = spy_needs(model[0]), spy_needs(model[5])
+    x = rand(2, 4)
+    model(x).backward(rand(2, 3, seed=1))
+    assert first == [(False, True, True)]  # no input gradient for the first layer
+    assert last == [(True, True, True)]
+    xt = nn.Tensor(rand(2, 4), requires_grad=True)
+    model(xt).backward(rand(2, 3, seed=1))
+    assert first[-1] == (True, True, True) and xt.grad is not None
+    model.zero_grad()
+    model[5].requires_grad_(False)  # frozen head: its weight gradient is never computed
+    model(x).backward(rand(2, 3, seed=1))
+    assert last[-1] == (True, False, False) and model[5].weight.grad is None and model[0].weight.grad is not None
+    model.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        model(x).backward(rand(2, 3))
+
+
+def test_no_aliasing_between_leaf_grads():
+    a = nn.Tensor(rand(3), requires_grad=True)
+    b = nn.Tensor(rand(3, seed=1), requires_grad=True)
+    g = np.ones(3)
+    (a + b).backward(g)
+    assert a.grad is not b.grad and a.grad is not g and b.grad is not g
+    a.grad += 1
+    np.testing.assert_array_equal(b.grad, np.ones(3))
+    np.testing.assert_array_equal(g, np.ones(3))
+    c = nn.Tensor(rand(3), requires_grad=True)
+    (c + c).backward(g)  # one leaf reached twice through one node
+    np.testing.assert_array_equal(c.grad, 2 * g)
+    d = nn.Tensor(rand(3), requires_grad=True)
+    d.backward(g)  # the output is the leaf itself
+    assert d.grad is not g
+    np.testing.assert_array_equal(d.grad, g)
+
+
+def test_retain_graph_and_second_backward_error():
+    x = nn.Tensor(rand(3), requires_grad=True)
+    y = (F.exp(x) * x).sum()
+    y.backward(retain_graph=True)
+    first = x.grad.copy()
+    y.backward()
+    np.testing.assert_allclose(x.grad, 2 * first)
+    with pytest.raises(RuntimeError, match="already freed by an earlier backward; pass retain_graph=True"):
+        y.backward()
+
+
+def test_grad_returns_without_accumulating():
+    x = nn.Tensor(rand(3), requires_grad=True)
+    w = nn.Tensor(rand(3, seed=1), requires_grad=True)
+    gx = nn.grad((x * w).sum(), x)
+    np.testing.assert_array_equal(gx, w.data)
+    assert x.grad is None and w.grad is None
+    with pytest.raises(RuntimeError, match="was not used"):
+        nn.grad((x * 2).sum(), [x, w])
+
+
+def test_tensor_hooks_no_grad_detach():
+    x = nn.Tensor(rand(3), requires_grad=True)
+    h = x * 2
+    seen = []
+    handle = h.register_hook(lambda g: (seen.append(g.copy()), g * 10)[1])
+    x.register_hook(lambda g: seen.append(g.copy()))
+    (h * 3).sum().backward()
+    np.testing.assert_array_equal(seen[0], np.full(3, 3.0))
+    np.testing.assert_array_equal(x.grad, np.full(3, 60.0))  # the hook's return replaced the gradient
+    handle.remove()
+    x.grad = None
+    (x * 2 * 3).sum().backward()
+    np.testing.assert_array_equal(x.grad, np.full(3, 6.0))
+    with nn.no_grad():
+        assert (x * 2).grad_fn is None and not nn.is_grad_enabled()
+    assert nn.is_grad_enabled()
+    d = (x * 2).detach()
+    assert d.grad_fn is None and not d.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        d.register_hook(lambda g: None)
+    with pytest.raises(TypeError, match="only floating point tensors can require grad"):
+        nn.Tensor(np.arange(3), requires_grad=True)
+
+
+def test_backward_input_then_deferred_weights_equals_full_backward():
+    x, dy = rand(2, 5, 4), rand(2, 5, 3, seed=1)
+    full = mlp()
+    xf = nn.Tensor(x, requires_grad=True)
+    full(xf).backward(dy)
+
+    split = mlp()
+    xs = nn.Tensor(x, requires_grad=True)
+    out = split(xs)
+    (dx,), deferred = nn.backward_input(out, dy, [xs])
+    assert len(deferred) > 0 and all(p.grad is None for p in split.parameters())  # W pass really deferred
+    np.testing.assert_allclose(dx, xf.grad, rtol=1e-13)
+    fired = []
+    for p in split.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    deferred.run()
+    assert len(fired) == len(list(split.parameters()))
+    for (name, p), q in zip(full.named_parameters(), split.parameters()):
+        np.testing.assert_allclose(q.grad, p.grad, rtol=1e-13, err_msg=name)
+    with pytest.raises(RuntimeError, match="already ran"):
+        deferred.run()
+
+
+def test_backward_input_with_no_inputs_defers_everything():
+    model = mlp()
+    ref = mlp()
+    x, dy = rand(3, 4), rand(3, 3, seed=1)
+    ref(x).backward(dy)
+    grads, deferred = nn.backward_input(model(x), dy, [])
+    assert grads == [] and all(p.grad is None for p in model.parameters())
+    deferred.run()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        np.testing.assert_allclose(p.grad, q.grad, rtol=1e-13)
+
+
+def saved_bytes(out):
+    """Bytes of activation arrays the graph behind ``out`` keeps alive: arrays (and tensors' arrays) held
+    in backward closures, each underlying buffer counted once, parameters excluded."""
+    params, seen_nodes, bases, stack = set(), set(), {}, [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        for edge in node.edges:
+            if edge is not None:
+                if isinstance(edge[0], nn.Tensor) and edge[0].grad_fn is None:
+                    params.add(id(edge[0].data))
+                else:
+                    stack.append(edge[0])
+        fn = node.backward_fn
+        cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if c.cell_contents is not None]
+        while cells:
+            v = cells.pop()
+            if isinstance(v, (tuple, list)):
+                cells.extend(v)
+            elif isinstance(v, nn.Tensor):
+                cells.append(v.data)
+            elif isinstance(v, np.ndarray) and v.size > 1:
+                base = v
+                while isinstance(base.base, np.ndarray):
+                    base = base.base
+                bases[id(base)] = base
+    return sum(b.nbytes for i, b in bases.items() if i not in params)
+
+
+def test_checkpoint_with_dropout_same_gradients_and_fewer_saved_bytes(capsys):
+    def make():
+        rng = np.random.default_rng(0)
+        blocks = [nn.Sequential(nn.Linear(32, 64, rng=rng, dtype=F64), nn.GELU(), nn.Dropout(0.3),
+                                nn.Linear(64, 32, rng=rng, dtype=F64)) for _ in range(4)]
+        return nn.Sequential(*blocks)
+
+    x, dy = rand(16, 32), rand(16, 32, seed=1)
+    results = {}
+    for ckpt in (False, True):
+        model = make()
+        for block in model:
+            block.activation_checkpointing = ckpt
+        nn.manual_seed(11)
+        xt = nn.Tensor(x, requires_grad=True)
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        out = model(xt)
+        held = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        walked = saved_bytes(out)
+        after_forward = nn.default_generator().bit_generator.state
+        out.backward(dy)
+        # The recompute replays the masks and leaves the generator where the forward left it.
+        assert nn.default_generator().bit_generator.state == after_forward
+        results[ckpt] = (out.data.copy(), xt.grad, [p.grad for p in model.parameters()], walked, held)
+    (y0, dx0, g0, w0, h0), (y1, dx1, g1, w1, h1) = results[False], results[True]
+    np.testing.assert_array_equal(y0, y1)
+    np.testing.assert_allclose(dx1, dx0, rtol=1e-13)
+    for a, b in zip(g1, g0):
+        np.testing.assert_allclose(a, b, rtol=1e-13)
+    with capsys.disabled():
+        print(f"\ncheckpoint saved-activation bytes (4 blocks 32-64-32, batch 16, float64): "
+              f"graph walk {w0} -> {w1}, tracemalloc after forward {h0} -> {h1}")
+    assert w1 < w0 / 2 and h1 < h0
+
+
+def test_checkpoint_function_form_and_module_flag_agree():
+    block = nn.Sequential(nn.Linear(4, 6, rng=np.random.default_rng(0), dtype=F64), nn.Dropout(0.5), nn.Tanh())
+    x = rand(3, 4)
+    outs = []
+    for form in ("plain", "function"):
+        block.zero_grad()
+        nn.manual_seed(2)
+        xt = nn.Tensor(x, requires_grad=True)
+        out = block(xt) if form == "plain" else nn.checkpoint(block, xt)
+        out.backward(rand(3, 6, seed=1))
+        outs.append((xt.grad, [p.grad for p in block.parameters()]))
+    np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-13)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-13)
+
+
+# -- seeding ----------------------------------------------------------------------------------------------
+
+def test_manual_seed_layers_differ_and_same_seed_same_model():
+    mpidist.manual_seed(0)
+    a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+    assert not np.array_equal(a.weight.data, b.weight.data)
+    mpidist.manual_seed(42)
+    m1 = mlp_default()
+    mpidist.manual_seed(42)
+    m2 = mlp_default()
+    for (name, p), q in zip(m1.named_parameters(), m2.parameters()):
+        np.testing.assert_array_equal(p.data, q.data, err_msg=name)
+    mpidist.manual_seed(43)
+    assert not np.array_equal(mlp_default()[0].weight.data, m1[0].weight.data)
+
+
+def mlp_default():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Conv2d(1, 2, 3), nn.Embedding(5, 3))
+
+
+def test_manual_seed_gives_every_rank_the_same_model(comm):
+    mpidist.manual_seed(7 + 0 * comm.Get_rank())
+    model = mlp_default()
+    flat = np.concatenate([p.data.ravel() for p in model.parameters()]).astype(F64)
+    everyone = comm.allgather(flat)
+    for r, other in enumerate(everyone):
+        np.testing.assert_array_equal(other, flat, err_msg=f"rank {r} built a different model")
+
+
+# -- forward hooks ----------------------------------------------------------------------------------------
+
+def test_forward_hooks_pre_post_kwargs_prepend_removal():
+    class Scale(nn.Module):
+        def forward(self, x, factor=1.0):
+            return x * factor
+
+    m = Scale()
+    calls = []
+    h1 = m.register_forward_pre_hook(lambda mod, args: (calls.append("pre"), (args[0] + 1,))[1])
+    h2 = m.register_forward_pre_hook(lambda mod, args, kwargs: (calls.append("pre-kw"), (args, {"factor": 3.0}))[1],
+                                     with_kwargs=True)
+    h3 = m.register_forward_pre_hook(lambda mod, args: calls.append("first"), prepend=True)
+    h4 = m.register_forward_hook(lambda mod, args, out: (calls.append("post"), out + 100)[1])
+    h5 = m.register_forward_hook(lambda mod, args, kwargs, out: calls.append(("post-kw", kwargs["factor"])),
+                                 with_kwargs=True)
+    h6 = m.register_forward_hook(lambda mod, args, out: calls.append("post-first"), prepend=True)
+    x = nn.Tensor(np.ones(2), requires_grad=True)
+    y = m(x, factor=2.0)
+    assert calls == ["first", "pre", "pre-kw", "post-first", "post", ("post-kw", 3.0)]
+    np.testing.assert_array_equal(y.data, (1 + 1) * 3.0 + 100)
+    y.sum().backward()
+    np.testing.assert_array_equal(x.grad, [3.0, 3.0])  # hooks' ops are part of the graph
+    for h in (h1, h2, h3, h4, h5, h6):
+        h.remove()
+    h1.remove()  # idempotent
+    calls.clear()
+    np.testing.assert_array_equal(m(x, factor=2.0).data, [2.0, 2.0])
+    assert calls == []
