@@ -736,3 +736,10 @@ def test_forward_hooks_pre_post_kwargs_prepend_removal():
     calls.clear()
     np.testing.assert_array_equal(m(x, factor=2.0).data, [2.0, 2.0])
     assert calls == []
+
+
+def test_reductions_to_a_scalar_hold_an_array():
+    # numpy's full reductions return numpy scalars; a Tensor must hold a 0-d ndarray (np.asarray of it).
+    for t in (F.mean(rand(3)), F.sum(nn.Tensor(rand(3), requires_grad=True)), nn.Tensor(np.float64(2.0))):
+        assert type(t.data) is np.ndarray and t.data.shape == ()
+        assert np.asarray(t).shape == () and float(t) == float(t.data)

@@ -207,7 +207,10 @@ class Tensor:
     def __init__(self, data, requires_grad=False):
         if isinstance(data, Tensor):
             data = data.data
-        elif not hasattr(data, "__array_interface__") and not hasattr(data, "__cuda_array_interface__"):
+        elif isinstance(data, np.generic) or (not hasattr(data, "__array_interface__")
+                                              and not hasattr(data, "__cuda_array_interface__")):
+            # numpy scalars (what ``a.mean()`` returns) have __array_interface__ but are not arrays:
+            # __array__ must return an ndarray, and in-place updates need one.
             data = np.asarray(data)
         self.data = data
         self.grad = None
