@@ -629,7 +629,7 @@ def _out_hw(name, shape, kernel, stride, padding, dilation):
 
 
 def _col2im(dwin, xshape, kernel, stride, padding, dilation):
-    """Sum window gradients (N, C, Ho, Wo, kh, kw) back onto the input (N, C, H, W): im2col's adjoint.
+    """Sum window gradients (N, C, kh, kw, Ho, Wo) back onto the input (N, C, H, W): im2col's adjoint.
 
     One strided add per kernel offset (kh * kw of them): windows overlap when stride < kernel, and
     each offset touches every output position once, so no index is written twice in one add.
@@ -637,23 +637,25 @@ def _col2im(dwin, xshape, kernel, stride, padding, dilation):
     xp = get_array_module(dwin)
     n, c, h, w = xshape
     ph, pw = padding
-    ho, wo = dwin.shape[2:4]
+    ho, wo = dwin.shape[4:6]
     full = xp.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=dwin.dtype)
     for i in range(kernel[0]):
         r = i * dilation[0]
         for j in range(kernel[1]):
             q = j * dilation[1]
             full[:, :, r:r + stride[0] * (ho - 1) + 1:stride[0], q:q + stride[1] * (wo - 1) + 1:stride[1]] += \
-                dwin[:, :, :, :, i, j]
+                dwin[:, :, i, j]
     return full[:, :, ph:ph + h, pw:pw + w]
 
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     """2-D cross-correlation of ``x`` (N, C, H, W) with ``weight`` (O, C/groups, kh, kw), plus ``bias`` (O,).
 
-    im2col as a strided view copied once into (groups, N*Ho*Wo, C/groups*kh*kw), then one batched
-    matmul; backward recomputes the columns from the input when the weight needs a gradient (they are
-    kh*kw times the input's size, too much to keep) and sums column gradients back with ``_col2im``.
+    im2col: a strided view of the windows copied once into (N, groups, C/groups*kh*kw, Ho*Wo), then one
+    batched matmul whose result is already (N, O, Ho, Wo). That layout keeps the copy's inner loop on
+    the input's rows (0.7 ms against 7.6 ms for (N*Ho*Wo, C*kh*kw) columns, 64x16x14x14 input, 3x3).
+    Backward recomputes the columns when the weight needs a gradient (they are kh*kw times the
+    input's size, too much to keep) and sums column gradients back with ``_col2im``.
     """
     dx, w = _d(x), _d(weight)
     stride, padding, dilation = _pair("conv2d stride", stride), _pair("conv2d padding", padding), \
@@ -668,30 +670,26 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
                          f"weight.shape[1] must be C/groups and both C and O divisible by groups)")
     kernel = (kh, kw)
     ho, wo = _out_hw("conv2d", dx.shape, kernel, stride, padding, dilation)
-    og, k = o // groups, cg * kh * kw
+    og, k, spots = o // groups, cg * kh * kw, ho * wo
+    xp = get_array_module(dx)
 
     def columns(xa):
-        win = _windows(_pad(xa, padding), kernel, stride, dilation, (ho, wo))
-        win = win.reshape(n, groups, cg, ho, wo, kh, kw)
-        return win.transpose(1, 0, 3, 4, 2, 5, 6).reshape(groups, n * ho * wo, k)
+        win = _windows(_pad(xa, padding), kernel, stride, dilation, (ho, wo))  # (N, C, Ho, Wo, kh, kw)
+        win = win.reshape(n, groups, cg, ho, wo, kh, kw).transpose(0, 1, 2, 5, 6, 3, 4)
+        return xp.ascontiguousarray(win).reshape(n, groups, k, spots)
 
-    out = columns(dx) @ w.reshape(groups, og, k).transpose(0, 2, 1)  # (G, N*Ho*Wo, Og)
-    out = out.reshape(groups, n, ho, wo, og).transpose(1, 0, 4, 2, 3).reshape(n, o, ho, wo)
+    out = (w.reshape(1, groups, og, k) @ columns(dx)).reshape(n, o, ho, wo)
     if bias is not None:
         out += _d(bias).reshape(1, o, 1, 1)
-    xp = get_array_module(dx)
-    out = xp.ascontiguousarray(out)
 
     def backward(g, need):
-        # (N, O, Ho, Wo) -> (G, N*Ho*Wo, Og), the layout of the forward's product.
-        g2 = g.reshape(n, groups, og, ho, wo).transpose(1, 0, 3, 4, 2).reshape(groups, n * ho * wo, og)
+        g2 = g.reshape(n, groups, og, spots)
         gx = gw = gb = None
         if need[0]:
-            dcols = g2 @ _d(weight).reshape(groups, og, k)  # (G, N*Ho*Wo, K)
-            dwin = dcols.reshape(groups, n, ho, wo, cg, kh, kw).transpose(1, 0, 4, 2, 3, 5, 6)
-            gx = _col2im(dwin.reshape(n, c, ho, wo, kh, kw), dx.shape, kernel, stride, padding, dilation)
+            dcols = _d(weight).reshape(1, groups, og, k).swapaxes(-1, -2) @ g2  # (N, G, K, Ho*Wo)
+            gx = _col2im(dcols.reshape(n, c, kh, kw, ho, wo), dx.shape, kernel, stride, padding, dilation)
         if need[1]:
-            gw = (g2.transpose(0, 2, 1) @ columns(_d(x))).reshape(o, cg, kh, kw)
+            gw = (g2 @ columns(_d(x)).swapaxes(-1, -2)).sum(axis=0).reshape(o, cg, kh, kw)
         if bias is not None and need[2]:
             gb = g.sum(axis=(0, 2, 3))
         return gx, gw, gb
@@ -723,8 +721,9 @@ def max_pool2d(x, kernel_size, stride=None, padding=0):
 
     def backward(g, need):
         kk = kernel[0] * kernel[1]
-        onehot = (arg[..., None] == xp.arange(kk)) * g[..., None]
-        return (_col2im(onehot.reshape(g.shape + kernel), shape, kernel, stride, padding, (1, 1)),)
+        onehot = (arg[..., None] == xp.arange(kk)) * g[..., None]  # (N, C, Ho, Wo, kh*kw)
+        onehot = onehot.reshape(g.shape + kernel).transpose(0, 1, 4, 5, 2, 3)
+        return (_col2im(onehot, shape, kernel, stride, padding, (1, 1)),)
     return make_result("MaxPool2d", out, (x,), backward)
 
 
@@ -745,7 +744,7 @@ def avg_pool2d(x, kernel_size, stride=None, padding=0, count_include_pad=True):
     shape = dx.shape
 
     def backward(g, need):
-        share = xp.broadcast_to((g / divisor)[..., None, None], g.shape + kernel)
+        share = xp.broadcast_to((g / divisor)[:, :, None, None], g.shape[:2] + kernel + g.shape[2:])
         return (_col2im(share, shape, kernel, stride, padding, (1, 1)),)
     return make_result("AvgPool2d", out, (x,), backward)
 
