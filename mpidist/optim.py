@@ -63,6 +63,18 @@ def _flat_view(arrays):
     return base[offset: offset + sum(a.size for a in arrays)]
 
 
+# Elements per block of a pack's update: 64K (256 KB of float32) keeps a block's operands in the L2
+# cache between the passes of an update, which numpy runs one operation at a time. Measured on this
+# machine (one thread, float32, 1M elements): p -= lr * g 0.58 ms in two whole-array passes, 0.33 ms
+# in 64K blocks (16K: 0.40, 256K: 0.40); Adam's dozen passes gain more.
+_BLOCK = 1 << 16
+
+
+def _blocks(size):
+    for start in range(0, size, _BLOCK):
+        yield start, min(start + _BLOCK, size)
+
+
 class _Pack:
     """Parameters of one group updated together as flat arrays (same dtypes, device and step phase).
 
@@ -81,12 +93,12 @@ class _Pack:
         self.size = at
         self._scratch = {}
 
-    def scratch(self, name, dtype):
-        """Return a persistent flat work array (allocating per step costs page faults on large models)."""
-        key = (name, str(dtype))
+    def scratch(self, name, dtype, size=None):
+        """Return a persistent work array (allocating per step costs page faults on large models)."""
+        key = (name, dtype)
         buf = self._scratch.get(key)
         if buf is None:
-            buf = self._scratch[key] = self.xp.empty(self.size, dtype=dtype)
+            buf = self._scratch[key] = self.xp.empty(self.size if size is None else size, dtype=dtype)
         return buf
 
     def grads(self):
@@ -294,27 +306,33 @@ class SGD(Optimizer):
         return "momentum_buffer" in state  # PyTorch's first momentum step differs from the later ones
 
     def _update(self, pack, group):
-        xp, lr, momentum = pack.xp, group["lr"], group["momentum"]
+        xp, lr, momentum, wd = pack.xp, group["lr"], group["momentum"], group["weight_decay"]
         for i in pack.indices:
             state = self.state[i]
             state["step"] = state.get("step", 0) + 1
-        if not momentum and not group["weight_decay"]:
-            # Plain SGD: no state, so no flat gradient is needed either: lr * g per parameter into the
-            # pack's scratch (no allocation), then one in-place subtraction each.
-            for p, (a, b) in zip(pack.params, pack.spans):
-                work = pack.scratch("step", xp.result_type(p.grad, lr))[a:b].reshape(p.data.shape)
-                xp.multiply(p.grad, lr, out=work)
-                p.data -= work
+        if not momentum and not wd:
+            # Plain SGD keeps no state, so no flat gradient either: p -= lr * g block by block in place.
+            dtype = xp.result_type(pack.params[0].grad.dtype, lr)
+            work = pack.scratch("work", dtype, min(_BLOCK, pack.size))
+            for p in pack.params:
+                g, d = p.grad, p.data
+                if not (g.flags.c_contiguous and d.flags.c_contiguous):
+                    d -= lr * g
+                    continue
+                g, d = g.reshape(-1), d.reshape(-1)
+                for a, b in _blocks(d.size):
+                    w = work[:b - a]
+                    xp.multiply(g[a:b], lr, out=w)
+                    d[a:b] -= w
             return
         d_p = pack.grads()
-        if group["weight_decay"]:
-            d_p = d_p + group["weight_decay"] * pack.data()
+        if wd:
+            d_p = d_p + wd * pack.data()
         if momentum:
-            if "momentum_buffer" not in self.state[pack.indices[0]]:
-                # PyTorch's first step copies the gradient without dampening.
-                buf = pack.state(self, "momentum_buffer", init=d_p)
-            else:
-                buf = pack.state(self, "momentum_buffer")
+            first = "momentum_buffer" not in self.state[pack.indices[0]]
+            # PyTorch's first step copies the gradient without dampening.
+            buf = pack.state(self, "momentum_buffer", init=d_p if first else None)
+            if not first:
                 buf *= momentum
                 buf += (1 - group["dampening"]) * d_p
             d_p = d_p + momentum * buf if group["nesterov"] else buf
@@ -353,21 +371,29 @@ class Adam(Optimizer):
         for i in pack.indices:
             self.state[i]["step"] = self.state[i].get("step", 0) + 1
         t = self.state[pack.indices[0]]["step"]
-        # Scratch arrays instead of a fresh temporary per operation (lower transient memory). The
+        # Scratch arrays instead of a fresh temporary per operation, block by block (see _BLOCK). The
         # operations, their order and each intermediate's dtype are those of the plain expressions, so
         # results are bit-for-bit the same, also when grads and params differ in dtype.
-        work = xp.multiply(g, 1 - b1, out=pack.scratch("work", xp.result_type(g, 1 - b1)))  # (1 - b1) * g
-        m *= b1
-        m += work
-        xp.multiply(g, 1 - b2, out=work)         # (1 - b2) * g * g
-        work *= g
-        v *= b2
-        v += work
-        denom = xp.sqrt(v, out=pack.scratch("denom", v.dtype))  # v ** 0.5 / sqrt(1 - b2 ** t) + eps
-        denom /= math.sqrt(1 - b2 ** t)
-        denom += eps
-        step = xp.multiply(m, lr / (1 - b1 ** t), out=pack.scratch("step", m.dtype))  # (lr / (1 - b1 ** t)) * m / denom
-        step /= denom
+        n = min(_BLOCK, pack.size)
+        work = pack.scratch("work", xp.result_type(g, 1 - b1), n)
+        denom = pack.scratch("denom", v.dtype, n)
+        step = pack.scratch("step", m.dtype)
+        c1, c2 = lr / (1 - b1 ** t), math.sqrt(1 - b2 ** t)
+        for a, b in _blocks(pack.size):
+            gb, mb, vb, sb = g[a:b], m[a:b], v[a:b], step[a:b]
+            w, den = work[:b - a], denom[:b - a]
+            xp.multiply(gb, 1 - b1, out=w)       # (1 - b1) * g
+            mb *= b1
+            mb += w
+            xp.multiply(gb, 1 - b2, out=w)       # (1 - b2) * g * g
+            w *= gb
+            vb *= b2
+            vb += w
+            xp.sqrt(vb, out=den)                 # v ** 0.5 / sqrt(1 - b2 ** t) + eps
+            den /= c2
+            den += eps
+            xp.multiply(mb, c1, out=sb)          # (lr / (1 - b1 ** t)) * m / denom
+            sb /= den
         pack.subtract(step)
 
 

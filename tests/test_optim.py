@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import mpidist.nn as nn
+from mpidist import optim
 from mpidist.optim import SGD, Adam, AdamW
 
 STEPS = 6
@@ -106,10 +107,13 @@ def test_state_dict_resume_equals_uninterrupted(cls, kwargs):
 
 @pytest.mark.parametrize("cls, kwargs", [(SGD, SGD_CASES[2]), (SGD, SGD_CASES[3]), (SGD, SGD_CASES[0]),
                                          (Adam, ADAM_CASES[1]), (AdamW, ADAM_CASES[1])])
-def test_packs_with_missing_grads_mixed_dtypes_and_shared_buffers_match_the_reference(cls, kwargs):
+@pytest.mark.parametrize("block", [None, 5])  # the default, and updates split into blocks of 5 elements
+def test_packs_with_missing_grads_mixed_dtypes_and_shared_buffers_match_the_reference(cls, kwargs, block, monkeypatch):
     """Parameters are updated in flat packs; each must still follow its own textbook update: a parameter whose
     grad is None on some steps keeps its state and its own step count (Adam's bias correction), float32 and
     float64 parameters pack apart, and parameters that are views of one buffer update through it."""
+    if block is not None:
+        monkeypatch.setattr(optim, "_BLOCK", block)
     rng = np.random.default_rng(1)
     shared = rng.standard_normal(12 + 7)
     params = [nn.Parameter(rng.standard_normal((3, 4))), nn.Parameter(rng.standard_normal(5)),
@@ -284,8 +288,11 @@ def test_schedule_arguments_are_checked_with_their_values():
 
 @pytest.mark.parametrize("param_dtype, grad_dtype", [("float64", "float64"), ("float32", "float32"),
                                                      ("float32", "float16"), ("float64", "float32")])
-def test_adam_in_place_update_is_bitwise_the_plain_expression(param_dtype, grad_dtype):
+@pytest.mark.parametrize("block", [None, 64])  # one block, and eight
+def test_adam_in_place_update_is_bitwise_the_plain_expression(param_dtype, grad_dtype, block, monkeypatch):
     """The scratch-array update must round exactly like the textbook expression, dtype by dtype."""
+    if block is not None:
+        monkeypatch.setattr(optim, "_BLOCK", block)
     import math
     rng = np.random.default_rng(3)
     p = nn.Parameter(rng.standard_normal(500).astype(param_dtype))
