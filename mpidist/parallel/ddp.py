@@ -57,6 +57,7 @@ class GradientBucket:
             if p.grad is not None:  # keep a gradient the parameter already holds
                 self.attach(p)
         self.ready = set()
+        self.scaled = [False] * len(params)  # divided by the world size for this synchronization
         self.handle = None
         self.local_nonfinite = [False] * len(params)
 
@@ -64,19 +65,35 @@ class GradientBucket:
     def nbytes(self):
         return self.flat.nbytes
 
-    def attach(self, param):
-        """Make ``param.grad`` its view into the bucket, holding the same values (zeros for None)."""
+    def attach(self, param, scale=None):
+        """Make ``param.grad`` its view into the bucket, holding the same values (zeros for None).
+
+        ``scale``: multiply a gradient copied in by it on the way (the mean's 1/size, in the same pass);
+        a gradient already in its view is left as it is. Returns whether ``scale`` was applied.
+        """
         view = self.views[self.slot[id(param)]]
         grad = param.grad
         if grad is view:
-            return
+            return False
         # Autograd hands a parameter without a gradient its own fresh array (set_to_none zeroing, the
         # default): one copy into the bucket, after which later backwards accumulate in place.
         if grad is None:
             view[...] = 0
-        else:
+        elif scale is None:
             view[...] = grad
+        else:
+            get_array_module(view).multiply(grad, scale, out=view)
         param.grad = view
+        return scale is not None
+
+    def attach_for_mean(self, param, size):
+        """Attach ``param`` with its gradient divided by ``size`` (once per synchronization)."""
+        i = self.slot[id(param)]
+        if self.scaled[i]:
+            return
+        if not self.attach(param, 1.0 / size):
+            self.views[i] *= 1.0 / size
+        self.scaled[i] = True
 
     def attach_all(self):
         """Attach every parameter (before the bucket is reduced as a whole)."""
@@ -234,9 +251,14 @@ class DDP:
         if self._backward is None:
             self._begin_backward()
         bucket = self._bucket_of[id(param)]
-        bucket.attach(param)
         if not self._backward[0]:
+            bucket.attach(param)
             return
+        if self._join is None:
+            # The mean's division rides on the copy into the bucket (one pass over the gradient saved).
+            bucket.attach_for_mean(param, self.comm.Get_size())
+        else:
+            bucket.attach(param)
         if bucket.handle is not None:
             name = bucket.names[bucket.slot[id(param)]]
             raise RuntimeError(f"DDP: parameter {name!r} received a gradient after its bucket {bucket.index} was "
@@ -268,12 +290,18 @@ class DDP:
             self.stats["sync_wait_s"] += time.perf_counter() - computed
 
     def _launch(self, bucket):
+        if self._join is None:
+            size = self.comm.Get_size()
+            for p in bucket.params:  # those attached earlier (no_sync, unused, sync_gradients)
+                bucket.attach_for_mean(p, size)
+        else:
+            bucket.attach_all()  # summed, then divided by the ranks still active
         if self.check_finite:
             # Remember which rank produced a NaN/Inf before averaging spreads it to every rank.
             xp = get_array_module(bucket.flat)
             bucket.local_nonfinite = [not bool(xp.isfinite(v).all()) for v in bucket.views]
-        op = "mean" if self._join is None else "sum"
-        bucket.handle = collectives.iallreduce(bucket.flat, self.comm, op=op)
+        # Every gradient was divided by the world size on its way into the bucket: the sum is the mean.
+        bucket.handle = collectives.iallreduce(bucket.flat, self.comm, op="sum")
 
     def _launch_ready_buckets(self):
         while self._next_launch < len(self.buckets):
@@ -298,9 +326,7 @@ class DDP:
         # collective (the unused-parameter check), so all ranks issue the same sequence whatever each
         # launched during backward.
         while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            bucket.attach_all()
-            self._launch(bucket)
+            self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
         for bucket in self.buckets:
             bucket.handle.wait()
@@ -308,6 +334,7 @@ class DDP:
                 bucket.flat /= self._join.active
             bucket.handle = None
             bucket.ready.clear()
+            bucket.scaled = [False] * len(bucket.params)
         self._next_launch = 0
         self.stats["steps"] += 1
         self._stamp.finish(f"gradient synchronization #{self.stats['steps']}")
