@@ -743,3 +743,29 @@ def test_reductions_to_a_scalar_hold_an_array():
     for t in (F.mean(rand(3)), F.sum(nn.Tensor(rand(3), requires_grad=True)), nn.Tensor(np.float64(2.0))):
         assert type(t.data) is np.ndarray and t.data.shape == ()
         assert np.asarray(t).shape == () and float(t) == float(t.data)
+
+
+def test_sync_batch_norm_float32_with_a_large_mean(comm):
+    # E[x^2] - E[x]^2 in float32 would lose the variance of data with mean 1000 and spread 1.
+    x = (rand(4 * comm.Get_size(), 2, 3, seed=1) + 1000.0).astype(np.float32)
+    rank = comm.Get_rank()
+    sync = nn.SyncBatchNorm(2, comm)
+    y = sync(x[4 * rank:4 * rank + 4]).data
+    ref = nn.BatchNorm2d(2)(x).data[4 * rank:4 * rank + 4]
+    np.testing.assert_allclose(y, ref, atol=2e-3)
+    np.testing.assert_allclose(sync.running_var, 0.9 + 0.1 * x.astype(F64).var(axis=(0, 2)) * x[:, 0].size
+                               / (x[:, 0].size - 1), rtol=1e-4)
+
+
+def test_backward_inputs_and_no_grad_decorator():
+    a = nn.Tensor(rand(3), requires_grad=True)
+    b = nn.Tensor(rand(3, seed=1), requires_grad=True)
+    nn.backward((a * b).sum(), inputs=[a])
+    np.testing.assert_array_equal(a.grad, b.data)
+    assert b.grad is None
+
+    @nn.no_grad()
+    def infer(t):
+        return t * 2
+
+    assert infer(a).grad_fn is None and nn.is_grad_enabled()
