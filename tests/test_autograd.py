@@ -769,3 +769,13 @@ def test_backward_inputs_and_no_grad_decorator():
         return t * 2
 
     assert infer(a).grad_fn is None and nn.is_grad_enabled()
+
+
+def test_checkpoint_passes_gradients_to_keyword_tensors():
+    x = nn.Tensor(rand(3), requires_grad=True)
+    m = nn.Tensor(rand(3, seed=1), requires_grad=True)
+    out = nn.checkpoint(lambda a, scale=None: F.tanh(a * scale), x, scale=m * 2)
+    out.sum().backward()
+    t = np.tanh(x.data * m.data * 2)
+    np.testing.assert_allclose(x.grad, (1 - t * t) * m.data * 2)
+    np.testing.assert_allclose(m.grad, (1 - t * t) * x.data * 2)  # was None: keyword inputs were dropped

@@ -25,11 +25,14 @@ def checkpoint(fn, *inputs, **kwargs):
     for i, o in enumerate(outs):
         if not isinstance(o, Tensor):
             raise TypeError(f"checkpoint: output {i} of the function is a {type(o).__name__}, not a Tensor")
-    tensor_positions = [i for i, x in enumerate(inputs) if isinstance(x, Tensor)]
-    input_ids = {id(inputs[i]) for i in tensor_positions}
+    # Keyword tensors are inputs too (a mask computed by the model): their gradients must flow.
+    names = list(kwargs)
+    flat = list(inputs) + [kwargs[k] for k in names]
+    tensor_positions = [i for i, x in enumerate(flat) if isinstance(x, Tensor)]
+    input_ids = {id(flat[i]) for i in tensor_positions}
     params = [p for p in leaves.values() if id(p) not in input_ids]
     starts = [(gen, state) for gen, state in generators.values()]
-    edges_inputs = [inputs[i] for i in tensor_positions] + params
+    edges_inputs = [flat[i] for i in tensor_positions] + params
 
     def backward(grads, needs):
         if len(outs) == 1:  # the engine hands a one-output node its gradient, not a tuple
@@ -40,14 +43,14 @@ def checkpoint(fn, *inputs, **kwargs):
         for gen, state in starts:
             gen.bit_generator.state = state
         try:
-            replay = list(inputs)
+            replay = list(flat)
             fresh = []
             for i in tensor_positions:
-                x = inputs[i]
+                x = flat[i]
                 replay[i] = Tensor(x.data, requires_grad=x.requires_grad)
                 fresh.append(replay[i])
             with autograd.enable_grad():
-                out2 = fn(*replay, **kwargs)
+                out2 = fn(*replay[:len(inputs)], **dict(zip(names, replay[len(inputs):])))
         finally:
             for gen, state in now:
                 gen.bit_generator.state = state
