@@ -468,3 +468,22 @@ def test_split_backward_equals_full_backward():
         np.testing.assert_allclose(q.grad, p.grad + r.grad, rtol=1e-12)
     with pytest.raises(RuntimeError, match=r"DeferredWeightGrads.run: already ran"):
         w1.run()
+
+
+def test_replacing_a_child_or_parameter_keeps_its_place():
+    seq = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    setattr(seq, "0", nn.Tanh())
+    assert [type(m).__name__ for m in seq] == ["Tanh", "ReLU", "Linear"]  # was moved to the end
+    lin = nn.Linear(2, 2)
+    lin.weight = nn.Parameter(np.zeros((2, 2), np.float32))
+    assert [n for n, _ in lin.named_parameters()] == ["weight", "bias"]
+
+
+def test_convert_sync_batchnorm_reuses_parameters_and_buffers():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Sequential(nn.ReLU(), nn.BatchNorm2d(2)))
+    before = [id(p) for p in model.parameters()] + [id(b) for b in model.buffers()]
+    sentinel = object()
+    out = nn.SyncBatchNorm.convert_sync_batchnorm(model, sentinel)
+    assert out is model and type(model[1]) is nn.SyncBatchNorm and type(model[2][1]) is nn.SyncBatchNorm
+    assert model[1].comm is sentinel and [type(m).__name__ for m in model][:2] == ["Conv2d", "SyncBatchNorm"]
+    assert [id(p) for p in model.parameters()] + [id(b) for b in model.buffers()] == before

@@ -342,3 +342,21 @@ class SyncBatchNorm(BatchNorm2d):
     def comm(self):
         """The communicator whose ranks share the batch."""
         return self._comm
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module, comm):
+        """Replace every BatchNorm2d in ``module`` by a SyncBatchNorm over ``comm``; return the module.
+
+        The new layers take over the old ones' parameters and buffers (the same objects), so an
+        optimizer built before the conversion still updates them.
+        """
+        if isinstance(module, BatchNorm2d) and not isinstance(module, SyncBatchNorm):
+            sync = cls(module.num_features, comm, module.eps, module.momentum, module.affine,
+                       module.track_running_stats)
+            sync.weight, sync.bias = module.weight, module.bias
+            for name, array in module.named_buffers():
+                setattr(sync, name, array)
+            return sync.train(module.training)
+        for name, child in list(module.named_children()):
+            setattr(module, name, cls.convert_sync_batchnorm(child, comm))
+        return module

@@ -80,12 +80,19 @@ class Module:
     def __setattr__(self, name, value):
         if "_params" not in self.__dict__:
             raise AttributeError(f"{type(self).__name__}: cannot assign '{name}' before Module.__init__() is called")
-        for registry in (self._params, self._children):
-            registry.pop(name, None)
         if isinstance(value, (Parameter, Module)):
+            registry, other = (self._params, self._children) if isinstance(value, Parameter) else \
+                (self._children, self._params)
+            other.pop(name, None)
             self._buffers.pop(name, None)
-            (self._params if isinstance(value, Parameter) else self._children)[name] = value
-        elif name in self._buffers:
+            # Assigning to an existing key keeps its place: replacing Sequential's child "0" must not
+            # move it to the end (nor a replaced parameter to the end of state_dict and DDP's buckets).
+            registry[name] = value
+            object.__setattr__(self, name, value)
+            return
+        self._params.pop(name, None)
+        self._children.pop(name, None)
+        if name in self._buffers:
             self._buffers[name] = value
         object.__setattr__(self, name, value)
 
