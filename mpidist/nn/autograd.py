@@ -623,17 +623,20 @@ def backward_input(outputs, grad_outputs, inputs):
             raise RuntimeError(f"backward_input: input {i} must be a leaf tensor that requires grad")
     seeds = _seed_grads(outputs, grad_outputs)
     follow = _leads_to(seeds, {id(t) for t in inputs})
-    pending, live = [], []
+    pending, live, weight_only = [], [], {}
     for key, index, g in seeds:
         if id(key) in follow:
             live.append((key, index, g))
         elif isinstance(key, Node):
-            # Nothing under this output leads to an input: all of it is weight work.
-            if key.n_out > 1:
-                g = tuple(g if i == index else None for i in range(key.n_out))
-            pending.append((key, g, tuple(e is not None for e in key.edges)))
+            # Nothing under this output leads to an input: all of it is weight work. Seeds of one node (a
+            # tensor given twice, several outputs of one op) are summed into one entry: it runs once.
+            if id(key) not in weight_only:
+                pending.append(key)
+            _accumulate(weight_only, id(key), index, key.n_out, g)
         else:
             pending.append((key, g, None))
+    pending = [(key, weight_only[id(key)][0] if key.n_out == 1 else tuple(weight_only[id(key)]),
+                tuple(e is not None for e in key.edges)) if isinstance(key, Node) else key for key in pending]
     captured = {}
     if live:
         captured = _Pass(False, capture={id(t) for t in inputs}, follow=follow, defer=pending).run(live)
