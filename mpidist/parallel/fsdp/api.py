@@ -273,7 +273,7 @@ class FSDP:
         busy = [u.label for u in self._param_units if u.holds or u.handle is not None]
         sessions = [u.label for u in self._units if u.session is not None]
         if busy or sessions or self._inflight or self._pass is not None:
-            raise RuntimeError(f"FSDP.{fn}: forwards are in flight (units gathered: {busy}, training forwards "
+            raise RuntimeError(f"FSDP.{fn}: micro-batches are in flight (units gathered: {busy}, training forwards "
                                f"awaiting backward: {len(self._inflight)}); finish their backward first")
 
     def full_state_dict(self):
