@@ -779,3 +779,39 @@ def test_checkpoint_passes_gradients_to_keyword_tensors():
     t = np.tanh(x.data * m.data * 2)
     np.testing.assert_allclose(x.grad, (1 - t * t) * m.data * 2)
     np.testing.assert_allclose(m.grad, (1 - t * t) * x.data * 2)  # was None: keyword inputs were dropped
+
+
+def test_cnn_with_sync_batch_norm_under_ddp_matches_one_process(comm):
+    """DDP (small buckets, overlap on) over a CNN whose BatchNorms are SyncBatchNorm, each rank with its
+    slice of the global batch, trains to the parameters and running statistics of one process with
+    BatchNorm2d on the whole batch (3 SGD steps, float64)."""
+    from mpidist import DDP, optim
+
+    def cnn():
+        rng = np.random.default_rng(0)
+        return nn.Sequential(nn.Conv2d(1, 3, 3, padding=1, rng=rng, dtype=F64), nn.BatchNorm2d(3, dtype=F64),
+                             nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(3, 4, 3, rng=rng, dtype=F64),
+                             nn.BatchNorm2d(4, dtype=F64), nn.Tanh(), nn.Flatten(),
+                             nn.Linear(16, 5, rng=rng, dtype=F64))
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    per_rank = 3
+    ref = cnn()
+    ref_opt = optim.SGD(list(ref.parameters()), lr=0.1)
+    model = DDP(nn.SyncBatchNorm.convert_sync_batchnorm(cnn(), comm), comm, bucket_cap_mb=1e-4,
+                first_bucket_mb=1e-4)
+    opt = optim.SGD(list(model.parameters()), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+    for step in range(3):
+        x = rand(per_rank * size, 1, 8, 8, seed=10 + step)
+        y = np.random.default_rng(20 + step).integers(0, 5, per_rank * size)
+        ref_opt.zero_grad()
+        crit(ref(x), y).backward()
+        ref_opt.step()
+        part = slice(rank * per_rank, (rank + 1) * per_rank)
+        opt.zero_grad()
+        crit(model(x[part]), y[part]).backward()
+        opt.step()
+    got = model.module.state_dict() if hasattr(model, "module") else model.state_dict()
+    for name, want in ref.state_dict().items():
+        np.testing.assert_allclose(got[name], want, rtol=1e-9, atol=1e-12, err_msg=f"{name} on rank {rank}")
