@@ -27,6 +27,7 @@ How FSDP attaches (never replacing a method of the user's modules):
 import contextlib
 import itertools
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -48,16 +49,15 @@ __all__ = ["FSDP", "UnitInfo"]
 _WRAPPED = weakref.WeakSet()
 
 
+@dataclass(frozen=True)
 class UnitInfo:
-    """Public description of one unit: its label, parameter names and flat sizes."""
+    """Public description of one unit: its label, the parameters it owns, flat sizes, units it uses."""
 
-    __slots__ = ("label", "params", "numel", "shard_numel", "uses")
-
-    def __init__(self, label, params, numel, shard_numel, uses):
-        self.label, self.params, self.numel, self.shard_numel, self.uses = label, params, numel, shard_numel, uses
-
-    def __repr__(self):
-        return f"UnitInfo(label={self.label!r}, numel={self.numel}, shard_numel={self.shard_numel}, uses={self.uses})"
+    label: str
+    params: tuple     # names of the parameters it owns (flat order)
+    numel: int        # unpadded flat parameter size
+    shard_numel: int  # elements per shard: ceil(numel / num_shards)
+    uses: tuple = ()  # labels of the units owning tied parameters its modules also hold
 
 
 class _Context:
