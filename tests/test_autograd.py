@@ -49,7 +49,7 @@ def test_binary_ops_broadcast(op, shapes):
 
 def test_binary_ops_with_numbers_and_arrays():
     a = rand(2, 3)
-    gradcheck(lambda t: 2.0 * t - t / 3.0 + 1.0 - (-t), a)
+    gradcheck(lambda t: 2.0 * t - t / 3.0 + 1.0 - (-t) + 2.0 / (t + 3.0) - (1.0 - t), a)  # reflected ops
     gradcheck(lambda t: rand(2, 3, seed=5) * t + rand(3, seed=6), a)  # plain array on either side
 
 
