@@ -657,3 +657,55 @@ def test_shard_layout_pieces_rebuild_every_parameter(comm):
                     hits[start: start + count] += 1
         assert (hits == 1).all(), name
         np.testing.assert_array_equal(rebuilt.reshape(param.data.shape), param.data, err_msg=name)
+
+
+@pytest.mark.world_sizes(1, 2, 3)
+@pytest.mark.parametrize("order", ["embedding_first", "head_first"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_tied_weights_with_no_sync_accumulation_equal_one_big_batch(comm, strategy, order):
+    ref, model = TiedResidualMLP(), TiedResidualMLP()
+    fsdp = FSDP(model, comm, strategy=strategy, units=tied_units(model, order))
+    opt, ref_opt = Adam(fsdp.parameters(), lr=1e-2), Adam(list(ref.parameters()), lr=1e-2)
+    crit = nn.CrossEntropyLoss()
+    for x, y in token_batches(3):
+        xs, ys = np.split(my_slice(comm, x), 3), np.split(my_slice(comm, y), 3)
+        for i in range(3):
+            with (contextlib.nullcontext() if i == 2 else fsdp.no_sync()):
+                (crit(fsdp(xs[i]), ys[i]) * (1 / 3)).backward()
+        opt.step()
+        opt.zero_grad()
+        crit(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_matches(comm, fsdp, ref)
+
+
+class WithIdleParts(nn.Module):
+    """A frozen weight, a module never called inside a used unit, and a unit never called at all."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        rng = np.random.default_rng(seed)
+        self.a = nn.Linear(4, 9, rng=rng, dtype=np.float64)
+        self.a.weight.requires_grad_(False)
+        self.b = nn.Linear(9, 5, rng=rng, dtype=np.float64)
+        self.spare = nn.Linear(9, 5, rng=rng, dtype=np.float64)  # in b's unit, never called
+        self.unused = nn.Linear(5, 5, rng=rng, dtype=np.float64)  # a unit of its own, never called
+
+    def forward(self, x):
+        return self.b(nn.functional.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_frozen_and_unused_parameters_train_like_one_process(comm, strategy):
+    """Units whose parameters get no gradient are finished at the end of backward (zeros, on every rank)."""
+    ref, model = WithIdleParts(), WithIdleParts()
+    fsdp = FSDP(model, comm, strategy=strategy, units=[model.a, [model.b, model.spare], model.unused])
+    opt, ref_opt = Adam(fsdp.parameters(), lr=1e-2), Adam([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for x, y in batches(3):
+        fsdp_step(comm, fsdp, opt, x, y)
+        ref_step(ref, ref_opt, x, y)
+        stats = fsdp.memory_stats()
+        assert stats["gathered_bytes"] == stats["unsharded_grad_bytes"] == 0
+    assert_matches(comm, fsdp, ref)
+    assert model.a.weight.requires_grad is False

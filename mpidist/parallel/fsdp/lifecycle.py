@@ -202,8 +202,10 @@ class Unit:
 
         ``check_finite``: a set receiving the names of parameters whose local gradient is not finite.
         """
-        if self.unsharded_grad is None:
-            self.install_grad_views()  # no gradient reached this unit here: its ranks still take part
+        if self.unsharded_grad is None or self.no_shard:
+            # No gradient reached this unit in this backward (its ranks still take part), or NO_SHARD's
+            # shard grad was dropped by the optimizer since: start from zeros.
+            self.install_grad_views()
         self.grad_state = GradState.REDUCED
         if check_finite is not None:
             # Look before averaging: afterwards every rank holds the NaN and nobody knows its source.
