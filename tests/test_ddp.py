@@ -413,17 +413,24 @@ def test_tied_weights_with_overlap_match_one_process(comm, kind):
 
 
 @pytest.mark.world_sizes(2, 3)
-def test_the_forward_decides_whether_backward_synchronizes(comm):
-    """As in PyTorch: a forward under no_sync gives a local backward even when backward runs after the block;
-    the next synchronizing backward averages the sum."""
+@pytest.mark.parametrize("inside", ["forward", "backward"])
+def test_no_sync_around_the_forward_or_the_backward_keeps_it_local(comm, inside):
+    """As in PyTorch, a forward under no_sync gives a local backward even when backward runs after the block;
+    as mpidist always did, so does a backward started under no_sync. The next synchronizing backward averages
+    the sum."""
     size, rank = comm.Get_size(), comm.Get_rank()
     ddp = DDP(make_model(), comm, bucket_cap_mb=TINY_BUCKET_MB)
     crit = nn.CrossEntropyLoss()
     x, y = global_batch(0, 4 * size)
     mine = slice(rank * 4, (rank + 1) * 4)
-    with ddp.no_sync():
+    if inside == "forward":
+        with ddp.no_sync():
+            loss = crit(ddp(x[mine][:2]), y[mine][:2])
+        loss.backward()  # outside the block, still local
+    else:
         loss = crit(ddp(x[mine][:2]), y[mine][:2])
-    loss.backward()  # outside the block, still local
+        with ddp.no_sync():
+            loss.backward()
     first = {n: p.grad.copy() for n, p in ddp.named_parameters()}
     everyone = comm.allgather(first["0.weight"])
     assert not all(np.array_equal(everyone[0], w) for w in everyone[1:])  # not averaged: ranks differ

@@ -10,8 +10,10 @@ Glossary:
 - finalize: a callback queued on the running backward (``nn.queue_callback``) launches the buckets
   of parameters that got no gradient, waits for every bucket and runs the checks (step stamp,
   unused parameters, non-finite gradients) once backward has computed everything.
-- sync mode: whether a backward averages gradients; taken when the forward ran (``no_sync`` around
-  the forward, as in PyTorch), or when the backward starts if no forward went through the wrapper.
+- sync mode: whether a backward averages gradients: not if any training forward since the last
+  backward ran under ``no_sync`` (as in PyTorch, where the forward decides), nor if the backward starts
+  under ``no_sync`` (as mpidist always did); a pipeline that runs several micro-batches' forwards and
+  backwards inside ``no_sync`` accumulates them all.
 - launch order: buckets are launched strictly in index order on every rank, because MPI matches
   nonblocking collectives on a communicator by the order they are started.
 - join: ranks that run out of data keep matching the collectives of ranks that still have data.
@@ -142,7 +144,7 @@ class DDP:
                 self._bucket_of[id(p)] = bucket
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in named]
         self._next_launch = 0
-        self._forward_sync = None  # the sync mode of the forward(s) since the last backward
+        self._forward_sync = None  # False if a training forward since the last backward ran under no_sync
         self._backward = None  # (sync mode, start time) while a backward runs
 
     # -- construction -----------------------------------------------------------------------------
@@ -184,7 +186,7 @@ class DDP:
         """Run the wrapped module (and keep a joined rank's collectives matched)."""
         training = self.module.training and is_grad_enabled()
         if training:
-            self._forward_sync = self._sync_enabled
+            self._forward_sync = self._sync_enabled and self._forward_sync is not False
             if self._sync_enabled:
                 root = 0
                 if self._join is not None:
@@ -270,7 +272,7 @@ class DDP:
 
     def _begin_backward(self):
         """The first gradient of a backward: count it, start the step check, and queue the finalize."""
-        sync = self._sync_enabled if self._forward_sync is None else self._forward_sync
+        sync = self._sync_enabled and self._forward_sync is not False
         self._backward = (sync, time.perf_counter())
         self._stamp.count_backward(sync)
         if sync and self._join is None:  # joined ranks mirror only the buckets' collectives
@@ -378,8 +380,8 @@ class DDP:
     def no_sync(self):
         """Accumulate gradients locally; the first synchronizing backward after the block averages the sum.
 
-        The forward decides (as in PyTorch): a forward run inside the block gives a backward that does not
-        synchronize, wherever that backward runs.
+        A forward run inside the block gives a backward that does not synchronize, wherever that backward
+        runs (as in PyTorch); a backward started inside the block does not synchronize either.
         """
         previous = self._sync_enabled
         self._sync_enabled = False
