@@ -4,6 +4,10 @@ Every rank trains on its own equal slice of the global batch (mean loss per slic
 whole batch; averaging slice gradients over ranks equals the whole-batch gradient, so parameters must
 agree to rounding after every step. The model's units have 35, 77, 156, 26 and 65 elements: all but one
 are uneven on 2, 3 and 4 ranks, so every padding path runs.
+
+Training is ``crit(fsdp(x), y).backward()``: FSDP works only through hooks on the model. A second model,
+``TiedResidualMLP`` (embedding, residual blocks, a head whose weight is the embedding's), covers parameters
+shared across units and activation checkpointing per block.
 """
 
 import contextlib
