@@ -351,6 +351,27 @@ def test_multi_input_batch_errors_raise_on_every_rank(comm):
     pipe.step((x, ids), y)  # still usable
 
 
+@pytest.mark.world_sizes(2, 3)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_stages_with_activation_checkpointing(comm, schedule):
+    """A stage that recomputes its activations in backward (``activation_checkpointing``) trains like one process
+    without it; under zb_h1 the checkpoint's node splits too (B recomputes for the input gradient, W again for
+    the weight gradients)."""
+    p, rank = comm.Get_size(), comm.Get_rank()
+    chunks, num_stages = split_model(comm, schedule)
+    chunks[0].activation_checkpointing = True
+    pipe = Pipeline(chunks[0], comm, 3, schedule=schedule, loss_fn=CrossEntropyLoss())
+    opt = SGD(params_of(chunks), lr=LR)
+    ref = Reference(num_stages)
+    for t in range(STEPS):
+        x, y = batch(t, 13)
+        chunks[0].zero_grad()
+        pipe.step(x, y)
+        ref.step(x, y)
+        opt.step()
+    assert_stage_matches(chunks, ref, rank, p)
+
+
 @pytest.mark.world_sizes(2, 3, 4)
 def test_first_stage_gets_real_gradients(comm):
     # The old executor sent zeros upstream: every stage but the last had zero gradients.
