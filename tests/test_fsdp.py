@@ -573,7 +573,9 @@ def train_blocks(comm, checkpointing, p, steps=3, units="blocks"):
     model = TiedResidualMLP(blocks=3, p=p)
     for block in model.blocks:
         block.activation_checkpointing = checkpointing
-    fsdp = FSDP(model, comm, units=tied_units(model, "embedding_first"))
+    # "blocks": each checkpointed block is a unit; "inside": one unit holds the whole model and the
+    # checkpointed blocks run inside it.
+    fsdp = FSDP(model, comm, units=tied_units(model, "embedding_first") if units == "blocks" else [model])
     opt = Adam(fsdp.parameters(), lr=1e-2)
     crit = nn.CrossEntropyLoss()
     grads = []
@@ -585,10 +587,11 @@ def train_blocks(comm, checkpointing, p, steps=3, units="blocks"):
     return fsdp, grads
 
 
+@pytest.mark.parametrize("units", ["blocks", "inside"])
 @pytest.mark.parametrize("p", [0.0, 0.3])
-def test_activation_checkpointing_per_block_gives_the_same_gradients(comm, p):
-    plain, plain_grads = train_blocks(comm, False, p)
-    ckpt, ckpt_grads = train_blocks(comm, True, p)
+def test_activation_checkpointing_per_block_gives_the_same_gradients(comm, p, units):
+    plain, plain_grads = train_blocks(comm, False, p, units=units)
+    ckpt, ckpt_grads = train_blocks(comm, True, p, units=units)
     for step, (a, b) in enumerate(zip(plain_grads, ckpt_grads)):
         for unit, ga, gb in zip(plain.units, a, b):
             np.testing.assert_allclose(gb, ga, rtol=0, atol=1e-12, err_msg=f"step {step}, unit {unit.label}")
