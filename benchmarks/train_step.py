@@ -2,6 +2,8 @@
 
 Run:  OMP_NUM_THREADS=1 python benchmarks/train_step.py [--json PATH] [--steps N]
       OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/train_step.py [--json PATH]   (adds the DDP rows)
+      --torch adds the same MLP step in PyTorch's CPU eager mode, timed interleaved (torch is no dependency:
+      e.g. pip install --target /tmp/torchlib torch and PYTHONPATH=/tmp/torchlib)
 
 Rows (``--json`` writes a list of them; every row has model, ranks, step_ms, mfu, matmul_gflops):
 - mlp: Linear 784-1024-1024-10 with ReLU, batch 64, float32, SGD; FLOPs per step = 6 x batch x weights
@@ -143,6 +145,29 @@ def time_steps(trainers, steps, comm=None, warmup=3, block=5):
     return {name: float(np.median(v)) for name, v in times.items()}
 
 
+class TorchMLP:
+    """The same MLP step in PyTorch's CPU eager mode (``--torch``, for comparison; torch is no dependency)."""
+
+    def __init__(self, x, y):
+        import torch
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        layers = []
+        for i, (a, b) in enumerate(zip(MLP_WIDTHS[:-1], MLP_WIDTHS[1:])):
+            layers.append(torch.nn.Linear(a, b))
+            if i < len(MLP_WIDTHS) - 2:
+                layers.append(torch.nn.ReLU())
+        self.model = torch.nn.Sequential(*layers)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.crit = torch.nn.CrossEntropyLoss()
+        self.x, self.y = torch.from_numpy(x), torch.from_numpy(y)
+
+    def step(self):
+        self.opt.zero_grad()
+        self.crit(self.model(self.x), self.y).backward()
+        self.opt.step()
+
+
 def max_op():
     from mpi4py import MPI
     return MPI.MAX
@@ -169,6 +194,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument("--steps", type=int, default=40, help="measured steps per setup")
+    parser.add_argument("--torch", action="store_true", help="also time the MLP step in PyTorch (if installed)")
     args = parser.parse_args(argv)
     comm, info = mpidist.init()
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -199,12 +225,16 @@ def main(argv=None):
         trainers["cnn"] = Trainer(built[0], images, y)
     else:
         log("cnn row skipped: mpidist.nn has no Conv2d/MaxPool2d yet")
+    if args.torch:
+        trainers["torch"] = TorchMLP(x, y)
     if size > 1:
         trainers["ddp"] = Trainer(mlp(), x, y, wrap=lambda m: mpidist.DDP(m, comm))
     times = time_steps(trainers, args.steps, comm if size > 1 else None)
     gflops = trainers["matmuls"].flops / times["matmuls"] / 1e9
     log(f"the MLP step's own matmuls alone: {times['matmuls'] * 1e3:.2f} ms = {gflops:.1f} GFLOP/s (matmul_gflops)")
     row("mlp", times["mlp"], mlp_flops(), batch=BATCH, widths="-".join(map(str, MLP_WIDTHS)))
+    if "torch" in times:
+        row("mlp_pytorch", times["torch"], mlp_flops(), batch=BATCH, ours_over_pytorch=times["mlp"] / times["torch"])
     if "cnn" in times:
         row("cnn", times["cnn"], built[1], batch=BATCH)
     if size > 1:
