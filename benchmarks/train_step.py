@@ -244,7 +244,7 @@ def main(argv=None):
     fwd, bwd = autograd_overhead()
     row("autograd_overhead", None, None, forward_us_per_op=fwd, backward_us_per_op=bwd)
     if rank == 0:
-        targets = [f"mlp MFU >= 0.80: {rows[0]['mfu']:.2f} ({'met' if rows[0]['mfu'] >= 0.8 else 'MISSED'})"]
+        targets = [f"mlp MFU >= 0.80: {rows[0]['mfu']:.3f} ({'met' if rows[0]['mfu'] >= 0.8 else 'MISSED'})"]
         ddp_rows = [r for r in rows if r["model"] == "mlp_ddp"]
         if ddp_rows:
             ratio = ddp_rows[0]["over_local"]
