@@ -64,14 +64,13 @@ class Runner:
         """Run one step; return (step seconds, exposed sync seconds)."""
         start = time.perf_counter()
         self.opt.zero_grad()
-        self.crit(self.model(self.x), self.y)
-        grad = self.crit.backward()
+        loss = self.crit(self.model(self.x), self.y)
         if self.mode.startswith("ddp"):
             before = self.model.stats["sync_wait_s"]
-            self.model.backward(grad)
+            loss.backward()  # DDP's hooks launch the buckets; its end-of-backward callback waits for them
             sync = self.model.stats["sync_wait_s"] - before
         else:
-            self.model.backward(grad)
+            loss.backward()
             sync_start = time.perf_counter()
             if self.mode == "per_tensor":  # the old approach: one blocking allreduce per tensor
                 for p in self.params:

@@ -7,6 +7,8 @@ Run from the repo root (spawns ``mpiexec -n N`` for each N, one worker per rank)
 The launcher is the one ``make`` configures, as for the tests (tests/launcher.py): ``MPIDIST_MPIEXEC``
 (default: the mpiexec next to this Python, else the one on PATH) with ``MPIEXEC_FLAGS`` (e.g.
 ``--oversubscribe`` for -n 4 on fewer cores under Open MPI).
+The training step is ``crit(wrapper(x), y).backward(); opt.step(); opt.zero_grad(set_to_none=False)``: FSDP gathers, frees
+and reduce-scatters from the hooks it put on the model.
 
 Memory is counted exactly from the arrays each wrapper owns (not RSS): FSDP from ``memory_stats(optimizer)``;
 DDP as module parameters + its flat gradient buckets + Adam state. ``peak_bytes`` is persistent bytes plus the
@@ -45,32 +47,10 @@ def optimizer_state_bytes(opt):
 
 
 def ddp_wrapper(model, comm):
-    """Return (wrapper, grad bytes it owns); fall back to a plain allreduce-of-grads step if DDP is missing."""
-    try:
-        from mpidist.parallel.ddp import DDP
-    except ImportError:  # DDP not written yet: one mean-allreduce per gradient after backward
-        import mpidist
-
-        class PlainDDP:
-            def __init__(self, module):
-                self.module = module
-
-            def __call__(self, x):
-                return self.module(x)
-
-            def backward(self, dy):
-                dx = self.module.backward(dy)
-                for p in self.module.parameters():
-                    mpidist.allreduce(p.grad, comm, op="mean")
-                return dx
-
-            def parameters(self):
-                return self.module.parameters()
-
-        wrapper = PlainDDP(model)
-        return wrapper, lambda: sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    """Return (DDP wrapper, a function giving the gradient bytes it owns: its flat buckets)."""
+    from mpidist.parallel.ddp import DDP
     wrapper = DDP(model, comm)
-    return wrapper, lambda: sum(b.nbytes for b in wrapper.buckets)
+    return wrapper, lambda: sum(b.flat.nbytes for b in wrapper.buckets)
 
 
 def run_worker(args):
@@ -103,10 +83,9 @@ def run_worker(args):
         for step in range(args.warmup + args.steps):
             comm.Barrier()
             start = time.perf_counter()
-            crit(wrapper(x), y)
-            wrapper.backward(crit.backward())
+            crit(wrapper(x), y).backward()
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=False)  # shard grads stay allocated, as before: comparable persistent bytes
             elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
             if step >= args.warmup:
                 times.append(elapsed)

@@ -3,9 +3,11 @@
 Run: .venv/bin/mpiexec -n 4 .venv/bin/python benchmarks/pipeline.py --json pipeline.json
 (or --sim to run the 4 ranks as threads of one process).
 
-Every stage costs a known time: forward sleeps f, backward sleeps 2f (B and W sleep f each when the schedule
-splits backward) around a tiny real Linear. Sleeping instead of computing makes 4 ranks on a 2-core, shared
-machine measure the schedule rather than CPU contention; interleaved chunks hold half a stage each (f/2, f).
+Every stage costs a known time: forward sleeps f, backward 2f around a tiny real Linear, written as an autograd op
+whose backward sleeps f for the input gradient and f for the weight gradients; under zb_h1 the executor's generic
+B/W split (nn.backward_input, then DeferredWeightGrads.run()) puts the first half in B and the second in W.
+Sleeping instead of computing makes 4 ranks on a 2-core, shared machine measure the schedule rather than CPU
+contention; interleaved chunks hold half a stage each (f/2, f).
 bubble_measured = mean over ranks of 1 - compute / makespan, makespan = the slowest rank's step (all ranks start
 at a barrier); the median over --steps steps after one warm-up step is reported.
 """
@@ -23,42 +25,44 @@ import numpy as np  # noqa: E402
 
 from mpidist import collectives, simulate  # noqa: E402
 from mpidist.nn import Linear, Module, MSELoss  # noqa: E402
+from mpidist.nn.autograd import make_result  # noqa: E402
 from mpidist.parallel.pipeline import (  # noqa: E402
     Pipeline, gpipe, interleaved_1f1b, one_f_one_b, simulate_schedule, zero_bubble_h1)
 
 WIDTH = 8
 
 
+def sleepy_linear(x, weight, bias, f):
+    """Return ``x @ W.T + b``; its backward sleeps f for the input gradient and f for the weight gradients."""
+    out = x.data @ weight.data.T + bias.data
+    input_needs_grad = x.requires_grad
+
+    def backward_fn(g, needs):
+        weights = needs[1] or needs[2]
+        # The first stage's input needs no gradient, so autograd never asks for it; its input half is charged
+        # with the weight half instead, keeping every stage's backward at 2f as the formulas assume. Under zb_h1
+        # that stage's B is then empty and its W costs 2f: on rank 0 each W directly follows its B, so the
+        # timing is the same.
+        input_half = needs[0] or (weights and not input_needs_grad)
+        time.sleep(f * (input_half + weights))
+        return (g @ weight.data if needs[0] else None,
+                g.T @ x.data if needs[1] else None,
+                g.sum(axis=0) if needs[2] else None)
+
+    return make_result("SleepyLinear", out, (x, weight, bias), backward_fn)
+
+
 class SleepStage(Module):
-    """A Linear whose forward takes f seconds and backward 2f; implements the B/W split (f each)."""
+    """A Linear whose forward takes f seconds and backward 2f (f for B, f for W when split)."""
 
     def __init__(self, f, seed):
         super().__init__()
         self.f = f
         self.lin = Linear(WIDTH, WIDTH, rng=np.random.default_rng(seed), dtype=np.float64)
-        self._pending_w = {}
 
-    def forward(self, x, mb=0):
+    def forward(self, x):
         time.sleep(self.f)
-        return self.lin.forward(x, mb)
-
-    def backward(self, grad_out, mb=0):
-        time.sleep(2 * self.f)
-        return self.lin.backward(grad_out, mb)
-
-    def backward_input(self, grad_out, mb=0):
-        """B: the input gradient; keeps (x, dy) for W and releases the forward's activation."""
-        time.sleep(self.f)
-        x = self.lin.pop_saved(mb)
-        self._pending_w[mb] = (x, grad_out)
-        return grad_out @ self.lin.weight.data
-
-    def backward_weight(self, mb=0):
-        """W: the weight gradients of a micro-batch whose B already ran."""
-        time.sleep(self.f)
-        x, dy = self._pending_w.pop(mb)
-        self.lin.bias.accumulate_grad(dy.sum(axis=0))
-        self.lin.weight.accumulate_grad(dy.T @ x)
+        return sleepy_linear(x, self.lin.weight, self.lin.bias, self.f)
 
 
 def bubble_formula(schedule, p, m, v):

@@ -73,9 +73,14 @@ def global_batches(order, batch_per_rank, size, start=0):
         yield start + first + len(block), [block[r::size] for r in range(size)]
 
 
+def as_array(x):
+    """Return the array of a Tensor (a plain array as it is)."""
+    return x.data if isinstance(x, nn.Tensor) else x
+
+
 def accuracy(forward, x, y):
     with nn.no_grad():
-        return float((forward(x).argmax(axis=1) == y).mean())
+        return float((as_array(forward(x)).argmax(axis=1) == y).mean())
 
 
 # -- strategies: each returns (trainer with step(batches) -> loss, full state dict getter on rank 0) --
@@ -89,7 +94,7 @@ class DDPTrainer:
     def step(self, x, y):
         self.opt.zero_grad()
         loss = self.crit(self.model(x), y)
-        self.model.backward(self.crit.backward())
+        loss.backward()  # DDP/FSDP hooks average the gradients during backward
         self.opt.step()
         return float(loss)
 
@@ -169,7 +174,7 @@ class PipelineTrainer:
         pp_comm = self.grid.pp_comm
         with nn.no_grad():
             h = x if self.first else mpidist.recv(self.grid.pp_rank - 1, pp_comm)
-            h = self.stage(h)
+            h = as_array(self.stage(h))
             if not self.last:
                 mpidist.send(h, self.grid.pp_rank + 1, pp_comm)
         logits = h if self.last else np.empty((len(x), N_CLASSES))
@@ -220,8 +225,7 @@ def train_reference(args, x_train, y_train, segments):
     crit = nn.CrossEntropyLoss()
     for idx in replayed_steps(segments, len(x_train), args.seed, args.epochs):
         opt.zero_grad()
-        crit(model(x_train[idx]), y_train[idx])
-        model.backward(crit.backward())
+        crit(model(x_train[idx]), y_train[idx]).backward()
         opt.step()
     return model.state_dict()
 

@@ -55,9 +55,9 @@ class DataParallelJob:
         x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
         x = x + 0.01 * noise_rng.standard_normal(x.shape)  # per-rank randomness that must resume exactly
         self.opt.zero_grad()
-        self.crit(self.model(x), y)
+        loss = self.crit(self.model(x), y)
         fault()
-        self.model.backward(self.crit.backward())
+        loss.backward()
         self.opt.step()
 
     def final_params(self):

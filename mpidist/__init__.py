@@ -5,12 +5,13 @@ from .comm import (CollectiveMismatchError, CommError, DeadlockError, RankFailed
 from .collectives import (allgather, allreduce, alltoall, barrier, broadcast, iallgather, iallreduce, ibroadcast,
                           irecv, isend, recv, reduce_scatter, send)
 from .launch import LaunchError, LaunchInfo, init
+from .nn.random import manual_seed
 from .parallel import DDP, FSDP, Pipeline, ShardingStrategy, mesh
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "SimComm", "simulate", "init", "LaunchInfo", "LaunchError",
+    "SimComm", "simulate", "init", "manual_seed", "LaunchInfo", "LaunchError",
     "CommError", "CollectiveMismatchError", "RankFailedError", "DeadlockError", "SimAbort",
     "allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "send", "recv", "isend", "irecv", "barrier",
     "iallreduce", "ibroadcast", "iallgather", "DDP", "FSDP", "ShardingStrategy", "Pipeline", "mesh",

@@ -6,7 +6,8 @@ Glossary:
   plain model, DDP or FSDP alike.
 - piece: a contiguous range ``[start, start + count)`` of a key's flattened tensor, stored in one
   rank file. A replicated tensor is one piece written by one of the ranks holding it (writers are
-  balanced by bytes); an FSDP shard contributes the pieces of the parameters it overlaps.
+  balanced by bytes); an FSDP shard contributes the pieces of the parameters it overlaps, read from
+  FSDP's public ``shard_layout()`` (which element of which parameter lies where in the shard).
 - slot: a local array and the segments of keys it holds (where each key's range sits in the array).
 - commit point: ``manifest.json``. Rank files are written to temporary names, fsynced and renamed;
   rank 0 writes the manifest last, the same way. A checkpoint without a manifest does not exist,
@@ -76,34 +77,25 @@ class _Registry:
         self.by_param[id(param)] = (keys, layout)
 
 
-def _fsdp_segments(fsdp, prefix):
-    """Return, per unit shard Parameter, a function mapping a shard-shaped array to its key segments."""
-    rank = fsdp.comm.Get_rank()
-    out = []
-    for unit in fsdp._param_units:
-        shard_start = 0 if unit.shard.data.size == unit.padded else rank * unit.shard_numel
-        shard_stop = shard_start + unit.shard.data.size
-        segments = []
-        for name, shape, offset, size in zip(unit.names, unit.shapes, unit.offsets, unit.sizes):
-            lo, hi = max(offset, shard_start), min(offset + size, shard_stop)
-            if lo < hi:
-                segments.append((f"{prefix}{name}", shape, lo - offset, lo - shard_start, hi - lo))
-        out.append((unit, segments))
-    return out
+def _shard_segments(unit_shard, prefix):
+    """Return the key segments of one FSDP unit's shard, from FSDP's public shard layout."""
+    return [(f"{prefix}{piece.name}", piece.shape, piece.start, piece.offset, piece.count)
+            for piece in unit_shard.pieces()]
 
 
 def _is_fsdp(obj):
-    return hasattr(obj, "_param_units") and hasattr(obj, "settings")
+    return callable(getattr(obj, "shard_layout", None))
 
 
 def _model_slots(name, obj, registry):
     """Return the slots of a model-like object (Module, DDP, FSDP, Pipeline) and register its parameters."""
     slots = []
     if _is_fsdp(obj):
-        for unit, segments in _fsdp_segments(obj, f"{name}."):
-            slots.append(_Slot(unit.shard.data, segments))
-            keys = [f"{name}.{pname}" for pname in unit.names]
-            registry.add_flat(keys, unit.shard, lambda arr, s=segments: _Slot(arr, s))
+        for unit_shard in obj.shard_layout():
+            segments = _shard_segments(unit_shard, f"{name}.")
+            slots.append(_Slot(unit_shard.parameter.data, segments))
+            keys = [f"{name}.{span.name}" for span in unit_shard.params]
+            registry.add_flat(keys, unit_shard.parameter, lambda arr, s=segments: _Slot(arr, s))
         module = obj.module
         for bname, buf in module.named_buffers():
             slots.append(_full_slot(f"{name}.{bname}", buf))

@@ -2,6 +2,11 @@
 
 In place matters: FSDP hands the optimizer its shard parameters and keeps
 references to their arrays, so a step must never rebind ``p.data``.
+
+Flat packs: a step updates the parameters of a group that share dtypes, device and step phase as one
+flat array (state in flat buffers, per-parameter state entries are views of them), so the arithmetic
+is a few array operations per pack rather than a dozen per parameter. Parameters whose gradient is
+None (``zero_grad(set_to_none=True)``, the default) are skipped and keep their state.
 """
 
 import gc
@@ -34,8 +39,129 @@ def _refuse_low_precision(name, params):
                         f"weights is not supported yet)")
 
 
+def _address(a):
+    """Return the address of ``a``'s first element (numpy or CuPy)."""
+    iface = getattr(a, "__array_interface__", None) or a.__cuda_array_interface__
+    return iface["data"][0]
+
+
+def _flat_view(arrays):
+    """Return one 1-D view over ``arrays`` if they lie back to back in one buffer (in this order), else None."""
+    first = arrays[0]
+    base = first.base if first.base is not None else first
+    if base.ndim != 1 or not base.flags.c_contiguous or any(not a.flags.c_contiguous for a in arrays):
+        return None
+    start = _address(first) - _address(base)
+    if start % base.itemsize:
+        return None
+    at = _address(first)
+    for a in arrays:
+        if a.dtype != base.dtype or (a.base is not base and a is not base) or _address(a) != at:
+            return None
+        at += a.nbytes
+    offset = start // base.itemsize
+    return base[offset: offset + sum(a.size for a in arrays)]
+
+
+# Elements per block of a pack's update: 64K (256 KB of float32) keeps a block's operands in the L2
+# cache between the passes of an update, which numpy runs one operation at a time. Measured on this
+# machine (one thread, float32, 1M elements): p -= lr * g 0.58 ms in two whole-array passes, 0.33 ms
+# in 64K blocks (16K: 0.40, 256K: 0.40); Adam's dozen passes gain more.
+_BLOCK = 1 << 16
+
+
+def _blocks(size):
+    for start in range(0, size, _BLOCK):
+        yield start, min(start + _BLOCK, size)
+
+
+class _Pack:
+    """Parameters of one group updated together as flat arrays (same dtypes, device and step phase).
+
+    The optimizer state of the pack lives in flat arrays, and each parameter's ``state[i][name]`` is a
+    view into them, so the update is a few array operations for the whole pack whatever the number of
+    parameters; only reading the gradients in (one copy, skipped when they already lie back to back) and
+    writing each parameter's update (in place: ``p.data`` is never rebound) visit parameters one by one.
+    """
+
+    def __init__(self, indices, params, xp):
+        self.indices, self.params, self.xp = indices, params, xp
+        self.spans, at = [], 0
+        for p in params:
+            self.spans.append((at, at + p.data.size))
+            at += p.data.size
+        self.size = at
+        self._scratch = {}
+
+    def scratch(self, name, dtype, size=None):
+        """Return a persistent work array (allocating per step costs page faults on large models)."""
+        key = (name, dtype)
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = self._scratch[key] = self.xp.empty(self.size if size is None else size, dtype=dtype)
+        return buf
+
+    def grads(self):
+        """Return every gradient as one flat array (read it only)."""
+        grads = [p.grad for p in self.params]
+        if len(grads) == 1 and grads[0].flags.c_contiguous:
+            return grads[0].reshape(-1)
+        flat = _flat_view(grads)
+        if flat is not None:
+            return flat
+        buf = self.scratch("grad", grads[0].dtype)
+        for g, (a, b) in zip(grads, self.spans):
+            buf[a:b] = g.reshape(-1)
+        return buf
+
+    def data(self):
+        """Return every parameter's values as one flat array (a copy unless they lie back to back)."""
+        arrays = [p.data for p in self.params]
+        flat = _flat_view(arrays) if len(arrays) > 1 else (arrays[0].reshape(-1) if arrays[0].flags.c_contiguous
+                                                              else None)
+        if flat is not None:
+            return flat
+        buf = self.scratch("data", arrays[0].dtype)
+        for d, (a, b) in zip(arrays, self.spans):
+            buf[a:b] = d.reshape(-1)
+        return buf
+
+    def state(self, opt, name, init=None):
+        """Return the flat state array ``name``; each parameter's ``opt.state[i][name]`` becomes a view of it.
+
+        Values a parameter already has (an earlier pack, ``load_state_dict``) are copied in; the others
+        start as ``init`` (a flat array) or zeros.
+        """
+        flat = getattr(self, "_state_" + name, None)
+        if flat is not None:
+            return flat
+        dtype = self.params[0].data.dtype
+        flat = self.xp.zeros(self.size, dtype=dtype) if init is None else init.astype(dtype, copy=True)
+        for i, p, (a, b) in zip(self.indices, self.params, self.spans):
+            view = flat[a:b].reshape(p.data.shape)
+            old = opt.state[i].get(name)
+            if old is not None:
+                view[...] = old
+            opt.state[i][name] = view
+        setattr(self, "_state_" + name, flat)
+        return flat
+
+    def subtract(self, step):
+        """``p.data -= step`` for every parameter, in place."""
+        flat = _flat_view([p.data for p in self.params]) if len(self.params) > 1 else None
+        if flat is not None:
+            flat -= step
+            return
+        for p, (a, b) in zip(self.params, self.spans):
+            p.data -= step[a:b].reshape(p.data.shape)
+
+
 class Optimizer:
-    """Base class: holds parameters in groups with hyperparameters, and per-parameter state."""
+    """Base class: holds parameters in groups with hyperparameters, and per-parameter state.
+
+    ``step()`` updates the parameters that have a gradient in packs (per group, dtype, device and step
+    phase) with one vectorized update each instead of a Python loop over parameters; see ``_Pack``.
+    """
 
     def __init__(self, params, defaults):
         params = list(params)
@@ -53,6 +179,7 @@ class Optimizer:
             self.params.extend(group["params"])
         _refuse_low_precision(type(self).__name__, self.params)
         self.state = {}  # index into self.params -> dict of step and buffers
+        self._packs = {}  # tuple of indices -> _Pack
 
     @property
     def lr(self):
@@ -71,18 +198,51 @@ class Optimizer:
                 yield i, p, group
                 i += 1
 
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_packs"] = {}  # scratch and views: rebuilt at the next step
+        return state
+
     def step(self):
         """Update every parameter that has a gradient, in place."""
-        for i, p, group in self._indexed():
-            if p.grad is not None:
-                self._update(p, self.state.setdefault(i, {}), group)
-                p.version += 1
+        i = 0
+        for group in self.param_groups:
+            packs = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state.get(i)
+                    if state is None:
+                        state = self.state[i] = {}
+                    key = (p.data.dtype, p.grad.dtype, type(p.data), self._phase(state))
+                    packs.setdefault(key, []).append(i)
+                i += 1
+            for indices in packs.values():
+                pack = self._pack(tuple(indices))
+                self._update(pack, group)
+                for p in pack.params:
+                    p.version += 1
 
-    def _update(self, p, state, group):
+    def _pack(self, indices):
+        pack = self._packs.get(indices)
+        if pack is None:
+            # A different set of parameters has gradients this step: packs sharing one of them give
+            # their state views up (the new pack copies the values in).
+            members = set(indices)
+            for key in [k for k in self._packs if members.intersection(k)]:
+                del self._packs[key]
+            params = [self.params[i] for i in indices]
+            pack = self._packs[indices] = _Pack(indices, params, get_array_module(params[0].data))
+        return pack
+
+    def _phase(self, state):
+        """Return what must be equal for parameters to be updated as one pack (e.g. Adam's step count)."""
+        return None
+
+    def _update(self, pack, group):
         raise NotImplementedError(f"{type(self).__name__}: _update() is not implemented")
 
-    def zero_grad(self, set_to_none=False):
-        """Zero every parameter's grad in place (keeping the array), or set it to None."""
+    def zero_grad(self, set_to_none=True):
+        """Set every parameter's grad to None (the default, as in PyTorch), or zero it in place."""
         for p in self.params:
             if set_to_none:
                 p.grad = None
@@ -126,6 +286,7 @@ class Optimizer:
         for group, saved in zip(self.param_groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self.state = state
+        self._packs = {}  # the next step packs the loaded values into fresh flat state
 
 
 class SGD(Optimizer):
@@ -141,22 +302,43 @@ class SGD(Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                       nesterov=nesterov, dampening=dampening))
 
-    def _update(self, p, state, group):
-        d_p = p.grad
-        if group["weight_decay"]:
-            d_p = d_p + group["weight_decay"] * p.data
-        momentum = group["momentum"]
+    def _phase(self, state):
+        return "momentum_buffer" in state  # PyTorch's first momentum step differs from the later ones
+
+    def _update(self, pack, group):
+        xp, lr, momentum, wd = pack.xp, group["lr"], group["momentum"], group["weight_decay"]
+        for i in pack.indices:
+            state = self.state[i]
+            state["step"] = state.get("step", 0) + 1
+        if not momentum and not wd:
+            # Plain SGD keeps no state, so no flat gradient either: p -= lr * g block by block in place.
+            dtype = xp.result_type(pack.params[0].grad.dtype, lr)
+            work = pack.scratch("work", dtype, min(_BLOCK, pack.size))
+            for p in pack.params:
+                g, d = p.grad, p.data
+                if not (g.flags.c_contiguous and d.flags.c_contiguous):
+                    d -= lr * g
+                    continue
+                g, d = g.reshape(-1), d.reshape(-1)
+                for a, b in _blocks(d.size):
+                    w = work[:b - a]
+                    xp.multiply(g[a:b], lr, out=w)
+                    d[a:b] -= w
+            return
+        d_p = pack.grads()
+        if wd:
+            d_p = d_p + wd * pack.data()
         if momentum:
-            buf = state.get("momentum_buffer")
-            if buf is None:
-                # PyTorch's first step copies the gradient without dampening.
-                buf = state["momentum_buffer"] = d_p.copy()
-            else:
+            first = "momentum_buffer" not in self.state[pack.indices[0]]
+            # PyTorch's first step copies the gradient without dampening.
+            buf = pack.state(self, "momentum_buffer", init=d_p if first else None)
+            if not first:
                 buf *= momentum
                 buf += (1 - group["dampening"]) * d_p
             d_p = d_p + momentum * buf if group["nesterov"] else buf
-        state["step"] = state.get("step", 0) + 1
-        p.data -= group["lr"] * d_p
+        step = pack.scratch("step", xp.result_type(d_p, lr))
+        xp.multiply(d_p, lr, out=step)
+        pack.subtract(step)
 
 
 class Adam(Optimizer):
@@ -171,36 +353,48 @@ class Adam(Optimizer):
                              f"eps: {eps}, weight_decay: {weight_decay})")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
-    def _update(self, p, state, group):
+    def _phase(self, state):
+        return state.get("step", 0)  # the bias corrections depend on it
+
+    def _update(self, pack, group):
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        g = p.grad
+        xp = pack.xp
+        g = pack.grads()
         if wd:
             if self._decoupled:
-                p.data *= 1 - lr * wd
+                for p in pack.params:
+                    p.data *= 1 - lr * wd
             else:
-                g = g + wd * p.data
-        if not state:
-            xp = get_array_module(p.data)
-            state.update(step=0, exp_avg=xp.zeros_like(p.data), exp_avg_sq=xp.zeros_like(p.data))
-        state["step"] += 1
-        t, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
-        xp = get_array_module(m)
-        # Three scratch arrays instead of a fresh temporary per operation (lower transient memory).
-        # The operations, their order and each intermediate's dtype are those of the plain
-        # expressions, so results are bit-for-bit the same, also when grads and params differ in dtype.
-        work = xp.multiply(g, 1 - b1)            # (1 - b1) * g, in the grad's dtype
-        m *= b1
-        m += work
-        xp.multiply(g, 1 - b2, out=work)         # (1 - b2) * g * g
-        work *= g
-        v *= b2
-        v += work
-        denom = xp.sqrt(v)                       # v ** 0.5 / sqrt(1 - b2 ** t) + eps
-        denom /= math.sqrt(1 - b2 ** t)
-        denom += eps
-        step = xp.multiply(m, lr / (1 - b1 ** t))  # (lr / (1 - b1 ** t)) * m / denom, in m's dtype
-        step /= denom
-        p.data -= step
+                g = g + wd * pack.data()
+        m = pack.state(self, "exp_avg")
+        v = pack.state(self, "exp_avg_sq")
+        for i in pack.indices:
+            self.state[i]["step"] = self.state[i].get("step", 0) + 1
+        t = self.state[pack.indices[0]]["step"]
+        # Scratch arrays instead of a fresh temporary per operation, block by block (see _BLOCK). The
+        # operations, their order and each intermediate's dtype are those of the plain expressions, so
+        # results are bit-for-bit the same, also when grads and params differ in dtype.
+        n = min(_BLOCK, pack.size)
+        work = pack.scratch("work", xp.result_type(g, 1 - b1), n)
+        denom = pack.scratch("denom", v.dtype, n)
+        step = pack.scratch("step", m.dtype)
+        c1, c2 = lr / (1 - b1 ** t), math.sqrt(1 - b2 ** t)
+        for a, b in _blocks(pack.size):
+            gb, mb, vb, sb = g[a:b], m[a:b], v[a:b], step[a:b]
+            w, den = work[:b - a], denom[:b - a]
+            xp.multiply(gb, 1 - b1, out=w)       # (1 - b1) * g
+            mb *= b1
+            mb += w
+            xp.multiply(gb, 1 - b2, out=w)       # (1 - b2) * g * g
+            w *= gb
+            vb *= b2
+            vb += w
+            xp.sqrt(vb, out=den)                 # v ** 0.5 / sqrt(1 - b2 ** t) + eps
+            den /= c2
+            den += eps
+            xp.multiply(mb, c1, out=sb)          # (lr / (1 - b1 ** t)) * m / denom
+            sb /= den
+        pack.subtract(step)
 
 
 class AdamW(Adam):

@@ -8,6 +8,8 @@ The references are the ranks' own inputs: the test decides which rank deviates a
 names exactly that rank and value.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -81,8 +83,7 @@ def test_pipeline_settings_must_agree(comm):
 def _step(model, opt, crit, step, rank, size):
     x, y = batch(step, 4 * size)
     opt.zero_grad()
-    crit(model(x[rank::size]), y[rank::size])
-    model.backward(crit.backward())
+    crit(model(x[rank::size]), y[rank::size]).backward()
     opt.step()
 
 
@@ -94,8 +95,7 @@ def test_skipped_optimizer_step_is_caught_at_the_next_sync(comm, wrapper):
     opt, crit = optim.Adam(model.parameters(), lr=0.01), nn.CrossEntropyLoss()
     _step(model, opt, crit, 0, rank, size)
     x, y = batch(1, 4 * size)
-    crit(model(x[rank::size]), y[rank::size])
-    model.backward(crit.backward())
+    crit(model(x[rank::size]), y[rank::size]).backward()
     if rank != size - 1:  # the last rank skips opt.step(): its parameters would silently diverge
         opt.step()
     ahead = "rank 0" if size == 2 else f"ranks 0,1,2"
@@ -117,10 +117,8 @@ def test_evaluation_and_accumulation_on_equal_terms_pass(comm, wrapper):
         x, y = batch(step, 4 * size)
         opt.zero_grad()
         with model.no_sync():
-            crit(model(x[rank::size][:2]), y[rank::size][:2])
-            model.backward(crit.backward())
-        crit(model(x[rank::size][2:]), y[rank::size][2:])
-        model.backward(crit.backward())
+            crit(model(x[rank::size][:2]), y[rank::size][:2]).backward()
+        crit(model(x[rank::size][2:]), y[rank::size][2:]).backward()
         opt.step()
         if rank == 0 and wrapper == "ddp":  # (FSDP's forward gathers: every rank must take part)
             model.eval()
@@ -143,9 +141,10 @@ def test_different_accumulation_counts_are_caught(comm, wrapper):
     x, y = batch(0, 8)
     with model.no_sync():
         for _ in range(2 if rank == 0 else (3 if wrapper == "ddp" else 2)):  # rank 0 accumulates one fewer
-            crit(model(x), y)
-            model.backward(crit.backward())
-    crit(model(x), y)
+            crit(model(x), y).backward()
+    others_accumulate = rank != 0 and wrapper == "fsdp"
+    with model.no_sync() if others_accumulate else contextlib.nullcontext():
+        loss = crit(model(x), y)
     # DDP compares at the synchronization; FSDP at every backward: rank 0's synchronizing one meets
     # the others' third accumulated one (FSDP's forwards and backwards all communicate).
     if wrapper == "ddp":
@@ -157,11 +156,11 @@ def test_different_accumulation_counts_are_caught(comm, wrapper):
     with pytest.raises(DesyncError, match=rf"{wrapper.upper()}: ranks are at different steps at {where} "
                                           rf"\(rank 0: 3 training forwards, 3 backwards \(1 synchronizing\), 0 optimizer "
                                           rf"steps; ranks? 1[,\d]*: {theirs}, 0 optimizer steps\)"):
-        if rank == 0 or wrapper == "ddp":
-            model.backward(crit.backward())
+        if not others_accumulate:
+            loss.backward()
         else:  # FSDP: the others' third accumulated backward meets rank 0's synchronizing one
             with model.no_sync():
-                model.backward(crit.backward())
+                loss.backward()
 
 
 # -- the pipeline: (step, micro-batch) stamped on every boundary message -----------------------------------------

@@ -34,8 +34,7 @@ def train(model, opt, steps, start=0, comm=None):
             per = len(x) // comm.Get_size()
             x, y = x[comm.Get_rank() * per:(comm.Get_rank() + 1) * per], y[comm.Get_rank() * per:(comm.Get_rank() + 1) * per]
         opt.zero_grad()
-        crit(model(x), y)
-        model.backward(crit.backward())
+        crit(model(x), y).backward()
         opt.step()
 
 
@@ -550,3 +549,98 @@ def test_pipeline_checkpoint_into_a_different_model_names_the_parameter(tmp_path
                                               r"has shape \(13, 11\) in the checkpoint, \(17, 11\) in the model; .*"
                                               r"'model.6.weight' missing"):
         mpidist.simulate(1, lambda comm: checkpoint.load(root, {"model": wider, "optim": opt}, comm))
+
+
+class TiedModel(nn.Module):
+    """Embedding, a hidden layer and a head whose weight is the embedding's (one Parameter, two units)."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        rng = np.random.default_rng(seed)
+        self.emb = nn.Embedding(13, 5, rng=rng, dtype=np.float64)
+        self.hidden = nn.Linear(5, 5, rng=rng, dtype=np.float64)
+        self.head = nn.Linear(5, 13, bias=False, dtype=np.float64)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(nn.functional.tanh(self.hidden(self.emb(tokens))))
+
+
+def train_tied(model, opt, steps, comm=None):
+    crit = nn.CrossEntropyLoss()
+    for step in range(steps):
+        rng = np.random.default_rng([4, step])
+        x, y = rng.integers(0, 13, 12), rng.integers(0, 13, 12)
+        if comm is not None:
+            per = len(x) // comm.Get_size()
+            x, y = x[comm.Get_rank() * per:(comm.Get_rank() + 1) * per], y[comm.Get_rank() * per:(comm.Get_rank() + 1) * per]
+        crit(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("load_size, strategy, grouping", [(1, "full_shard", "one_unit"), (2, "no_shard", "per_layer"),
+                                                           (4, "shard_grad_op", "one_unit"), (4, "full_shard", "per_layer")])
+def test_fsdp_with_tied_weights_reshards_to_other_sizes_strategies_and_units(tmp_path, load_size, strategy, grouping):
+    """Keys name parameters, not units: any world size, strategy or unit choice loads; training goes on as in one process."""
+    from mpidist.parallel.fsdp import FSDP
+    root = str(tmp_path)
+
+    def units(model, grouping):
+        return [model] if grouping == "one_unit" else [model.emb, model.hidden, model.head]
+
+    def save(comm):
+        model = TiedModel()
+        fsdp = FSDP(model, comm, units=units(model, "per_layer"))
+        opt = optim.Adam(fsdp.parameters(), lr=0.01)
+        train_tied(fsdp, opt, 3, comm)
+        checkpoint.save(root, {"model": fsdp, "optim": opt}, comm, step=3)
+
+    mpidist.simulate(3, save)
+
+    def resume(comm):
+        model = TiedModel(seed=9)
+        fsdp = FSDP(model, comm, strategy=strategy, units=units(model, grouping))
+        opt = optim.Adam(fsdp.parameters(), lr=0.01)
+        checkpoint.load(root, {"model": fsdp, "optim": opt}, comm)
+        train_tied(fsdp, opt, 2, comm)
+        return fsdp.full_state_dict()
+
+    got = mpidist.simulate(load_size, resume)[0]
+    reference = TiedModel()
+    ref_opt = optim.Adam(reference.parameters(), lr=0.01)
+    train_tied(reference, ref_opt, 3)
+    train_tied(reference, ref_opt, 2)
+    assert list(got) == list(reference.state_dict()) == ["emb.weight", "hidden.weight", "hidden.bias"]
+    for k, v in reference.state_dict().items():
+        np.testing.assert_allclose(got[k], v, rtol=0, atol=1e-10, err_msg=k)
+
+
+class PublicOnly:
+    """Stand-in for an FSDP that refuses every private attribute: what checkpoint may use is its public API."""
+
+    def __init__(self, fsdp):
+        self.__dict__["wrapped"] = fsdp
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(f"checkpoint read the private attribute FSDP.{name}")
+        return getattr(self.__dict__["wrapped"], name)
+
+
+def test_checkpoint_reads_fsdp_only_through_its_public_layout(comm, tmp_path):
+    from mpidist.parallel.fsdp import FSDP
+    root = shared_dir(comm, tmp_path)
+    fsdp = FSDP(make_model(), comm)
+    opt = optim.Adam(fsdp.parameters(), lr=0.01)
+    train(fsdp, opt, 2, comm=comm)
+    checkpoint.save(root, {"model": PublicOnly(fsdp), "optim": opt}, comm, step=2)
+    expected = fsdp.full_state_dict()
+    fresh = FSDP(make_model(seed=4), comm)
+    fresh_opt = optim.Adam(fresh.parameters(), lr=0.01)
+    assert checkpoint.load(root, {"model": PublicOnly(fresh), "optim": fresh_opt}, comm) == 2
+    got = fresh.full_state_dict()
+    assert list(got) == list(expected)
+    for k, v in expected.items():
+        np.testing.assert_array_equal(got[k], v)

@@ -27,7 +27,8 @@ NORM_TYPES = [2.0, 1.0, 3.0, math.inf]
 def params_with_grads(grads):
     params = []
     for g in grads:
-        p = nn.Parameter(np.zeros_like(g))
+        # A parameter must be floating point; an integer gradient is set on a float parameter by hand.
+        p = nn.Parameter(np.zeros_like(g) if g.dtype.kind in "fc" else np.zeros(g.shape))
         p.grad = g.copy()
         params.append(p)
     return params
@@ -97,13 +98,11 @@ def test_ddp_with_clipping_matches_single_process(comm):
     opt, ref_opt = SGD(list(ddp.parameters()), lr=0.5), SGD(list(ref.parameters()), lr=0.5)
     crit = nn.CrossEntropyLoss()
     for x, y in test_fsdp.batches(5):
-        crit(ddp(test_fsdp.my_slice(comm, x)), test_fsdp.my_slice(comm, y))
-        ddp.backward(crit.backward())
+        crit(ddp(test_fsdp.my_slice(comm, x)), test_fsdp.my_slice(comm, y)).backward()
         norm = ddp.clip_grad_norm_(MAX_NORM)
         opt.step()
         opt.zero_grad()
-        crit(ref(x), y)
-        ref.backward(crit.backward())
+        crit(ref(x), y).backward()
         ref_norm = nn.clip_grad_norm_(ref.parameters(), MAX_NORM)
         ref_opt.step()
         ref_opt.zero_grad()
@@ -122,13 +121,11 @@ def test_fsdp_with_clipping_matches_single_process(comm, strategy, norm_type):
     opt, ref_opt = Adam(list(fsdp.parameters()), lr=1e-2), Adam(list(ref.parameters()), lr=1e-2)
     crit = nn.CrossEntropyLoss()
     for x, y in test_fsdp.batches(6):
-        crit(fsdp(test_fsdp.my_slice(comm, x)), test_fsdp.my_slice(comm, y))
-        fsdp.backward(crit.backward())
+        crit(fsdp(test_fsdp.my_slice(comm, x)), test_fsdp.my_slice(comm, y)).backward()
         norm = fsdp.clip_grad_norm_(MAX_NORM, norm_type=norm_type)
         opt.step()
         opt.zero_grad()
-        crit(ref(x), y)
-        ref.backward(crit.backward())
+        crit(ref(x), y).backward()
         ref_norm = nn.clip_grad_norm_(ref.parameters(), MAX_NORM, norm_type=norm_type)
         ref_opt.step()
         ref_opt.zero_grad()

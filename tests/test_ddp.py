@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from mpidist import nn, optim
+from mpidist.nn import functional as F
 from mpidist.data import DistributedSampler
 from mpidist.parallel.ddp import DDP
 
@@ -30,9 +31,8 @@ def make_optimizer(kind, params):
 
 
 def train_step(model, opt, crit, x, y, scale=1.0):
-    out = model(x)
-    crit(out, y)
-    model.backward(crit.backward(scale=scale))
+    loss = crit(model(x), y)
+    (loss * scale).backward()
 
 
 def reference_params(kind, steps, batch_for_step):
@@ -110,23 +110,28 @@ def test_buckets_hold_grads_in_reverse_parameter_order(comm):
     flat_order = [p for b in ddp.buckets for p in b.params]
     assert flat_order == list(reversed(params))
     assert [len(b.params) for b in ddp.buckets][0] == 2
+    x, y = global_batch(0, 4)
+    nn.CrossEntropyLoss()(ddp(x), y).backward()
     for b in ddp.buckets:
         assert b.nbytes <= 1000 or len(b.params) == 1
-        for p in b.params:
+        for p in b.params:  # after backward every gradient lives in its bucket (no copy for the optimizer)
             assert np.shares_memory(p.grad, b.flat)
 
 
 def test_overlap_launches_buckets_during_backward(comm):
     ddp = DDP(make_model(), comm, bucket_cap_mb=TINY_BUCKET_MB, first_bucket_mb=TINY_BUCKET_MB, overlap=True)
-    first = next(iter(ddp.parameters()))
-    seen = []
-    first.register_grad_ready_hook(lambda p: seen.append([b.handle is not None for b in ddp.buckets]))
+    seen = []  # (parameter, which buckets are in flight) at each gradient, in the order backward makes them
+    for name, p in ddp.named_parameters():  # registered after DDP's hooks: each runs once DDP saw the gradient
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: seen.append((name, [b.handle is not None for b in ddp.buckets])))
     x, y = global_batch(0, 4)
-    crit = nn.CrossEntropyLoss()
-    crit(ddp(x), y)
-    ddp.backward(crit.backward())
-    # When the first parameter's gradient is ready, every bucket after its own is already in flight.
-    assert seen and all(seen[0][:-1]), seen
+    nn.CrossEntropyLoss()(ddp(x), y).backward()
+    names = [n for n, _ in ddp.named_parameters()]
+    assert sorted(n for n, _ in seen) == sorted(names)  # every gradient once
+    # Buckets launch while backward goes on: when the first layer's gradients arrive (the last two), every
+    # bucket but the first layer's two is in flight already, and the last gradient launches the rest.
+    assert seen[-2][1] == [True] * (len(ddp.buckets) - 2) + [False, False], seen
+    assert all(seen[-1][1]), seen
     assert all(b.handle is None for b in ddp.buckets)  # all completed by the end of backward
 
 
@@ -198,19 +203,14 @@ class WithUnused(nn.Module):
         self.used = nn.Linear(IN, OUT, rng=np.random.default_rng(3), dtype=np.float64)
         self.spare = nn.Parameter(np.ones(5))
 
-    def forward(self, x, mb=0):
-        return self.used(x, mb)
-
-    def backward(self, grad_out, mb=0):
-        return self.used.backward(grad_out, mb)
+    def forward(self, x):
+        return self.used(x)
 
 
 def test_unused_parameters_zero_filled(comm):
     ddp = DDP(WithUnused(), comm, unused_parameters="zero")
     x, y = global_batch(0, 4)
-    crit = nn.CrossEntropyLoss()
-    crit(ddp(x), y)
-    ddp.backward(crit.backward())
+    nn.CrossEntropyLoss()(ddp(x), y).backward()
     assert (ddp.module.spare.grad == 0).all()
     assert np.abs(ddp.module.used.weight.grad).sum() > 0
 
@@ -218,10 +218,9 @@ def test_unused_parameters_zero_filled(comm):
 def test_unused_parameters_error_names_them_on_every_rank(comm):
     ddp = DDP(WithUnused(), comm, unused_parameters="error")
     x, y = global_batch(0, 4)
-    crit = nn.CrossEntropyLoss()
-    crit(ddp(x), y)
+    loss = nn.CrossEntropyLoss()(ddp(x), y)
     with pytest.raises(RuntimeError, match=r"received no gradient.*\['spare'\]"):
-        ddp.backward(crit.backward())
+        loss.backward()
 
 
 def test_bad_arguments(comm):
@@ -265,21 +264,21 @@ def test_check_finite_names_parameter_and_rank_on_every_rank(comm):
     ddp = DDP(make_model(), comm, check_finite=True, bucket_cap_mb=TINY_BUCKET_MB)
     crit = nn.CrossEntropyLoss()
     x, y = global_batch(0, 4)
-    crit(ddp(x), y)
-    ddp.backward(crit.backward())  # finite: no error
+    crit(ddp(x), y).backward()  # finite: no error
     bad = size - 1
     ddp.zero_grad()
-    crit(ddp(x), y)
-    # Poison the first layer's bias gradient on one rank only, through a hook that runs before DDP's launch.
+    loss = crit(ddp(x), y)
+    # Poison the first layer's bias gradient on one rank only, through a tensor hook: it runs before the
+    # gradient is accumulated, so before DDP's post-accumulate hook copies it into the bucket.
     if rank == bad:
-        first_bias = ddp.module[0].bias
-        first_bias.grad[...] = np.nan
-    with pytest.raises(FloatingPointError, match=rf"non-finite gradient.*'0.weight' on rank\(s\) \[{bad}\]|non-finite gradient.*'0.bias' on rank\(s\) \[{bad}\]"):
-        ddp.backward(crit.backward())
+        ddp.module[0].bias.register_hook(lambda g: g * np.nan)
+    with pytest.raises(FloatingPointError, match=rf"non-finite gradient \(NaN or Inf\) at step 2: '0.bias' on "
+                                                 rf"rank\(s\) \[{bad}\]; the optimizer step must not be taken"):
+        loss.backward()
 
 
 class SkipsB(nn.Module):
-    """out = x*a + x*b; ranks with ``skip_b`` never produce b's gradient (unused there only)."""
+    """out = x*a + x*b; ranks with ``skip_b`` read b's array only, so b gets no gradient there (unused there only)."""
 
     def __init__(self, skip_b):
         super().__init__()
@@ -287,16 +286,8 @@ class SkipsB(nn.Module):
         self.b = nn.Parameter(np.ones(4))
         self.skip_b = skip_b
 
-    def forward(self, x, mb=0):
-        self.save_for_backward(mb, x)
-        return x * self.a.data + x * self.b.data
-
-    def backward(self, grad_out, mb=0):
-        x = self.pop_saved(mb)
-        if not self.skip_b:
-            self.b.accumulate_grad(grad_out * x)
-        self.a.accumulate_grad(grad_out * x)
-        return grad_out
+    def forward(self, x):
+        return x * self.a + x * (self.b.data if self.skip_b else self.b)
 
 
 @pytest.mark.world_sizes(2, 3, 4)
@@ -304,14 +295,13 @@ def test_parameter_unused_on_one_rank_only_is_reported_everywhere(comm):
     # Tiny buckets: ranks that produce b's gradient launch its bucket during backward, the other does not.
     ddp = DDP(SkipsB(skip_b=comm.Get_rank() == 1), comm, first_bucket_mb=1e-6, bucket_cap_mb=1e-6,
               unused_parameters="error")
-    ddp(np.ones(4))
+    out = ddp(np.ones(4))
     with pytest.raises(RuntimeError, match=r"received no gradient in this backward on at least one rank: \['b'\]"):
-        ddp.backward(np.ones(4))
+        out.backward(np.ones(4))
     # The buckets were all completed first: the next (zero-mode) step runs normally on every rank.
     ddp.unused_parameters = "zero"
     ddp.zero_grad()
-    ddp(np.ones(4))
-    ddp.backward(np.ones(4))
+    ddp(np.ones(4)).backward(np.ones(4))
     size = comm.Get_size()
     np.testing.assert_allclose(ddp.module.b.grad, np.full(4, (size - 1) / size))
 
@@ -324,12 +314,9 @@ class CountsSamples(nn.Module):
         self.net = make_model()
         self.register_buffer("seen", np.full(1, 1000.0 * rank))  # differs per rank until DDP broadcasts it
 
-    def forward(self, x, mb=0):
+    def forward(self, x):
         self.seen[0] += len(x)
-        return self.net(x, mb)
-
-    def backward(self, grad_out, mb=0):
-        return self.net.backward(grad_out, mb)
+        return self.net(x)
 
 
 def train_with_join_and_no_sync(comm, module):
@@ -362,11 +349,96 @@ def test_join_with_no_sync_accumulation_trains_like_one_process(comm):
 
 
 @pytest.mark.world_sizes(2, 3, 4)
-@pytest.mark.xfail(strict=True, reason="DDP bug: buffers are broadcast from rank 0 even after rank 0 joined, and "
-                                       "not synchronized when join ends")
 def test_join_with_no_sync_ends_with_the_buffers_of_one_process(comm):
     """Buffers follow a rank that still has data (a joined rank's are stale), and every rank ends with those of
     the last rank to finish: one process that saw its 2 + (size - 1) steps of two half-batches, 4 samples each."""
     size = comm.Get_size()
     ddp = train_with_join_and_no_sync(comm, CountsSamples(comm.Get_rank()))
     np.testing.assert_array_equal(ddp.module.seen, [4.0 * (size + 1)])
+
+
+# -- tied weights, keyword arguments, the forward deciding the sync mode --------------------------------------
+VOCAB, WIDTH = 11, 8
+
+
+class TiedResidual(nn.Module):
+    """A residual MLP over token embeddings: one Linear used twice, and the embedding tied to the output
+    projection (``F.linear(h, embedding.weight)``). Each tied parameter's gradient is the sum of its uses."""
+
+    def __init__(self):
+        super().__init__()
+        rng = np.random.default_rng(5)
+        self.embed = nn.Embedding(VOCAB, WIDTH, rng=rng, dtype=np.float64, std=0.5)
+        self.block = nn.Linear(WIDTH, WIDTH, rng=rng, dtype=np.float64)
+        self.norm = nn.LayerNorm(WIDTH, dtype=np.float64)
+
+    def forward(self, tokens, *, temperature=1.0):
+        h = self.embed(tokens)
+        h = h + F.tanh(self.block(h))
+        h = h + F.tanh(self.block(h))  # the same Linear again
+        return F.linear(self.norm(h), self.embed.weight) * (1.0 / temperature)
+
+
+def token_batch(step, n):
+    rng = np.random.default_rng([11, step])
+    return rng.integers(0, VOCAB, size=n), rng.integers(0, VOCAB, size=n)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_tied_weights_with_overlap_match_one_process(comm, kind):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    per_rank, steps = 3, 5
+    # Tiny buckets: the tied embedding (used first and last) sits alone in the last bucket, the twice-used
+    # block in another; with overlap each bucket launches as soon as its parameters fired, once each.
+    ddp = DDP(TiedResidual(), comm, bucket_cap_mb=TINY_BUCKET_MB, first_bucket_mb=TINY_BUCKET_MB, overlap=True)
+    assert len(ddp.buckets) >= 3
+    fired = {}
+    for name, p in ddp.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: fired.__setitem__(name, fired.get(name, 0) + 1))
+    opt = make_optimizer(kind, ddp.parameters())
+    crit = nn.CrossEntropyLoss()
+    ref = TiedResidual()
+    ref_opt = make_optimizer(kind, ref.parameters())
+    for step in range(steps):
+        x, y = token_batch(step, per_rank * size)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        opt.zero_grad()
+        crit(ddp(x[mine], temperature=0.7), y[mine]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        crit(ref(x, temperature=0.7), y).backward()
+        ref_opt.step()
+    assert fired == {name: steps for name, _ in ddp.named_parameters()}  # once per backward, tied or not
+    assert_params_equal(ddp.state_dict(), ref.state_dict())
+
+
+@pytest.mark.world_sizes(2, 3)
+@pytest.mark.parametrize("inside", ["forward", "backward"])
+def test_no_sync_around_the_forward_or_the_backward_keeps_it_local(comm, inside):
+    """As in PyTorch, a forward under no_sync gives a local backward even when backward runs after the block;
+    as mpidist always did, so does a backward started under no_sync. The next synchronizing backward averages
+    the sum."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    ddp = DDP(make_model(), comm, bucket_cap_mb=TINY_BUCKET_MB)
+    crit = nn.CrossEntropyLoss()
+    x, y = global_batch(0, 4 * size)
+    mine = slice(rank * 4, (rank + 1) * 4)
+    if inside == "forward":
+        with ddp.no_sync():
+            loss = crit(ddp(x[mine][:2]), y[mine][:2])
+        loss.backward()  # outside the block, still local
+    else:
+        loss = crit(ddp(x[mine][:2]), y[mine][:2])
+        with ddp.no_sync():
+            loss.backward()
+    first = {n: p.grad.copy() for n, p in ddp.named_parameters()}
+    everyone = comm.allgather(first["0.weight"])
+    assert not all(np.array_equal(everyone[0], w) for w in everyone[1:])  # not averaged: ranks differ
+    crit(ddp(x[mine][2:]), y[mine][2:]).backward()
+    ref = make_model()
+    for r in range(size):  # the reference: the sum over each rank's two halves, averaged over ranks
+        rows = slice(r * 4, (r + 1) * 4)
+        (crit(ref(x[rows][:2]), y[rows][:2]) * (1 / size)).backward()
+        (crit(ref(x[rows][2:]), y[rows][2:]) * (1 / size)).backward()
+    for n, p in ref.named_parameters():
+        np.testing.assert_allclose(dict(ddp.named_parameters())[n].grad, p.grad, rtol=0, atol=1e-12, err_msg=n)

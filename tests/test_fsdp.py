@@ -4,6 +4,10 @@ Every rank trains on its own equal slice of the global batch (mean loss per slic
 whole batch; averaging slice gradients over ranks equals the whole-batch gradient, so parameters must
 agree to rounding after every step. The model's units have 35, 77, 156, 26 and 65 elements: all but one
 are uneven on 2, 3 and 4 ranks, so every padding path runs.
+
+Training is ``crit(fsdp(x), y).backward()``: FSDP works only through hooks on the model. A second model,
+``TiedResidualMLP`` (embedding, residual blocks, a head whose weight is the embedding's), covers parameters
+shared across units and activation checkpointing per block.
 """
 
 import contextlib
@@ -73,16 +77,14 @@ def my_slice(comm, a):
 
 def ref_step(ref, opt, x, y):
     crit = nn.CrossEntropyLoss()
-    crit(ref(x), y)
-    ref.backward(crit.backward())
+    crit(ref(x), y).backward()
     opt.step()
     opt.zero_grad()
 
 
 def fsdp_step(comm, fsdp, opt, x, y):
     crit = nn.CrossEntropyLoss()
-    crit(fsdp(my_slice(comm, x)), my_slice(comm, y))
-    fsdp.backward(crit.backward())
+    crit(fsdp(my_slice(comm, x)), my_slice(comm, y)).backward()
     opt.step()
     opt.zero_grad()
 
@@ -169,7 +171,7 @@ def test_unit_choices_train_like_the_reference(comm, units, labels):
 
 
 class TwoTower(nn.Module):
-    """A non-Sequential module with its own forward/backward calling two children."""
+    """A non-Sequential module whose forward calls two children (autograd derives its backward)."""
 
     def __init__(self, seed=0):
         super().__init__()
@@ -178,11 +180,8 @@ class TwoTower(nn.Module):
         self.act = nn.Tanh()
         self.b = nn.Linear(9, 5, rng=rng, dtype=np.float64)
 
-    def forward(self, x, mb=0):
-        return self.b(self.act(self.a(x, mb), mb), mb)
-
-    def backward(self, grad_out, mb=0):
-        return self.a.backward(self.act.backward(self.b.backward(grad_out, mb), mb), mb)
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -210,8 +209,7 @@ def test_no_sync_accumulation_equals_one_big_batch(comm, strategy, finish):
         for i in range(k):
             last = i == k - 1 and finish == "backward"
             with (contextlib.nullcontext() if last else fsdp.no_sync()):
-                crit(fsdp(xs[i]), ys[i])
-                fsdp.backward(crit.backward(scale=1 / k))
+                (crit(fsdp(xs[i]), ys[i]) * (1 / k)).backward()
             if not last:
                 # Unsharded grads accumulate in one flat buffer per unit; nothing reached the shards yet.
                 if strategy != "no_shard":  # NO_SHARD accumulates into its full-size shard grad, like DDP
@@ -229,16 +227,18 @@ def test_no_sync_accumulation_equals_one_big_batch(comm, strategy, finish):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_microbatches_in_flight_equal_one_big_batch(comm, strategy):
+    # Two graphs alive at once (the old mb= bookkeeping is now simply two forwards' graphs), their
+    # backwards in the opposite order; each backward reduces its own contribution into the shards.
     ref, fsdp = make_model(), FSDP(make_model(), comm, strategy=strategy)
     opt, ref_opt = Adam(fsdp.parameters(), lr=1e-2), Adam(list(ref.parameters()), lr=1e-2)
-    crits = [nn.CrossEntropyLoss(), nn.CrossEntropyLoss()]
+    crit = nn.CrossEntropyLoss()
     for x, y in batches(3):
         xs, ys = np.split(my_slice(comm, x), 2), np.split(my_slice(comm, y), 2)
-        for mb in (0, 1):
-            crits[mb](fsdp(xs[mb], mb=mb), ys[mb])
+        losses = [crit(fsdp(xs[mb]), ys[mb]) for mb in (0, 1)]
         assert fsdp.num_inflight() == 2
         for mb in (1, 0):
-            fsdp.backward(crits[mb].backward(scale=0.5), mb=mb)
+            (losses[mb] * 0.5).backward()
+        assert fsdp.num_inflight() == 0
         assert fsdp.memory_stats()["gathered_bytes"] == 0
         opt.step()
         opt.zero_grad()
@@ -252,9 +252,8 @@ def test_zero_grad_clears_shard_grads(comm, strategy):
     x, y = next(batches(1))
     crit = nn.CrossEntropyLoss()
     with fsdp.no_sync():
-        crit(fsdp(my_slice(comm, x)), my_slice(comm, y))
-        fsdp.backward(crit.backward())
-    fsdp.zero_grad()
+        crit(fsdp(my_slice(comm, x)), my_slice(comm, y)).backward()
+    fsdp.zero_grad(set_to_none=False)
     fsdp.sync_gradients()  # nothing left to reduce but zeros
     assert all(not p.grad.any() for p in fsdp.parameters() if p.grad is not None)
     fsdp.zero_grad(set_to_none=True)
@@ -332,8 +331,11 @@ def test_memory_stats_are_exact(comm, strategy, prefetch):
     shard_bytes = sum(math.ceil(s / shards) * ITEMSIZE for s in UNIT_SIZES if s)
     assert before["param_shard_bytes"] == shard_bytes
     assert before["grad_shard_bytes"] == before["optimizer_state_bytes"] == 0
+    crit = nn.CrossEntropyLoss()
     for x, y in batches(2):
-        fsdp_step(comm, fsdp, opt, x, y)
+        crit(fsdp(my_slice(comm, x)), my_slice(comm, y)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # keep the shard grads: they are part of the persistent bytes
     stats = fsdp.memory_stats(opt)
     # Adam keeps two moments per element: params + grads + 2 moments = 4 shard sizes.
     assert stats["param_shard_bytes"] == stats["grad_shard_bytes"] == shard_bytes
@@ -361,7 +363,7 @@ def test_eval_forward_frees_params_even_when_kept_for_backward(comm):
     ref, fsdp = make_model(), FSDP(make_model(), comm, strategy="shard_grad_op")
     x = next(batches(1))[0]
     fsdp.eval()
-    np.testing.assert_allclose(fsdp(x), ref.eval()(x), rtol=0, atol=TOL)
+    np.testing.assert_allclose(fsdp(x).data, ref.eval()(x).data, rtol=0, atol=TOL)
     assert fsdp.memory_stats()["gathered_bytes"] == 0 and fsdp.num_inflight() == 0
     fsdp.train()
     with nn.no_grad():
@@ -426,7 +428,7 @@ def test_state_dict_errors_fail_on_every_rank(comm):
     with pytest.raises(ValueError, match=r"Adam holds none of this FSDP's shard parameters"):
         fsdp.memory_stats(module_opt)
     fsdp(next(batches(1))[0])
-    with pytest.raises(RuntimeError, match=r"in flight"):
+    with pytest.raises(RuntimeError, match=r"in flight .*training forwards awaiting backward: 1"):
         fsdp.load_sharded_state_dict(fsdp.sharded_state_dict())
 
 
@@ -456,11 +458,261 @@ def test_check_finite_names_parameter_and_rank_on_every_rank(comm):
     fsdp = FSDP(make_model(), comm, check_finite=True)
     crit = nn.CrossEntropyLoss()
     x, y = next(batches(1))
-    crit(fsdp(my_slice(comm, x)), my_slice(comm, y))
-    fsdp.backward(crit.backward())  # finite: no error
+    crit(fsdp(my_slice(comm, x)), my_slice(comm, y)).backward()  # finite: no error
     xb = my_slice(comm, x).copy()
     if comm.Get_rank() == bad:
         xb[0, 0] = np.inf  # only this rank's data is poisoned
-    crit(fsdp(xb), my_slice(comm, y))
+    loss = crit(fsdp(xb), my_slice(comm, y))
     with pytest.raises(FloatingPointError, match=rf"FSDP: non-finite gradient.*'0.weight' on rank\(s\) \[{bad}\]"):
-        fsdp.backward(crit.backward())
+        loss.backward()
+    # The failed backward left nothing gathered or pending: training can go on.
+    assert fsdp.memory_stats()["gathered_bytes"] == fsdp.memory_stats()["unsharded_grad_bytes"] == 0
+    assert fsdp.num_inflight() == 0
+
+
+# -- tied parameters across units ---------------------------------------------------------------------------
+VOCAB, WIDTH = 11, 6
+
+
+class ResidualBlock(nn.Module):
+    """``x + fc2(tanh(fc1(norm(x))))``, optionally with dropout on the branch."""
+
+    def __init__(self, rng, p=0.0):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH, dtype=np.float64)
+        self.fc1 = nn.Linear(WIDTH, 9, rng=rng, dtype=np.float64)
+        self.fc2 = nn.Linear(9, WIDTH, rng=rng, dtype=np.float64)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(nn.functional.tanh(self.fc1(self.norm(x)))))
+
+
+class TiedResidualMLP(nn.Module):
+    """Token embedding, residual blocks, final norm and an output head whose weight *is* the embedding's."""
+
+    def __init__(self, seed=0, blocks=2, p=0.0):
+        super().__init__()
+        rng = np.random.default_rng(seed)
+        self.emb = nn.Embedding(VOCAB, WIDTH, rng=rng, dtype=np.float64)
+        self.blocks = nn.ModuleList([ResidualBlock(rng, p) for _ in range(blocks)])
+        self.norm = nn.LayerNorm(WIDTH, dtype=np.float64)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False, dtype=np.float64)
+        self.head.weight = self.emb.weight  # tied: one Parameter, used by two units
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def token_batches(steps, seed=3, batch=BATCH):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        yield rng.integers(0, VOCAB, (batch, 3)), rng.integers(0, VOCAB, (batch, 3))
+
+
+def tied_units(model, order):
+    units = [model.emb, *model.blocks, [model.norm, model.head]]
+    return units if order == "embedding_first" else units[::-1]
+
+
+@pytest.mark.parametrize("order", ["embedding_first", "head_first"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_tied_weights_across_units_train_like_one_process(comm, strategy, order):
+    ref, model = TiedResidualMLP(), TiedResidualMLP()
+    fsdp = FSDP(model, comm, strategy=strategy, units=tied_units(model, order))
+    owner = "emb" if order == "embedding_first" else "norm+head"
+    infos = {u.label: u for u in fsdp.units}
+    assert "emb.weight" in infos[owner].params  # owned once, by the first unit listing it
+    user = "norm+head" if order == "embedding_first" else "emb"
+    assert infos[user].uses == (owner,)
+    opt, ref_opt = Adam(fsdp.parameters(), lr=1e-2), Adam(list(ref.parameters()), lr=1e-2)
+    crit = nn.CrossEntropyLoss()
+    for x, y in token_batches(4):
+        crit(fsdp(my_slice(comm, x)), my_slice(comm, y)).backward()
+        opt.step()
+        opt.zero_grad()
+        crit(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert fsdp.memory_stats()["gathered_bytes"] == fsdp.memory_stats()["unsharded_grad_bytes"] == 0
+    assert model.head.weight is model.emb.weight
+    assert_matches(comm, fsdp, ref)
+
+
+def test_tied_weight_gradient_equals_the_sum_of_both_uses(comm):
+    """The tied weight's shard gradient equals finite differences of the loss (both uses together)."""
+    model, ref = TiedResidualMLP(blocks=1), TiedResidualMLP(blocks=1)
+    fsdp = FSDP(model, comm, units=tied_units(model, "embedding_first"))
+    x, y = next(token_batches(1))
+    crit = nn.CrossEntropyLoss()
+    crit(fsdp(x), y).backward()  # every rank the whole batch: the mean gradient is the one-process gradient
+    weight = ref.emb.weight
+    numeric = np.zeros_like(weight.data)
+    for idx in np.ndindex(weight.data.shape):
+        old = weight.data[idx]
+        weight.data[idx] = old + 1e-6
+        up = crit(ref(x), y).item()
+        weight.data[idx] = old - 1e-6
+        down = crit(ref(x), y).item()
+        weight.data[idx] = old
+        numeric[idx] = (up - down) / 2e-6
+    layout = {s.label: s for s in fsdp.shard_layout()}["emb"]
+    piece = layout.pieces()[0]
+    assert piece.name == "emb.weight"
+    got = layout.parameter.grad[piece.offset: piece.offset + piece.count]
+    np.testing.assert_allclose(got, numeric.ravel()[piece.start: piece.start + piece.count], rtol=0, atol=1e-8)
+
+
+# -- activation checkpointing -----------------------------------------------------------------------------
+def train_blocks(comm, checkpointing, p, steps=3, units="blocks"):
+    """Train a TiedResidualMLP with dropout under FSDP; return its full state dict (rank 0) and grads seen."""
+    nn.manual_seed(100 + comm.Get_rank())  # the masks differ by rank, and are the same in both runs
+    model = TiedResidualMLP(blocks=3, p=p)
+    for block in model.blocks:
+        block.activation_checkpointing = checkpointing
+    # "blocks": each checkpointed block is a unit; "inside": one unit holds the whole model and the
+    # checkpointed blocks run inside it.
+    fsdp = FSDP(model, comm, units=tied_units(model, "embedding_first") if units == "blocks" else [model])
+    opt = Adam(fsdp.parameters(), lr=1e-2)
+    crit = nn.CrossEntropyLoss()
+    grads = []
+    for x, y in token_batches(steps):
+        crit(fsdp(my_slice(comm, x)), my_slice(comm, y)).backward()
+        grads.append([s.grad.copy() for s in fsdp.parameters()])
+        opt.step()
+        opt.zero_grad()
+    return fsdp, grads
+
+
+@pytest.mark.parametrize("units", ["blocks", "inside"])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_activation_checkpointing_per_block_gives_the_same_gradients(comm, p, units):
+    plain, plain_grads = train_blocks(comm, False, p, units=units)
+    ckpt, ckpt_grads = train_blocks(comm, True, p, units=units)
+    for step, (a, b) in enumerate(zip(plain_grads, ckpt_grads)):
+        for unit, ga, gb in zip(plain.units, a, b):
+            np.testing.assert_allclose(gb, ga, rtol=0, atol=1e-12, err_msg=f"step {step}, unit {unit.label}")
+    with plain.summon_full_params() as m1, ckpt.summon_full_params() as m2:
+        for (name, q1), (_, q2) in zip(m1.named_parameters(), m2.named_parameters()):
+            np.testing.assert_allclose(q2.data, q1.data, rtol=0, atol=1e-12, err_msg=name)
+    if p == 0.0:  # without dropout both equal one process on the whole batch
+        ref = TiedResidualMLP(blocks=3)
+        ref_opt = Adam(list(ref.parameters()), lr=1e-2)
+        crit = nn.CrossEntropyLoss()
+        for x, y in token_batches(3):
+            crit(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert_matches(comm, ckpt, ref)
+
+
+def test_checkpointing_around_units_is_refused(comm):
+    model = TiedResidualMLP()
+    fsdp = FSDP(model, comm, units=[model.emb, *model.blocks, [model.norm, model.head]])
+    model.blocks.activation_checkpointing = True  # ModuleList is not called, but the root is
+    model.activation_checkpointing = True
+    with pytest.raises(ValueError, match=r"activation checkpointing is set on '<root>', which contains FSDP units"):
+        fsdp(next(token_batches(1))[0])
+
+
+# -- hooks only -------------------------------------------------------------------------------------------
+def _methods(obj):
+    """Return the callables stored on the instance itself (a replaced method would be one)."""
+    return {k: v for k, v in vars(obj).items() if callable(v) and not isinstance(v, (nn.Module, nn.Parameter))}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_fsdp_never_replaces_a_method_on_the_users_modules(comm, strategy):
+    model = TiedResidualMLP(p=0.2)
+    model.blocks[0].activation_checkpointing = True
+    objects = list(model.modules()) + list(model.parameters())
+    before = [(type(o), _methods(o)) for o in objects]
+    fsdp = FSDP(model, comm, strategy=strategy, units=tied_units(model, "embedding_first"))
+    opt = Adam(fsdp.parameters(), lr=1e-2)
+    x, y = next(token_batches(1))
+    nn.CrossEntropyLoss()(fsdp(x), y).backward()
+    opt.step()
+    fsdp.full_state_dict()
+    with fsdp.no_sync():
+        nn.CrossEntropyLoss()(fsdp(x), y).backward()
+    fsdp.sync_gradients()
+    after = [(type(o), _methods(o)) for o in objects]
+    assert after == before
+    # What FSDP attached is hooks, in the registries Module and Parameter keep for them.
+    assert all(m._forward_pre_hooks for m in (model.emb, model.blocks[0], model.norm, model.head, model))
+    assert all(p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_shard_layout_pieces_rebuild_every_parameter(comm):
+    """The public layout, gathered from all ranks, puts every element of every parameter exactly once."""
+    model = TiedResidualMLP()
+    fsdp = FSDP(model, comm, units=tied_units(model, "embedding_first"))
+    mine = [(piece.name, piece.start, piece.count, s.parameter.data[piece.offset: piece.offset + piece.count].copy())
+            for s in fsdp.shard_layout() for piece in s.pieces()]
+    everyone = comm.allgather(mine)
+    reference = TiedResidualMLP()
+    for name, param in reference.named_parameters():
+        rebuilt = np.full(param.data.size, np.nan)
+        hits = np.zeros(param.data.size, dtype=int)
+        for pieces in everyone:
+            for pname, start, count, values in pieces:
+                if pname == name:
+                    rebuilt[start: start + count] = values
+                    hits[start: start + count] += 1
+        assert (hits == 1).all(), name
+        np.testing.assert_array_equal(rebuilt.reshape(param.data.shape), param.data, err_msg=name)
+
+
+@pytest.mark.world_sizes(1, 2, 3)
+@pytest.mark.parametrize("order", ["embedding_first", "head_first"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_tied_weights_with_no_sync_accumulation_equal_one_big_batch(comm, strategy, order):
+    ref, model = TiedResidualMLP(), TiedResidualMLP()
+    fsdp = FSDP(model, comm, strategy=strategy, units=tied_units(model, order))
+    opt, ref_opt = Adam(fsdp.parameters(), lr=1e-2), Adam(list(ref.parameters()), lr=1e-2)
+    crit = nn.CrossEntropyLoss()
+    for x, y in token_batches(3):
+        xs, ys = np.split(my_slice(comm, x), 3), np.split(my_slice(comm, y), 3)
+        for i in range(3):
+            with (contextlib.nullcontext() if i == 2 else fsdp.no_sync()):
+                (crit(fsdp(xs[i]), ys[i]) * (1 / 3)).backward()
+        opt.step()
+        opt.zero_grad()
+        crit(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_matches(comm, fsdp, ref)
+
+
+class WithIdleParts(nn.Module):
+    """A frozen weight, a module never called inside a used unit, and a unit never called at all."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        rng = np.random.default_rng(seed)
+        self.a = nn.Linear(4, 9, rng=rng, dtype=np.float64)
+        self.a.weight.requires_grad_(False)
+        self.b = nn.Linear(9, 5, rng=rng, dtype=np.float64)
+        self.spare = nn.Linear(9, 5, rng=rng, dtype=np.float64)  # in b's unit, never called
+        self.unused = nn.Linear(5, 5, rng=rng, dtype=np.float64)  # a unit of its own, never called
+
+    def forward(self, x):
+        return self.b(nn.functional.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_frozen_and_unused_parameters_train_like_one_process(comm, strategy):
+    """Units whose parameters get no gradient are finished at the end of backward (zeros, on every rank)."""
+    ref, model = WithIdleParts(), WithIdleParts()
+    fsdp = FSDP(model, comm, strategy=strategy, units=[model.a, [model.b, model.spare], model.unused])
+    opt, ref_opt = Adam(fsdp.parameters(), lr=1e-2), Adam([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for x, y in batches(3):
+        fsdp_step(comm, fsdp, opt, x, y)
+        ref_step(ref, ref_opt, x, y)
+        stats = fsdp.memory_stats()
+        assert stats["gathered_bytes"] == stats["unsharded_grad_bytes"] == 0
+    assert_matches(comm, fsdp, ref)
+    assert model.a.weight.requires_grad is False

@@ -1,5 +1,5 @@
 """Real-GPU tests (marker ``gpu``): every collective on every path that works here, and DDP, FSDP and
-pipeline training on CuPy arrays against CPU runs.
+pipeline training on CuPy arrays against CPU runs, and the nn ops (forward and backward) against numpy.
 
 Skipped unless cupy imports *and* ``cupy.is_available()`` (``import cupy`` succeeds on machines
 without a GPU). Meant for ``mpiexec -n 1/2/4 [--oversubscribe] python -m pytest --with-mpi -m gpu
@@ -24,10 +24,62 @@ from test_gpu_paths import run_all_collectives  # noqa: E402 - after the skip: i
 
 
 def to_gpu(module):
-    """Move every parameter of ``module`` to the current GPU (same values)."""
+    """Move every parameter and buffer of ``module`` to the current GPU (same values)."""
     for _, p in module.named_parameters():
         p.data = cupy.asarray(p.data)
+    for m in module.modules():
+        for name, b in list(m.named_buffers()):
+            if "." not in name:  # m's own buffers; descendants get theirs in their own turn
+                setattr(m, name, cupy.asarray(b))
     return module
+
+
+def test_nn_forward_backward_on_gpu_matches_cpu():
+    """Every op family (conv, pools, batch norm, attention, norms, embedding, dropout, cross-entropy with
+    ignore_index and label smoothing) on CuPy arrays gives the numpy run's values and gradients."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            rng = np.random.default_rng(0)
+            self.conv = nn.Conv2d(2, 4, 3, padding=1, rng=rng, dtype=np.float64)
+            self.bn = nn.BatchNorm2d(4, dtype=np.float64)
+            self.dw = nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=4, rng=rng, dtype=np.float64)
+            self.pool, self.avg = nn.MaxPool2d(2), nn.AvgPool2d(2, stride=1)
+            self.emb = nn.Embedding(10, 8, rng=rng, dtype=np.float64)
+            self.block = nn.TransformerBlock(8, 2, mlp_ratio=2, dropout=0.1, rng=rng, dtype=np.float64)
+            self.norm = nn.RMSNorm(8, dtype=np.float64)
+            self.lift = nn.Linear(4, 8, rng=rng, dtype=np.float64)
+            self.head = nn.Linear(8, 10, rng=rng, dtype=np.float64)
+
+        def forward(self, img, tokens):
+            h = self.avg(self.pool(nn.functional.relu(self.dw(self.bn(self.conv(img))))))  # (N, 4, 1, 1)
+            x = self.emb(tokens) + self.lift(nn.functional.reshape(h, (h.shape[0], 1, 4)))
+            return self.head(self.norm(self.block(x)))
+
+    rng = np.random.default_rng(1)
+    img, tokens = rng.standard_normal((3, 2, 8, 8)), rng.integers(0, 10, (3, 5))
+    target = rng.integers(0, 10, (3, 5))
+    target[0, 1] = -1
+    results = []
+    for to_device in (False, True):
+        model = Net()
+        if to_device:
+            to_gpu(model)
+        x = nn.Tensor(cupy.asarray(img) if to_device else img, requires_grad=True)
+        mpidist.manual_seed(3)  # the same dropout masks
+        out = model(x, cupy.asarray(tokens) if to_device else tokens)
+        loss = nn.functional.cross_entropy(out, cupy.asarray(target) if to_device else target, ignore_index=-1,
+                                           label_smoothing=0.1)
+        loss.backward()
+        results.append((float(loss), cupy.asnumpy(x.grad) if to_device else x.grad,
+                        {n: (cupy.asnumpy(p.grad) if to_device else p.grad) for n, p in model.named_parameters()},
+                        cupy.asnumpy(model.bn.running_var) if to_device else model.bn.running_var))
+    (l0, dx0, g0, rv0), (l1, dx1, g1, rv1) = results
+    assert l1 == pytest.approx(l0, rel=1e-10)
+    np.testing.assert_allclose(dx1, dx0, rtol=1e-8, atol=1e-12)
+    np.testing.assert_allclose(rv1, rv0, rtol=1e-10)
+    for name in g0:
+        np.testing.assert_allclose(g1[name], g0[name], rtol=1e-8, atol=1e-12, err_msg=name)
 
 
 # Staged and the automatic choice always run; the others where this machine allows them.

@@ -1,12 +1,24 @@
-"""Modules with explicit forward/backward over numpy or CuPy arrays (no autograd tape)."""
+"""Tensors with reverse-mode autograd over numpy or CuPy arrays, PyTorch-shaped modules, layers and losses."""
 
-from mpidist.nn.layers import GELU, Dropout, Embedding, Flatten, LayerNorm, Linear, ReLU, Tanh
+from mpidist.nn import functional
+from mpidist.nn.autograd import (DeferredWeightGrads, Tensor, backward, backward_input, enable_grad, grad,
+                                 is_grad_enabled, no_grad, queue_callback, set_grad_enabled)
+from mpidist.nn.checkpoint import checkpoint
+from mpidist.nn.layers import (GELU, MLP, AvgPool2d, BatchNorm2d, Conv2d, Dropout, Embedding, Flatten, Identity,
+                               LayerNorm, Linear, MaxPool2d, MultiheadAttention, ReLU, RMSNorm, Sigmoid,
+                               SyncBatchNorm, Tanh, TransformerBlock)
 from mpidist.nn.losses import CrossEntropyLoss, Loss, MSELoss
-from mpidist.nn.module import Module, Parameter, Sequential, is_grad_enabled, no_grad
+from mpidist.nn.module import Module, ModuleDict, ModuleList, Parameter, Sequential
+from mpidist.nn.random import default_generator, get_rng_state, manual_seed, set_rng_state
 from mpidist.nn.utils import clip_grad_norm_, grad_norm
 
 __all__ = [
-    "Parameter", "Module", "Sequential", "no_grad", "is_grad_enabled",
-    "Linear", "ReLU", "GELU", "Tanh", "Dropout", "LayerNorm", "Embedding", "Flatten",
+    "Tensor", "Parameter", "Module", "Sequential", "ModuleList", "ModuleDict", "functional",
+    "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled", "backward", "grad", "backward_input",
+    "DeferredWeightGrads", "queue_callback", "checkpoint",
+    "Linear", "ReLU", "GELU", "Tanh", "Sigmoid", "Dropout", "LayerNorm", "RMSNorm", "Embedding", "Flatten",
+    "Identity", "MultiheadAttention", "MLP", "TransformerBlock", "Conv2d", "MaxPool2d", "AvgPool2d",
+    "BatchNorm2d", "SyncBatchNorm",
     "Loss", "CrossEntropyLoss", "MSELoss", "clip_grad_norm_", "grad_norm",
+    "manual_seed", "default_generator", "get_rng_state", "set_rng_state",
 ]

@@ -1,23 +1,24 @@
-"""Layers with explicit backward, agnostic to numpy/CuPy.
+"""Layers written as forward code only; autograd derives their backward.
 
-Each backward computes the input gradient first and accumulates parameter
-gradients last, in reverse registration order: a grad-ready hook may then
-release a parameter's storage (FSDP) without breaking the rest of backward,
-and hooks fire in reverse ``parameters()`` order along a Sequential (DDP).
+Initial weights come from ``rng`` when given, else from the thread's default generator
+(``mpidist.manual_seed``): no two layers start equal, and one seed gives every rank the same model.
 """
 
 import math
 
 import numpy as np
 
+from mpidist.nn import functional as F
 from mpidist.nn.module import Module, Parameter
-from mpidist.xp import get_array_module, scatter_add
+from mpidist.nn.random import default_generator
 
-__all__ = ["Linear", "ReLU", "GELU", "Tanh", "Dropout", "LayerNorm", "Embedding", "Flatten"]
+__all__ = ["Linear", "ReLU", "GELU", "Tanh", "Sigmoid", "Dropout", "LayerNorm", "RMSNorm", "Embedding", "Flatten",
+           "Identity", "MultiheadAttention", "MLP", "TransformerBlock", "Conv2d", "MaxPool2d", "AvgPool2d",
+           "BatchNorm2d", "SyncBatchNorm"]
 
 
-def _rng(rng):
-    return np.random.default_rng(0) if rng is None else rng
+def _gen(rng):
+    return default_generator() if rng is None else rng
 
 
 class Linear(Module):
@@ -26,173 +27,120 @@ class Linear(Module):
     def __init__(self, in_features, out_features, bias=True, *, rng=None, dtype=np.float32):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        rng = _rng(rng)
+        rng = _gen(rng)
         # PyTorch's default init: kaiming_uniform(a=sqrt(5)) reduces to U(-1/sqrt(in), 1/sqrt(in)).
         bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
         self.weight = Parameter(rng.uniform(-bound, bound, (out_features, in_features)).astype(dtype))
         self.bias = Parameter(rng.uniform(-bound, bound, (out_features,)).astype(dtype)) if bias else None
-        self._deferred_weight_grads = {}  # mb -> (x, dy) between backward_input and backward_weight
 
-    def forward(self, x, mb=0):
+    def forward(self, x):
         """Return ``x @ W.T + b`` for ``x`` of shape (..., in)."""
-        w = self.weight.data
-        if x.shape[-1:] != w.shape[1:]:
-            raise ValueError(f"Linear.forward: input last dim does not match in_features "
-                             f"(input: {x.shape}, weight: {w.shape})")
-        y = x @ w.T
-        if self.bias is not None:
-            y += self.bias.data
-        self.save_for_backward(mb, x)
-        return y
-
-    def backward(self, grad_out, mb=0):
-        """Accumulate dW, db and return dx."""
-        x = self.pop_saved(mb)
-        w = self.weight.data
-        dx = grad_out @ w
-        dy2 = grad_out.reshape(-1, grad_out.shape[-1])
-        if self.bias is not None:
-            self.bias.accumulate_grad(dy2.sum(axis=0))
-        self.weight.accumulate_grad(dy2.T @ x.reshape(-1, x.shape[-1]))
-        return dx
-
-    def backward_input(self, grad_out, mb=0):
-        """Return dx now; keep (x, dy) so ``backward_weight`` computes dW and db later."""
-        x = self.pop_saved(mb)
-        self._deferred_weight_grads[mb] = (x, grad_out)
-        return grad_out @ self.weight.data
-
-    def backward_weight(self, mb=0):
-        """Accumulate dW and db of micro-batch ``mb`` deferred by ``backward_input``."""
-        if mb not in self._deferred_weight_grads:
-            raise KeyError(f"Linear.backward_weight: no deferred weight gradient for micro-batch {mb} "
-                           f"(pending: {sorted(self._deferred_weight_grads)})")
-        x, grad_out = self._deferred_weight_grads.pop(mb)
-        dy2 = grad_out.reshape(-1, grad_out.shape[-1])
-        if self.bias is not None:
-            self.bias.accumulate_grad(dy2.sum(axis=0))
-        self.weight.accumulate_grad(dy2.T @ x.reshape(-1, x.shape[-1]))
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class ReLU(Module):
+class _Elementwise(Module):
+    fn = None
+
+    def forward(self, x):
+        return type(self).fn(x)
+
+
+class ReLU(_Elementwise):
     """Elementwise ``max(x, 0)``."""
-
-    def forward(self, x, mb=0):
-        """Return ``max(x, 0)``."""
-        mask = x > 0
-        self.save_for_backward(mb, mask)
-        return x * mask
-
-    def backward(self, grad_out, mb=0):
-        """Return ``grad_out`` where the input was positive, 0 elsewhere."""
-        return grad_out * self.pop_saved(mb)
+    fn = staticmethod(F.relu)
 
 
-class GELU(Module):
-    """GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
-
-    _C = math.sqrt(2.0 / math.pi)
-    _K = 0.044715
-
-    def forward(self, x, mb=0):
-        """Return the tanh-approximated GELU of ``x``."""
-        xp = get_array_module(x)
-        t = xp.tanh(self._C * (x + self._K * x ** 3))
-        self.save_for_backward(mb, (x, t))
-        return 0.5 * x * (1 + t)
-
-    def backward(self, grad_out, mb=0):
-        """Return the input gradient of the tanh-approximated GELU."""
-        x, t = self.pop_saved(mb)
-        dt = (1 - t * t) * self._C * (1 + 3 * self._K * x * x)
-        return grad_out * (0.5 * (1 + t) + 0.5 * x * dt)
+class GELU(_Elementwise):
+    """GELU, tanh approximation."""
+    fn = staticmethod(F.gelu)
 
 
-class Tanh(Module):
+class Tanh(_Elementwise):
     """Elementwise ``tanh(x)``."""
+    fn = staticmethod(F.tanh)
 
-    def forward(self, x, mb=0):
-        """Return ``tanh(x)``."""
-        y = get_array_module(x).tanh(x)
-        self.save_for_backward(mb, y)
-        return y
 
-    def backward(self, grad_out, mb=0):
-        """Return ``grad_out * (1 - tanh(x)^2)``."""
-        y = self.pop_saved(mb)
-        return grad_out * (1 - y * y)
+class Sigmoid(_Elementwise):
+    """Elementwise logistic function."""
+    fn = staticmethod(F.sigmoid)
+
+
+class Identity(Module):
+    """Return the input unchanged."""
+
+    def forward(self, x):
+        return x
+
+
+class Flatten(Module):
+    """Flatten all axes after the first."""
+
+    def forward(self, x):
+        return F.reshape(x, (x.shape[0], -1))
 
 
 class Dropout(Module):
-    """Zero each element with probability ``p`` and scale the rest by 1/(1-p); identity in eval mode."""
+    """Zero each element with probability ``p`` and scale the rest by 1/(1-p); identity in eval mode.
 
-    def __init__(self, p=0.5, *, seed=0):
+    Masks come from the thread's default generator (``mpidist.manual_seed``), or from an own generator
+    seeded with ``seed``; activation checkpointing replays either.
+    """
+
+    def __init__(self, p=0.5, *, seed=None):
         super().__init__()
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"Dropout: p must be in [0, 1] (p: {p})")
         self.p = p
-        # Owned, seeded generator: masks are reproducible and independent of global state.
-        self.rng = np.random.default_rng(seed)
+        self.generator = None if seed is None else np.random.default_rng(seed)
 
-    def forward(self, x, mb=0):
+    def forward(self, x):
         """Return ``x`` with a fresh random mask applied (training mode only)."""
-        if not self.training or self.p == 0.0:
-            self.save_for_backward(mb, None)
-            return x
-        xp = get_array_module(x)
-        scale = 0.0 if self.p == 1.0 else 1.0 / (1.0 - self.p)
-        keep = self.rng.random(x.shape) >= self.p
-        mask = xp.asarray(keep.astype(x.dtype) * x.dtype.type(scale))
-        self.save_for_backward(mb, mask)
-        return x * mask
-
-    def backward(self, grad_out, mb=0):
-        """Return ``grad_out`` through the same mask forward used for ``mb``."""
-        mask = self.pop_saved(mb)
-        return grad_out if mask is None else grad_out * mask
+        return F.dropout(x, self.p, self.training, self.generator)
 
     def extra_repr(self):
         return f"p={self.p}"
 
 
+def _normalized_dim(name, normalized_shape):
+    dims = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if len(dims) != 1:
+        raise ValueError(f"{name}: only the last axis can be normalized (normalized_shape: {normalized_shape})")
+    return dims
+
+
 class LayerNorm(Module):
     """Normalize over the last axis, then scale by ``weight`` and shift by ``bias``."""
 
-    def __init__(self, normalized_shape, eps=1e-5, *, dtype=np.float32):
+    def __init__(self, normalized_shape, eps=1e-5, *, bias=True, dtype=np.float32):
         super().__init__()
-        dims = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-        if len(dims) != 1:
-            raise ValueError(f"LayerNorm: only the last axis can be normalized (normalized_shape: {normalized_shape})")
+        dims = _normalized_dim("LayerNorm", normalized_shape)
         self.eps = eps
         self.weight = Parameter(np.ones(dims, dtype=dtype))
-        self.bias = Parameter(np.zeros(dims, dtype=dtype))
+        self.bias = Parameter(np.zeros(dims, dtype=dtype)) if bias else None
 
-    def forward(self, x, mb=0):
+    def forward(self, x):
         """Return ``(x - mean) / sqrt(var + eps) * weight + bias`` over the last axis."""
-        xp = get_array_module(x)
-        w = self.weight.data
-        if x.shape[-1:] != w.shape:
-            raise ValueError(f"LayerNorm.forward: input last dim does not match normalized_shape "
-                             f"(input: {x.shape}, weight: {w.shape})")
-        xc = x - x.mean(axis=-1, keepdims=True)
-        rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + self.eps)
-        xhat = xc * rstd
-        self.save_for_backward(mb, (xhat, rstd))
-        return xhat * w + self.bias.data
+        return F.layer_norm(x, self.weight, self.bias, self.eps)
 
-    def backward(self, grad_out, mb=0):
-        """Accumulate dweight, dbias and return dx."""
-        xhat, rstd = self.pop_saved(mb)
-        dxhat = grad_out * self.weight.data
-        dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
-                     - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
-        lead = tuple(range(grad_out.ndim - 1))
-        self.bias.accumulate_grad(grad_out.sum(axis=lead))
-        self.weight.accumulate_grad((grad_out * xhat).sum(axis=lead))
-        return dx
+    def extra_repr(self):
+        return f"eps={self.eps}"
+
+
+class RMSNorm(Module):
+    """Divide by the root mean square over the last axis, then scale by ``weight``."""
+
+    def __init__(self, normalized_shape, eps=1e-6, *, dtype=np.float32):
+        super().__init__()
+        dims = _normalized_dim("RMSNorm", normalized_shape)
+        self.eps = eps
+        self.weight = Parameter(np.ones(dims, dtype=dtype))
+
+    def forward(self, x):
+        """Return ``x / rms(x) * weight`` over the last axis."""
+        return F.rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self):
         return f"eps={self.eps}"
@@ -201,45 +149,214 @@ class LayerNorm(Module):
 class Embedding(Module):
     """Look up rows of a (num, dim) table for integer indices; no gradient flows to the indices."""
 
-    def __init__(self, num_embeddings, embedding_dim, *, rng=None, dtype=np.float32):
+    def __init__(self, num_embeddings, embedding_dim, *, rng=None, dtype=np.float32, std=1.0):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         # PyTorch's default init: N(0, 1).
-        self.weight = Parameter(_rng(rng).standard_normal((num_embeddings, embedding_dim)).astype(dtype))
+        self.weight = Parameter((_gen(rng).standard_normal((num_embeddings, embedding_dim)) * std).astype(dtype))
 
-    def forward(self, x, mb=0):
+    def forward(self, x):
         """Return ``weight[x]`` of shape ``x.shape + (dim,)``."""
-        w = self.weight.data
-        if x.dtype.kind not in "iu":
-            raise TypeError(f"Embedding.forward: indices must be integers (dtype: {x.dtype})")
-        if x.size and (int(x.min()) < 0 or int(x.max()) >= w.shape[0]):
-            raise IndexError(f"Embedding.forward: index out of range [0, {w.shape[0]}) "
-                             f"(min: {int(x.min())}, max: {int(x.max())})")
-        self.save_for_backward(mb, x)
-        return w[x]
-
-    def backward(self, grad_out, mb=0):
-        """Accumulate dweight by scatter-add and return None (indices have no gradient)."""
-        x = self.pop_saved(mb)
-        w = self.weight.data
-        xp = get_array_module(w)
-        dw = xp.zeros_like(w)
-        scatter_add(dw, x.reshape(-1), grad_out.reshape(-1, w.shape[1]))
-        self.weight.accumulate_grad(dw)
-        return None
+        return F.embedding(x, self.weight)
 
     def extra_repr(self):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
-class Flatten(Module):
-    """Flatten all axes after the first."""
+class MultiheadAttention(Module):
+    """Self-attention with ``num_heads`` heads over (batch, seq, dim) inputs; ``causal`` masks the future."""
 
-    def forward(self, x, mb=0):
-        """Return ``x`` reshaped to (batch, -1)."""
-        self.save_for_backward(mb, x.shape)
-        return x.reshape(x.shape[0], -1)
+    def __init__(self, embed_dim, num_heads, *, causal=False, dropout=0.0, bias=True, rng=None,
+                 dtype=np.float32):
+        super().__init__()
+        if embed_dim % num_heads:
+            raise ValueError(f"MultiheadAttention: embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+        self.embed_dim, self.num_heads, self.causal, self.dropout = embed_dim, num_heads, causal, dropout
+        self.qkv = Linear(embed_dim, 3 * embed_dim, bias=bias, rng=rng, dtype=dtype)
+        self.proj = Linear(embed_dim, embed_dim, bias=bias, rng=rng, dtype=dtype)
 
-    def backward(self, grad_out, mb=0):
-        """Return ``grad_out`` reshaped to the input's shape."""
-        return grad_out.reshape(self.pop_saved(mb))
+    def forward(self, x, attn_mask=None):
+        """Return the attention output for ``x`` of shape (batch, seq, dim); ``attn_mask`` is additive."""
+        b, t, d = x.shape
+        h = self.num_heads
+        qkv = F.permute(F.reshape(self.qkv(x), (b, t, 3, h, d // h)), (2, 0, 3, 1, 4))
+        q, k, v = F.split(qkv, 3, axis=0)
+        q, k, v = (F.reshape(a, (b, h, t, d // h)) for a in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=self.causal,
+                                           dropout_p=self.dropout, training=self.training)
+        return self.proj(F.reshape(F.permute(y, (0, 2, 1, 3)), (b, t, d)))
+
+    def extra_repr(self):
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, causal={self.causal}"
+
+
+class MLP(Module):
+    """Two linear layers with GELU between: dim -> hidden -> dim."""
+
+    def __init__(self, dim, hidden, *, dropout=0.0, rng=None, dtype=np.float32):
+        super().__init__()
+        self.fc = Linear(dim, hidden, rng=rng, dtype=dtype)
+        self.proj = Linear(hidden, dim, rng=rng, dtype=dtype)
+        self.drop = Dropout(dropout)
+
+    def forward(self, x):
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class TransformerBlock(Module):
+    """Pre-norm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, dim, num_heads, *, mlp_ratio=4, causal=True, dropout=0.0, rng=None, dtype=np.float32):
+        super().__init__()
+        self.ln1 = LayerNorm(dim, dtype=dtype)
+        self.attn = MultiheadAttention(dim, num_heads, causal=causal, dropout=dropout, rng=rng, dtype=dtype)
+        self.drop = Dropout(dropout)
+        self.ln2 = LayerNorm(dim, dtype=dtype)
+        self.mlp = MLP(dim, mlp_ratio * dim, dropout=dropout, rng=rng, dtype=dtype)
+
+    def forward(self, x):
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.mlp(self.ln2(x))
+
+
+class Conv2d(Module):
+    """2-D convolution over (N, C, H, W) inputs; weight (out, in/groups, kh, kw)."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+                 bias=True, *, rng=None, dtype=np.float32):
+        super().__init__()
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"Conv2d: in_channels {in_channels} and out_channels {out_channels} must both be "
+                             f"divisible by groups {groups}")
+        kh, kw = F._pair("Conv2d kernel_size", kernel_size)
+        self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, (kh, kw)
+        self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
+        rng = _gen(rng)
+        # PyTorch's default init, as for Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        fan_in = in_channels // groups * kh * kw
+        bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+        self.weight = Parameter(rng.uniform(-bound, bound, (out_channels, in_channels // groups, kh, kw))
+                                .astype(dtype))
+        self.bias = Parameter(rng.uniform(-bound, bound, (out_channels,)).astype(dtype)) if bias else None
+
+    def forward(self, x):
+        """Return the convolution of ``x`` (N, C, H, W)."""
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def extra_repr(self):
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, "
+                f"bias={self.bias is not None}")
+
+
+class MaxPool2d(Module):
+    """Maximum over windows of (N, C, H, W) inputs; ``stride`` defaults to the kernel size."""
+
+    def __init__(self, kernel_size, stride=None, padding=0):
+        super().__init__()
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+
+    def forward(self, x):
+        return F.max_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+    def extra_repr(self):
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+
+
+class AvgPool2d(Module):
+    """Mean over windows of (N, C, H, W) inputs; ``stride`` defaults to the kernel size."""
+
+    def __init__(self, kernel_size, stride=None, padding=0, count_include_pad=True):
+        super().__init__()
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+        self.count_include_pad = count_include_pad
+
+    def forward(self, x):
+        return F.avg_pool2d(x, self.kernel_size, self.stride, self.padding, self.count_include_pad)
+
+    def extra_repr(self):
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+
+
+class BatchNorm2d(Module):
+    """Per-channel normalization of (N, C, ...) inputs with batch statistics in training and running
+    statistics in eval; buffers ``running_mean``, ``running_var``, ``num_batches_tracked``.
+
+    ``momentum=None`` makes the running statistics a cumulative average (PyTorch's rule).
+    """
+
+    _comm = None  # SyncBatchNorm: the ranks the batch is spread over
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True, *,
+                 dtype=np.float32):
+        super().__init__()
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.affine, self.track_running_stats = affine, track_running_stats
+        self.weight = Parameter(np.ones(num_features, dtype=dtype)) if affine else None
+        self.bias = Parameter(np.zeros(num_features, dtype=dtype)) if affine else None
+        if track_running_stats:
+            self.register_buffer("running_mean", np.zeros(num_features, dtype=dtype))
+            self.register_buffer("running_var", np.ones(num_features, dtype=dtype))
+            self.register_buffer("num_batches_tracked", np.zeros((), dtype=np.int64))
+        else:
+            self.running_mean = self.running_var = self.num_batches_tracked = None
+
+    def reset_running_stats(self):
+        """Set the running statistics back to mean 0, variance 1, no batches seen."""
+        if self.track_running_stats:
+            self.running_mean[...] = 0
+            self.running_var[...] = 1
+            self.num_batches_tracked[...] = 0
+
+    def forward(self, x):
+        """Return the normalized ``x``; in training, update the running statistics."""
+        batch_stats = self.training or not self.track_running_stats
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked += 1  # in place: the buffer array stays the one in state_dict
+            if self.momentum is None:
+                momentum = 1.0 / float(self.num_batches_tracked)
+        update = self.training and self.track_running_stats
+        return F.batch_norm(x, self.running_mean if update or not batch_stats else None,
+                            self.running_var if update or not batch_stats else None,
+                            self.weight, self.bias, batch_stats, momentum, self.eps, self._comm)
+
+    def extra_repr(self):
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+                f"track_running_stats={self.track_running_stats}")
+
+
+class SyncBatchNorm(BatchNorm2d):
+    """BatchNorm whose training statistics are those of the whole batch spread over ``comm``'s ranks.
+
+    Every rank must call forward and backward of this layer in the same order (the statistics and the
+    two gradient sums are allreduced); the running statistics are then the same on every rank.
+    """
+
+    def __init__(self, num_features, comm, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True, *,
+                 dtype=np.float32):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, dtype=dtype)
+        self._comm = comm
+
+    @property
+    def comm(self):
+        """The communicator whose ranks share the batch."""
+        return self._comm
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module, comm):
+        """Replace every BatchNorm2d in ``module`` by a SyncBatchNorm over ``comm``; return the module.
+
+        The new layers take over the old ones' parameters and buffers (the same objects), so an
+        optimizer built before the conversion still updates them.
+        """
+        if isinstance(module, BatchNorm2d) and not isinstance(module, SyncBatchNorm):
+            sync = cls(module.num_features, comm, module.eps, module.momentum, module.affine,
+                       module.track_running_stats)
+            sync.weight, sync.bias = module.weight, module.bias
+            for name, array in module.named_buffers():
+                setattr(sync, name, array)
+            return sync.train(module.training)
+        for name, child in list(module.named_children()):
+            setattr(module, name, cls.convert_sync_batchnorm(child, comm))
+        return module

@@ -1,99 +1,42 @@
-"""Parameters, modules and the explicit forward/backward protocol.
+"""Parameters and modules shaped like PyTorch's: forward code only, hooks as the attach points.
 
 Glossary:
-  mb         micro-batch id; every forward saves what its backward needs under
-             ``mb`` so several micro-batches can be in flight at once (1F1B).
-  saved      per-module dict ``mb -> activations`` filled by forward, emptied by
-             the matching backward.
-  grad ready a parameter's gradient for this backward is final; hooks registered
-             with ``Parameter.register_grad_ready_hook`` fire at that moment.
+  Parameter    a leaf Tensor that requires grad and belongs to a module; optimizers update ``data`` in
+               place and bump ``version`` (ranks that must agree on the step compare it).
+  forward hooks ``register_forward_pre_hook`` / ``register_forward_hook``: PyTorch's names and signatures;
+               DDP, FSDP and the pipeline attach here and never replace a module's methods.
+  post-accumulate-grad hook ``Parameter.register_post_accumulate_grad_hook(fn)``: ``fn(param)`` once per
+               backward, when the parameter's gradient for that backward is final (a tied parameter fires
+               once, after its last use).
 
-Parameter storage may be swapped from outside (FSDP gathers ``param.data``
-before a unit runs and frees it after), so layers read ``self.weight.data`` at
-the moment of use and never keep arrays or shapes of parameters.
+Parameter storage may be swapped from outside (FSDP frees ``param.data`` after a unit's forward and
+gathers it before the unit runs again), so layers read ``self.weight`` at the moment of use and never
+keep arrays or shapes of parameters.
 """
 
-import contextlib
 import itertools
-import threading
 from collections import OrderedDict, namedtuple
 
+from mpidist.nn.autograd import Tensor, _add_hook, is_grad_enabled, no_grad  # noqa: F401 (re-exported)
+from mpidist.nn.checkpoint import checkpoint
 from mpidist.xp import copy_into
 
-__all__ = ["Parameter", "Module", "Sequential", "no_grad", "is_grad_enabled"]
-
-# Thread-local because simulated communicators run ranks as threads.
-_grad_mode = threading.local()
+__all__ = ["Parameter", "Module", "Sequential", "ModuleList", "ModuleDict", "no_grad", "is_grad_enabled"]
 
 
-def is_grad_enabled():
-    """Return False inside ``no_grad()``, True otherwise."""
-    return getattr(_grad_mode, "enabled", True)
+class Parameter(Tensor):
+    """A trainable leaf tensor: ``data``, and the ``grad`` that backward accumulates."""
 
-
-@contextlib.contextmanager
-def no_grad():
-    """Run forwards that save nothing for backward (inference, evaluation)."""
-    prev = is_grad_enabled()
-    _grad_mode.enabled = False
-    try:
-        yield
-    finally:
-        _grad_mode.enabled = prev
-
-
-class _HookHandle:
-    """Handle returned by hook registration; ``remove()`` unregisters the hook."""
-
-    _ids = itertools.count()
-
-    def __init__(self, hooks):
-        self._hooks = hooks
-        self.id = next(self._ids)
-
-    def remove(self):
-        """Unregister the hook (idempotent)."""
-        self._hooks.pop(self.id, None)
-
-
-class Parameter:
-    """A trainable array ``data`` with its accumulated gradient ``grad``."""
-
-    def __init__(self, data):
-        self.data = data
-        self.grad = None
-        # How many times an optimizer updated ``data``: ranks that must agree on the step compare it.
+    def __init__(self, data, requires_grad=True):
+        super().__init__(data.data if isinstance(data, Tensor) else data)
         self.version = 0
-        self._grad_ready_hooks = {}
+        self._post_accumulate_grad_hooks = None
+        if requires_grad:
+            self.requires_grad_(True)
 
-    @property
-    def shape(self):
-        """Return the shape of the current ``data``."""
-        return self.data.shape
-
-    @property
-    def dtype(self):
-        """Return the dtype of the current ``data``."""
-        return self.data.dtype
-
-    def accumulate_grad(self, g):
-        """Add ``g`` to ``grad`` in place, then fire the grad-ready hooks."""
-        if self.grad is None:
-            self.grad = g.copy()
-        else:
-            if self.grad.shape != g.shape:
-                raise ValueError(f"Parameter.accumulate_grad: gradient shape does not match grad "
-                                 f"(gradient: {g.shape}, grad: {self.grad.shape})")
-            # In place: DDP pre-sets grad to a view into a flat bucket.
-            self.grad += g
-        for fn in list(self._grad_ready_hooks.values()):
-            fn(self)
-
-    def register_grad_ready_hook(self, fn):
-        """Call ``fn(param)`` each time a backward finishes accumulating into ``grad``."""
-        handle = _HookHandle(self._grad_ready_hooks)
-        self._grad_ready_hooks[handle.id] = fn
-        return handle
+    def register_post_accumulate_grad_hook(self, fn):
+        """Call ``fn(param)`` when a backward has finished accumulating into ``grad``; return a handle."""
+        return _add_hook(self, "_post_accumulate_grad_hooks", fn)
 
     def __repr__(self):
         return f"Parameter(shape={self.data.shape}, dtype={self.data.dtype})"
@@ -102,25 +45,54 @@ class Parameter:
 _IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
 
+class _Handle:
+    _ids = itertools.count()
+
+    def __init__(self, registry):
+        self.registry = registry
+        self.id = next(self._ids)
+
+    def remove(self):
+        self.registry.pop(self.id, None)
+
+
+def _register(registry, entry, prepend):
+    handle = _Handle(registry)
+    registry[handle.id] = entry
+    if prepend:
+        registry.move_to_end(handle.id, last=False)
+    return handle
+
+
 class Module:
-    """Base class: registers parameters, children and buffers; saves activations per micro-batch."""
+    """Base class: registers parameters, children and buffers; ``__call__`` runs hooks around forward."""
 
     def __init__(self):
         object.__setattr__(self, "_params", OrderedDict())
         object.__setattr__(self, "_children", OrderedDict())
         object.__setattr__(self, "_buffers", OrderedDict())
-        object.__setattr__(self, "_saved", {})
+        object.__setattr__(self, "_forward_pre_hooks", OrderedDict())
+        object.__setattr__(self, "_forward_hooks", OrderedDict())
         object.__setattr__(self, "training", True)
+        # Recompute this module's activations in backward instead of keeping them (``checkpoint``).
+        object.__setattr__(self, "activation_checkpointing", False)
 
     def __setattr__(self, name, value):
         if "_params" not in self.__dict__:
             raise AttributeError(f"{type(self).__name__}: cannot assign '{name}' before Module.__init__() is called")
-        for registry in (self._params, self._children):
-            registry.pop(name, None)
         if isinstance(value, (Parameter, Module)):
+            registry, other = (self._params, self._children) if isinstance(value, Parameter) else \
+                (self._children, self._params)
+            other.pop(name, None)
             self._buffers.pop(name, None)
-            (self._params if isinstance(value, Parameter) else self._children)[name] = value
-        elif name in self._buffers:
+            # Assigning to an existing key keeps its place: replacing Sequential's child "0" must not
+            # move it to the end (nor a replaced parameter to the end of state_dict and DDP's buckets).
+            registry[name] = value
+            object.__setattr__(self, name, value)
+            return
+        self._params.pop(name, None)
+        self._children.pop(name, None)
+        if name in self._buffers:
             self._buffers[name] = value
         object.__setattr__(self, name, value)
 
@@ -129,56 +101,44 @@ class Module:
             registry.pop(name, None)
         object.__delattr__(self, name)
 
-    # -- forward / backward -------------------------------------------------
+    # -- calling -----------------------------------------------------------------------------------------
 
-    def __call__(self, x, mb=0):
-        return self.forward(x, mb=mb)
+    def __call__(self, *args, **kwargs):
+        if not (self._forward_pre_hooks or self._forward_hooks or self.activation_checkpointing):
+            return self.forward(*args, **kwargs)
+        for hook, with_kwargs in list(self._forward_pre_hooks.values()):
+            if with_kwargs:
+                result = hook(self, args, kwargs)
+                if result is not None:
+                    args, kwargs = result
+            else:
+                result = hook(self, args)
+                if result is not None:
+                    args = result if isinstance(result, tuple) else (result,)
+        if self.activation_checkpointing and is_grad_enabled():
+            # Inside the hooks: FSDP's pre-hook has gathered the parameters the recompute reads.
+            out = checkpoint(self.forward, *args, **kwargs)
+        else:
+            out = self.forward(*args, **kwargs)
+        for hook, with_kwargs in list(self._forward_hooks.values()):
+            result = hook(self, args, kwargs, out) if with_kwargs else hook(self, args, out)
+            if result is not None:
+                out = result
+        return out
 
-    def forward(self, x, mb=0):
-        """Compute the output for micro-batch ``mb``, saving what backward needs."""
+    def forward(self, *args, **kwargs):
+        """Compute the output; autograd records what backward needs."""
         raise NotImplementedError(f"{type(self).__name__}: forward() is not implemented")
 
-    def backward(self, grad_out, mb=0):
-        """Accumulate parameter gradients for micro-batch ``mb`` and return the input gradient."""
-        raise NotImplementedError(f"{type(self).__name__}: backward() is not implemented")
+    def register_forward_pre_hook(self, hook, *, prepend=False, with_kwargs=False):
+        """Call ``hook(module, args)`` (or ``(module, args, kwargs)``) before forward; it may return new args."""
+        return _register(self._forward_pre_hooks, (hook, with_kwargs), prepend)
 
+    def register_forward_hook(self, hook, *, prepend=False, with_kwargs=False):
+        """Call ``hook(module, args, output)`` (or with kwargs) after forward; it may return a new output."""
+        return _register(self._forward_hooks, (hook, with_kwargs), prepend)
 
-    def backward_input(self, grad_out, mb=0):
-        """Return the input gradient; a layer may defer its weight gradients to ``backward_weight``.
-
-        Zero-bubble pipelines split backward this way (B, then W later). The default does all the work now.
-        """
-        return self.backward(grad_out, mb)
-
-    def backward_weight(self, mb=0):
-        """Accumulate the weight gradients ``backward_input`` deferred for ``mb`` (default: none were)."""
-    def saves_for_backward(self):
-        """Return True if a forward now should save activations (training mode, grad enabled)."""
-        return self.training and is_grad_enabled()
-
-    def save_for_backward(self, mb, value):
-        """Keep ``value`` for ``backward(mb)`` if in training mode with grad enabled."""
-        if not self.saves_for_backward():
-            return
-        if mb in self._saved:
-            raise RuntimeError(f"{type(self).__name__}.forward: micro-batch {mb} is already in flight "
-                               f"(in flight: {sorted(self._saved)}); run backward(mb={mb}) before forwarding it again")
-        self._saved[mb] = value
-
-    def pop_saved(self, mb):
-        """Remove and return what forward saved for micro-batch ``mb``."""
-        try:
-            return self._saved.pop(mb)
-        except KeyError:
-            raise RuntimeError(f"{type(self).__name__}.backward: no saved activations for micro-batch {mb} "
-                               f"(in flight: {sorted(self._saved)}); call forward(x, mb={mb}) in training mode "
-                               f"outside no_grad() first") from None
-
-    def num_inflight(self):
-        """Return how many micro-batches have saved activations in this module or its descendants."""
-        return len(set().union(*(m._saved.keys() for m in self.modules())))
-
-    # -- traversal (deterministic, rank-independent order) --------------------
+    # -- traversal (deterministic, rank-independent order) ----------------------------------------------
 
     def named_children(self):
         """Yield ``(name, child)`` in registration order."""
@@ -188,25 +148,30 @@ class Module:
         """Yield direct children in registration order."""
         yield from self._children.values()
 
-    def named_modules(self, prefix=""):
-        """Yield ``(name, module)`` for self and all descendants, pre-order."""
+    def named_modules(self, prefix="", memo=None):
+        """Yield ``(name, module)`` for self and all descendants, pre-order; a shared module once."""
+        memo = set() if memo is None else memo
+        if id(self) in memo:
+            return
+        memo.add(id(self))
         yield prefix, self
         for name, child in self._children.items():
-            yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
+            yield from child.named_modules(f"{prefix}.{name}" if prefix else name, memo)
 
     def modules(self):
         """Yield self and all descendants, pre-order."""
         for _, m in self.named_modules():
             yield m
 
-    def named_parameters(self, prefix=""):
+    def named_parameters(self, prefix="", remove_duplicate=True):
         """Yield ``(name, param)``: own params in registration order, then children's; shared params once."""
         seen = set()
         for mod_name, m in self.named_modules(prefix):
             for name, p in m._params.items():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield (f"{mod_name}.{name}" if mod_name else name), p
+                if p is None or (remove_duplicate and id(p) in seen):
+                    continue
+                seen.add(id(p))
+                yield (f"{mod_name}.{name}" if mod_name else name), p
 
     def parameters(self):
         """Yield parameters in the order of ``named_parameters()``."""
@@ -224,14 +189,22 @@ class Module:
         """Yield ``(name, array)`` for all buffers, in module pre-order."""
         for mod_name, m in self.named_modules(prefix):
             for name, b in m._buffers.items():
-                yield (f"{mod_name}.{name}" if mod_name else name), b
+                if b is not None:
+                    yield (f"{mod_name}.{name}" if mod_name else name), b
 
     def buffers(self):
         """Yield all buffers."""
         for _, b in self.named_buffers():
             yield b
 
-    # -- state ------------------------------------------------------------------
+    def apply(self, fn):
+        """Call ``fn(module)`` on every descendant, then on self (PyTorch's order); return self."""
+        for child in self._children.values():
+            child.apply(fn)
+        fn(self)
+        return self
+
+    # -- state ------------------------------------------------------------------------------------------
 
     def _state_arrays(self):
         return OrderedDict([*((n, p.data) for n, p in self.named_parameters()), *self.named_buffers()])
@@ -258,7 +231,7 @@ class Module:
                 copy_into(dst, state_dict[name])
         return _IncompatibleKeys(missing, unexpected)
 
-    # -- modes and grads ------------------------------------------------------
+    # -- modes and grads --------------------------------------------------------------------------------
 
     def train(self, mode=True):
         """Set training mode on self and all descendants; return self."""
@@ -267,11 +240,17 @@ class Module:
         return self
 
     def eval(self):
-        """Set evaluation mode (forward saves nothing, dropout off); return self."""
+        """Set evaluation mode (dropout off, batch norm uses running statistics); return self."""
         return self.train(False)
 
-    def zero_grad(self, set_to_none=False):
-        """Zero every parameter's grad in place (keeping the array), or set it to None."""
+    def requires_grad_(self, requires_grad=True):
+        """Set ``requires_grad`` on every parameter; return self."""
+        for p in self.parameters():
+            p.requires_grad_(requires_grad)
+        return self
+
+    def zero_grad(self, set_to_none=True):
+        """Set every parameter's grad to None (the default, as in PyTorch), or zero it in place."""
         for p in self.parameters():
             if set_to_none:
                 p.grad = None
@@ -290,7 +269,7 @@ class Module:
 
 
 class Sequential(Module):
-    """Run children in order on forward and in reverse order on backward."""
+    """Run children in order."""
 
     def __init__(self, *modules):
         super().__init__()
@@ -300,7 +279,8 @@ class Sequential(Module):
             setattr(self, str(i), m)
 
     def __getitem__(self, i):
-        return list(self._children.values())[i]
+        items = list(self._children.values())
+        return Sequential(*items[i]) if isinstance(i, slice) else items[i]
 
     def __len__(self):
         return len(self._children)
@@ -308,25 +288,69 @@ class Sequential(Module):
     def __iter__(self):
         return iter(self._children.values())
 
-    def forward(self, x, mb=0):
+    def forward(self, x):
         """Feed ``x`` through every child in order."""
         for m in self._children.values():
-            x = m(x, mb=mb)
+            x = m(x)
         return x
 
-    def backward(self, grad_out, mb=0):
-        """Feed ``grad_out`` back through every child in reverse order."""
-        for m in reversed(self._children.values()):
-            grad_out = m.backward(grad_out, mb=mb)
-        return grad_out
 
-    def backward_input(self, grad_out, mb=0):
-        """Feed ``grad_out`` back through every child, deferring what weight-gradient work they can."""
-        for m in reversed(self._children.values()):
-            grad_out = m.backward_input(grad_out, mb=mb)
-        return grad_out
+class ModuleList(Module):
+    """A list of modules, registered so that their parameters are found."""
 
-    def backward_weight(self, mb=0):
-        """Run every child's deferred weight-gradient work for micro-batch ``mb``."""
-        for m in reversed(self._children.values()):
-            m.backward_weight(mb=mb)
+    def __init__(self, modules=()):
+        super().__init__()
+        for m in modules:
+            self.append(m)
+
+    def append(self, module):
+        """Add ``module`` at the end; return self."""
+        if not isinstance(module, Module):
+            raise TypeError(f"ModuleList.append: not a Module (got {type(module).__name__})")
+        setattr(self, str(len(self._children)), module)
+        return self
+
+    def __getitem__(self, i):
+        items = list(self._children.values())
+        return ModuleList(items[i]) if isinstance(i, slice) else items[i]
+
+    def __len__(self):
+        return len(self._children)
+
+    def __iter__(self):
+        return iter(self._children.values())
+
+
+class ModuleDict(Module):
+    """A dict of modules, registered in insertion order."""
+
+    def __init__(self, modules=None):
+        super().__init__()
+        for name, m in (modules or {}).items():
+            self[name] = m
+
+    def __setitem__(self, name, module):
+        if not isinstance(module, Module):
+            raise TypeError(f"ModuleDict: '{name}' is not a Module (got {type(module).__name__})")
+        setattr(self, name, module)
+
+    def __getitem__(self, name):
+        return self._children[name]
+
+    def __contains__(self, name):
+        return name in self._children
+
+    def __len__(self):
+        return len(self._children)
+
+    def __iter__(self):
+        return iter(self._children)
+
+    def keys(self):
+        return self._children.keys()
+
+    def values(self):
+        return self._children.values()
+
+    def items(self):
+        return self._children.items()

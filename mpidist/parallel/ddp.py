@@ -1,14 +1,25 @@
-"""DDP: data-parallel training with bucketed, overlapped gradient averaging.
+"""DDP: data-parallel training with bucketed, overlapped gradient averaging, attached through hooks.
 
 Glossary:
 - bucket: one flat array holding the gradients of several parameters of one dtype, filled in
-  reverse parameter order (the order backward produces them). ``param.grad`` is a view into it.
-- ready: a parameter's gradient for this backward is final (its grad-ready hook fired). When every
-  parameter of a bucket is ready, the bucket's nonblocking mean-allreduce starts, while backward
-  goes on computing the earlier layers.
+  reverse parameter order (the order backward produces them). After a parameter's gradient is final,
+  ``param.grad`` is a view into its bucket.
+- ready: a parameter's gradient for this backward is final (its post-accumulate-grad hook fired; a
+  tied parameter fires once, after its last use). When every parameter of a bucket is ready, the
+  bucket's nonblocking mean-allreduce starts, while backward goes on computing the earlier layers.
+- finalize: a callback queued on the running backward (``nn.queue_callback``) launches the buckets
+  of parameters that got no gradient, waits for every bucket and runs the checks (step stamp,
+  unused parameters, non-finite gradients) once backward has computed everything.
+- sync mode: whether a backward averages gradients: not if any training forward since the last
+  backward ran under ``no_sync`` (as in PyTorch, where the forward decides), nor if the backward starts
+  under ``no_sync`` (as mpidist always did); a pipeline that runs several micro-batches' forwards and
+  backwards inside ``no_sync`` accumulates them all.
 - launch order: buckets are launched strictly in index order on every rank, because MPI matches
   nonblocking collectives on a communicator by the order they are started.
 - join: ranks that run out of data keep matching the collectives of ranks that still have data.
+
+Nothing here replaces a method of the wrapped module: DDP reads gradients through
+``Parameter.register_post_accumulate_grad_hook`` and ``queue_callback``, and runs the module by calling it.
 """
 
 import contextlib
@@ -18,6 +29,7 @@ import numpy as np
 
 from .. import collectives
 from ..comm import check_comm
+from ..nn import is_grad_enabled, queue_callback
 from ..nn.utils import clip_grad_norm_
 from ..xp import get_array_module
 from .agreement import StepStamp, check_same_structure
@@ -40,13 +52,14 @@ class GradientBucket:
         self.views = []
         offset = 0
         for p, n in zip(params, self.sizes):
-            view = self.flat[offset: offset + n].reshape(p.data.shape)
-            if p.grad is not None:
-                view[...] = p.grad
-            self.views.append(view)
-            p.grad = view
+            self.views.append(self.flat[offset: offset + n].reshape(p.data.shape))
             offset += n
+        self.slot = {id(p): i for i, p in enumerate(params)}
+        for p in params:
+            if p.grad is not None:  # keep a gradient the parameter already holds
+                self.attach(p)
         self.ready = set()
+        self.scaled = [False] * len(params)  # divided by the world size for this synchronization
         self.handle = None
         self.local_nonfinite = [False] * len(params)
 
@@ -54,22 +67,48 @@ class GradientBucket:
     def nbytes(self):
         return self.flat.nbytes
 
-    def reattach(self):
-        """Point every ``param.grad`` back at its view (after a ``zero_grad(set_to_none=True)``)."""
-        for p, view in zip(self.params, self.views):
-            if p.grad is not view:
-                if p.grad is None:
-                    view[...] = 0
-                else:
-                    view[...] = p.grad
-                p.grad = view
+    def attach(self, param, scale=None):
+        """Make ``param.grad`` its view into the bucket, holding the same values (zeros for None).
+
+        ``scale``: multiply a gradient copied in by it on the way (the mean's 1/size, in the same pass);
+        a gradient already in its view is left as it is. Returns whether ``scale`` was applied.
+        """
+        view = self.views[self.slot[id(param)]]
+        grad = param.grad
+        if grad is view:
+            return False
+        # Autograd hands a parameter without a gradient its own fresh array (set_to_none zeroing, the
+        # default): one copy into the bucket, after which later backwards accumulate in place.
+        if grad is None:
+            view[...] = 0
+        elif scale is None:
+            view[...] = grad
+        else:
+            get_array_module(view).multiply(grad, scale, out=view)
+        param.grad = view
+        return scale is not None
+
+    def attach_for_mean(self, param, size):
+        """Attach ``param`` with its gradient divided by ``size`` (once per synchronization)."""
+        i = self.slot[id(param)]
+        if self.scaled[i]:
+            return
+        if not self.attach(param, 1.0 / size):
+            self.views[i] *= 1.0 / size
+        self.scaled[i] = True
+
+    def attach_all(self):
+        """Attach every parameter (before the bucket is reduced as a whole)."""
+        for p in self.params:
+            self.attach(p)
 
 
 class DDP:
     """Wrap ``module`` for data-parallel training over ``comm``.
 
     Every rank holds a full replica; at construction parameters and buffers are broadcast from rank 0.
-    After ``backward`` returns, every ``param.grad`` holds the mean gradient over ranks.
+    Train as with the module itself: ``loss = crit(ddp(x), y); loss.backward()``; when backward
+    returns, every ``param.grad`` holds the mean gradient over ranks.
     """
 
     def __init__(self, module, comm, bucket_cap_mb=25, first_bucket_mb=1, overlap=True, broadcast_buffers=True,
@@ -89,7 +128,7 @@ class DDP:
         self._join = None  # set while a join() context is active
         self.stats = {"backward_s": 0.0, "sync_wait_s": 0.0, "steps": 0}
 
-        named = list(module.named_parameters())
+        named = list(module.named_parameters())  # a tied parameter once
         if not named:
             raise ValueError(f"DDP: module {type(module).__name__} has no parameters")
         # Before the first broadcast: different models would fail there with MPI's size error, or worse.
@@ -103,8 +142,10 @@ class DDP:
         for bucket in self.buckets:
             for p in bucket.params:
                 self._bucket_of[id(p)] = bucket
-        self._hooks = [p.register_grad_ready_hook(self._grad_ready) for _, p in named]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in named]
         self._next_launch = 0
+        self._forward_sync = None  # False if a training forward since the last backward ran under no_sync
+        self._backward = None  # (sync mode, start time) while a backward runs
 
     # -- construction -----------------------------------------------------------------------------
     def _broadcast_state(self, arrays, root=0):
@@ -138,40 +179,39 @@ class DDP:
         return buckets
 
     # -- the module interface -----------------------------------------------------------------------
-    def __call__(self, x, mb=0):
-        return self.forward(x, mb)
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
 
-    def forward(self, x, mb=0):
-        """Run the wrapped module's forward (and keep a joined rank's collectives matched)."""
-        if self._join is not None and self._sync_enabled:
-            self._join.announce(active=True)
-        # Buffers are broadcast on synchronized forwards only: a joined rank mirrors exactly those.
-        if self.broadcast_buffers and self._sync_enabled:
-            buffers = [b for _, b in self.module.named_buffers()]
-            if buffers:
-                self._broadcast_state(buffers)
-        self._stamp.count_forward(self.module.saves_for_backward())
-        return self.module.forward(x, mb)
-
-    def backward(self, grad_out, mb=0):
-        """Backpropagate; on return every gradient is averaged over ranks (outside ``no_sync``)."""
-        self._stamp.count_backward(self._sync_enabled)
-        if self._sync_enabled:
-            for bucket in self.buckets:
-                bucket.reattach()
-            if self._join is None:  # joined ranks mirror only the buckets' collectives
-                self._stamp.start(self.module.parameters())
-        start = time.perf_counter()
-        grad_in = self.module.backward(grad_out, mb)
-        computed = time.perf_counter()
-        if self._sync_enabled:
-            self._finish_sync()
-        self.stats["backward_s"] += computed - start
-        self.stats["sync_wait_s"] += time.perf_counter() - computed
-        return grad_in
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module (and keep a joined rank's collectives matched)."""
+        training = self.module.training and is_grad_enabled()
+        if training:
+            self._forward_sync = self._sync_enabled and self._forward_sync is not False
+            if self._sync_enabled:
+                root = 0
+                if self._join is not None:
+                    self._join.announce(active=True)
+                    root = self._join.first_active_rank
+                # Buffers are broadcast on synchronizing training forwards only (evaluation may differ by
+                # rank), from a rank that still has data: a joined rank mirrors exactly these.
+                self._sync_buffers(root)
+        self._stamp.count_forward(training)
+        return self.module(*args, **kwargs)
 
     def parameters(self):
         return self.module.parameters()
+
+    def named_parameters(self, prefix=""):
+        return self.module.named_parameters(prefix)
+
+    def buffers(self):
+        return self.module.buffers()
+
+    def named_buffers(self, prefix=""):
+        return self.module.named_buffers(prefix)
+
+    def modules(self):
+        return self.module.modules()
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """Clip the averaged gradients to global norm ``max_norm``; return the norm before clipping.
@@ -181,14 +221,15 @@ class DDP:
         """
         return clip_grad_norm_(self.parameters(), max_norm, norm_type, None, error_if_nonfinite)
 
-    def named_parameters(self, prefix=""):
-        return self.module.named_parameters(prefix)
-
     def state_dict(self):
         return self.module.state_dict()
 
     def load_state_dict(self, state_dict, strict=True):
         return self.module.load_state_dict(state_dict, strict)
+
+    @property
+    def training(self):
+        return self.module.training
 
     def train(self, mode=True):
         self.module.train(mode)
@@ -197,33 +238,72 @@ class DDP:
     def eval(self):
         return self.train(False)
 
-    def zero_grad(self, set_to_none=False):
-        """Zero every gradient in place (the bucket views stay attached)."""
+    def zero_grad(self, set_to_none=True):
+        """Set every gradient to None (the default), or zero it in place (the bucket views stay attached)."""
+        if set_to_none:
+            self.module.zero_grad(set_to_none=True)
+            return
         for bucket in self.buckets:
             bucket.flat[...] = 0
-            bucket.reattach()
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
 
     # -- gradient synchronization -------------------------------------------------------------------
     def _grad_ready(self, param):
-        if not self._sync_enabled:
-            return
+        if self._backward is None:
+            self._begin_backward()
         bucket = self._bucket_of[id(param)]
+        if not self._backward[0]:
+            bucket.attach(param)
+            return
+        if self._join is None:
+            # The mean's division rides on the copy into the bucket (one pass over the gradient saved).
+            bucket.attach_for_mean(param, self.comm.Get_size())
+        else:
+            bucket.attach(param)
         if bucket.handle is not None:
-            name = bucket.names[bucket.params.index(param)]
-            raise RuntimeError(f"DDP: parameter {name!r} received a gradient after its bucket {bucket.index} was already being reduced "
-                               f"(a parameter used twice in one forward needs a single bucket: set overlap=False)")
+            name = bucket.names[bucket.slot[id(param)]]
+            raise RuntimeError(f"DDP: parameter {name!r} received a gradient after its bucket {bucket.index} was "
+                               f"already being reduced in this backward (two backwards at once through one DDP?)")
         bucket.ready.add(id(param))
         if self.overlap:
             self._launch_ready_buckets()
             self._progress()
 
+    def _begin_backward(self):
+        """The first gradient of a backward: count it, start the step check, and queue the finalize."""
+        sync = self._sync_enabled and self._forward_sync is not False
+        self._backward = (sync, time.perf_counter())
+        self._stamp.count_backward(sync)
+        if sync and self._join is None:  # joined ranks mirror only the buckets' collectives
+            self._stamp.start(self.module.parameters())
+        queue_callback(self._end_backward)
+
+    def _end_backward(self):
+        sync, start = self._backward
+        self._backward = self._forward_sync = None
+        if not sync:
+            return
+        computed = time.perf_counter()
+        try:
+            self._finish_sync()
+        finally:
+            self.stats["backward_s"] += computed - start
+            self.stats["sync_wait_s"] += time.perf_counter() - computed
+
     def _launch(self, bucket):
+        if self._join is None:
+            size = self.comm.Get_size()
+            for p in bucket.params:  # those attached earlier (no_sync, unused, sync_gradients)
+                bucket.attach_for_mean(p, size)
+        else:
+            bucket.attach_all()  # summed, then divided by the ranks still active
         if self.check_finite:
             # Remember which rank produced a NaN/Inf before averaging spreads it to every rank.
             xp = get_array_module(bucket.flat)
             bucket.local_nonfinite = [not bool(xp.isfinite(v).all()) for v in bucket.views]
-        op = "mean" if self._join is None else "sum"
-        bucket.handle = collectives.iallreduce(bucket.flat, self.comm, op=op)
+        # Every gradient was divided by the world size on its way into the bucket: the sum is the mean.
+        bucket.handle = collectives.iallreduce(bucket.flat, self.comm, op="sum")
 
     def _launch_ready_buckets(self):
         while self._next_launch < len(self.buckets):
@@ -243,9 +323,10 @@ class DDP:
 
     def _finish_sync(self):
         unused = [name for b in self.buckets for p, name in zip(b.params, b.names) if id(p) not in b.ready]
-        # Parameters that got no gradient keep their (zeroed) slot; their buckets launch now, in order.
-        # Every bucket is launched and completed before any other collective (the unused-parameter
-        # check), so all ranks issue the same sequence whatever each launched during backward.
+        # Parameters that got no gradient keep their slot (zeros, or what no_sync accumulated); their
+        # buckets launch now, in order. Every bucket is launched and completed before any other
+        # collective (the unused-parameter check), so all ranks issue the same sequence whatever each
+        # launched during backward.
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
@@ -255,6 +336,7 @@ class DDP:
                 bucket.flat /= self._join.active
             bucket.handle = None
             bucket.ready.clear()
+            bucket.scaled = [False] * len(bucket.params)
         self._next_launch = 0
         self.stats["steps"] += 1
         self._stamp.finish(f"gradient synchronization #{self.stats['steps']}")
@@ -276,10 +358,8 @@ class DDP:
                                  f"the optimizer step must not be taken")
 
     def _check_unused(self, unused):
-        flags = np.zeros(len(self._hooks), dtype=np.int32)
         names = [name for b in self.buckets for name in b.names]
-        for i, name in enumerate(names):
-            flags[i] = name in unused
+        flags = np.array([name in unused for name in names], dtype=np.int32)
         collectives.allreduce(flags, self.comm, op="max")
         if flags.any():
             missing = [n for n, f in zip(names, flags) if f]
@@ -289,7 +369,7 @@ class DDP:
     def sync_gradients(self):
         """Average every gradient over ranks now (blocking), e.g. after backwards run under ``no_sync``."""
         for bucket in self.buckets:
-            bucket.reattach()
+            bucket.attach_all()
             bucket.ready.update(id(p) for p in bucket.params)
         self._next_launch = 0
         if self._join is None:
@@ -298,7 +378,11 @@ class DDP:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally; the first backward after the block averages the sum."""
+        """Accumulate gradients locally; the first synchronizing backward after the block averages the sum.
+
+        A forward run inside the block gives a backward that does not synchronize, wherever that backward
+        runs (as in PyTorch); a backward started inside the block does not synchronize either.
+        """
         previous = self._sync_enabled
         self._sync_enabled = False
         try:
@@ -310,11 +394,13 @@ class DDP:
     def join(self, optimizer=None):
         """Let ranks with fewer batches finish early without hanging the others.
 
-        Inside the block every step announces that this rank is active; when a rank leaves the block
-        it keeps answering the other ranks' collectives with zero gradients until every rank has left.
-        Gradients are averaged over the ranks still active. With ``optimizer``, joined ranks also step
-        it with the averaged gradients, so parameters and optimizer state stay identical everywhere;
-        without it, parameters are broadcast from the last rank to finish when everyone is done.
+        Inside the block every synchronizing forward announces that this rank is active; when a rank
+        leaves the block it keeps answering the other ranks' collectives with zero gradients until every
+        rank has left. Gradients are averaged over the ranks still active, and buffers are broadcast from
+        the first rank still active. With ``optimizer``, joined ranks also step it with the averaged
+        gradients, so parameters and optimizer state stay identical everywhere; without it, parameters
+        are broadcast from the last rank to finish when everyone is done. Buffers (with
+        ``broadcast_buffers``) are always taken from the last rank to finish.
         """
         if self._join is not None:
             raise RuntimeError("DDP.join: already inside a join() block")
@@ -327,25 +413,31 @@ class DDP:
         finally:
             self._join = None
 
-    def _shadow_step(self, optimizer):
-        for bucket in self.buckets:
-            bucket.flat[...] = 0
-            bucket.reattach()
+    def _sync_buffers(self, root):
         if self.broadcast_buffers:
             buffers = [b for _, b in self.module.named_buffers()]
             if buffers:
-                self._broadcast_state(buffers)
+                self._broadcast_state(buffers, root=root)
+
+    def _shadow_step(self, optimizer):
+        """What a joined rank does while others still train: the forward's buffers, zero gradients, the step."""
+        self._sync_buffers(self._join.first_active_rank)
+        for bucket in self.buckets:
+            bucket.flat[...] = 0
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
         self.sync_gradients()
         if optimizer is not None:
             optimizer.step()
 
 
 class _Join:
-    """Per-step agreement on how many ranks still have data."""
+    """Per-step agreement on which ranks still have data."""
 
     def __init__(self, comm):
         self.comm = comm
         self.active = comm.Get_size()
+        self.first_active_rank = 0
         self.last_active_rank = None
 
     def announce(self, active):
@@ -354,11 +446,16 @@ class _Join:
         collectives.allgather(np.array([1 if active else 0], dtype=np.int8), self.comm, out=flags)
         self.active = int(flags.sum())
         if self.active:
-            self.last_active_rank = int(np.flatnonzero(flags)[-1])
+            ranks = np.flatnonzero(flags)
+            self.first_active_rank, self.last_active_rank = int(ranks[0]), int(ranks[-1])
         return self.active
 
     def shadow(self, ddp, optimizer):
         while self.announce(active=False):
             ddp._shadow_step(optimizer)
-        if optimizer is None and self.last_active_rank is not None:
+        if self.last_active_rank is None:
+            return
+        # Every rank leaves with the state of one rank that trained to the end.
+        if optimizer is None:
             ddp._broadcast_state([p.data for p in ddp.module.parameters()], root=self.last_active_rank)
+        ddp._sync_buffers(self.last_active_rank)

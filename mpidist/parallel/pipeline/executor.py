@@ -3,17 +3,22 @@
 Glossary (see schedules.py for stage, rank, micro-batch, bubble)
 - pipeline comm: the communicator whose ranks are the pipeline positions 0..p-1; model stage s runs on rank s % p.
 - chunk: one of the v stage modules a rank holds (v > 1 only for interleaved schedules); chunk c is stage c*p + r.
-- boundary tensor: a stage's output activation (travelling forward) or its input gradient (travelling back).
-- B/W split: in zero-bubble schedules B produces the input gradient (sent upstream at once) and W produces the
-  weight gradients. A module may implement the split itself (`backward_input(dy, mb)` -> dx and
-  `backward_weight(mb)`); for any other module B runs the whole `backward` with every parameter-gradient
-  accumulation captured, and W adds the captured gradients into `param.grad` (firing its grad-ready hooks).
-  That keeps ZB-H1's order and gradients exact but makes W nearly free, so only modules with the split
-  protocol see ZB-H1's shorter bubble.
+- boundary message: what crosses a stage boundary for one micro-batch: forward, the tuple of a stage's outputs
+  (activations; integer arrays such as token ids included); backward, one gradient (or None) per output.
+- stage inputs: the leaves a stage's forward starts from. A received floating-point activation that needed a
+  gradient upstream becomes ``nn.Tensor(array, requires_grad=True)``; anything else (the first stage's batch,
+  integer arrays) a plain Tensor. The inputs' ``.grad`` after backward is what travels upstream.
+- saved micro-batch: (stage inputs, stage outputs) kept from F until B; the outputs hold the autograd graph.
+- B/W split (zero-bubble schedules): B is ``nn.backward_input`` (the inputs' gradients now, sent upstream at once),
+  W is ``DeferredWeightGrads.run()`` (the parameter gradients, later). Generic over modules: any stage built from
+  autograd ops splits, and W does the real weight-gradient work (the matmuls of ``dW = dy^T x``).
 
 Communication follows the model of schedules.py: sends are nonblocking (handles kept until they complete or
-the step ends), receives are blocking. Each message's tag encodes (kind, receiving stage, micro-batch), so a
-message can only match the receive it was meant for.
+the step ends), receives are blocking. A boundary message travels as a small manifest (one code per entry:
+array needing a gradient, array, or None) followed by each array as its own message, all on one tag that
+encodes (direction, receiving stage, micro-batch) and all stamped (step, micro-batch): messages on one tag
+between two ranks do not overtake each other, and a message can only match the receive it was meant for.
+Arrays travel separately (not packed into one buffer) so that device arrays keep the GPU paths of collectives.
 """
 from __future__ import annotations
 
@@ -29,9 +34,10 @@ from mpidist import collectives
 from mpidist.comm import check_comm
 from mpidist.comm.agree import check_same, raise_if_any
 from mpidist.guard import DesyncError
-from mpidist.partition import split_sizes
+from mpidist.nn.autograd import Tensor, backward, backward_input
 from mpidist.nn.module import Sequential
 from mpidist.nn.utils import clip_grad_norm_
+from mpidist.partition import split_sizes
 from mpidist.xp import asarray_like, is_device_array
 
 from .schedules import (Action, Kind, Schedule, gpipe, insert_comms, interleaved_1f1b, one_f_one_b,
@@ -58,9 +64,10 @@ class StepStats:
     compute_s: time in F, B and W (module forward/backward, loss, weight-gradient accumulation).
     idle_s: time blocked in receives and in waiting for sends to complete (the bubble, plus transfer time).
     wall_s: the whole step, including the start-of-step input check and, with dp_comm, the gradient sync.
-    peak_activations: most micro-batches with saved activations at once, summed over this rank's chunks
-    (`stage.num_inflight()`, sampled after every compute action).
-    peak_pending_w: most backwards whose W had not run yet (0 for schedules without a B/W split).
+    peak_activations: most saved micro-batches at once (F done, B not yet), summed over this rank's chunks,
+    sampled after every compute action.
+    peak_pending_w: most backwards whose W had not run yet (0 for schedules without a B/W split); each keeps the
+    graph pieces that lead to parameters (and the tensors they saved) until its W.
     """
 
     compute_s: float
@@ -73,10 +80,13 @@ class StepStats:
 class Pipeline:
     """Pipeline-parallel training step over the ranks of `comm`, following a schedule.
 
-    stage: this rank's module, or the list of its v chunks (stages r, r + p, ...) for "interleaved".
+    stage: this rank's module, or the list of its v chunks (stages r, r + p, ...) for "interleaved". A stage is
+    called as ``stage(*inputs)`` and returns a Tensor or a tuple of Tensors, which the next stage receives as
+    its positional arguments (the first stage gets the batch: an array or a tuple of arrays).
     num_microbatches: m; a batch of any size >= m is split along axis 0 into m parts differing by at most one.
     schedule: "gpipe", "1f1b", "interleaved", "zb_h1", or a `Schedule` (with or without send/recv actions).
-    loss_fn: a `mpidist.nn.Loss`; required on the rank holding the last stage.
+    loss_fn: called as ``loss_fn(last stage's output, targets)`` and returning a scalar Tensor (a
+    `mpidist.nn.Loss`, or any function); required on the rank holding the last stage.
     dp_comm: data-parallel communicator (same pipeline position in every replica, see `mpidist.parallel.mesh`);
     each chunk is wrapped in DDP and its gradients are averaged over replicas after the schedule.
     """
@@ -162,10 +172,11 @@ class Pipeline:
     def step(self, inputs=None, targets=None, broadcast_loss: bool = False) -> Optional[float]:
         """Run forward and backward of every micro-batch; return the batch-mean loss on the last stage.
 
-        Gradients accumulate into `param.grad` (zero them and step the optimizer yourself). `inputs` is read on
-        rank 0 and `targets` on the rank of the last stage; other ranks may pass anything. With dp_comm the loss
-        is the mean over replicas and the gradients are averaged over replicas. With broadcast_loss every rank
-        returns the loss.
+        Gradients accumulate into `param.grad` (zero them and step the optimizer yourself). `inputs` (an array,
+        or a tuple of arrays of one batch size, passed to the first stage as its arguments) is read on rank 0
+        and `targets` (an array or a tuple of arrays) on the rank of the last stage; other ranks may pass
+        anything. With dp_comm the loss is the mean over replicas and the gradients are averaged over
+        replicas. With broadcast_loss every rank returns the loss.
         """
         t_start = time.perf_counter()
         x_mbs, y_mbs, error = self._split_batch(inputs, targets)
@@ -174,13 +185,19 @@ class Pipeline:
         self._compute = self._idle = 0.0
         self._peak = self._peak_w = 0
         self._sends: List[collectives.Handle] = []
-        self._inbox: Dict[Tuple[str, int, int], object] = {}  # (kind, stage, mb) -> tensor consumed by that stage
-        self._pending_w: Dict[Tuple[int, int], list] = {}  # (stage, mb) -> captured (param, grad) pairs
+        # (kind, stage, mb) -> boundary message consumed by that stage: F, the activations it takes (with
+        # whether each needs a gradient); B, the gradients of its outputs.
+        self._inbox: Dict[Tuple[str, int, int], _Message] = {}
+        self._saved: Dict[Tuple[int, int], Tuple[tuple, tuple]] = {}  # (stage, mb) -> (inputs, outputs), F to B
+        self._pending_w: Dict[Tuple[int, int], object] = {}  # (stage, mb) -> DeferredWeightGrads, B to W
         self._x_mbs, self._y_mbs = x_mbs, y_mbs
         self._loss = 0.0
-        n_total = sum(len(y) for y in y_mbs) if y_mbs is not None else 0
-        self._loss_scales = ([1.0] * self.m if getattr(self.loss_fn, "reduction", "mean") == "sum"
-                             else [len(y) / n_total for y in y_mbs]) if y_mbs is not None else None
+        if y_mbs is not None:
+            n_total = sum(_batch_len(y) for y in y_mbs)
+            # Micro-batch losses are means over their own samples: weighting each by its share of the batch
+            # makes the summed gradients those of the full-batch mean (also for uneven splits).
+            self._loss_scales = ([1.0] * self.m if getattr(self.loss_fn, "reduction", "mean") == "sum"
+                                 else [_batch_len(y) / n_total for y in y_mbs])
 
         with self._no_sync():
             for action in self.actions:
@@ -190,7 +207,7 @@ class Pipeline:
         for handle in self._sends:
             handle.wait()
         self._idle += time.perf_counter() - t0
-        self._sends, self._inbox, self._x_mbs, self._y_mbs = [], {}, None, None
+        self._sends, self._inbox, self._saved, self._x_mbs, self._y_mbs = [], {}, {}, None, None
         if self._ddp is not None:
             for ddp in self._ddp:
                 ddp.sync_gradients()
@@ -209,23 +226,30 @@ class Pipeline:
     def _split_batch(self, inputs, targets):
         """Return (input micro-batches or None, target micro-batches or None, this rank's error or None)."""
         x_mbs = y_mbs = None
+        n_inputs = None
         if self.rank == 0:
             if inputs is None:
                 return None, None, "Pipeline.step: rank 0 runs the first stage and needs inputs (got None)"
-            if len(inputs) < self.m:
-                return None, None, (f"Pipeline.step: batch of {len(inputs)} is smaller than the number of "
+            n_inputs, error = _check_batch("inputs", inputs)
+            if error is not None:
+                return None, None, error
+            if n_inputs < self.m:
+                return None, None, (f"Pipeline.step: batch of {n_inputs} is smaller than the number of "
                                     f"micro-batches ({self.m})")
             x_mbs = _split(inputs, self.m)
         if self.rank == self.schedule.rank_of(self.last_stage):
             if targets is None:
                 return None, None, (f"Pipeline.step: rank {self.rank} runs the last stage and needs targets "
                                     f"(got None)")
-            if len(targets) < self.m:
-                return None, None, (f"Pipeline.step: batch of {len(targets)} targets is smaller than the "
+            n_targets, error = _check_batch("targets", targets)
+            if error is not None:
+                return None, None, error
+            if n_targets < self.m:
+                return None, None, (f"Pipeline.step: batch of {n_targets} targets is smaller than the "
                                     f"number of micro-batches ({self.m})")
-            if self.rank == 0 and len(targets) != len(inputs):
+            if n_inputs is not None and n_targets != n_inputs:
                 return None, None, (f"Pipeline.step: inputs and targets differ in batch size "
-                                    f"({len(inputs)} vs {len(targets)})")
+                                    f"({n_inputs} vs {n_targets})")
             y_mbs = _split(targets, self.m)
         return x_mbs, y_mbs, None
 
@@ -243,43 +267,64 @@ class Pipeline:
             t0 = time.perf_counter()
             {Kind.F: self._forward, Kind.B: self._backward, Kind.W: self._weight}[kind](s, k)
             self._compute += time.perf_counter() - t0
-            self._peak = max(self._peak, sum(st.num_inflight() for st in self.stages))
+            self._peak = max(self._peak, len(self._saved))
             self._peak_w = max(self._peak_w, len(self._pending_w))
 
     def _forward(self, s: int, k: int) -> None:
-        x = self._x_mbs[k] if s == 0 else self._inbox.pop(("F", s, k))
-        y = self._module(s).forward(x, mb=k)
-        if s == self.last_stage:
-            self._loss += float(self.loss_fn(y, self._y_mbs[k], mb=k)) * self._loss_scales[k]
+        if s == 0:
+            batch = self._x_mbs[k]
+            inputs = tuple(Tensor(a) for a in (batch if isinstance(batch, tuple) else (batch,)))
         else:
-            self._inbox[("F", s + 1, k)] = y  # sent by SEND_F, or consumed here when stage s+1 is local
+            message = self._inbox.pop(("F", s, k))
+            # Fresh leaves: the previous stage's graph ends at its outputs; this stage's backward stops here
+            # and hands the leaves' gradients upstream.
+            inputs = tuple(Tensor(a, requires_grad=needs) for a, needs in zip(message.arrays, message.needs_grad))
+        out = self._module(s)(*inputs)
+        outputs = _as_outputs(s, out)
+        if s == self.last_stage:
+            loss = self.loss_fn(out, self._y_mbs[k])
+            if not isinstance(loss, Tensor) or loss.size != 1 or not loss.requires_grad:
+                got = (f"shape {loss.shape}, requires_grad={loss.requires_grad}" if isinstance(loss, Tensor)
+                       else type(loss).__name__)
+                raise TypeError(f"Pipeline: loss_fn must return a scalar Tensor that requires grad (got {got})")
+            self._loss += float(loss) * self._loss_scales[k]
+            outputs = (loss,)
+        else:
+            # Sent by SEND_F, or consumed here when stage s+1 is local.
+            self._inbox[("F", s + 1, k)] = _Message(tuple(t.data for t in outputs),
+                                                    tuple(t.requires_grad for t in outputs))
+        self._saved[(s, k)] = (inputs, outputs)
 
     def _backward(self, s: int, k: int) -> None:
+        inputs, outputs = self._saved.pop((s, k))
         if s == self.last_stage:
-            dy = self.loss_fn.backward(mb=k, scale=self._loss_scales[k])
+            grads = (self._loss_scales[k],)
         else:
-            dy = self._inbox.pop(("B", s, k))
-        raw = self.stages[s // self.p]
+            grads = self._inbox.pop(("B", s, k)).arrays
+            if len(grads) != len(outputs):
+                raise ValueError(f"Pipeline: stage {s} returned {len(outputs)} outputs for micro-batch {k} but "
+                                 f"stage {s + 1} sent back {len(grads)} gradients")
+        # Outputs that need no gradient (integer arrays passed on) or got none (unused downstream) end here.
+        seeded = [(t, g) for t, g in zip(outputs, grads) if g is not None and t.requires_grad]
+        leaves = [t for t in inputs if t.requires_grad]
+        input_grads = [None] * len(leaves)
         if not self.schedule.split_backward:
-            dx = self._module(s).backward(dy, mb=k)
-        elif hasattr(raw, "backward_input"):
-            dx = raw.backward_input(dy, mb=k)
-            self._pending_w[(s, k)] = None
+            if seeded:
+                backward([t for t, _ in seeded], [g for _, g in seeded])
+                input_grads = [t.grad for t in leaves]
         else:
-            captured = []
-            with _capture_param_grads(raw, captured):
-                dx = self._module(s).backward(dy, mb=k)
-            self._pending_w[(s, k)] = captured
+            deferred = None
+            if seeded:
+                input_grads, deferred = backward_input([t for t, _ in seeded], [g for _, g in seeded], leaves)
+            self._pending_w[(s, k)] = deferred
         if s > 0:
-            self._inbox[("B", s - 1, k)] = dx
+            by_leaf = dict(zip(map(id, leaves), input_grads))
+            self._inbox[("B", s - 1, k)] = _Message(tuple(by_leaf.get(id(t)) for t in inputs))
 
     def _weight(self, s: int, k: int) -> None:
-        captured = self._pending_w.pop((s, k))
-        if captured is None:
-            self.stages[s // self.p].backward_weight(mb=k)
-        else:
-            for param, grad in captured:
-                param.accumulate_grad(grad)
+        deferred = self._pending_w.pop((s, k))
+        if deferred is not None:
+            deferred.run()
 
     def parameters(self):
         """Yield the parameters of every stage module on this rank (what its optimizer steps)."""
@@ -326,21 +371,30 @@ class Pipeline:
             stack.enter_context(ddp.no_sync())
         return stack
 
-    def _recv(self, stage: int, tag: int, mb: int):
+    def _recv(self, stage: int, tag: int, mb: int) -> "_Message":
         t0 = time.perf_counter()
+        source = self.schedule.rank_of(stage)
         try:
-            x = collectives.recv(self.schedule.rank_of(stage), self.comm, tag=tag, stamp=(self._step_number, mb))
+            manifest = self._recv_array(source, tag, mb)
+            arrays = tuple(None if code == _NONE else self._to_stage_device(self._recv_array(source, tag, mb))
+                           for code in manifest.tolist())
         except DesyncError as exc:
             raise DesyncError(f"Pipeline.step {self._step_number}: rank {self.rank} expected micro-batch {mb} of this "
-                              f"step from rank {self.schedule.rank_of(stage)} (stage {stage}), but the ranks are at "
+                              f"step from rank {source} (stage {stage}), but the ranks are at "
                               f"different steps (a rank skipped or repeated step(), or continued after an error "
                               f"inside one): {exc}") from None
         self._idle += time.perf_counter() - t0
-        return self._to_stage_device(x)
+        return _Message(arrays, tuple(code == _NEEDS_GRAD for code in manifest.tolist()))
 
-    def _send(self, x, stage: int, tag: int, mb: int) -> None:
-        self._sends.append(collectives.isend(x, self.schedule.rank_of(stage), self.comm, tag=tag,
-                                             stamp=(self._step_number, mb)))
+    def _recv_array(self, source: int, tag: int, mb: int):
+        return collectives.recv(source, self.comm, tag=tag, stamp=(self._step_number, mb))
+
+    def _send(self, message: "_Message", stage: int, tag: int, mb: int) -> None:
+        dest, stamp = self.schedule.rank_of(stage), (self._step_number, mb)
+        manifest = np.array([_NONE if a is None else _NEEDS_GRAD if needs else _ARRAY
+                             for a, needs in zip(message.arrays, message.needs_grad)], dtype=np.int64)
+        for array in (manifest, *(a for a in message.arrays if a is not None)):
+            self._sends.append(collectives.isend(array, dest, self.comm, tag=tag, stamp=stamp))
 
     def _to_stage_device(self, x):
         """Move a received host array to where this rank's parameters live (a no-op for numpy stages)."""
@@ -348,6 +402,39 @@ class Pipeline:
             for param in stage.parameters():
                 return asarray_like(x, param.data) if is_device_array(param.data) else x
         return x
+
+
+# Manifest codes of a boundary message's entries.
+_NONE, _NEEDS_GRAD, _ARRAY = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class _Message:
+    """One boundary message: its arrays (None where a gradient is absent) and, forward, which need a gradient."""
+
+    arrays: tuple
+    needs_grad: tuple = ()
+
+    def __post_init__(self):
+        if not self.needs_grad:
+            object.__setattr__(self, "needs_grad", (False,) * len(self.arrays))
+
+
+def _as_outputs(s: int, out) -> tuple:
+    """Return a stage's output as a tuple of Tensors (arrays are wrapped; they need no gradient)."""
+    items = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    if not items:
+        raise TypeError(f"Pipeline: stage {s} returned an empty {type(out).__name__}; return a Tensor or a "
+                        f"tuple of Tensors")
+    outputs = []
+    for i, t in enumerate(items):
+        if not isinstance(t, Tensor):
+            if not (hasattr(t, "__array_interface__") or hasattr(t, "__cuda_array_interface__")):
+                raise TypeError(f"Pipeline: stage {s} output {i} is a {type(t).__name__}; a stage returns a "
+                                f"Tensor, an array or a tuple of them")
+            t = Tensor(t)
+        outputs.append(t)
+    return tuple(outputs)
 
 
 def _layers(module) -> list:
@@ -360,23 +447,24 @@ def _tag(direction: int, stage: int, mb: int, num_stages: int) -> int:
     return 2 * (mb * num_stages + stage) + direction
 
 
+def _batch_len(batch) -> int:
+    return len(batch[0]) if isinstance(batch, tuple) else len(batch)
+
+
+def _check_batch(name: str, batch):
+    """Return (batch size, None) or (None, error) for an array or a tuple of arrays of one batch size."""
+    items = batch if isinstance(batch, tuple) else (batch,)
+    if not items:
+        return None, f"Pipeline.step: {name} is an empty tuple"
+    sizes = [len(a) for a in items]
+    if len(set(sizes)) > 1:
+        return None, f"Pipeline.step: the {name} arrays differ in batch size (axis 0 lengths: {sizes})"
+    return sizes[0], None
+
+
 def _split(batch, m: int) -> List:
-    bounds = np.cumsum([0] + split_sizes(len(batch), m))
-    return [batch[int(a):int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-@contextlib.contextmanager
-def _capture_param_grads(module, captured: list):
-    """Collect (param, grad) from every `accumulate_grad` call under `module` instead of applying it."""
-    params = list(module.parameters())
-    saved = [p.__dict__.get("accumulate_grad") for p in params]
-    for p in params:
-        p.accumulate_grad = lambda g, p=p: captured.append((p, g))
-    try:
-        yield captured
-    finally:
-        for p, original in zip(params, saved):
-            if original is None:
-                del p.accumulate_grad
-            else:
-                p.accumulate_grad = original
+    """Split an array (or each array of a tuple) along axis 0 into m parts differing by at most one."""
+    items = batch if isinstance(batch, tuple) else (batch,)
+    bounds = np.cumsum([0] + split_sizes(len(items[0]), m))
+    parts = [tuple(a[int(lo):int(hi)] for a in items) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    return parts if isinstance(batch, tuple) else [p[0] for p in parts]

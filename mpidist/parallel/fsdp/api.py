@@ -1,0 +1,571 @@
+"""FSDP: fully sharded data parallel training, attached to the model through hooks.
+
+Glossary (see also lifecycle.py and layout.py):
+- unit: a group of submodules whose parameters are gathered, freed and reduced together (by default one
+  child of a ``Sequential``). A unit that neither owns nor uses parameters (ReLU) is never hooked.
+- session: one forward of one unit and, later, that forward's backward: the holds it took on its own and
+  its used (tied) units' gathered parameters. Several sessions of a unit may await their backward at once
+  (micro-batches).
+- pass: one run of autograd's engine (``loss.backward()``). FSDP notices it when the first gradient reaches
+  a unit's output and finishes it in a callback queued for the pass's end.
+
+How FSDP attaches (never replacing a method of the user's modules):
+- forward pre-hook on each unit module: gather the unit (and the units owning tied parameters it uses);
+  prefetch the next unit.
+- forward hook: register a gradient hook (``Tensor.register_hook``) on each output that requires grad, then
+  free the unit (FULL_SHARD) or keep it for backward (SHARD_GRAD_OP).
+- gradient hook on a unit's outputs, first firing per pass: gather the unit again, point ``param.grad`` at
+  views of a flat gradient buffer, prefetch the previous unit. Autograd runs nodes in reverse creation order,
+  so every session that ran its forward later has finished its backward by then: their holds are released.
+- post-accumulate-grad hook on each parameter: count; when all of a unit's trainable parameters are final,
+  reduce-scatter its flat gradient into its shard and free the unit.
+- ``queue_callback`` at the pass's end: reduce units that got no gradient, release what is still held,
+  complete stray prefetches, raise on non-finite gradients.
+- forward pre-hook and hook on the root module: step stamps and peak tracking per step, and settling.
+"""
+
+import contextlib
+import itertools
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from ... import collectives
+from ...comm import check_comm
+from ...nn.autograd import Tensor, is_grad_enabled, queue_callback
+from ...nn.module import Module
+from ...nn.utils import clip_grad_norm_
+from ..agreement import StepStamp, check_same_structure
+from . import state_dict as _state
+from .lifecycle import GradState, ParamState, Unit
+from .memory import Transient, memory_stats
+from .selection import assign_parameters, resolve_units
+from .settings import BackwardPrefetch, FSDPSettings, ShardingStrategy
+
+__all__ = ["FSDP", "UnitInfo"]
+
+# Modules some FSDP already hooks: wrapping one twice would gather and reduce twice.
+_WRAPPED = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class UnitInfo:
+    """Public description of one unit: its label, the parameters it owns, flat sizes, units it uses."""
+
+    label: str
+    params: tuple     # names of the parameters it owns (flat order)
+    numel: int        # unpadded flat parameter size
+    shard_numel: int  # elements per shard: ceil(numel / num_shards)
+    uses: tuple = ()  # labels of the units owning tied parameters its modules also hold
+
+
+class _Context:
+    """What all units of one FSDP share."""
+
+    def __init__(self, comm, settings):
+        self.comm, self.settings = comm, settings
+        self.transient = Transient()
+        # Seconds spent blocked on communication: waiting for all-gathers, and in the gradient
+        # reduce-scatters (blocking). What prefetching did not hide.
+        self.stats = {"comm_wait_s": 0.0}
+
+
+class _Forward:
+    """One training forward of the wrapped module; in flight until a backward reaches it."""
+
+    __slots__ = ("hooked", "started")
+
+    def __init__(self):
+        self.hooked = self.started = False
+
+
+class _Session:
+    """One forward of one unit and its backward: the units it holds gathered (see the glossary)."""
+
+    __slots__ = ("unit", "order", "forward", "done", "own", "used", "hooked", "kept", "pass_id")
+
+    def __init__(self, unit, order, forward):
+        self.unit, self.order, self.forward = unit, order, forward
+        self.done = set()     # ids of the unit's modules whose forward finished
+        self.own = False      # holds the unit itself
+        self.used = []        # units owning tied parameters it holds
+        self.hooked = False   # registered a gradient hook on some output
+        self.kept = False     # holds kept from forward to backward (SHARD_GRAD_OP)
+        self.pass_id = None   # the backward pass that reached it
+
+
+class FSDP:
+    """Wrap ``module`` for fully sharded data-parallel training over ``comm``.
+
+    Args:
+        module: the model; its parameters are replaced by placeholders and live as shards in this wrapper.
+        comm: an mpi4py intracommunicator or a SimComm.
+        strategy: a ``ShardingStrategy`` or its name ("full_shard", "shard_grad_op", "no_shard").
+        units: None (one unit per child of a Sequential), an int N (consecutive Sequential children grouped
+            until each group holds at least N elements), or a list whose items are submodules, child
+            indices of a Sequential, or lists of those (one unit each). Units must cover every parameter;
+            a parameter held by modules of several units (tied weights) belongs to the first and is
+            gathered for the others too. List units in execution order so prefetching fetches the unit
+            that runs next.
+        prefetch: start the next unit's all-gather while the current unit computes.
+        backward_prefetch: a ``BackwardPrefetch`` or "pre"/"post" (see settings.py).
+        check_finite: after each synchronizing backward, raise FloatingPointError on every rank naming the
+            parameters and ranks whose local gradient held NaN or Inf.
+
+    At construction every rank takes rank 0's parameter values. Build the optimizer on
+    ``fsdp.parameters()`` (one flat shard Parameter per unit). Train as usual:
+    ``loss = crit(fsdp(x), y); loss.backward(); opt.step()``.
+    """
+
+    def __init__(self, module, comm, strategy="full_shard", units=None, prefetch=True, backward_prefetch="pre",
+                 check_finite=False):
+        if not isinstance(module, Module):
+            raise TypeError(f"FSDP: module must be an mpidist.nn.Module (got {type(module).__name__})")
+        check_comm("FSDP", comm)
+        if not isinstance(prefetch, bool):
+            raise TypeError(f"FSDP: prefetch must be a bool (got {prefetch!r})")
+        backward_prefetch = BackwardPrefetch.parse(backward_prefetch)
+        strategy = ShardingStrategy.parse(strategy)
+        size = comm.Get_size()
+        num_shards = 1 if strategy is ShardingStrategy.NO_SHARD else size
+        self.module, self.comm = module, comm
+        self.settings = FSDPSettings(strategy, prefetch, size, num_shards, backward_prefetch)
+        self.check_finite = check_finite
+        self._ctx = _Context(comm, self.settings)
+        self.stats = self._ctx.stats
+        self._nonfinite = set()  # parameter names whose local (pre-average) gradient held NaN/Inf this pass
+        self._sync = True
+        self._syncs = 0
+        self._order = itertools.count()  # forward order of sessions
+        self._pass_ids = itertools.count(1)
+        self._pass = None      # id of the backward pass running now
+        self._active = []      # sessions whose backward runs in this pass
+        self._forward = None   # the training forward running now
+        self._inflight = []    # training forwards awaiting their backward
+
+        groups = resolve_units(module, units)
+        wrapped = [m for _, mods in groups for m in mods if m in _WRAPPED]
+        if module in _WRAPPED or wrapped:
+            name = type(wrapped[0] if wrapped else module).__name__
+            raise ValueError(f"FSDP: module {name} is already wrapped by an FSDP; build a new model for a new wrapper")
+        # Before the first broadcast: different models would fail there with MPI's size error, or worse.
+        check_same_structure(comm, module.named_parameters(), "FSDP")
+        self._stamp = StepStamp(comm, "FSDP")
+        assigned = assign_parameters(module, groups)
+        self._units = [Unit(i, label, mods, params, used, self._ctx)
+                       for i, ((label, mods), (params, used)) in enumerate(zip(groups, assigned))]
+        self._param_units = [u for u in self._units if u.params]
+        for u in self._param_units:
+            u.shard_from_rank0()
+        self._neighbours = self._param_neighbours()
+        self._checkpoint_spans = self._ancestors_of_units(module)
+        self._handles = []
+        for u in self._units:
+            if u.params or u.used:
+                for m in u.modules:
+                    self._handles.append(m.register_forward_pre_hook(
+                        lambda mod, args, u=u: self._pre_forward(u, mod)))
+                    self._handles.append(m.register_forward_hook(
+                        lambda mod, args, out, u=u: self._post_forward(u, mod, out)))
+            for i, p in enumerate(u.params):
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    lambda param, u=u, i=i: self._on_grad_final(u, i, param)))
+        # Registered last: the root's pre-hook runs first (prepend), its hook after the units' hooks.
+        self._handles.append(module.register_forward_pre_hook(lambda mod, args: self._root_pre_forward(mod),
+                                                              prepend=True))
+        self._handles.append(module.register_forward_hook(lambda mod, args, out: self._root_post_forward()))
+        _WRAPPED.add(module)
+        for _, mods in groups:
+            _WRAPPED.update(mods)
+
+    # -- construction helpers ---------------------------------------------------------------------------
+    def _param_neighbours(self):
+        """Return ``{unit index: (previous, next) unit with parameters}`` in unit order (prefetch targets)."""
+        out = {}
+        for u in self._units:
+            before = [v for v in self._units[: u.index] if v.params]
+            after = [v for v in self._units[u.index + 1:] if v.params]
+            out[u.index] = (before[-1] if before else None, after[0] if after else None)
+        return out
+
+    def _ancestors_of_units(self, module):
+        """Return ``[(path, module)]`` of the modules that contain a unit module (the root included)."""
+        paths = {id(m): name for name, m in module.named_modules()}
+        by_path = {name: m for name, m in module.named_modules()}
+        found = {}
+        for u in self._units:
+            for m in u.modules:
+                parts = paths[id(m)].split(".") if paths[id(m)] else []
+                for k in range(len(parts)):
+                    path = ".".join(parts[:k])
+                    found[path] = by_path[path]
+        return sorted(found.items())
+
+    # -- the module interface ------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        """Run the wrapped module (FSDP works through its hooks)."""
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def parameters(self):
+        """Yield the shard Parameters (one flat shard per unit with parameters): give these to the optimizer."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def named_parameters(self, prefix=""):
+        """Yield ``(unit label, shard Parameter)``."""
+        for u in self._param_units:
+            yield (f"{prefix}.{u.label}" if prefix else u.label), u.shard
+
+    @property
+    def units(self):
+        """Return a ``UnitInfo`` per unit, in order (units without parameters included)."""
+        return tuple(UnitInfo(u.label, tuple(u.names), u.numel, u.shard_numel,
+                              tuple(self._units[i].label for i in u.used)) for u in self._units)
+
+    def shard_layout(self):
+        """Return a ``UnitShard`` per unit with parameters: its flat layout and this rank's shard Parameter."""
+        return tuple(u.layout() for u in self._param_units)
+
+    def train(self, mode=True):
+        """Set training mode on the wrapped module; return self."""
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        """Set evaluation mode on the wrapped module; return self."""
+        return self.train(False)
+
+    def num_inflight(self):
+        """Return how many training forwards have not been reached by a backward yet."""
+        return len(self._inflight)
+
+    def zero_grad(self, set_to_none=True):
+        """Drop every shard gradient and any gradient accumulated under ``no_sync`` (or zero them in place)."""
+        for u in self._param_units:
+            if set_to_none:
+                u.release_unsharded_grad()
+                u.shard.grad = None
+                u.grad_state = GradState.NONE
+            else:
+                for g in {id(g): g for g in (u.shard.grad, u.unsharded_grad) if g is not None}.values():
+                    g[...] = 0
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """Clip the gradients to global norm ``max_norm`` over the whole model; return the norm before.
+
+        Each rank holds a shard of every gradient (padding is zero), so the ranks add up their shards'
+        contributions: the norm and scale equal those of the unsharded model. Call after backward.
+        """
+        self._check_at_rest("clip_grad_norm_")
+        sharded = self.settings.strategy is not ShardingStrategy.NO_SHARD
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.comm if sharded else None,
+                               error_if_nonfinite)
+
+    def __repr__(self):
+        units = ", ".join(f"{u.label}:{u.numel}" for u in self._units)
+        return f"FSDP(strategy={self.settings.strategy.value}, prefetch={self.settings.prefetch}, units=[{units}])"
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def _check_at_rest(self, fn):
+        busy = [u.label for u in self._param_units if u.holds or u.handle is not None]
+        sessions = [u.label for u in self._units if u.session is not None]
+        if busy or sessions or self._inflight or self._pass is not None:
+            raise RuntimeError(f"FSDP.{fn}: micro-batches are in flight (units gathered: {busy}, training forwards "
+                               f"awaiting backward: {len(self._inflight)}); finish their backward first")
+
+    def full_state_dict(self):
+        """Gather the full state unit by unit to rank 0 and return it there (other ranks get ``{}``).
+
+        Keys and order equal the wrapped module's ``state_dict()``. Rank 0 holds the full model plus one
+        unit in transit; other ranks hold nothing extra.
+        """
+        return _state.full_state_dict(self)
+
+    def load_full_state_dict(self, state_dict):
+        """Load rank 0's full ``state_dict`` (other ranks may pass None) and re-shard it unit by unit."""
+        self._check_at_rest("load_full_state_dict")
+        _state.load_full_state_dict(self, state_dict)
+
+    def sharded_state_dict(self):
+        """Return this rank's shards, no communication: ``{unit label: {"shard", "params", "numel", "num_shards", "rank"}}``."""
+        return _state.sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dict):
+        """Load shards saved by ``sharded_state_dict()`` on this rank with the same units and world size."""
+        self._check_at_rest("load_sharded_state_dict")
+        _state.load_sharded_state_dict(self, state_dict)
+
+    def state_dict(self):
+        """Refuse: say which of the two state dicts is meant."""
+        raise TypeError("FSDP.state_dict: ambiguous for a sharded model; use full_state_dict() (gathered on rank 0) "
+                        "or sharded_state_dict() (this rank's shards)")
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Refuse: say which of the two loaders is meant."""
+        raise TypeError("FSDP.load_state_dict: ambiguous for a sharded model; use load_full_state_dict() "
+                        "or load_sharded_state_dict()")
+
+    @contextlib.contextmanager
+    def summon_full_params(self):
+        """Gather every unit on every rank for the block (module params show full values; edits are discarded)."""
+        self._check_at_rest("summon_full_params")
+        held = []
+        try:
+            for u in self._param_units:
+                u.acquire()
+                held.append(u)
+            yield self.module
+        finally:
+            for u in held:
+                u.release()
+
+    # -- memory --------------------------------------------------------------------------------------------
+    def reset_peak(self):
+        """Restart peak tracking from what is alive now."""
+        self._ctx.transient.reset_peak()
+
+    def memory_stats(self, optimizer=None):
+        """Return this rank's bytes, counted from the arrays FSDP owns (and ``optimizer``'s state for its shards).
+
+        Keys: param_shard_bytes, grad_shard_bytes, optimizer_state_bytes, persistent_bytes (their sum),
+        gathered_bytes and unsharded_grad_bytes (alive now), peak_gathered_bytes, peak_unsharded_grad_bytes
+        (since the last step began or ``reset_peak()``), and peak_bytes = persistent + peak of both together.
+        """
+        return memory_stats([u.shard for u in self._param_units], self._ctx.transient, optimizer)
+
+    # -- gradient synchronization --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate full-size gradients locally; the first backward after the block reduce-scatters the sum."""
+        previous = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def sync_gradients(self):
+        """Reduce every gradient accumulated under ``no_sync`` into the shard grads now (blocking)."""
+        self._syncs += 1
+        self._stamp.start(self.parameters())
+        self._stamp.finish(f"gradient synchronization #{self._syncs}")
+        for u in self._param_units:
+            if u.grad_state is GradState.ACCUMULATING:
+                u.reduce(self._nonfinite if self.check_finite else None)
+            if u.grad_state is GradState.REDUCED:
+                u.grad_state = GradState.NONE
+        if self.check_finite:
+            self._raise_if_nonfinite()
+
+    def _raise_if_nonfinite(self):
+        """Raise on every rank, naming parameters and ranks, if any rank's local gradient was not finite."""
+        names = [n for unit in self._param_units for n in unit.names]
+        local = np.array([[n in self._nonfinite for n in names]], dtype=np.int8)
+        self._nonfinite.clear()
+        everyone = np.empty((self.comm.Get_size(), len(names)), dtype=np.int8)
+        collectives.allgather(local, self.comm, out=everyone)  # each rank sees only its shard: agree first
+        bad = np.flatnonzero(everyone.any(axis=0))
+        if bad.size:
+            culprits = "; ".join(f"{names[i]!r} on rank(s) {np.flatnonzero(everyone[:, i]).tolist()}" for i in bad)
+            raise FloatingPointError(f"FSDP: non-finite gradient (NaN or Inf): {culprits}; the optimizer step must "
+                                     f"not be taken")
+
+    # -- gathering helpers -----------------------------------------------------------------------------------
+    def _prefetch(self, unit, step):
+        """Start the all-gather of the next unit with parameters (``step`` +1: forward order, -1: backward)."""
+        target = self._neighbours[unit.index][0 if step < 0 else 1]
+        if target is not None:
+            target.start_gather()
+
+    def _progress(self):
+        # MPI libraries without an asynchronous progress thread only advance nonblocking collectives
+        # inside MPI calls: testing the pending gathers between layers is what makes prefetch overlap.
+        for u in self._param_units:
+            if u.handle is not None:
+                u.handle.test()
+
+    def _settle(self):
+        """Complete stray prefetches and free what nobody holds (rank-independent order)."""
+        for u in self._param_units:
+            if u.param_state is ParamState.GATHERING:
+                u.finish_gather()
+            if u.holds == 0:
+                u.free()
+
+    def _take(self, session):
+        """Acquire the session's unit and the units owning the tied parameters it uses."""
+        unit = session.unit
+        if unit.params and not session.own:
+            unit.acquire()
+            session.own = True
+        if not session.used:
+            session.used = [self._units[i] for i in unit.used]
+            for u in session.used:
+                u.acquire()
+
+    def _release(self, session, own_only=False):
+        if session.own:
+            session.own = False
+            session.unit.release()
+        if not own_only:
+            used, session.used = session.used, []
+            for u in used:
+                u.release()
+
+    # -- forward hooks ---------------------------------------------------------------------------------------
+    def _root_pre_forward(self, module):
+        for path, m in self._checkpoint_spans:
+            if m.activation_checkpointing:
+                raise ValueError(f"FSDP: activation checkpointing is set on {path or '<root>'!r}, which contains FSDP "
+                                 f"units; its recompute would need every unit gathered at once. Set "
+                                 f"activation_checkpointing on the unit modules or on modules inside them")
+        training = module.training and is_grad_enabled()
+        if not self._inflight and self._pass is None:
+            self._ctx.transient.reset_peak()  # a new step begins: the peak covers this forward and backward
+        self._stamp.count_forward(training)
+        if training:  # waited for before the first all-gather: a mismatched one must never start
+            self._stamp.start(self.parameters())
+            self._stamp.finish(f"training forward #{self._stamp.forwards}")
+            self._forward = _Forward()
+
+    def _root_post_forward(self):
+        for u in self._units:  # a unit some of whose modules did not run
+            if u.session is not None:
+                self._end_forward(u)
+        self._settle()
+        if self._forward is not None and self._forward.hooked:
+            self._inflight.append(self._forward)
+        self._forward = None
+
+    def _pre_forward(self, unit, module):
+        if unit.session is not None and id(module) not in unit.session.done:
+            return None  # another module of the unit's running forward
+        if unit.session is not None:
+            self._end_forward(unit)  # the module runs again: a new forward of the unit
+        session = _Session(unit, next(self._order), self._forward)
+        unit.session = session
+        self._take(session)
+        if self.settings.prefetch:
+            self._prefetch(unit, +1)
+        return None
+
+    def _post_forward(self, unit, module, out):
+        session = unit.session
+        if session is None:
+            return None
+        if is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, s=session: self._on_output_grad(s))
+                    session.hooked = True
+        session.done.add(id(module))
+        if len(session.done) == len(unit.modules):
+            self._end_forward(unit)
+        self._progress()
+        return None
+
+    def _end_forward(self, unit):
+        session, unit.session = unit.session, None
+        if session.forward is not None and session.hooked:
+            session.forward.hooked = True
+        keep = (self.settings.strategy is ShardingStrategy.SHARD_GRAD_OP and session.hooked
+                and session.forward is not None)
+        if keep:
+            session.kept = True  # its holds stay until its backward
+        else:
+            self._release(session)
+
+    # -- backward hooks --------------------------------------------------------------------------------------
+    def _begin_backward(self):
+        self._stamp.count_backward(self._sync)
+        self._stamp.start(self.parameters())  # waited for before the first all-gather or reduce-scatter
+        self._stamp.finish(f"gradient synchronization #{self._syncs + 1}" if self._sync else
+                           f"backward #{self._stamp.backwards} (under no_sync)")
+        if self._sync:
+            self._syncs += 1
+        self._pass = next(self._pass_ids)
+        for u in self._param_units:
+            u.final = 0
+            u.expected = u.trainable()
+        queue_callback(self._end_backward)
+
+    def _on_output_grad(self, session):
+        if self._pass is None:
+            self._begin_backward()
+        if session.pass_id == self._pass:
+            return None
+        session.pass_id = self._pass
+        if session.forward is not None:
+            session.forward.started = True
+        # Autograd runs nodes in reverse creation order: every session whose forward ran after this one
+        # has finished its backward, so what it holds can go.
+        for other in [s for s in self._active if s.order > session.order]:
+            self._finish_session(other)
+        session.kept = False
+        self._take(session)
+        self._active.append(session)
+        unit = session.unit
+        if unit.params:
+            unit.install_grad_views()
+        if self.settings.prefetch and self.settings.backward_prefetch is BackwardPrefetch.PRE:
+            self._prefetch(unit, -1)
+        return None
+
+    def _finish_session(self, session):
+        self._release(session)
+        if session in self._active:
+            self._active.remove(session)
+
+    def _on_grad_final(self, unit, index, param):
+        if self._pass is None:  # a backward that reached a parameter but no unit output
+            self._begin_backward()
+        unit.adopt_grad(param, index)
+        unit.final += 1
+        if unit.final != unit.expected:
+            return
+        if self._sync:
+            unit.reduce(self._nonfinite if self.check_finite else None)
+        # Every node that reads a trainable parameter has run once its gradient is final; a frozen one may
+        # still be read, so a unit with frozen parameters stays gathered until its session finishes.
+        if unit.expected == len(unit.params):
+            for s in [s for s in self._active if s.unit is unit]:
+                self._release(s, own_only=True)
+        if self.settings.prefetch and self.settings.backward_prefetch is BackwardPrefetch.POST:
+            self._prefetch(unit, -1)
+
+    def _end_backward(self):
+        try:
+            if self._sync:
+                # Units whose parameters got no gradient in this backward still take part (zeros), in unit
+                # order on every rank.
+                for u in self._param_units:
+                    if u.expected and u.grad_state is not GradState.REDUCED:
+                        u.reduce(self._nonfinite if self.check_finite else None)
+            for s in list(self._active):
+                self._finish_session(s)
+            self._inflight = [f for f in self._inflight if not f.started]
+            for u in self._param_units:
+                u.final = 0
+                if u.grad_state is GradState.REDUCED:
+                    u.grad_state = GradState.NONE
+            self._settle()
+        finally:
+            self._pass = None
+        if self.check_finite and self._sync:
+            self._raise_if_nonfinite()
+
+
+def _tensors(out):
+    """Yield the Tensors in a module's output (a Tensor, or tuples/lists/dicts of them)."""
+    if isinstance(out, Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
+

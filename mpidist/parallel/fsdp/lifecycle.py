@@ -1,0 +1,238 @@
+"""A unit's lifecycle: its flat parameter sharded, being gathered, gathered; its gradients accumulating,
+reduced into the shard.
+
+Glossary:
+- holds: how many users need the unit's gathered parameters now: a unit's forward, its backward, a unit
+  that uses a tied parameter this unit owns, ``summon_full_params``. The parameters are freed when the
+  last hold is released (never under NO_SHARD, whose one shard is the full flat parameter).
+- unsharded grad: the unit's full-size flat gradient buffer while its gradients accumulate; ``param.grad``
+  are views into it, so autograd adds straight into it and the reduce-scatter needs no copy. Freed after
+  the reduce-scatter (kept under ``no_sync``); with NO_SHARD it is the shard's grad itself.
+- final: a backward has delivered every gradient of the unit's trainable parameters (each parameter's
+  post-accumulate-grad hook fired once): the unit's gradients can be reduced.
+"""
+
+import enum
+import itertools
+import time
+
+from ... import collectives
+from ...nn.module import Parameter
+from ...xp import get_array_module
+from .layout import ParamSpan, UnitShard
+from .settings import ShardingStrategy
+
+__all__ = ["ParamState", "GradState", "Unit"]
+
+
+class ParamState(enum.Enum):
+    """Where a unit's parameters are."""
+
+    SHARDED = "sharded"      # only the shard exists; param.data are zero-size placeholders
+    GATHERING = "gathering"  # a nonblocking all-gather into the gathered buffer is in flight
+    GATHERED = "gathered"    # param.data are views into the gathered flat parameter
+
+
+class GradState(enum.Enum):
+    """Where a unit's gradients are."""
+
+    NONE = "none"                  # nothing local that is not in the shard's grad
+    ACCUMULATING = "accumulating"  # the unsharded grad holds local sums not reduced yet
+    REDUCED = "reduced"            # reduced in the backward running now (reset when it ends)
+
+
+class Unit:
+    """One sharding unit: its modules, its flat parameter's layout, its shard and its lifecycle state."""
+
+    def __init__(self, index, label, modules, named_params, used, ctx):
+        self.index, self.label, self.modules, self.used = index, label, modules, used
+        self.ctx = ctx  # the owning FSDP's shared pieces: comm, settings, transient, stats
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.shapes = [tuple(p.data.shape) for p in self.params]
+        self.sizes = [int(p.data.size) for p in self.params]
+        self.offsets = [0, *itertools.accumulate(self.sizes)][:-1]
+        self.numel = sum(self.sizes)
+        num_shards = ctx.settings.num_shards
+        self.shard_numel = -(-self.numel // num_shards)
+        self.padded = self.shard_numel * num_shards
+        self.shard = None          # Parameter holding this rank's shard
+        self.placeholder = None    # zero-size array param.data points at while sharded
+        self.param_state = ParamState.SHARDED
+        self.grad_state = GradState.NONE
+        self.gathered = None
+        self.handle = None         # pending all-gather
+        self.holds = 0
+        self.unsharded_grad = None
+        self.grad_views = None
+        self.session = None        # the forward of this unit running now (api._Session)
+        self.expected = 0          # trainable parameters at the start of this backward
+        self.final = 0             # trainable parameters whose gradient is final in this backward
+
+    @property
+    def no_shard(self):
+        return self.ctx.settings.strategy is ShardingStrategy.NO_SHARD
+
+    def views(self, flat):
+        """Return one view of ``flat`` per parameter, shaped like it."""
+        return [flat[o: o + n].reshape(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
+
+    def trainable(self):
+        """Return how many of the unit's parameters require grad (their hooks make the unit final)."""
+        return sum(1 for p in self.params if p.requires_grad)
+
+    def layout(self):
+        """Return the public ``UnitShard`` of this unit on this rank."""
+        spans = tuple(ParamSpan(n, s, o, k) for n, s, o, k in zip(self.names, self.shapes, self.offsets, self.sizes))
+        index = 0 if self.ctx.settings.num_shards == 1 else self.ctx.comm.Get_rank()
+        return UnitShard(self.label, spans, self.numel, self.shard_numel, self.ctx.settings.num_shards, index,
+                         self.shard)
+
+    # -- sharding -------------------------------------------------------------------------------------
+    def shard_from_rank0(self):
+        """Build the flat parameter from rank 0's values and keep this rank's shard of it."""
+        first = self.params[0].data
+        xp = get_array_module(first)
+        flat = xp.zeros(self.padded, dtype=first.dtype)
+        for p, view in zip(self.params, self.views(flat)):
+            view[...] = p.data
+        collectives.broadcast(flat, self.ctx.comm)  # every rank starts from rank 0's values, like DDP
+        self.placeholder = xp.empty((0,), dtype=first.dtype)
+        for p in self.params:
+            p.grad = None
+        if self.no_shard:
+            # The one shard is the whole flat parameter: the module's params stay views into it for good.
+            self.shard = Parameter(flat)
+            self.gathered, self.param_state = flat, ParamState.GATHERED
+            for p, view in zip(self.params, self.views(flat)):
+                p.data = view
+            return
+        rank = self.ctx.comm.Get_rank()
+        self.shard = Parameter(flat[rank * self.shard_numel: (rank + 1) * self.shard_numel].copy())
+        for p in self.params:
+            p.data = self.placeholder
+
+    # -- gathering and freeing ------------------------------------------------------------------------
+    def start_gather(self):
+        """Start the nonblocking all-gather of the flat parameter (nothing if not sharded)."""
+        if self.param_state is not ParamState.SHARDED:
+            return
+        xp = get_array_module(self.shard.data)
+        self.gathered = xp.empty(self.padded, dtype=self.shard.data.dtype)
+        self.handle = collectives.iallgather(self.shard.data, self.ctx.comm, out=self.gathered)
+        self.param_state = ParamState.GATHERING
+        self.ctx.transient.add(gathered=self.gathered.nbytes)
+
+    def finish_gather(self):
+        """Gather (or finish gathering) and point ``param.data`` at views of the flat parameter."""
+        self.start_gather()
+        if self.param_state is ParamState.GATHERING:
+            start = time.perf_counter()
+            self.handle.wait()
+            self.ctx.stats["comm_wait_s"] += time.perf_counter() - start
+            self.handle = None
+            for p, view in zip(self.params, self.views(self.gathered)):
+                p.data = view
+            self.param_state = ParamState.GATHERED
+
+    def free(self):
+        """Drop the gathered flat parameter; ``param.data`` become placeholders (never under NO_SHARD)."""
+        if self.no_shard or self.param_state is ParamState.SHARDED:
+            return
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        for p in self.params:
+            p.data = self.placeholder
+        self.ctx.transient.add(gathered=-self.gathered.nbytes)
+        self.gathered, self.param_state = None, ParamState.SHARDED
+
+    def acquire(self):
+        """Take a hold on the gathered parameters, gathering them if needed."""
+        self.holds += 1
+        self.finish_gather()
+
+    def release(self):
+        """Give a hold back; the last one frees the gathered parameters."""
+        self.holds -= 1
+        if self.holds < 0:
+            raise RuntimeError(f"FSDP: unit {self.label!r} released more often than acquired (library bug)")
+        if self.holds == 0:
+            self.free()
+
+    # -- gradients ------------------------------------------------------------------------------------
+    def install_grad_views(self):
+        """Make sure the unsharded grad exists and ``param.grad`` are views into it (autograd adds in place)."""
+        if not self.params:
+            return
+        if self.no_shard and self.unsharded_grad is not None and self.unsharded_grad is not self.shard.grad:
+            self.unsharded_grad = None  # the optimizer set the shard grad to None: start a new one
+        if self.unsharded_grad is None:
+            xp = get_array_module(self.shard.data)
+            if self.no_shard:
+                # The shard grad is full size: accumulate straight into it, as DDP does into its buckets.
+                # Re-averaging grads already averaged in an earlier backward leaves them unchanged (they are
+                # equal on every rank), so accumulating without zero_grad stays correct.
+                if self.shard.grad is None:
+                    self.shard.grad = xp.zeros(self.padded, dtype=self.shard.data.dtype)
+                self.unsharded_grad = self.shard.grad
+            else:
+                self.unsharded_grad = xp.zeros(self.padded, dtype=self.shard.data.dtype)
+                self.ctx.transient.add(grads=self.unsharded_grad.nbytes)
+            self.grad_views = self.views(self.unsharded_grad)
+        for p, view in zip(self.params, self.grad_views):
+            p.grad = view
+        self.grad_state = GradState.ACCUMULATING
+
+    def adopt_grad(self, param, index):
+        """Called from ``param``'s post-accumulate-grad hook: keep its gradient in the unsharded grad.
+
+        Autograd added into the view when the unit's backward had installed it; otherwise (a tied
+        parameter whose last use ran before its owner's backward) it stored a fresh array, added here.
+        """
+        if self.unsharded_grad is None or param.grad is not self.grad_views[index]:
+            fresh = param.grad
+            self.install_grad_views()
+            if fresh is not None and fresh is not self.grad_views[index]:
+                self.grad_views[index] += fresh
+        self.grad_state = GradState.ACCUMULATING
+
+    def reduce(self, check_finite=None):
+        """Mean-reduce the unsharded grad over ranks into the shard grad, then release the buffer.
+
+        ``check_finite``: a set receiving the names of parameters whose local gradient is not finite.
+        """
+        if self.unsharded_grad is None or self.no_shard:
+            # No gradient reached this unit in this backward (its ranks still take part), or NO_SHARD's
+            # shard grad was dropped by the optimizer since: start from zeros.
+            self.install_grad_views()
+        self.grad_state = GradState.REDUCED
+        if check_finite is not None:
+            # Look before averaging: afterwards every rank holds the NaN and nobody knows its source.
+            xp = get_array_module(self.unsharded_grad)
+            for name, view in zip(self.names, self.views(self.unsharded_grad)):
+                if not bool(xp.isfinite(view).all()):
+                    check_finite.add(name)
+        start = time.perf_counter()
+        if self.no_shard:
+            collectives.allreduce(self.shard.grad, self.ctx.comm, op="mean")  # the unsharded grad is the shard grad
+            self.ctx.stats["comm_wait_s"] += time.perf_counter() - start
+            return
+        # The flat gradient is padded to a multiple of the world size, so every rank gets an equal chunk.
+        chunk = collectives.reduce_scatter(self.unsharded_grad, self.ctx.comm, op="mean")
+        self.ctx.stats["comm_wait_s"] += time.perf_counter() - start
+        if self.shard.grad is None:
+            self.shard.grad = chunk
+        else:
+            self.shard.grad += chunk
+        self.release_unsharded_grad()
+
+    def release_unsharded_grad(self):
+        """Drop the unsharded grad (``param.grad`` become None)."""
+        if self.unsharded_grad is None:
+            return
+        for p in self.params:
+            p.grad = None
+        if self.unsharded_grad is not self.shard.grad:  # NO_SHARD's is persistent, not transient
+            self.ctx.transient.add(grads=-self.unsharded_grad.nbytes)
+        self.unsharded_grad = self.grad_views = None

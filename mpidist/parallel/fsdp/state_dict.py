@@ -1,0 +1,114 @@
+"""FSDP's state dicts: the full one (gathered on rank 0) and the sharded one (this rank's shards)."""
+
+from collections import OrderedDict
+from collections.abc import Mapping
+
+from ... import collectives
+from ...comm.agree import raise_if_any
+from ...xp import asarray_like, copy_into, get_array_module
+
+__all__ = ["full_state_dict", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict"]
+
+# Point-to-point tag of state-dict transfers; far from the small tags user code tends to pick.
+_STATE_TAG = 0x5D5D
+
+
+def full_state_dict(fsdp):
+    """Gather the full state unit by unit to rank 0 and return it there (other ranks get ``{}``)."""
+    comm = fsdp.comm
+    rank, size = comm.Get_rank(), comm.Get_size()
+    gathered = {}
+    for u in fsdp._param_units:
+        if u.no_shard:
+            full = u.shard.data
+        elif rank == 0:
+            xp = get_array_module(u.shard.data)
+            full = xp.empty(u.padded, dtype=u.shard.data.dtype)
+            full[: u.shard_numel] = u.shard.data
+            for r in range(1, size):
+                copy_into(full[r * u.shard_numel: (r + 1) * u.shard_numel], collectives.recv(r, comm, tag=_STATE_TAG))
+        else:
+            collectives.send(u.shard.data, 0, comm, tag=_STATE_TAG)
+            continue
+        if rank == 0:
+            for name, view in zip(u.names, u.views(full)):
+                gathered[name] = view.copy()
+    if rank != 0:
+        return OrderedDict()
+    out = OrderedDict((name, gathered[name]) for name, _ in fsdp.module.named_parameters())
+    out.update((name, b.copy()) for name, b in fsdp.module.named_buffers())
+    return out
+
+
+def _validate_full(fsdp, state_dict):
+    """Return what is wrong with ``state_dict`` (a message) or None."""
+    fn = "FSDP.load_full_state_dict"
+    if not isinstance(state_dict, Mapping):
+        return f"{fn}: rank 0 must pass a mapping of name -> array (got {type(state_dict).__name__})"
+    shapes = OrderedDict((n, s) for u in fsdp._param_units for n, s in zip(u.names, u.shapes))
+    shapes.update((n, tuple(b.shape)) for n, b in fsdp.module.named_buffers())
+    missing = [k for k in shapes if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in shapes]
+    if missing or unexpected:
+        return f"{fn}: keys do not match the module (missing: {missing}, unexpected: {unexpected})"
+    for name, shape in shapes.items():
+        got = tuple(getattr(state_dict[name], "shape", ()))
+        if got != shape:
+            return f"{fn}: shape mismatch for {name!r} (state_dict: {got}, model: {shape})"
+    return None
+
+
+def load_full_state_dict(fsdp, state_dict):
+    """Load rank 0's full ``state_dict`` (other ranks may pass None) and re-shard it unit by unit."""
+    comm = fsdp.comm
+    rank, size = comm.Get_rank(), comm.Get_size()
+    # Rank 0 validates; every rank raises the same ValueError (none is left waiting in a transfer).
+    raise_if_any(comm, _validate_full(fsdp, state_dict) if rank == 0 else None, "")
+    for u in fsdp._param_units:
+        if rank == 0:
+            flat = u.shard.data if u.no_shard else get_array_module(u.shard.data).zeros(u.padded, u.shard.data.dtype)
+            for name, view in zip(u.names, u.views(flat)):
+                copy_into(view, state_dict[name])
+        if u.no_shard:
+            collectives.broadcast(u.shard.data, comm)
+        elif rank == 0:
+            pending = [collectives.isend(flat[r * u.shard_numel: (r + 1) * u.shard_numel], r, comm, tag=_STATE_TAG)
+                       for r in range(1, size)]
+            u.shard.data[...] = flat[: u.shard_numel]
+            for handle in pending:
+                handle.wait()
+        else:
+            copy_into(u.shard.data, collectives.recv(0, comm, tag=_STATE_TAG))
+    for name, b in fsdp.module.named_buffers():
+        if rank == 0:
+            copy_into(b, state_dict[name])
+        collectives.broadcast(b, comm)
+
+
+def sharded_state_dict(fsdp):
+    """Return this rank's shards, no communication: ``{unit label: {"shard", "params", "numel", "num_shards", "rank"}}``."""
+    return OrderedDict((s.label, {"shard": s.parameter.data.copy(), "params": tuple(p.name for p in s.params),
+                                  "numel": s.numel, "num_shards": s.num_shards, "rank": s.shard_index})
+                       for s in fsdp.shard_layout())
+
+
+def load_sharded_state_dict(fsdp, state_dict):
+    """Load shards saved by ``sharded_state_dict()`` on this rank with the same units and world size."""
+    fn = "FSDP.load_sharded_state_dict"
+    layout = fsdp.shard_layout()
+    labels = [s.label for s in layout]
+    if not isinstance(state_dict, Mapping) or list(state_dict) != labels:
+        got = list(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+        raise ValueError(f"{fn}: units do not match (expected: {labels}, got: {got})")
+    for s in layout:
+        entry = state_dict[s.label]
+        mine = {"params": tuple(p.name for p in s.params), "numel": s.numel, "num_shards": s.num_shards,
+                "rank": s.shard_index}
+        saved = {k: (tuple(entry.get(k, ())) if k == "params" else entry.get(k)) for k in mine}
+        if saved != mine:
+            raise ValueError(f"{fn}: unit {s.label!r} was saved with a different layout (saved: {saved}, here: {mine})")
+        if tuple(entry["shard"].shape) != (s.shard_numel,):
+            raise ValueError(f"{fn}: shard of unit {s.label!r} has shape {tuple(entry['shard'].shape)} "
+                             f"(expected ({s.shard_numel},))")
+    for s in layout:
+        copy_into(s.parameter.data, asarray_like(state_dict[s.label]["shard"], s.parameter.data))
