@@ -32,9 +32,10 @@ def run(n, script, *args, timeout=240, **env):
     return proc
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_every_op_and_dtype_matches_the_reference(n):
-    proc = run(n, "torch_ops.py")
+@pytest.mark.parametrize("n, init, progress", [(2, "mpi", "thread"), (4, "mpi", "thread"), (2, "tcp", "thread"),
+                                                (2, "mpi", "poll"), (2, "mpi", "inline")])
+def test_every_op_and_dtype_matches_the_reference(n, init, progress):
+    proc = run(n, "torch_ops.py", "--init", init, MPIDIST_TORCH_PROGRESS=progress)
     assert proc.stdout.count("all ops match") == n, proc.stdout
 
 

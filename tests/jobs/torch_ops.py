@@ -1,10 +1,11 @@
 """Every operation of the mpidist torch backend against a reference computed from every rank's input.
 
-    mpiexec -n N python tests/jobs/torch_ops.py [--desync]
+    mpiexec -n N python tests/jobs/torch_ops.py [--desync] [--init mpi|tcp]
 
 Each rank's input is a function of (rank, element), so every rank can compute what every other rank
 sent and hence the exact expected result. Exits non-zero with the failing check on any mismatch.
 ``--desync``: ranks call different ops under MPIDIST_DEBUG=1; every rank must raise DesyncError.
+``--init tcp``: torch's own tcp:// rendezvous with rank and world size given, instead of MPI's.
 """
 
 import sys
@@ -53,8 +54,26 @@ def check(name, got, want):
         raise AssertionError(f"rank {dist.get_rank()}: {name}: got {got}, want {want}")
 
 
+def init():
+    """Initialise as --init says: from MPI (default), or torch's own tcp:// rendezvous with rank and size given."""
+    how = sys.argv[sys.argv.index("--init") + 1] if "--init" in sys.argv else "mpi"
+    if how == "mpi":
+        dist.init_process_group("mpidist")
+        return
+    from mpi4py import MPI
+    import socket
+    world = MPI.COMM_WORLD
+    port = None
+    if world.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = world.bcast(port, root=0)
+    dist.init_process_group("mpidist", init_method=f"tcp://127.0.0.1:{port}", rank=world.Get_rank(), world_size=world.Get_size())
+
+
 def main():
-    dist.init_process_group("mpidist")
+    init()
     rank, n = dist.get_rank(), dist.get_world_size()
     if "--desync" in sys.argv:
         return desync(rank)
