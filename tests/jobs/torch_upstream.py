@@ -113,7 +113,9 @@ def _driver(args):
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         with open(args.out) as f:
             rows = [json.loads(line) for line in f]
-        if proc.returncode == 0 or not rows or rows[-1]["verdict"] != "started":
+        if not rows or (proc.returncode != 0 and rows[-1]["verdict"] != "started"):
+            sys.exit(f"the job failed outside any test (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        if proc.returncode == 0:
             break
     final = {}
     for row in rows:
