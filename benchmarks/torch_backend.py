@@ -145,10 +145,13 @@ def _launcher():
     return [mpiexec] + os.environ.get("MPIEXEC_FLAGS", "").split()
 
 
-def _run(backend, ranks, args):
+def _run(variant, ranks, args):
+    backend, _, progress = variant.partition(":")  # "mpidist:poll": MPIDIST_TORCH_PROGRESS=poll
     cmd = _launcher() + ["-n", str(ranks), sys.executable, HERE, "--worker", "--backend", backend,
                          "--steps", str(args.steps), "--max-bytes", str(args.max_bytes)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if progress:
+        env["MPIDIST_TORCH_PROGRESS"] = progress
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -170,6 +173,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3, help="runs per (backend, ranks), in rotating order")
     parser.add_argument("--steps", type=int, default=20, help="measured training steps per run")
     parser.add_argument("--max-bytes", type=int, default=64 << 20, help="largest allreduce (default 64 MiB)")
+    parser.add_argument("--backends", default="mpidist,gloo",
+                        help="variants to run, gloo last; mpidist:MODE sets MPIDIST_TORCH_PROGRESS=MODE (default mpidist,gloo)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--quick", action="store_true", help="one round, few steps, up to 1 MiB (a smoke test)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -179,11 +184,14 @@ def main():
         return _worker(args)
     if args.quick:
         args.rounds, args.steps, args.max_bytes = 1, 4, 1 << 20
-    backends = ("mpidist", "gloo")
+    backends = tuple(args.backends.split(","))
+    if backends[-1] != "gloo":
+        raise SystemExit(f"--backends: gloo must come last (ratios are against it); got {args.backends}")
     ranks = [int(n) for n in args.ranks.split(",")]
     runs = {(b, n): [] for b in backends for n in ranks}
     for round_ in range(args.rounds):
-        order = [(b, n) for n in ranks for b in (backends if round_ % 2 == 0 else backends[::-1])]
+        shift = round_ % len(backends)  # rotate which variant goes first
+        order = [(b, n) for n in ranks for b in backends[shift:] + backends[:shift]]
         for b, n in order:
             runs[b, n].append(_run(b, n, args))
             print(f"round {round_ + 1}/{args.rounds}: {b} at {n} ranks done", file=sys.stderr, flush=True)
@@ -192,18 +200,20 @@ def main():
               "steps": args.steps, "results": table, "raw": {f"{b}-{n}": runs[b, n] for b, n in runs},
               "ratios": {}}
     for n in ranks:
-        mine, gloo = table[f"mpidist-{n}"], table[f"gloo-{n}"]
-        ratios = {k: mine[k] / gloo[k] for k in mine if k.endswith("_ms")}
-        ratios["allreduce_busbw"] = {row["bytes"]: row["busbw_GBs"] / other["busbw_GBs"]
-                                     for row, other in zip(mine["allreduce"], gloo["allreduce"])}
-        report["ratios"][str(n)] = ratios
-        print(f"\n{n} ranks: step times, median of {args.rounds} runs (ms)     mpidist     gloo   mpidist/gloo")
-        for k in ("ddp_mlp_ms", "ddp_gpt_ms", "fsdp_gpt_ms"):
-            print(f"  {k[:-3]:<44}{mine[k]:>8.2f} {gloo[k]:>8.2f} {ratios[k]:>10.2f}")
-        print(f"  allreduce float32  {'bytes':>10}  {'mpidist us':>10} {'busbw GB/s':>10}  {'gloo us':>9} {'busbw GB/s':>10}  busbw ratio")
-        for row, other in zip(mine["allreduce"], gloo["allreduce"]):
-            print(f"  {'':<19}{row['bytes']:>10}  {row['us']:>10.1f} {row['busbw_GBs']:>10.3f}  {other['us']:>9.1f} "
-                  f"{other['busbw_GBs']:>10.3f}  {row['busbw_GBs'] / other['busbw_GBs']:>10.2f}")
+        gloo = table[f"gloo-{n}"]
+        for variant in backends[:-1]:
+            mine = table[f"{variant}-{n}"]
+            ratios = {k: mine[k] / gloo[k] for k in mine if k.endswith("_ms")}
+            ratios["allreduce_busbw"] = {row["bytes"]: row["busbw_GBs"] / other["busbw_GBs"]
+                                         for row, other in zip(mine["allreduce"], gloo["allreduce"])}
+            report["ratios"][f"{variant}-{n}"] = ratios
+            print(f"\n{n} ranks, {variant} vs gloo: step times, median of {args.rounds} runs (ms)   {variant:>12}     gloo   ratio")
+            for k in ("ddp_mlp_ms", "ddp_gpt_ms", "fsdp_gpt_ms"):
+                print(f"  {k[:-3]:<58}{mine[k]:>10.2f} {gloo[k]:>8.2f} {ratios[k]:>7.2f}")
+            print(f"  allreduce float32  {'bytes':>10}  {'us':>10} {'busbw GB/s':>10}  {'gloo us':>9} {'busbw GB/s':>10}  busbw ratio")
+            for row, other in zip(mine["allreduce"], gloo["allreduce"]):
+                print(f"  {'':<19}{row['bytes']:>10}  {row['us']:>10.1f} {row['busbw_GBs']:>10.3f}  {other['us']:>9.1f} "
+                      f"{other['busbw_GBs']:>10.3f}  {row['busbw_GBs'] / other['busbw_GBs']:>10.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import importlib
 from mpi4py import MPI
 
+from . import _work
 from ._backend import BACKEND_NAME, ProcessGroupMPI
 
 __all__ = ["mpi_store", "register"]
@@ -81,6 +82,9 @@ def _create(options, backend_options=None):
     ranks = list(options.global_ranks_in_group)
     if not ranks:
         comm = world.Dup()
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        _work.decide_progress(node.Get_size(), os.cpu_count() or 1)
+        node.Free()
     else:
         if dist.is_initialized() and dist.get_rank() != world.Get_rank():
             raise RuntimeError(f"mpidist new_group: torch's global rank {dist.get_rank()} is MPI world rank "

@@ -98,13 +98,23 @@ def _sleep_until_done(part):
 
 
 _progress = _Progress()
-# How works complete: "thread" (default): futures by the progress thread, waiting inside MPI; "poll": the
-# same, but every wait (progress thread and caller) tests and sleeps 10-100 us between tests, leaving the
-# core to computation (see _sleep_until_done); "inline": get_future() completes the operation at once in the
-# caller (no overlap, no thread; what a blocking backend does).
-PROGRESS = os.environ.get("MPIDIST_TORCH_PROGRESS", "thread")
-if PROGRESS not in ("thread", "poll", "inline"):
-    raise ValueError(f"MPIDIST_TORCH_PROGRESS={PROGRESS!r}: expected thread, poll or inline")
+# How works complete (MPIDIST_TORCH_PROGRESS): "thread": futures by the progress thread, waiting inside MPI
+# (which spins); "poll": the same, but every wait (progress thread and caller) tests and sleeps 10-100 us
+# between tests, leaving the core to computation and to the peers (see _sleep_until_done); "inline":
+# get_future() completes the operation at once in the caller (no overlap, no thread). "auto" (the default):
+# poll when a node runs more ranks than it has cores, else thread (decided when the default group is made).
+PROGRESS_MODES = ("auto", "thread", "poll", "inline")
+PROGRESS = os.environ.get("MPIDIST_TORCH_PROGRESS", "auto")
+if PROGRESS not in PROGRESS_MODES:
+    raise ValueError(f"MPIDIST_TORCH_PROGRESS={PROGRESS!r}: expected one of {', '.join(PROGRESS_MODES)}")
+
+
+def decide_progress(ranks_on_node, cores):
+    """Resolve "auto": spinning waits only pay when every rank has a core of its own. Return the mode."""
+    global PROGRESS
+    if PROGRESS == "auto":
+        PROGRESS = "poll" if ranks_on_node > cores else "thread"
+    return PROGRESS
 
 
 def _no_limit(timeout):
