@@ -101,7 +101,7 @@ test-launch: venv
 # mpi4py's own unit tests (its sdist, downloaded at run time) on the simulated communicator at n = 1..4:
 # prints the per-file table of docs/simulation.md. Not part of `make test` (it takes minutes).
 test-mpi4py: venv
-	$(PY) tests/mpi4py_upstream.py --sizes 1,2,3,4
+	$(PY) tests/mpi4py_upstream.py --sizes 1,2,3,4 --baseline tests/mpi4py_baseline.json
 
 demo: venv
 	$(LAUNCH) -n $(NP) $(PY) examples/digits.py --strategy $(STRATEGY) $(DEMO_ARGS)

@@ -132,6 +132,9 @@ def main(argv=None):
                                                           os.path.join(os.path.expanduser("~"), ".cache", "mpidist")))
     parser.add_argument("--json", help="write every run's outcome here")
     parser.add_argument("--verbose", action="store_true", help="list every run that did not pass")
+    parser.add_argument("--baseline", help="JSON {file: passed runs} recorded from an earlier run: exit 1 only "
+                                           "if a file passes fewer runs than that (a regression), and report "
+                                           "the known failures instead of failing on them")
     args = parser.parse_args(argv)
     testdir = fetch_tests(args.cache)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -168,7 +171,20 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(everything, fh, indent=1)
-    return 1 if total["failed"] or total["hung"] else 0
+    if not args.baseline:
+        return 1 if total["failed"] or total["hung"] else 0
+    # The simulator does not pass the whole upstream suite yet (issue 17): CI holds every file to the
+    # number of runs it passed when the baseline was recorded, so a regression fails and progress does not.
+    with open(args.baseline) as fh:
+        baseline = json.load(fh)
+    worse = [f"{name}: {counts['passed']} passed, baseline {baseline[name]}" for name, counts, _ in table
+             if name in baseline and counts["passed"] < baseline[name]]
+    for line in worse:
+        print(f"REGRESSION {line}")
+    if not worse and (total["failed"] or total["hung"]):
+        print(f"no regression against {args.baseline}; {total['failed']} failed and {total['hung']} hung runs "
+              f"are known (docs/simulation.md)")
+    return 1 if worse else 0
 
 
 if __name__ == "__main__":
