@@ -333,4 +333,5 @@ def _joined(first, second):
     return SimRequest(second._universe, second._world_rank, ready, finish, second._what)
 
 
-_TAG_UB = MPI.COMM_SELF.Get_attr(MPI.TAG_UB)
+# Open MPI sets TAG_UB only on COMM_WORLD (COMM_SELF gives None); MPI guarantees at least 32767.
+_TAG_UB = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or MPI.COMM_SELF.Get_attr(MPI.TAG_UB) or 32767
