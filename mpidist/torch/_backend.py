@@ -101,6 +101,11 @@ class ProcessGroupMPI(dist.ProcessGroup):
         # Functional collectives (DTensor, FSDP2) look groups up by name; a Python group has no C++ name.
         return dist.distributed_c10d._world.pg_names[self]
 
+    def _get_backend(self, device):
+        # torch >= 2.15 asks the group for its per-device backend (batch_isend_irecv: "supports_coalescing?");
+        # this group is its own backend on every device it serves.
+        return self
+
     def size(self):
         return self._size
 
