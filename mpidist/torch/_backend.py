@@ -84,13 +84,14 @@ def _write_back(buffers):
 class ProcessGroupMPI(dist.ProcessGroup):
     """A torch.distributed process group whose operations run on an MPI communicator."""
 
-    def __init__(self, comm, rank, size):
+    def __init__(self, comm, rank, size, name=None):
         super().__init__(rank, size)
         if comm.Get_rank() != rank or comm.Get_size() != size:
             raise RuntimeError(f"mpidist: torch gives this process rank {rank} of {size}, MPI rank {comm.Get_rank()} of "
                                f"{comm.Get_size()}: launch with mpiexec/srun and let init_process_group take both from MPI")
         self.comm = comm
         self._rank, self._size = rank, size
+        self.name_given = name
 
     # -- identity ---------------------------------------------------------------------------------
     def getBackendName(self):
@@ -99,7 +100,8 @@ class ProcessGroupMPI(dist.ProcessGroup):
     @property
     def group_name(self):
         # Functional collectives (DTensor, FSDP2) look groups up by name; a Python group has no C++ name.
-        return dist.distributed_c10d._world.pg_names[self]
+        # The name given at creation outlives torch's table (destroy_process_group asks after removing it).
+        return self.name_given or dist.distributed_c10d._world.pg_names[self]
 
     def _get_backend(self, device):
         # torch >= 2.15 asks the group for its per-device backend (batch_isend_irecv: "supports_coalescing?");
@@ -284,8 +286,13 @@ class ProcessGroupMPI(dist.ProcessGroup):
         return self._gather_into(op, outputs, t, root=None)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        works = [self._gather_into("allgather_coalesced", outs, t, root=None) for outs, t in zip(output_lists, inputs)]
-        return _joined("allgather_coalesced", works, output_lists)
+        # output_lists[r][j]: input j of rank r (rank-major, unlike allgather's one list per input).
+        op = "allgather_coalesced"
+        if len(output_lists) != self._size or any(len(outs) != len(inputs) for outs in output_lists):
+            raise UnsupportedError(f"mpidist {op}: expected {self._size} output lists of {len(inputs)} tensors "
+                                   f"(got {[len(outs) for outs in output_lists]})")
+        works = [self._gather_into(op, [outs[j] for outs in output_lists], t, root=None) for j, t in enumerate(inputs)]
+        return _joined(op, works, output_lists)
 
     def gather(self, output_lists, inputs, opts):
         op = "gather"
@@ -481,8 +488,8 @@ def _unpack(recv, counts, outputs):
     offset = 0
     with torch.no_grad():
         for o, c in zip(outputs, counts):
-            chunk = torch.from_numpy(recv[offset: offset + c]).view(o.dtype).view(o.shape)
-            o.copy_(chunk)
+            if c:  # an empty byte slice cannot be viewed as a wider dtype
+                o.copy_(torch.from_numpy(recv[offset: offset + c]).view(o.dtype).view(o.shape))
             offset += c
 
 

@@ -95,7 +95,7 @@ def _create(options, backend_options=None):
         members.Free()
         everyone.Free()
     comm.Set_name(f"torch:{options.group_id}")
-    return ProcessGroupMPI(comm, options.group_rank, options.group_size)
+    return ProcessGroupMPI(comm, options.group_rank, options.group_size, name=str(options.group_id))
 
 
 def register():

@@ -162,6 +162,10 @@ def main():
     dist.all_reduce_coalesced([a, b])
     check("all_reduce_coalesced f64", a, sum(value(r, 3, torch.float64) for r in everyone))
     check("all_reduce non-contiguous f64", b, sum(value(r, 6, torch.float64).view(2, 3).t() for r in everyone))
+    outs = [[torch.empty(2), torch.empty(3)] for _ in everyone]  # outs[r][j]: input j of rank r
+    dist.all_gather_coalesced(outs, [value(rank, 2, torch.float32), value(rank, 3, torch.float32, offset=7)])
+    for r in everyone:
+        check(f"all_gather_coalesced from {r}", torch.cat(outs[r]), torch.cat([value(r, 2, torch.float32), value(r, 3, torch.float32, offset=7)]))
     with dist._coalescing_manager(async_ops=True) as cm:
         x1, x2 = value(rank, 2, torch.float32), value(rank, 3, torch.float32)
         dist.all_reduce(x1)

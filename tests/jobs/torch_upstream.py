@@ -1,6 +1,6 @@
 """PyTorch's own distributed tests (torch/testing/_internal/distributed/distributed_test.py) over ``mpidist``.
 
-    python tests/jobs/torch_upstream.py --ranks 3 --out results.jsonl [--only PATTERN] [--timeout 60]
+    python tests/jobs/torch_upstream.py --ranks 4 --out results.jsonl [--only PATTERN] [--timeout 60] [--as gloo]
 
 PyTorch runs these tests in processes it spawns itself (so they are not MPI ranks). Here the test methods of
 ``DistributedTest._DistTestBase`` run instead on the ranks of ``mpiexec -n N``: one default group
@@ -30,14 +30,18 @@ def _worker(args):
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     temp = world.bcast(tempfile.mkdtemp(prefix="mpidist-upstream-") if rank == 0 else None, root=0)
-    os.environ.update(BACKEND="mpidist", WORLD_SIZE=str(world.Get_size()), TEMP_DIR=temp)
+    # --as gloo: the suite's name-gated tests (written for gloo) run too, on mpidist underneath.
+    os.environ.update(BACKEND=args.as_backend, WORLD_SIZE=str(world.Get_size()), TEMP_DIR=temp)
     import torch.distributed as dist
     from torch.testing._internal.common_distributed import DistTestCases
     for feature in ("plugin", "ddp", "subgroup"):
-        DistTestCases.backend_feature[feature].add("mpidist")
+        DistTestCases.backend_feature[feature].add(args.as_backend)
     import mpidist.torch  # noqa: F401
     from torch.testing._internal.distributed import distributed_test as dt
+    from torch.testing._internal.common_distributed import TEST_SKIPS
+    from torch.testing._internal.common_utils import TestCase
     import unittest
+    skip_codes = {skip.exit_code: skip.message for skip in TEST_SKIPS.values()}
 
     if rank == 0:
         for sub in ("barrier", "test_dir", "init_dir"):
@@ -47,7 +51,7 @@ def _worker(args):
     world.Barrier()
     dist.init_process_group("mpidist")
 
-    class Upstream(dt.DistributedTest._DistTestBase, unittest.TestCase):
+    class Upstream(dt.DistributedTest._DistTestBase, TestCase):  # torch's TestCase: its assertEqual compares tensors
         rank = world.Get_rank()
         world_size = str(world.Get_size())
         file_name = os.path.join(temp, "file")
@@ -71,12 +75,16 @@ def _worker(args):
             test = Upstream(name)
             result = unittest.TestResult()
             test.run(result)
+            problems = result.errors + result.failures
+            exit_code = _skip_exit(problems, skip_codes)
             if result.skipped:
                 verdict, detail = "skipped", result.skipped[0][1][:200]
-            elif result.errors or result.failures:
-                verdict, detail = "failed", (result.errors + result.failures)[0][1][-600:]
-        except SystemExit as exc:  # torch's skip decorators exit the (spawned) process with a skip code
-            verdict, detail = ("skipped", f"exit {exc.code}") if exc.code else ("passed", "")
+            elif exit_code is not None:  # torch's skip decorators end a spawned rank with a skip code
+                verdict, detail = "skipped", skip_codes[exit_code]
+            elif problems:
+                verdict, detail = "failed", problems[0][1][-600:]
+        except SystemExit as exc:
+            verdict, detail = ("skipped", skip_codes.get(exc.code, f"exit {exc.code}")) if exc.code else ("passed", "")
         except BaseException:  # noqa: BLE001 - recorded
             verdict, detail = "failed", traceback.format_exc()[-600:]
         timer.cancel()
@@ -89,6 +97,19 @@ def _worker(args):
                                   "detail": next((d for d in details if d), "")}) + "\n")
             out.flush()
     os._exit(0)  # torch's leftover groups and threads must not hold the job at exit
+
+
+def _skip_exit(problems, skip_codes):
+    """Return the skip exit code a test ended with (``SystemExit: 74`` in its traceback), else None."""
+    for _, text in problems:
+        last = text.strip().splitlines()[-1] if text.strip() else ""
+        if last.startswith("SystemExit: "):
+            try:
+                code = int(last.split(": ", 1)[1])
+            except ValueError:
+                return None
+            return code if code in skip_codes else None
+    return None
 
 
 def _driver(args):
@@ -109,7 +130,7 @@ def _driver(args):
         mpiexec = os.environ.get("MPIDIST_MPIEXEC") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
         cmd = [mpiexec] + os.environ.get("MPIEXEC_FLAGS", "").split() + [
             "-n", str(args.ranks), sys.executable, HERE, "--worker", "--out", args.out, "--timeout", str(args.timeout),
-            "--skip", ",".join(sorted(finished))] + (["--only", args.only] if args.only else [])
+            "--skip", ",".join(sorted(finished)), "--as", args.as_backend] + (["--only", args.only] if args.only else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         with open(args.out) as f:
             rows = [json.loads(line) for line in f]
@@ -136,6 +157,8 @@ def main():
     parser.add_argument("--out", default="torch_upstream.jsonl")
     parser.add_argument("--only", help="fnmatch pattern of test names")
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--as", dest="as_backend", default="mpidist",
+                        help="the backend name the suite sees (gloo: run its gloo-gated tests on mpidist too)")
     parser.add_argument("--skip", default="", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
