@@ -82,9 +82,6 @@ def _create(options, backend_options=None):
     ranks = list(options.global_ranks_in_group)
     if not ranks:
         comm = world.Dup()
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        _work.decide_progress(node.Get_size(), os.cpu_count() or 1)
-        node.Free()
     else:
         if dist.is_initialized() and dist.get_rank() != world.Get_rank():
             raise RuntimeError(f"mpidist new_group: torch's global rank {dist.get_rank()} is MPI world rank "
@@ -95,6 +92,10 @@ def _create(options, backend_options=None):
         members.Free()
         everyone.Free()
     comm.Set_name(f"torch:{options.group_id}")
+    if _work.PROGRESS == "auto":  # the first mpidist group decides (collective over its members)
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        _work.decide_progress(node.Get_size(), os.cpu_count() or 1)
+        node.Free()
     return ProcessGroupMPI(comm, options.group_rank, options.group_size, name=str(options.group_id))
 
 

@@ -9,7 +9,8 @@ Glossary:
   DDP asks for the future of each bucket's allreduce as soon as it starts it and only waits for it at the
   end of backward; without a thread of its own nobody would drive MPI until then, so the future would
   never complete (a ``torch.futures.Future`` cannot call back into us when it is waited on). The thread
-  waits inside MPI with the GIL released, so backward keeps computing meanwhile.
+  waits with the GIL released (inside MPI, or sleeping between tests: see PROGRESS below), so backward
+  keeps computing meanwhile.
 
 A work completes exactly once, by whichever thread comes first (a lock per work): the progress thread
 for works with a future, the caller's ``wait()`` otherwise.
@@ -159,16 +160,6 @@ class Work(dist._Work):
                         self._settle()
         if self._error is not None:
             raise self._error
-
-    def _ready(self):
-        """Return whether every pending part has completed (testing, never blocking)."""
-        with self._lock:
-            if self._done:
-                return True
-            try:
-                return all(part.test() for part in self._pending)
-            except BaseException:  # noqa: BLE001 - _complete records it
-                return True
 
     def _settle(self):
         if self._error is not None:
