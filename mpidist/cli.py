@@ -1,5 +1,6 @@
 """``mpidist`` / ``python -m mpidist``: ``info``, ``bench`` and ``check`` for an installation and a launch;
-``flight`` for the flight records a hung or aborted job left.
+``flight`` for the flight records a hung or aborted job left; ``trace summary`` for a timeline that
+``MPIDIST_TRACE`` or ``mpidist.trace`` recorded.
 
 Every command runs the same way on one process or on every rank of an ``mpiexec``/``srun`` launch.
 Output and errors are printed once, by rank 0 (or, when a misconfigured launcher made every process
@@ -68,7 +69,7 @@ def build_parser():
     """Return the argument parser of the ``mpidist`` command."""
     parser = _Parser(prog="mpidist", allow_abbrev=False,
                      description="Inspect, benchmark and self-test an mpidist installation (run under mpiexec/srun for N ranks).")
-    sub = parser.add_subparsers(dest="command", metavar="{info,bench,check,flight,sim}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{info,bench,check,flight,trace,sim}", parser_class=_Parser)
     sub.add_parser("info", allow_abbrev=False, help="versions, MPI library, ranks and nodes, launcher, GPUs")
     b = sub.add_parser("bench", allow_abbrev=False, help="collective bandwidth, mpidist next to raw mpi4py",
                        description="Time collectives nccl-tests style (size, count, type, time, algbw, busbw) for "
@@ -90,10 +91,26 @@ def build_parser():
                        description="Per communicator, the first call where the ranks' flight records differ and the "
                                    "ranks that never arrived (one process; no mpiexec needed).")
     f.add_argument("dir", metavar="DIR", help="a job's flight directory, or MPIDIST_FLIGHT_DIR (the newest job is read)")
+    t = sub.add_parser("trace", allow_abbrev=False, help="read a trace (MPIDIST_TRACE=DIR, mpidist.trace)",
+                       description="Read the per-rank timelines of a traced run (one process; no mpiexec needed).")
+    tsub = t.add_subparsers(dest="trace_command", metavar="{summary,merge}", parser_class=_Parser, required=True)
+    ts = tsub.add_parser("summary", allow_abbrev=False, help="compute, communication, exposed communication, "
+                         "overlap, pipeline bubble and slowest calls per rank")
+    ts.add_argument("dir", metavar="DIR", help="the trace directory (or a merged trace.json)")
+    ts.add_argument("--plot", metavar="PNG", help="draw ranks x time colored by phase (needs matplotlib)")
+    ts.add_argument("--top", type=int, default=5, help="slowest communication calls to list (default 5)")
+    tm = tsub.add_parser("merge", allow_abbrev=False, help="merge the rank files of DIR into DIR/trace.json "
+                         "(when the run ended before merging)")
+    tm.add_argument("dir", metavar="DIR", help="the trace directory")
     s = sub.add_parser("sim", allow_abbrev=False, help="run an mpi4py program on N simulated ranks in this process",
-                       description="Run PROG with N rank threads; 'from mpi4py import MPI' gives the simulated namespace.")
+                       description="Run PROG with N rank threads; 'from mpi4py import MPI' gives the simulated namespace. "
+                       "As under mpiexec: stdin goes to rank 0, an uncaught exception or sys.exit(k) on one rank "
+                       "ends every rank (status 1 or k); a deadlock prints each rank's pending call and stack.")
     s.add_argument("-n", type=int, required=True, metavar="N", help="number of simulated ranks")
     s.add_argument("--seed", type=int, default=None, help="seeded order among messages a wildcard receive may match (default FIFO)")
+    s.add_argument("--explore", type=int, default=None, metavar="K", help="run PROG in FIFO order and under seeds "
+                   "0..K-1; report the first seed whose exit status or a rank's stdout differs (exit 1 if one does)")
+    s.add_argument("-l", "--prepend-rank", action="store_true", help="start each output line with [rank] (mpiexec -l)")
     s.add_argument("prog", metavar="PROG", help="the Python file to run")
     s.add_argument("args", nargs=argparse.REMAINDER, help="PROG's arguments")
     return parser
@@ -101,8 +118,17 @@ def build_parser():
 
 def cmd_sim(args):
     """Run a program on simulated ranks; return its exit status as mpiexec would."""
-    from .comm.sim.program import run_program
-    return run_program(args.n, args.prog, args.args, seed=args.seed)
+    from .comm.sim.program import explore_program, run_program
+    if args.n < 1:
+        raise UsageError(f"-n must be at least 1 (got {args.n})")
+    if not os.path.isfile(args.prog):
+        raise UsageError(f"no such program file: {args.prog!r}")
+    if args.explore is not None:
+        if args.seed is not None or args.explore < 1:
+            raise UsageError(f"--explore K needs K >= 1 and no --seed (got --explore {args.explore}, "
+                             f"--seed {args.seed})")
+        return explore_program(args.n, args.prog, args.args, seeds=args.explore)
+    return run_program(args.n, args.prog, args.args, seed=args.seed, prefix=args.prepend_rank)
 
 
 def main(argv=None):
@@ -118,7 +144,7 @@ def main(argv=None):
         return 2
     try:
         return {"info": cmd_info, "bench": cmd_bench, "check": cmd_check, "flight": cmd_flight,
-                "sim": cmd_sim}[args.command](args)
+                "trace": cmd_trace, "sim": cmd_sim}[args.command](args)
     except (UsageError, bench.BenchError, LaunchError) as exc:
         _say(f"mpidist {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, LaunchError) else 2
@@ -368,6 +394,25 @@ def cmd_flight(args):
     try:
         _say(guard.flight_report(args.dir))
     except (OSError, ValueError) as exc:
+        _say(str(exc), file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- trace --------------------------------------------------------------------------------------------
+def cmd_trace(args):
+    """Print a trace's summary (drawing its timeline with --plot), or merge its rank files; 1 when unreadable."""
+    from . import trace
+    from .trace import analysis as trace_analysis
+    try:
+        if args.trace_command == "merge":
+            _say(f"merged into {trace.merge(args.dir)}")
+            return 0
+        content = trace.load(args.dir)
+        _say(trace_analysis.report(content, args.top))
+        if args.plot:
+            _say(f"timeline: {trace_analysis.plot(content, args.plot)}")
+    except (OSError, ValueError, ImportError) as exc:
         _say(str(exc), file=sys.stderr)
         return 1
     return 0

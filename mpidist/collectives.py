@@ -25,10 +25,10 @@ from . import guard as _guard
 from .guard import record as _record
 from .comm import CommError, SimComm, check_comm
 from . import xp as _xp
-from .partition import REDUCTIONS, displacements, split_sizes
+from .partition import REDUCTIONS, displacements, mpi_reduces_float16, split_sizes
 
 __all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "send", "recv", "isend", "irecv",
-           "barrier", "iallreduce", "ibroadcast", "iallgather", "Handle", "split_sizes", "displacements",
+           "barrier", "iallreduce", "ibroadcast", "iallgather", "ireduce_scatter", "Handle", "split_sizes", "displacements",
            "SUPPORTED_DTYPES"]
 
 # Dtypes a header can name (index = code on the wire); order is part of the send/recv protocol.
@@ -52,21 +52,12 @@ _guard.name_dtypes(_DTYPE_NAMES)  # desync reports name dtypes by these codes
 # Copies (broadcast, allgather, send/recv) carry float16 as its uint16 bit patterns on every MPI: exact, and
 # one code path everywhere. Reductions use MPI's own float16 where this MPI reduces it (MPICH: MPIX_C_FLOAT16),
 # else a float32 copy, rounded to float16 once at the end: twice the bytes on the wire, no precision lost.
+# The GPU paths that hand float16 to MPI decide the same way (gpu/base.py: wire, widened).
 _FLOAT16 = np.dtype(np.float16)
 _COPY_AS = {_FLOAT16: np.dtype(np.uint16)}
 
 
-def _mpi_reduces_float16():
-    """Return whether this MPI can sum float16 buffers (it has a datatype for them and SUM takes it)."""
-    ones = np.ones(2, dtype=_FLOAT16)
-    try:
-        MPI.SUM.Reduce_local(ones[:1], ones[1:])
-    except (KeyError, ValueError, NotImplementedError, MPI.Exception):
-        return False
-    return bool(ones[1] == 2)
-
-
-_FLOAT16_REDUCES = _mpi_reduces_float16()
+_FLOAT16_REDUCES = mpi_reduces_float16()
 
 
 def _wire(buf):
@@ -549,10 +540,18 @@ def reduce_scatter(x, comm, op="sum"):
     Rows (axis 0) are split as ``split_sizes(len(x), size)``: when ``len(x)`` does not divide evenly,
     the first ``len(x) % size`` ranks get one row more. Every rank must pass the same shape.
     """
-    return _tracked(_begin(comm, "reduce_scatter", x, reduction=op), _reduce_scatter, x, comm, op)
+    return _tracked(_begin(comm, "reduce_scatter", x, reduction=op), _ireduce_scatter, x, comm, op, True)
 
 
-def _reduce_scatter(x, comm, op):
+def ireduce_scatter(x, comm, op="sum"):
+    """Start a reduce-scatter of ``x`` (rows split as in ``reduce_scatter``); ``wait()`` returns this rank's rows.
+
+    ``x`` must not change until the handle completes: MPI reads it while the operation is in flight.
+    """
+    return _tracked(_begin(comm, "ireduce_scatter", x, reduction=op), _ireduce_scatter, x, comm, op, False)
+
+
+def _ireduce_scatter(x, comm, op, _blocking):
     _check_array("reduce_scatter", x)
     mpi_op, mean = _resolve_op("reduce_scatter", op, x.dtype)
     if x.ndim == 0:
@@ -562,20 +561,30 @@ def _reduce_scatter(x, comm, op):
     row_size = math.prod(x.shape[1:])
     gpu = None if isinstance(x, np.ndarray) else _gpu(x)
     if gpu is not None:
-        return gpu.reduce_scatter(x, comm, [r * row_size for r in rows], (rows[rank],) + x.shape[1:], mpi_op, mean)
+        result = gpu.reduce_scatter(x, comm, [r * row_size for r in rows], (rows[rank],) + x.shape[1:], mpi_op, mean)
+        return result if _blocking else _done(result)
     widened = _widened(x)
     out = np.empty((rows[rank],) + x.shape[1:], dtype=np.float32 if widened else x.dtype)
     send = x.astype(np.float32) if widened else _host_copy(x)
     if len(set(rows)) == 1:
-        comm.Reduce_scatter_block(send, out, op=mpi_op)
+        # Equal blocks: MPI_Reduce_scatter_block, which needs no counts array.
+        request = (comm.Reduce_scatter_block if _blocking else comm.Ireduce_scatter_block)(send, out, op=mpi_op)
     else:
-        comm.Reduce_scatter(send, out, [r * row_size for r in rows], op=mpi_op)
-    if mean:
-        out /= size
-    if widened:
-        out = out.astype(_FLOAT16)
-    xpm = _xp.get_array_module(x)
-    return out if xpm is np else xpm.asarray(out)
+        counts = [r * row_size for r in rows]
+        request = (comm.Reduce_scatter if _blocking else comm.Ireduce_scatter)(send, out, counts, op=mpi_op)
+
+    def finish():
+        result = out
+        if mean:
+            result /= size
+        if widened:
+            result = result.astype(_FLOAT16)
+        xpm = _xp.get_array_module(x)
+        return result if xpm is np else xpm.asarray(result)
+
+    if _blocking:
+        return finish()
+    return Handle([request], finish, keep=(send, out))
 
 
 def alltoall(x, comm, splits=None, return_splits=False, out=None):

@@ -210,7 +210,8 @@ def init(comm=None, *, abort_on_error=True, collective_timeout=None, checkpoint_
     nodes = comm.allreduce(1 if local_rank == 0 else 0)
     device = select_device(local, local_rank)
     local.Free()
-    library = MPI.Get_library_version().strip().splitlines()[0] if hasattr(MPI, "Get_library_version") else "unknown"
+    # replace: Open MPI 4 counts the C string's terminating NUL in the version it returns.
+    library = (MPI.Get_library_version().replace("\0", "").strip().splitlines() or ["unknown"])[0] if hasattr(MPI, "Get_library_version") else "unknown"
     version = "%d.%d" % MPI.Get_version()
     info = LaunchInfo(rank, size, local_rank, local_size, nodes, detect_launcher(), library, version, device)
     if abort_on_error and size > 1 and isinstance(comm, MPI.Comm):

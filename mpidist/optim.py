@@ -16,7 +16,33 @@ import weakref
 from mpidist.xp import asarray_like, get_array_module
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "LRScheduler", "LambdaLR", "StepLR", "LinearLR",
-           "CosineAnnealingLR", "SequentialLR"]
+           "CosineAnnealingLR", "SequentialLR", "register_optimizer_step_pre_hook",
+           "register_optimizer_step_post_hook"]
+
+# Hooks every optimizer's step calls (PyTorch's global optimizer hooks): id -> hook(optimizer, args, kwargs).
+# Tracing (mpidist.trace) times steps here; none registered costs one dict check per step.
+_step_pre_hooks = {}
+_step_post_hooks = {}
+
+
+class _HookHandle:
+    def __init__(self, registry, hook):
+        self.registry = registry
+        registry[id(self)] = hook
+
+    def remove(self):
+        """Unregister the hook (idempotent)."""
+        self.registry.pop(id(self), None)
+
+
+def register_optimizer_step_pre_hook(hook):
+    """Call ``hook(optimizer, args, kwargs)`` before every optimizer's step; return a handle with ``remove()``."""
+    return _HookHandle(_step_pre_hooks, hook)
+
+
+def register_optimizer_step_post_hook(hook):
+    """Call ``hook(optimizer, args, kwargs)`` after every optimizer's step; return a handle with ``remove()``."""
+    return _HookHandle(_step_post_hooks, hook)
 
 
 # Updating a 16-bit parameter in place loses the update: float16 has 11 bits of mantissa, so lr * step
@@ -205,6 +231,16 @@ class Optimizer:
 
     def step(self):
         """Update every parameter that has a gradient, in place."""
+        if _step_pre_hooks or _step_post_hooks:
+            for hook in list(_step_pre_hooks.values()):
+                hook(self, (), {})
+            self._step()
+            for hook in list(_step_post_hooks.values()):
+                hook(self, (), {})
+        else:
+            self._step()
+
+    def _step(self):
         i = 0
         for group in self.param_groups:
             packs = {}

@@ -265,6 +265,17 @@ FAKE_NCCL_DTYPES = {"int8", "uint8", "int32", "uint32", "int64", "uint64", "floa
 _NCCL_MPI_OPS = {"SUM": MPI.SUM, "PROD": MPI.PROD, "MIN": MPI.MIN, "MAX": MPI.MAX}
 
 
+def _mpi_reduction(a):
+    """Return the array MPI reduces for fake NCCL's ``a``: a float32 copy for float16, which NCCL reduces but an
+    MPI without a float16 datatype (Open MPI 4) cannot; else ``a`` itself."""
+    return a.astype(np.float32) if a.dtype == np.float16 else a
+
+
+def _mpi_copy(a):
+    """Return ``a`` as fake NCCL's MPI stand-in copies it: float16 as its uint16 bit patterns."""
+    return a.view(np.uint16) if a.dtype == np.float16 else a
+
+
 class FakeNccl(NcclComm):
     """NCCL calls done with MPI on the fake memory, after the stream's earlier work (stream order)."""
 
@@ -282,22 +293,28 @@ class FakeNccl(NcclComm):
 
     def allreduce(self, send, recv, op_name, stream):
         self._start("allreduce", stream, send, recv)
-        sbuf = MPI.IN_PLACE if send.a is recv.a or np.shares_memory(send.a, recv.a) else send.a
-        self.comm.Allreduce(sbuf, recv.a, op=_NCCL_MPI_OPS[op_name])
+        out = _mpi_reduction(recv.a)
+        sbuf = MPI.IN_PLACE if send.a is recv.a or np.shares_memory(send.a, recv.a) else _mpi_reduction(send.a)
+        self.comm.Allreduce(sbuf, out, op=_NCCL_MPI_OPS[op_name])
+        with np.errstate(over="ignore"):  # a float16 sum past 65504 is inf, as NCCL gives it, without a warning
+            recv.a[...] = out
 
     def bcast(self, buf, root, stream):
         self._start("bcast", stream, buf)
-        self.comm.Bcast(buf.a, root=root)
+        self.comm.Bcast(_mpi_copy(buf.a), root=root)
 
     def reduce_scatter(self, send, recv, op_name, stream):
         self._start("reduce_scatter", stream, send, recv)
         if send.size != recv.size * self.comm.Get_size():
             raise ValueError(f"FakeNccl.reduce_scatter: send has {send.size} elements, needs {recv.size} x {self.comm.Get_size()}")
-        self.comm.Reduce_scatter_block(send.a, recv.a, op=_NCCL_MPI_OPS[op_name])
+        out = _mpi_reduction(recv.a)
+        self.comm.Reduce_scatter_block(_mpi_reduction(send.a), out, op=_NCCL_MPI_OPS[op_name])
+        with np.errstate(over="ignore"):
+            recv.a[...] = out
 
     def allgather(self, send, recv, stream):
         self._start("allgather", stream, send, recv)
-        self.comm.Allgather(send.a, recv.a)
+        self.comm.Allgather(_mpi_copy(send.a), _mpi_copy(recv.a))
 
 
 class RecordingComm:

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 
 FILES = ["test_cco_buf", "test_cco_obj", "test_cco_nb_buf", "test_cco_vec", "test_cco_nb_vec", "test_comm",
@@ -68,6 +69,28 @@ def _outcome(result):
     return "passed", ""
 
 
+class _PerThreadAttributes(threading.local):
+    """A callable whose attributes are per thread (threading.local gives each thread its own)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def per_rank_helper_state():
+    """Give each rank thread its own copy of the state upstream test helpers keep in module globals.
+
+    Under ``mpiexec`` every rank has its own module; here rank threads share one, so arrayimpl's
+    ``loop.array``/``loop.typecode`` (the backend and typecode of the running subtest, read back by
+    ``arrayimpl.test`` and ``arrayimpl.scalar``) would be overwritten by other ranks mid-test.
+    """
+    arrayimpl = sys.modules.get("arrayimpl")
+    if arrayimpl is not None and not isinstance(arrayimpl.loop, _PerThreadAttributes):
+        arrayimpl.loop = _PerThreadAttributes(arrayimpl.loop)  # its body reads the global name ``loop``
+
+
 def worker(testdir, name, size):
     """Run every test of one file on ``size`` simulated ranks; print one JSON line per test."""
     import unittest
@@ -82,6 +105,7 @@ def worker(testdir, name, size):
     sys.path.insert(0, testdir)
     bind_thread(size)  # module-level code asks COMM_WORLD for its size
     module = __import__(name)
+    per_rank_helper_state()
     suite = unittest.defaultTestLoader.loadTestsFromModule(module)
 
     def flatten(s):

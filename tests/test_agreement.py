@@ -204,3 +204,41 @@ def test_pipeline_rank_at_another_step_is_caught(comm):
         assert caught.type is DesyncError
         assert ("Pipeline.step 1: rank 1 expected micro-batch 0 of this step from rank 0 (stage 0), but the ranks are "
                 "at different steps" in str(caught.value)) and "carries stamp (3, 0)" in str(caught.value)
+
+
+# -- DDP's stamp carried in the last bucket's allreduce ----------------------------------------------------
+def test_stamp_sums_tell_equal_counts_from_different_ones():
+    """The carried check: sum(c)^2 == N sum(c^2) exactly when all N counts agree (checked against all splits)."""
+    from mpidist.parallel.agreement import StepStamp
+    for dtype, size in ((np.float16, 2), (np.float16, 8), (np.float32, 64), (np.float64, 4096)):
+        m = StepStamp.modulus(dtype, size)
+        assert m is not None and size * m * m <= 2.0 ** {2: 11, 4: 24, 8: 53}[np.dtype(dtype).itemsize]
+    assert StepStamp.modulus(np.float16, 16) is None  # too few exact integers: the separate check is used
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        size = int(rng.integers(2, 9))
+        counts = np.full(size, int(rng.integers(0, 1000)))
+        if rng.random() < 0.5:
+            counts[rng.integers(size)] += int(rng.integers(1, 3))
+        sums = np.array([counts.sum(), (counts * counts).sum()], dtype=np.float64)
+        assert (sums[0] ** 2 == size * sums[1]) == (len(set(counts.tolist())) == 1)
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_ddp_carries_the_stamp_in_its_last_bucket(comm, dtype):
+    """No message of its own where the bucket dtype holds the sums; a skipped step is still caught."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    model = DDP(make_model(dtype=dtype), comm)
+    assert model._stamp_mod is not None and model.buckets[-1].stamp_view is not None
+    x = np.ones((4, IN), dtype=dtype)
+    model(x).sum().backward()
+    # The counts went into the bucket (encode ran) and no allreduce of the stamp's own was started.
+    assert model._stamp._mine == (1, 1, 1, 0) and model._stamp._handle is None
+    if rank == 0:  # an optimizer step the others skip (as mpidist's optimizers record it; SGD refuses float16)
+        for p in model.parameters():
+            p.version += 1
+    model.zero_grad()
+    with pytest.raises(DesyncError, match=r"DDP: ranks are at different steps at gradient synchronization #2 "
+                                          r"\(rank 0: 2 training forwards, 2 backwards \(2 synchronizing\), 1 optimizer"):
+        model(x).sum().backward()

@@ -13,7 +13,7 @@ import pytest
 import mpidist
 import mpidist.nn as nn
 from mpidist.nn import functional as F
-from gradcheck import gradcheck, strided, transposed
+from gradcheck import gradcheck, numeric_grad, strided, transposed
 
 F64 = np.float64
 
@@ -592,6 +592,99 @@ def test_backward_input_with_no_inputs_defers_everything():
     deferred.run()
     for p, q in zip(model.parameters(), ref.parameters()):
         np.testing.assert_allclose(p.grad, q.grad, rtol=1e-13)
+
+
+# -- hooks in grad(), backward_input() and the deferred weight pass (PyTorch's rules) -------------------------
+def weighted_loss(model, x, dy):
+    """The scalar sum(model(x) * dy) computed without a graph: the function finite differences look at."""
+    with nn.no_grad():
+        return float((model(nn.Tensor(x)).data * dy).sum())
+
+
+def test_grad_fires_the_hooks_of_its_inputs_and_returns_what_they_return():
+    model = mlp()
+    x, dy = rand(3, 4), rand(3, 3, seed=1)
+    numeric = numeric_grad(lambda: weighted_loss(model, x, dy), x)
+    xt = nn.Parameter(x.copy())  # a leaf with a post-accumulate-grad hook, which grad() must not fire
+    seen, accumulated = [], []
+    xt.register_hook(lambda g: (seen.append(g.copy()), 3 * g)[1])
+    xt.register_post_accumulate_grad_hook(lambda t: accumulated.append(t))
+    got = nn.grad(model(xt), xt, grad_outputs=dy)
+    assert len(seen) == 1 and not accumulated and xt.grad is None  # grad() accumulates nothing
+    np.testing.assert_allclose(seen[0], numeric, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(got, 3 * numeric, rtol=1e-6, atol=1e-8)
+
+
+def test_backward_input_fires_input_hooks_now_and_parameter_hooks_in_the_weight_pass():
+    model = mlp()
+    x, dy = rand(3, 4), rand(3, 3, seed=1)
+    numeric_x = numeric_grad(lambda: weighted_loss(model, x, dy), x)
+    first = model[0].weight
+    numeric_w = numeric_grad(lambda: weighted_loss(model, x, dy), first.data)
+    xt = nn.Tensor(x, requires_grad=True)
+    events = []
+    xt.register_hook(lambda g: (events.append(("x", g.copy())), 2 * g)[1])
+    first.register_hook(lambda g: events.append(("w", g.copy())))
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: events.append(("final", name)))
+    (dx,), deferred = nn.backward_input(model(xt), dy, [xt])
+    assert [e[0] for e in events] == ["x"]
+    np.testing.assert_allclose(events[0][1], numeric_x, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(dx, 2 * numeric_x, rtol=1e-6, atol=1e-8)
+    deferred.run()
+    finals = [e[1] for e in events if e[0] == "final"]
+    assert sorted(finals) == sorted(name for name, _ in model.named_parameters())  # each fires once
+    (w,) = [e[1] for e in events if e[0] == "w"]
+    np.testing.assert_allclose(w, numeric_w, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(first.grad, numeric_w, rtol=1e-6, atol=1e-8)
+
+
+def test_the_weight_pass_fires_hooks_on_outputs_whose_whole_backward_was_deferred():
+    """A first pipeline stage: nothing leads to an input, so all of backward runs in run(); the hooks of its
+    output and of a tensor inside fire there, once each, and the output hook's return replaces its gradient."""
+    model, ref = mlp(), mlp()
+    x, dy = rand(3, 4), rand(3, 3, seed=1)
+    ref(x).backward(2 * dy)
+    events = []
+    model[1].register_forward_hook(lambda m, a, out: (out.register_hook(lambda g: events.append("hidden")), None)[1])
+    out = model(x)
+    out.register_hook(lambda g: (events.append("out"), 2 * g)[1])
+    grads, deferred = nn.backward_input(out, dy, [])
+    assert grads == [] and events == []
+    deferred.run()
+    assert events == ["out", "hidden"]
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        np.testing.assert_allclose(p.grad, q.grad, rtol=1e-13, err_msg=name)
+
+
+def test_a_weight_callback_runs_before_the_deferred_gradients_and_may_queue_a_callback():
+    model = mlp()
+    xt = nn.Tensor(rand(3, 4), requires_grad=True)
+    events = []
+
+    def at_weight_pass():
+        events.append(("before W", [p.grad is None for p in model.parameters()]))
+        nn.queue_callback(lambda: events.append(("end of W", [p.grad is not None for p in model.parameters()])))
+
+    def on_output_grad(g):
+        events.append(("B", nn.autograd.weights_deferred()))
+        nn.autograd.queue_weight_callback(at_weight_pass)
+
+    out = model(xt)
+    out.register_hook(on_output_grad)
+    _, deferred = nn.backward_input(out, rand(3, 3, seed=1), [xt])
+    assert events == [("B", True)]
+    deferred.run()
+    n = len(list(model.parameters()))
+    assert events[1:] == [("before W", [True] * n), ("end of W", [True] * n)]
+    assert not nn.autograd.weights_deferred()
+    with pytest.raises(RuntimeError, match="no backward_input pass is running"):
+        nn.autograd.queue_weight_callback(lambda: None)
+    seen = []
+    y = model(xt)
+    y.register_hook(lambda g: seen.append(nn.autograd.weights_deferred()))
+    y.backward(rand(3, 3, seed=2))
+    assert seen == [False]  # an ordinary backward defers nothing
 
 
 def saved_bytes(out):

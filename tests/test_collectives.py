@@ -142,6 +142,40 @@ def test_reduce_scatter_any_length(comm, rows, op):
     assert_matches(got, full[start: start + sizes[rank]], op)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 8, 13])
+def test_ireduce_scatter_in_flight_together_any_length(comm, rows):
+    """Three reduce-scatters in flight at once (even and uneven rows, a non-contiguous input), waited in
+    reverse order: each returns this rank's rows of the numpy reduction of every rank's input."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    inputs = {op: [rank_input(r, (rows, 3), np.float64, seed=i) for r in range(size)]
+              for i, op in enumerate(("sum", "mean", "max"))}
+    strided = np.zeros((rows, 6))
+    strided[:, ::2] = inputs["max"][rank]
+    sent = [inputs["sum"][rank].copy(), inputs["mean"][rank].copy(), strided[:, ::2]]
+    handles = [collectives.ireduce_scatter(x, comm, op=op) for x, op in zip(sent, ("sum", "mean", "max"))]
+    sizes = split_sizes(rows, size)
+    start = sum(sizes[:rank])
+    for handle, op in reversed(list(zip(handles, ("sum", "mean", "max")))):
+        got = handle.wait()
+        assert_matches(got, reference(op, inputs[op])[start: start + sizes[rank]], op)
+        assert handle.wait() is got  # a second wait returns the same result
+    np.testing.assert_array_equal(sent[0], inputs["sum"][rank])  # the input is left as it was
+
+
+def test_ireduce_scatter_refuses_bad_input_before_starting(comm):
+    with pytest.raises(TypeError, match=r"reduce_scatter: x must be a numpy or cupy array \(got list\)"):
+        collectives.ireduce_scatter([1.0, 2.0], comm)
+    with pytest.raises(ValueError, match=r"reduce_scatter: x must have at least one dimension \(got a 0-d array\)"):
+        collectives.ireduce_scatter(np.array(1.0), comm)
+    with pytest.raises(ValueError, match=r"reduce_scatter: unknown op 'avg' \(expected one of"):
+        collectives.ireduce_scatter(np.ones(4), comm, op="avg")
+    with pytest.raises(TypeError, match=r"reduce_scatter: op 'mean' needs a floating or complex array \(got int64\)"):
+        collectives.ireduce_scatter(np.ones(4, dtype=np.int64), comm, op="mean")
+    # Nothing was started: the next collective on comm matches on every rank.
+    size = comm.Get_size()
+    np.testing.assert_array_equal(collectives.ireduce_scatter(np.ones(size), comm).wait(), [size])
+
+
 @pytest.mark.parametrize("mpi_reduces", [True, False], ids=["mpi_float16", "via_float32"])
 def test_float16_with_and_without_an_mpi_float16_type(comm, mpi_reduces, monkeypatch):
     """MPI 3.1 (Open MPI 4.1) has no float16 datatype: copies then travel as uint16, reductions in float32."""
@@ -167,6 +201,8 @@ def test_float16_with_and_without_an_mpi_float16_type(comm, mpi_reduces, monkeyp
     start = sum(sizes[:rank])
     for op in ("sum", "mean", "max"):
         got = mpidist.reduce_scatter(inputs[rank], comm, op=op)
+        assert_matches(got, reference(op, inputs)[start: start + sizes[rank]], op)
+        got = collectives.ireduce_scatter(inputs[rank], comm, op=op).wait()
         assert_matches(got, reference(op, inputs)[start: start + sizes[rank]], op)
 
     # Copies are bit-exact whatever the bits: signed zeros, infinities, NaN payloads, subnormals.
@@ -321,14 +357,16 @@ def test_property_allgather(world, dtype, trailing, data):
     world.run(body)
 
 
-@given(dtype=dtype_names, rows=st.integers(0, 9), trailing=st.lists(st.integers(1, 3), max_size=2).map(tuple), data=st.data())
-def test_property_reduce_scatter(world, dtype, rows, trailing, data):
+@given(dtype=dtype_names, rows=st.integers(0, 9), trailing=st.lists(st.integers(1, 3), max_size=2).map(tuple),
+       blocking=st.booleans(), data=st.data())
+def test_property_reduce_scatter(world, dtype, rows, trailing, blocking, data):
     op = data.draw(st.sampled_from(valid_ops(dtype)))
     shape = (rows,) + trailing
 
     def body(comm):
         size, rank = comm.Get_size(), comm.Get_rank()
-        got = mpidist.reduce_scatter(rank_input(rank, shape, dtype), comm, op=op)
+        x = rank_input(rank, shape, dtype)
+        got = mpidist.reduce_scatter(x, comm, op=op) if blocking else collectives.ireduce_scatter(x, comm, op=op).wait()
         full = reference(op, [rank_input(r, shape, dtype) for r in range(size)])
         sizes = split_sizes(rows, size)
         assert_matches(got, full[sum(sizes[:rank]): sum(sizes[:rank + 1])], op)

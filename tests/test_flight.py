@@ -53,6 +53,9 @@ def test_every_call_is_recorded_with_sequence_bytes_peer_and_times(comm):
 
 def test_the_ring_keeps_the_last_n_calls_and_handles_still_waited_for(comm):
     before = guard.settings.flight_size
+    # Simulated ranks share the process's settings: every rank reads the size before any changes it, or a
+    # late rank would "restore" the 16 an early one set, and the ring would stay small for the rest of the session.
+    comm.Barrier()
     guard.configure(flight_size=16)
     try:
         handle = mpidist.iallreduce(np.ones(3), comm)  # held: must outlive the ring's turnover

@@ -319,6 +319,50 @@ def test_shards_hold_the_ranks_chunk_of_the_padded_flat_parameter(comm, strategy
         np.testing.assert_array_equal(entry["shard"], want, err_msg=label)
 
 
+# -- overlap of gradient reductions with backward compute ----------------------------------------------------
+def nested_model(seed=0):
+    """Three units 0, 2, 4 (children with parameters); unit 2 is Linear-Tanh-Linear, so a hook on its middle
+    activation fires in the middle of its backward (after one of its matmuls' gradients, before the other's)."""
+    rng = np.random.default_rng(seed)
+    inner = nn.Sequential(nn.Linear(7, 9, rng=rng, dtype=np.float64), nn.Tanh(), nn.Linear(9, 11, rng=rng, dtype=np.float64))
+    return nn.Sequential(nn.Linear(4, 7, rng=rng, dtype=np.float64), nn.Tanh(), inner, nn.ReLU(),
+                         nn.Linear(11, 5, rng=rng, dtype=np.float64))
+
+
+@pytest.mark.parametrize("backward_prefetch", ["pre", "post"])
+@pytest.mark.parametrize("strategy", ["full_shard", "no_shard", "hybrid_shard"])
+def test_a_units_reduction_is_in_flight_while_the_previous_unit_computes(comm, strategy, backward_prefetch):
+    """Unit 4's reduce-scatter starts when its gradients are final and is still in flight in the middle of unit
+    2's backward (finished when unit 2's starts); unit 2's is in flight during unit 0's; none after backward.
+    With backward_prefetch="post" (two units of memory) it finishes before the next unit's gradients arrive."""
+    size = comm.Get_size()
+    ref = nested_model()
+    extra = {"shard_size": 2 if size % 2 == 0 else 1} if strategy == "hybrid_shard" else {}
+    fsdp = FSDP(nested_model(), comm, strategy=strategy, backward_prefetch=backward_prefetch, **extra)
+    assert [u.label for u in fsdp.units if u.params] == ["0", "2", "4"]
+    seen = []
+
+    def watch(module, args, out, where):
+        out.register_hook(lambda grad: seen.append((where, fsdp.reductions_in_flight())))
+
+    fsdp.module[2][0].register_forward_hook(lambda m, a, o: watch(m, a, o, "middle of unit 2"))
+    fsdp.module[0].register_forward_hook(lambda m, a, o: watch(m, a, o, "start of unit 0"))
+    opt, ref_opt = Adam(fsdp.parameters(), lr=1e-2), Adam(list(ref.parameters()), lr=1e-2)
+    for x, y in batches(3):
+        seen.clear()
+        fsdp_step(comm, fsdp, opt, x, y)
+        ref_step(ref, ref_opt, x, y)
+        if backward_prefetch == "pre":
+            # Across replicas the allreduce of unit 4's chunk starts when its reduce-scatter finishes, and
+            # runs during unit 0's backward next to unit 2's reduce-scatter.
+            replicated = ("4", "2") if strategy == "hybrid_shard" and fsdp.settings.num_replicas > 1 else ("2",)
+            assert seen == [("middle of unit 2", ("4",)), ("start of unit 0", replicated)]
+        else:
+            assert seen == [("middle of unit 2", ()), ("start of unit 0", ())]
+        assert fsdp.reductions_in_flight() == ()
+    assert_matches(comm, fsdp, ref)
+
+
 # -- memory ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -348,7 +392,8 @@ def test_memory_stats_are_exact(comm, strategy, prefetch):
         # Param-less units (Tanh, ReLU) are skipped, so the neighbours that overlap are these pairs.
         expected = max(a + b for a, b in zip(units, units[1:])) if prefetch else max(units)
         assert stats["peak_gathered_bytes"] <= sum(sorted(units)[-2:])
-        assert stats["peak_unsharded_grad_bytes"] == max(units)
+        # A unit's reduce-scatter is in flight while the unit before it accumulates: two neighbours' gradients.
+        assert stats["peak_unsharded_grad_bytes"] == max(a + b for a, b in zip(units, units[1:]))
     elif strategy == "shard_grad_op":
         expected = sum(units)  # every unit stays gathered from its forward to its backward
     else:

@@ -225,6 +225,41 @@ def test_collectives_on_path(comm, path, kw):
         gpu.release(comm)
 
 
+@pytest.mark.world_sizes(2, 3, 4)
+def test_float16_on_an_mpi_without_float16(comm, monkeypatch):
+    """MPI 3.1 (Open MPI 4) has no float16 datatype: mpi4py raises ``KeyError: 'e'`` on such a buffer. Emulated on
+    any MPI: every path carries float16 copies as uint16 and reduces float16 in float32 (fake NCCL: its own way)."""
+    monkeypatch.delitem(MPI._typedict, "e", raising=False)  # real mpi4py and the simulator both look types up here
+    monkeypatch.setattr(gpu.base, "mpi_reduces_float16", lambda: False)
+    size, rank = comm.Get_size(), comm.Get_rank()
+    inputs = [rank_input(r, (7, 2), "float16", seed=21) for r in range(size)]
+    lo = sum(mpidist.collectives.split_sizes(7, size)[:rank])
+    # Copies must be bit-exact whatever the bits: NaN payloads, infinities, subnormals, signed zeros.
+    bits = [((np.arange(9) * 977 + r * 31) % 65536).astype(np.uint16).view(np.float16) for r in range(size)]
+    for path, kw in ANY_COMM_PATHS:
+        device = FakeDevice(f"gpu{rank}", **kw)
+        gpu.attach(comm, device, path=path, probe=YES if kw.get("cuda_aware") else NO, settings=TINY_CHUNKS)
+        try:
+            for op in valid_ops("float16"):
+                x = device.asarray(inputs[rank])
+                assert mpidist.allreduce(x, comm, op=op) is x
+                assert_matches(device.to_numpy(x), reference(op, inputs), op)
+                got = mpidist.reduce_scatter(device.asarray(inputs[rank]), comm, op=op)
+                assert_matches(device.to_numpy(got), reference(op, inputs)[lo: lo + got.shape[0]], op)
+            y = device.asarray(bits[rank])
+            mpidist.broadcast(y, comm, root=size - 1)
+            np.testing.assert_array_equal(device.to_numpy(y).view(np.uint16), bits[size - 1].view(np.uint16))
+            gathered = mpidist.allgather(device.asarray(bits[rank][: rank + 1]), comm)  # uneven: Allgatherv
+            want = np.concatenate([b[: r + 1] for r, b in enumerate(bits)])
+            np.testing.assert_array_equal(device.to_numpy(gathered).view(np.uint16), want.view(np.uint16))
+            handle = mpidist.isend(device.asarray(bits[rank]), (rank + 1) % size, comm, tag=5)
+            got = mpidist.recv((rank - 1) % size, comm, tag=5)
+            handle.wait()
+            np.testing.assert_array_equal(got.view(np.uint16), bits[(rank - 1) % size].view(np.uint16))
+        finally:
+            gpu.release(comm)
+
+
 IPC_WORLDS = [("ipc", 2, None), ("ipc", 3, None), ("ipc", 4, None), ("hierarchical", 4, 2), ("hierarchical", 6, 3)]
 
 

@@ -98,6 +98,8 @@ def run(op, x, comm, kind):
         return mpidist.iallgather(x, comm).wait()
     if op == "reduce_scatter":
         return mpidist.reduce_scatter(x, comm)
+    if op == "ireduce_scatter":
+        return mpidist.ireduce_scatter(x, comm).wait()
     if op == "alltoall":
         return mpidist.alltoall(x, comm)
     if op == "send":  # to the next rank, from the previous one (to itself on one rank)
@@ -114,8 +116,8 @@ def run(op, x, comm, kind):
     raise ValueError(op)
 
 
-OPS = ("allreduce", "iallreduce", "broadcast", "ibroadcast", "allgather", "iallgather", "reduce_scatter", "alltoall",
-       "send", "recv-into")
+OPS = ("allreduce", "iallreduce", "broadcast", "ibroadcast", "allgather", "iallgather", "reduce_scatter",
+       "ireduce_scatter", "alltoall", "send", "recv-into")
 IN_PLACE = {"allreduce", "iallreduce", "broadcast", "ibroadcast", "recv-into"}
 
 
@@ -129,7 +131,7 @@ def expected(op, kind, comm):
         return xs[size - 1]
     if op in ("allgather", "iallgather"):
         return np.concatenate([x.reshape(1) if x.ndim == 0 else x for x in xs])
-    if op == "reduce_scatter":
+    if op in ("reduce_scatter", "ireduce_scatter"):
         return None if kind == "0-d" else np.array_split(sum(xs), size)[rank]
     if op == "alltoall":
         return None if kind == "0-d" else np.concatenate([np.array_split(x, size)[rank] for x in xs])
@@ -143,7 +145,8 @@ def expected(op, kind, comm):
 def test_every_collective_with_every_kind_of_input(comm, op, kind, guard_mode):
     rank, size = comm.Get_rank(), comm.Get_size()
     x, base = make(kind, rank)
-    name = {"iallreduce": "allreduce", "ibroadcast": "broadcast", "iallgather": "allgather", "recv-into": "recv"}.get(op, op)
+    name = {"iallreduce": "allreduce", "ibroadcast": "broadcast", "iallgather": "allgather", "recv-into": "recv",
+            "ireduce_scatter": "reduce_scatter"}.get(op, op)
     if kind in BAD:
         what = "out" if op == "recv-into" else "x"
         message = rf"{name}: {what} must be a numpy or cupy array \(got {BAD[kind]}\)"
@@ -170,7 +173,7 @@ def test_every_collective_with_every_kind_of_input(comm, op, kind, guard_mode):
             mpidist.recv((rank - 1) % size, comm, tag=12)  # the message is still queued: take it
         return
     if want is None:
-        dims = r"at least one dimension \(got a 0-d array\)" if op == "reduce_scatter" else r"1 to 14 dimensions \(got shape \(\)\)"
+        dims = r"at least one dimension \(got a 0-d array\)" if op in ("reduce_scatter", "ireduce_scatter") else r"1 to 14 dimensions \(got shape \(\)\)"
         with pytest.raises(ValueError, match=rf"{name}: .*x must have {dims}"):
             run(op, x, comm, kind)
         return

@@ -65,6 +65,15 @@ def test_simulated_nodes_give_local_ranks():
 
 
 @pytest.mark.mpi_skip
+def test_init_names_the_library_without_open_mpi_4s_trailing_nul(monkeypatch):
+    from mpi4py import MPI
+    debian = "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4, May 26, 2022"
+    monkeypatch.setattr(MPI, "Get_library_version", lambda: debian + "\0")  # as Debian's Open MPI 4.1.4 returns it
+    infos = mpidist.simulate(2, lambda c: mpidist.init(c, abort_on_error=False)[1])
+    assert [i.mpi_library for i in infos] == [debian, debian]
+
+
+@pytest.mark.mpi_skip
 def test_srun_mpi_none_is_refused_at_start_up():
     """A process that believes it is one of 4 srun tasks, but whose MPI says 1, exits with the fix."""
     env = dict(os.environ, **SRUN)

@@ -484,8 +484,8 @@ def test_mesh_layout(comm):
 @pytest.mark.world_sizes(2, 4)
 def test_mesh_size_error(comm):
     size = comm.Get_size()
-    with pytest.raises(ValueError, match=rf"dp \* pp must equal the number of ranks \(dp=3, pp=2, dp\*pp=6, "
-                                         rf"ranks={size}\)"):
+    with pytest.raises(ValueError, match=rf"dp \* pp \* tp must equal the number of ranks \(dp=3, pp=2, tp=1, "
+                                         rf"dp\*pp\*tp=6, ranks={size}\)"):
         mesh(comm, dp=3, pp=2)
     with pytest.raises(ValueError, match=r"pp must be an int >= 1 \(got 0\)"):
         mesh(comm, dp=2, pp=0)
@@ -511,3 +511,34 @@ def test_mesh_2x2_parity_with_single_process_training(comm, schedule):
         opt.step()
     assert_stage_matches(chunks, ref, m.pp_rank, m.pp)
     m.free()
+
+
+@pytest.mark.world_sizes(2, 3, 4)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_evaluate_is_the_unsplit_forward_and_leaves_gradients_alone(comm, schedule):
+    """Pipeline.evaluate: the loss of the unsplit model on the batch, no gradient written, training unaffected."""
+    p, rank = comm.Get_size(), comm.Get_rank()
+    chunks, num_stages = split_model(comm, schedule)
+    pipe = Pipeline(chunks if schedule == "interleaved" else chunks[0], comm, 3, schedule=schedule,
+                    loss_fn=CrossEntropyLoss())
+    ref = Reference(num_stages)
+    x, y = batch(0, 11)
+    with nn.no_grad():
+        expected = float(ref.crit(ref.model(nn.Tensor(x)), y))
+    assert pipe.evaluate(x, y, broadcast_loss=True) == pytest.approx(expected, abs=1e-12)
+    assert all(q.grad is None for q in params_of(chunks))
+    # A training step after an evaluation matches the reference's first step.
+    opt = SGD(params_of(chunks), lr=LR)
+    assert pipe.step(x, y, broadcast_loss=True) == pytest.approx(ref.step(x, y), abs=1e-12)
+    opt.step()
+    assert_stage_matches(chunks, ref, rank, p)
+    loss = pipe.evaluate(x, y)
+    assert (loss is None) == (rank != (num_stages - 1) % p)
+
+
+def test_evaluate_errors_raise_on_every_rank(comm):
+    chunks, _ = split_model(comm, "1f1b")
+    pipe = Pipeline(chunks[0], comm, 4, loss_fn=CrossEntropyLoss())
+    x, y = batch(0, 3)
+    with pytest.raises(ValueError, match=r"Pipeline.evaluate: rank 0: batch of 3 is smaller than the number of micro-batches \(4\)"):
+        pipe.evaluate(x, y)

@@ -2,6 +2,8 @@
 
 Jobs run once from the single-process session (``mpi_skip``), like tests/test_reliability.py:
 - tests/jobs/torch_ops.py: every operation and dtype against results computed from every rank's input;
+- tests/jobs/torch_lifecycle.py: split_group (against numpy sums per subgroup), monitored_barrier naming
+  the missing ranks within its timeout, abort releasing blocked waits, shutdown freeing communicators;
 - tests/jobs/torch_parity.py: unmodified DDP (no_sync, find_unused_parameters, a comm hook), FSDP2
   fully_shard, DTensor tensor parallelism and a pipelining schedule, each compared with one process on the
   global batch and with the same script over gloo (float64).
@@ -45,6 +47,13 @@ def test_ranks_calling_different_ops_or_sizes_raise_desync_on_every_rank():
     assert out.count("desync raised") == 2, out
     assert out.count("rank 0: broadcast float32 4 elements root 0; rank 1: allreduce float32 4 elements SUM") == 2, out
     assert out.count("rank 0: allreduce float32 4 elements SUM; rank 1: allreduce float32 5 elements SUM") == 2, out
+
+
+def test_split_monitored_barrier_abort_and_shutdown():
+    scenarios = ("split", "monitor", "abort", "shutdown")
+    proc = run(4, "torch_lifecycle.py", *scenarios, timeout=180, MPIDIST_TORCH_PROGRESS="poll")
+    for scenario in scenarios:
+        assert proc.stdout.count(f"{scenario} ok") == 4, proc.stdout
 
 
 SCENARIOS = ("ddp", "ddp_unused", "ddp_hook", "fsdp", "tp", "pipeline")

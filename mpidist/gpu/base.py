@@ -7,9 +7,12 @@ path does not implement (or cannot do for a dtype) goes to its ``staged`` fallba
 import dataclasses
 import os
 
+import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Op", "Settings", "Path", "op_from_mpi"]
+from ..partition import mpi_reduces_float16
+
+__all__ = ["Op", "Settings", "Path", "op_from_mpi", "wire", "widened"]
 
 _MPI_OP_NAMES = ((MPI.SUM, "SUM"), (MPI.PROD, "PROD"), (MPI.MIN, "MIN"), (MPI.MAX, "MAX"),
                  (MPI.LOR, "LOR"), (MPI.LAND, "LAND"))
@@ -30,6 +33,21 @@ def op_from_mpi(mpi_op, mean=False):
         if mpi_op == candidate:
             return Op(mpi_op, name, bool(mean))
     raise ValueError(f"mpidist.gpu: unsupported reduction op {mpi_op!r} (expected SUM, PROD, MIN, MAX, LOR or LAND)")
+
+
+# float16 on an MPI without a datatype for it (MPI 3.1: Open MPI 4's mpi4py raises ``KeyError: 'e'``), as in
+# mpidist.collectives: copies carry its uint16 bit patterns, reductions a float32 copy rounded once at the end.
+_FLOAT16 = np.dtype(np.float16)
+
+
+def wire(buf):
+    """Return host or device buffer ``buf`` as MPI should carry it in a copy: float16 as uint16, else itself."""
+    return buf.view(np.uint16) if buf.dtype == _FLOAT16 else buf
+
+
+def widened(dtype):
+    """Return whether MPI must reduce ``dtype`` on a float32 copy (float16, where this MPI cannot reduce it)."""
+    return dtype == _FLOAT16 and not mpi_reduces_float16()
 
 
 def _env_chunk_bytes():

@@ -8,7 +8,7 @@ host pointer: a segfault, which no exception handler can catch.
 from mpi4py import MPI
 
 from ..partition import displacements
-from .base import Path
+from .base import Path, widened, wire
 
 __all__ = ["DirectPath"]
 
@@ -24,23 +24,27 @@ class DirectPath(Path):
         return [self.device.mpi_buffer(a) for a in arrays]
 
     def allreduce(self, x, op):
+        if widened(x.dtype):  # no float16 reductions in this MPI: the staged path sums a float32 host copy
+            return self.staged.allreduce(x, op)
         (buf,) = self._ready(x)
         self.comm.Allreduce(MPI.IN_PLACE, buf, op=op.mpi)
         if op.mean:
             self.device.divide(x, self.size)
 
     def bcast(self, x, root):
-        (buf,) = self._ready(x)
+        (buf,) = self._ready(wire(x))
         self.comm.Bcast(buf, root=root)
 
     def allgather(self, send, recv, counts):
-        sbuf, rbuf = self._ready(send, recv)
+        sbuf, rbuf = self._ready(wire(send), wire(recv))
         if len(set(counts)) == 1:
             self.comm.Allgather(sbuf, rbuf)
         else:
             self.comm.Allgatherv(sbuf, [rbuf, (list(counts), displacements(counts))])
 
     def reduce_scatter(self, send, recv, counts, op):
+        if widened(send.dtype):
+            return self.staged.reduce_scatter(send, recv, counts, op)
         sbuf, rbuf = self._ready(send, recv)
         if len(set(counts)) == 1:
             self.comm.Reduce_scatter_block(sbuf, rbuf, op=op.mpi)

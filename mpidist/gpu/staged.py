@@ -12,10 +12,11 @@ Ordering rules, in the order they happen:
 4. a pinned buffer is reused only after the previous call's H2D copies out of it have completed.
 """
 
+import numpy as np
 from mpi4py import MPI
 
 from ..partition import displacements
-from .base import Path
+from .base import Path, widened, wire
 
 __all__ = ["StagedPath", "StagingPool", "chunk_bounds"]
 
@@ -101,18 +102,22 @@ class StagedPath(Path):
     def allreduce(self, x, op):
         host = self.pool.get(x.dtype, x.size)
         size = self.size
+        wide = widened(x.dtype)
 
         def mpi_call(chunk):
-            self.comm.Allreduce(MPI.IN_PLACE, chunk, op=op.mpi)
+            buf = chunk.astype(np.float32) if wide else chunk
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=op.mpi)
             if op.mean:
-                chunk /= size
+                buf /= size
+            if wide:
+                chunk[...] = buf
 
         self.pool.release(x.dtype, self._pipeline(x, host, mpi_call, down=True, up=True))
 
     def bcast(self, x, root):
         host = self.pool.get(x.dtype, x.size)
         is_root = self.rank == root
-        done = self._pipeline(x, host, lambda chunk: self.comm.Bcast(chunk, root=root), down=is_root, up=not is_root)
+        done = self._pipeline(x, host, lambda chunk: self.comm.Bcast(wire(chunk), root=root), down=is_root, up=not is_root)
         self.pool.release(x.dtype, done)
 
     def _down(self, dev, slot):
@@ -137,20 +142,24 @@ class StagedPath(Path):
         host_send = self._down(send, 0)
         host_recv = self.pool.get(recv.dtype, recv.size, 1)
         if len(set(counts)) == 1:
-            self.comm.Allgather(host_send, host_recv)
+            self.comm.Allgather(wire(host_send), wire(host_recv))
         else:
-            self.comm.Allgatherv(host_send, [host_recv, (list(counts), displacements(counts))])
+            self.comm.Allgatherv(wire(host_send), [wire(host_recv), (list(counts), displacements(counts))])
         self._up(recv, host_recv, 1)
 
     def reduce_scatter(self, send, recv, counts, op):
         host_send = self._down(send, 0)
         host_recv = self.pool.get(recv.dtype, recv.size, 1)
+        wide = widened(send.dtype)
+        mpi_send, mpi_recv = (host_send.astype(np.float32), np.empty(recv.size, np.float32)) if wide else (host_send, host_recv)
         if len(set(counts)) == 1:
-            self.comm.Reduce_scatter_block(host_send, host_recv, op=op.mpi)
+            self.comm.Reduce_scatter_block(mpi_send, mpi_recv, op=op.mpi)
         else:
-            self.comm.Reduce_scatter(host_send, host_recv, list(counts), op=op.mpi)
+            self.comm.Reduce_scatter(mpi_send, mpi_recv, list(counts), op=op.mpi)
         if op.mean:
-            host_recv /= self.size
+            mpi_recv /= self.size
+        if wide:
+            host_recv[...] = mpi_recv
         self._up(recv, host_recv, 1)
 
     def isend(self, x, dest, tag):

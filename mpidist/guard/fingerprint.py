@@ -38,7 +38,7 @@ from ..partition import REDUCTIONS
 __all__ = ["DesyncError", "check", "compare_stamps", "mediate", "describe", "OPS"]
 
 OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "barrier", "send", "recv",
-       "iallreduce", "ibroadcast", "iallgather", "alltoall")
+       "iallreduce", "ibroadcast", "iallgather", "alltoall", "ireduce_scatter")
 OP_CODES = {op: i for i, op in enumerate(OPS)}
 _REDUCTIONS = ("",) + REDUCTIONS  # 0: not a reduction
 _RED_CODES = {name: i for i, name in enumerate(_REDUCTIONS)}

@@ -42,6 +42,10 @@ _held = {}                # id(record) -> record
 _entries = {}             # id(communicator) -> Entry (checked against a weak reference: ids are reused)
 _last = (None, None)      # (communicator, entry) of the last call: most calls use the one before's
 _ordinals = collections.Counter()
+# mpidist.trace's hooks while it records (None otherwise): ``on_hold(record)`` when a nonblocking call
+# returns its handle, ``on_leave(record)`` when a call completes. One global check on the hot path.
+on_hold = None
+on_leave = None
 
 
 def apply(settings):
@@ -106,11 +110,13 @@ class Entry:
 
     def _gone(self, _ref):
         shadow, self.shadow = self.shadow, None
-        if isinstance(shadow, MPI.Comm) and not MPI.Is_finalized():
-            try:
+        if shadow is None:
+            return
+        try:
+            if isinstance(shadow, MPI.Comm) and not MPI.Is_finalized():
                 shadow.Free()
-            except MPI.Exception:
-                pass
+        except Exception:  # noqa: BLE001 - MPI refused, or interpreter exit already cleared this module's globals
+            pass
 
     def break_(self, reason):
         """Refuse every later call on this communicator (a check on its shadow can never complete)."""
@@ -194,11 +200,15 @@ def leave(record):
     record[END] = _clock()
     if _held:
         _held.pop(id(record), None)
+    if on_leave is not None:
+        on_leave(record)
 
 
 def hold(record):
     """Keep ``record`` in flight until ``leave``, however many calls follow (a handle waits for it)."""
     _held[id(record)] = record
+    if on_hold is not None:
+        on_hold(record)
 
 
 def snapshot():

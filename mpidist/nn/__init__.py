@@ -2,7 +2,8 @@
 
 from mpidist.nn import functional
 from mpidist.nn.autograd import (DeferredWeightGrads, Tensor, backward, backward_input, enable_grad, grad,
-                                 is_grad_enabled, no_grad, queue_callback, set_grad_enabled)
+                                 is_grad_enabled, no_grad, queue_callback, queue_weight_callback, set_grad_enabled,
+                                 weights_deferred)
 from mpidist.nn.checkpoint import checkpoint
 from mpidist.nn.layers import (GELU, MLP, AvgPool2d, BatchNorm2d, Conv2d, Dropout, Embedding, Flatten, Identity,
                                LayerNorm, Linear, MaxPool2d, MultiheadAttention, ReLU, RMSNorm, Sigmoid,
@@ -15,7 +16,7 @@ from mpidist.nn.utils import clip_grad_norm_, grad_norm
 __all__ = [
     "Tensor", "Parameter", "Module", "Sequential", "ModuleList", "ModuleDict", "functional",
     "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled", "backward", "grad", "backward_input",
-    "DeferredWeightGrads", "queue_callback", "checkpoint",
+    "DeferredWeightGrads", "queue_callback", "queue_weight_callback", "weights_deferred", "checkpoint",
     "Linear", "ReLU", "GELU", "Tanh", "Sigmoid", "Dropout", "LayerNorm", "RMSNorm", "Embedding", "Flatten",
     "Identity", "MultiheadAttention", "MLP", "TransformerBlock", "Conv2d", "MaxPool2d", "AvgPool2d",
     "BatchNorm2d", "SyncBatchNorm",

@@ -15,6 +15,11 @@ Glossary:
              also feeds parameters, the gradient it received; ``DeferredWeightGrads.run()`` finishes those
              parameter gradients later (zero-bubble pipelines: B now, W in a bubble). Generic over ops: any
              op whose backward honours ``needs`` splits this way.
+  hooks      as in PyTorch: a tensor's hooks fire when its gradient is computed, in any pass (``backward``,
+             ``grad``, ``backward_input``, a deferred weight pass): a leaf's on the gradient it receives (the
+             returned array replaces it, also in what ``grad`` returns), a computed tensor's before its node
+             runs (for an output whose whole backward is deferred, when ``DeferredWeightGrads.run()`` runs it).
+             A leaf's post-accumulate-grad hooks fire when its ``.grad`` is accumulated, so never in ``grad``.
 
 Ops save the input *tensors* they need and read ``.data`` when backward runs, never a copy of a
 parameter's array: FSDP frees a parameter's full array after forward and gathers it again before the
@@ -32,8 +37,8 @@ import numpy as np
 from mpidist.xp import get_array_module
 
 __all__ = ["Tensor", "Node", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled", "as_tensor",
-           "backward", "grad", "backward_input", "DeferredWeightGrads", "queue_callback", "make_result",
-           "record_leaves", "unbroadcast"]
+           "backward", "grad", "backward_input", "DeferredWeightGrads", "queue_callback", "weights_deferred",
+           "queue_weight_callback", "make_result", "record_leaves", "unbroadcast"]
 
 # Thread-local because simulated communicators run ranks as threads: one rank's no_grad or backward
 # must not leak into another's.
@@ -306,6 +311,36 @@ def queue_callback(fn):
     queue.append(fn)
 
 
+def weights_deferred():
+    """Return whether the backward pass running in this thread defers parameter gradients (``backward_input``)."""
+    running = getattr(_local, "running", None)
+    return running is not None and running.defer is not None
+
+
+def queue_weight_callback(fn):
+    """In a ``backward_input`` pass: run ``fn()`` when ``run()`` of its deferred weight gradients starts.
+
+    It runs before any parameter gradient is computed, in order of queueing; ``queue_callback`` works inside
+    it and during the whole weight pass (its callbacks run when that pass ends). A wrapper that gathers
+    parameters for backward (FSDP) gathers them again here.
+    """
+    running = getattr(_local, "running", None)
+    if running is None or running.defer is None:
+        raise RuntimeError("queue_weight_callback: no backward_input pass is running in this thread "
+                           "(check weights_deferred() first)")
+    running.weight_callbacks.append(fn)
+
+
+def _apply_pre_hooks(node, slot):
+    """Run the tensor hooks of ``node``'s outputs on their gradients in ``slot`` (one per output), in place."""
+    for index, hooks in node.pre_hooks.items():
+        if slot[index] is not None:
+            for fn in list(hooks.values()):
+                out = fn(slot[index])
+                if out is not None:
+                    slot[index] = out
+
+
 def _accumulate(buffers, key, index, n_out, g):
     slot = buffers.get(key)
     if slot is None:
@@ -361,7 +396,8 @@ class _Pass:
         self.retain_graph = retain_graph
         self.capture = capture  # ids of leaves whose gradients are returned instead of accumulated
         self.follow = follow  # None, or the ids of the nodes and leaves this pass differentiates
-        self.defer = defer  # None, or a list receiving (node, grads, needs) for the weight pass
+        self.defer = defer  # None, or a list receiving (node, grads, needs, hooked) for the weight pass
+        self.weight_callbacks = []  # queue_weight_callback's functions (a deferring pass only)
         self.captured = {}
 
     def _followed(self, edge):
@@ -390,7 +426,9 @@ class _Pass:
         ready, started = [], set()
         callbacks = []
         prev_callbacks = getattr(_local, "callbacks", None)
+        prev_running = getattr(_local, "running", None)
         _local.callbacks = callbacks
+        _local.running = self
         try:
             with no_grad():
                 for key, _, _ in seeds:
@@ -412,16 +450,12 @@ class _Pass:
                 i += 1
         finally:
             _local.callbacks = prev_callbacks
+            _local.running = prev_running
         return self.captured
 
     def _run_node(self, node, slot, deps, buffers, ready):
         if node.pre_hooks:
-            for index, hooks in node.pre_hooks.items():
-                if slot[index] is not None:
-                    for fn in list(hooks.values()):
-                        out = fn(slot[index])
-                        if out is not None:
-                            slot[index] = out
+            _apply_pre_hooks(node, slot)
         if node.backward_fn is None:
             raise RuntimeError(f"backward: the graph through {node!r} was already freed by an earlier "
                                f"backward; pass retain_graph=True to the first one to backward twice")
@@ -433,7 +467,7 @@ class _Pass:
         if self.defer is not None:
             weight_edges = tuple(e is not None and not f for e, f in zip(edges, followed))
             if any(weight_edges):
-                self.defer.append((node, grads, weight_edges))
+                self.defer.append((node, grads, weight_edges, True))
                 keep = True
         if grads is None or (node.n_out > 1 and all(g is None for g in grads)) or not any(followed):
             results = [None] * len(edges)
@@ -473,6 +507,12 @@ class _Pass:
             return
         if self.capture is not None:
             if id(leaf) in self.capture:
+                # Tensor hooks fire on a captured gradient too (PyTorch's rule); their result is what is returned.
+                if leaf._hooks:
+                    for fn in list(leaf._hooks.values()):
+                        out = fn(g)
+                        if out is not None:
+                            g = out
                 prev = self.captured.get(id(leaf))
                 self.captured[id(leaf)] = g if prev is None else prev + g
             return
@@ -584,8 +624,9 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=False, allow_unused=Fa
 class DeferredWeightGrads:
     """The parameter-gradient work that ``backward_input`` kept back; ``run()`` does it once."""
 
-    def __init__(self, pending):
+    def __init__(self, pending, callbacks=()):
         self._pending = pending
+        self._callbacks = list(callbacks)  # queue_weight_callback's functions, run first
 
     def __len__(self):
         return 0 if self._pending is None else len(self._pending)
@@ -595,18 +636,37 @@ class DeferredWeightGrads:
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("DeferredWeightGrads.run: already ran")
-        seeds = []
-        with no_grad():
-            for node, grads, needs in pending:
-                if isinstance(node, Node):
+        callbacks = []
+        prev_callbacks = getattr(_local, "callbacks", None)
+        _local.callbacks = callbacks  # queue_callback works in the weight pass: its callbacks run at the end
+        try:
+            for fn in self._callbacks:
+                fn()
+            seeds = []
+            with no_grad():
+                for node, grads, needs, hooked in pending:
+                    if not isinstance(node, Node):  # an output that is itself a leaf: its hooks fire in the pass
+                        seeds.append((node, 0, grads))
+                        continue
+                    if not hooked and node.pre_hooks:
+                        # An output whose whole backward was deferred: its gradient is computed now.
+                        slot = [grads] if node.n_out == 1 else list(grads)
+                        _apply_pre_hooks(node, slot)
+                        grads = slot[0] if node.n_out == 1 else tuple(slot)
+                    if node.backward_fn is None:
+                        raise RuntimeError(f"DeferredWeightGrads.run: the graph through {node!r} was already freed")
                     results = node.backward_fn(grads, needs)
                     node.backward_fn = None
                     seeds.extend((edge[0], edge[1], g) for edge, need, g in zip(node.edges, needs, results)
                                  if need and g is not None)
-                else:  # an output that is itself a leaf
-                    seeds.append((node, 0, grads))
-        if seeds:
-            _Pass(retain_graph=False).run(seeds)
+            if seeds:
+                _Pass(retain_graph=False).run(seeds)
+            i = 0
+            while i < len(callbacks):
+                callbacks[i]()
+                i += 1
+        finally:
+            _local.callbacks = prev_callbacks
 
 
 def backward_input(outputs, grad_outputs, inputs):
@@ -634,10 +694,13 @@ def backward_input(outputs, grad_outputs, inputs):
                 pending.append(key)
             _accumulate(weight_only, id(key), index, key.n_out, g)
         else:
-            pending.append((key, g, None))
+            pending.append((key, g, None, False))
+    # Whole-deferred outputs: their tensor hooks have not fired (hooked=False); run() fires them.
     pending = [(key, weight_only[id(key)][0] if key.n_out == 1 else tuple(weight_only[id(key)]),
-                tuple(e is not None for e in key.edges)) if isinstance(key, Node) else key for key in pending]
-    captured = {}
+                tuple(e is not None for e in key.edges), False) if isinstance(key, Node) else key for key in pending]
+    captured, callbacks = {}, ()
     if live:
-        captured = _Pass(False, capture={id(t) for t in inputs}, follow=follow, defer=pending).run(live)
-    return [captured.get(id(t)) for t in inputs], DeferredWeightGrads(pending)
+        b_pass = _Pass(False, capture={id(t) for t in inputs}, follow=follow, defer=pending)
+        captured = b_pass.run(live)
+        callbacks = b_pass.weight_callbacks
+    return [captured.get(id(t)) for t in inputs], DeferredWeightGrads(pending, callbacks)

@@ -78,8 +78,23 @@ def pow(a, exponent):
     """Return ``a ** exponent`` for a number ``exponent``."""
     if isinstance(exponent, Tensor):
         raise TypeError("pow: the exponent must be a number (a tensor exponent is not supported)")
-    out = _d(a) ** exponent
-    return make_result("Pow", out, (a,), lambda g, n: (g * (exponent * _d(a) ** (exponent - 1)),))
+    out = _power(_d(a), exponent)
+    return make_result("Pow", out, (a,), lambda g, n: (g * (exponent * _power(_d(a), exponent - 1)),))
+
+
+def _power(x, exponent):
+    """``x ** exponent``, by multiplication for small whole exponents (numpy's float32 pow is per-element powf)."""
+    if exponent in (0, 1, 2, 3, 4) and float(exponent).is_integer():
+        e = int(exponent)
+        if e == 0:
+            return get_array_module(x).ones_like(x)
+        out = x.copy() if e == 1 else x * x
+        if e >= 3:
+            out *= x
+        if e == 4:
+            out *= x
+        return out
+    return x ** exponent
 
 
 def where(cond, a, b):
@@ -125,13 +140,15 @@ def linear(x, weight, bias=None):
     if dx.shape[-1:] != w.shape[1:]:
         raise ValueError(f"linear: input last dim does not match the weight's in_features "
                          f"(input: {dx.shape}, weight: {w.shape})")
-    out = dx @ w.T
+    # As one 2-D product: numpy runs a (batch, seq, in) @ (in, out) product as a loop over the batch, about
+    # 20% slower than the same work as one (batch * seq, in) @ (in, out) BLAS call.
+    out = (dx.reshape(-1, dx.shape[-1]) @ w.T).reshape(dx.shape[:-1] + (w.shape[0],)) if dx.ndim > 2 else dx @ w.T
     if bias is not None:
         out += _d(bias)
 
     def backward(g, n):
         g2 = g.reshape(-1, g.shape[-1])
-        gx = (g @ _d(weight)) if n[0] else None
+        gx = (g2 @ _d(weight)).reshape(g.shape[:-1] + (_d(weight).shape[1],)) if n[0] else None
         gw = g2.T @ _d(x).reshape(-1, _d(x).shape[-1]) if n[1] else None
         gb = g2.sum(axis=0) if bias is not None and n[2] else None
         return gx, gw, gb
@@ -355,13 +372,30 @@ def gelu(a):
     """Return GELU with the tanh approximation: ``0.5 a (1 + tanh(sqrt(2/pi) (a + 0.044715 a^3)))``."""
     x = _d(a)
     xp = get_array_module(x)
-    t = xp.tanh(_GELU_C * (x + _GELU_K * x ** 3))
-    out = 0.5 * x * (1 + t)
+    # Written as products, in place: numpy's float32 ``x ** 3`` calls powf per element and took 60x longer
+    # than the rest of GELU together (140 ms of a 1.2 s GPT step).
+    t = x * x
+    t *= _GELU_K
+    t += 1
+    t *= x
+    t *= _GELU_C
+    xp.tanh(t, out=t)
+    out = t + 1
+    out *= x
+    out *= 0.5
 
     def backward(g, n):
         x = _d(a)
-        dt = (1 - t * t) * _GELU_C * (1 + 3 * _GELU_K * x * x)
-        return (g * (0.5 * (1 + t) + 0.5 * x * dt),)
+        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) C (1 + 3 K x^2)
+        dt = x * x
+        dt *= 3 * _GELU_K
+        dt += 1
+        dt *= 1 - t * t
+        dt *= 0.5 * _GELU_C
+        dt *= x
+        dt += 0.5 * (1 + t)
+        dt *= g
+        return (dt,)
     return make_result("Gelu", out, (a,), backward)
 
 

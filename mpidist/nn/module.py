@@ -5,6 +5,9 @@ Glossary:
                place and bump ``version`` (ranks that must agree on the step compare it).
   forward hooks ``register_forward_pre_hook`` / ``register_forward_hook``: PyTorch's names and signatures;
                DDP, FSDP and the pipeline attach here and never replace a module's methods.
+  global forward hooks ``register_module_forward_pre_hook`` / ``register_module_forward_hook``: the same
+               hooks for every module's call (PyTorch's names), run before each module's own; tracing
+               (mpidist.trace) times module calls here. None registered costs one dict check per call.
   post-accumulate-grad hook ``Parameter.register_post_accumulate_grad_hook(fn)``: ``fn(param)`` once per
                backward, when the parameter's gradient for that backward is final (a tied parameter fires
                once, after its last use).
@@ -21,7 +24,8 @@ from mpidist.nn.autograd import Tensor, _add_hook, is_grad_enabled, no_grad  # n
 from mpidist.nn.checkpoint import checkpoint
 from mpidist.xp import copy_into
 
-__all__ = ["Parameter", "Module", "Sequential", "ModuleList", "ModuleDict", "no_grad", "is_grad_enabled"]
+__all__ = ["Parameter", "Module", "Sequential", "ModuleList", "ModuleDict", "no_grad", "is_grad_enabled",
+           "register_module_forward_pre_hook", "register_module_forward_hook"]
 
 
 class Parameter(Tensor):
@@ -64,6 +68,23 @@ def _register(registry, entry, prepend):
     return handle
 
 
+_global_forward_pre_hooks = OrderedDict()
+_global_forward_hooks = OrderedDict()
+
+
+def register_module_forward_pre_hook(hook):
+    """Call ``hook(module, args)`` before every module's forward (before its own pre-hooks); return a handle.
+
+    It may return new args, as a module's own pre-hook may.
+    """
+    return _register(_global_forward_pre_hooks, (hook, False), False)
+
+
+def register_module_forward_hook(hook):
+    """Call ``hook(module, args, output)`` after every module's forward (before its own hooks); return a handle."""
+    return _register(_global_forward_hooks, (hook, False), False)
+
+
 class Module:
     """Base class: registers parameters, children and buffers; ``__call__`` runs hooks around forward."""
 
@@ -104,9 +125,13 @@ class Module:
     # -- calling -----------------------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        if not (self._forward_pre_hooks or self._forward_hooks or self.activation_checkpointing):
+        if not (self._forward_pre_hooks or self._forward_hooks or self.activation_checkpointing
+                or _global_forward_pre_hooks or _global_forward_hooks):
             return self.forward(*args, **kwargs)
-        for hook, with_kwargs in list(self._forward_pre_hooks.values()):
+        pre_hooks = self._forward_pre_hooks.values()
+        if _global_forward_pre_hooks:
+            pre_hooks = [*_global_forward_pre_hooks.values(), *pre_hooks]
+        for hook, with_kwargs in list(pre_hooks):
             if with_kwargs:
                 result = hook(self, args, kwargs)
                 if result is not None:
@@ -120,7 +145,10 @@ class Module:
             out = checkpoint(self.forward, *args, **kwargs)
         else:
             out = self.forward(*args, **kwargs)
-        for hook, with_kwargs in list(self._forward_hooks.values()):
+        hooks = self._forward_hooks.values()
+        if _global_forward_hooks:
+            hooks = [*_global_forward_hooks.values(), *hooks]
+        for hook, with_kwargs in list(hooks):
             result = hook(self, args, kwargs, out) if with_kwargs else hook(self, args, out)
             if result is not None:
                 out = result

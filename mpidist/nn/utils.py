@@ -5,6 +5,9 @@ together as one vector, and a scale of ``max_norm / (norm + 1e-6)`` applied when
 With ``comm`` the parameters given on each rank are disjoint parts of one model (FSDP shards,
 pipeline stages): the ranks add up their ``|g|^p`` sums (or take the maximum for the inf-norm), so
 every rank gets the same norm and the same scale as one process holding the whole model.
+
+Tensor-parallel parameters carry a placement (``mpidist.nn.placement``): a sharded gradient's sum is added
+over its communicator, and a replicated one (the same on every rank of its communicator) is counted once.
 """
 
 import math
@@ -14,9 +17,10 @@ import numpy as np
 
 from mpidist.comm.agree import raise_if_any
 from mpidist.nn.module import Parameter
+from mpidist.nn.placement import Replicate, placement_of
 from mpidist.xp import get_array_module
 
-__all__ = ["clip_grad_norm_", "grad_norm"]
+__all__ = ["clip_grad_norm_", "clip_coefficient", "grad_norm"]
 
 
 def _check_norm_type(fn, norm_type):
@@ -25,10 +29,29 @@ def _check_norm_type(fn, norm_type):
     return float(norm_type)
 
 
+class _Grads(list):
+    """The gradients, each with its weight in the sum (1/n for one replicated over n ranks) and the
+    communicators their placements span (the sums are added over each, in first-seen order)."""
+
+    weights = ()
+    comms = ()
+
+
 def _grads(fn, parameters, comm):
     """Return the gradients; a non-float one raises on every rank of ``comm`` (none is left waiting)."""
     params = [parameters] if isinstance(parameters, Parameter) else list(parameters)
-    grads = [param.grad for param in params if param.grad is not None]
+    held = [param for param in params if param.grad is not None]
+    grads = _Grads(param.grad for param in held)
+    weights, comms = [], []
+    for param in held:
+        where = placement_of(param)
+        if isinstance(where, Replicate):
+            weights.append(1.0 / where.comm.Get_size())
+        else:
+            weights.append(1.0)
+        if where is not None and not any(where.comm is c for c in comms):
+            comms.append(where.comm)
+    grads.weights, grads.comms = weights, comms
     bad = [(i, g.dtype) for i, g in enumerate(grads) if g.dtype.kind not in "fc"]
     problem = f"gradient {bad[0][0]} is {bad[0][1]}" if bad else None
     if comm is not None:
@@ -43,16 +66,23 @@ def _allreduce_scalar(value, comm, op):
     return float(collectives.allreduce(np.array([value]), comm, op=op)[0])
 
 
+def _over(grads, comm):
+    """The communicators a norm is reduced over: the placements' (tensor parallel), then ``comm``."""
+    return list(getattr(grads, "comms", ())) + ([comm] if comm is not None else [])
+
+
 def _max_abs(grads, comm):
     """Return max |g| over all gradients (and ranks); NaN if any is NaN."""
     peaks = [float(get_array_module(g).abs(g).max()) for g in grads if g.size]
     local = math.nan if any(math.isnan(v) for v in peaks) else max(peaks, default=0.0)
-    if comm is None:
+    comms = _over(grads, comm)
+    if not comms:
         return local
     # MAX of a NaN is not defined in MPI: carry "some rank saw NaN" as a flag of its own.
     from mpidist import collectives
-    both = collectives.allreduce(np.array([0.0 if math.isnan(local) else local, float(math.isnan(local))]),
-                                 comm, op="max")
+    both = np.array([0.0 if math.isnan(local) else local, float(math.isnan(local))])
+    for c in comms:
+        both = collectives.allreduce(both, c, op="max")
     return math.nan if both[1] else float(both[0])
 
 
@@ -67,14 +97,15 @@ def _norm(grads, p, comm):
         if scale == 0.0 or not math.isfinite(scale):
             return scale
     local = 0.0
-    for g in grads:  # accumulate in float64 on the host: one number per gradient, whatever its dtype
+    weights = getattr(grads, "weights", None) or [1.0] * len(grads)
+    for g, w in zip(grads, weights):  # accumulate in float64 on the host: one number per gradient
         xp = get_array_module(g)
         a = xp.abs(g).astype(xp.float64, copy=False)  # abs first: complex gradients keep their magnitude
         if scale != 1.0:
             a /= scale
-        local += float(xp.sum(a * a) if p == 2.0 else xp.sum(a ** p))
-    if comm is not None:
-        local = _allreduce_scalar(local, comm, "sum")
+        local += w * float(xp.sum(a * a) if p == 2.0 else xp.sum(a ** p))
+    for c in _over(grads, comm):
+        local = _allreduce_scalar(local, c, "sum")
     return scale * (math.sqrt(local) if p == 2.0 else local ** (1.0 / p))
 
 
@@ -103,8 +134,15 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, comm=None, error_if_non
             raise FloatingPointError(f"clip_grad_norm_: the total norm of the gradients is {total} "
                                      f"(order {norm_type}); a gradient holds NaN or Inf")
         return total
-    scale = float(max_norm) / (total + 1e-6)
+    scale = clip_coefficient(total, max_norm)
     if scale < 1.0:
         for g in grads:
             g *= scale
     return total
+
+
+def clip_coefficient(total_norm, max_norm):
+    """The factor ``clip_grad_norm_`` scales gradients by for a total norm (1.0: left as they are)."""
+    if not math.isfinite(total_norm):
+        return 1.0
+    return min(1.0, float(max_norm) / (total_norm + 1e-6))

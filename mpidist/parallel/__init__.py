@@ -4,5 +4,6 @@ from .ddp import DDP
 from .fsdp import FSDP, ShardingStrategy
 from .mesh import Mesh, mesh
 from .pipeline import Pipeline
+from .tensor import tensor_parallel
 
-__all__ = ["DDP", "FSDP", "ShardingStrategy", "Pipeline", "Mesh", "mesh"]
+__all__ = ["DDP", "FSDP", "ShardingStrategy", "Pipeline", "Mesh", "mesh", "tensor_parallel"]

@@ -26,7 +26,26 @@ from .. import collectives
 from ..comm.agree import check_same
 from ..guard import DesyncError
 
-__all__ = ["check_same_structure", "structure", "StepStamp"]
+__all__ = ["check_same_structure", "check_same_shards", "structure", "StepStamp"]
+
+
+def check_same_shards(comm, named, who):
+    """Raise on every rank unless every rank of ``comm`` holds the same slice of every sharded parameter.
+
+    A data-parallel wrapper averages gradients and broadcasts values over its communicator: given ranks that
+    hold different tensor-parallel slices (the world instead of the mesh's dp communicator), it would
+    overwrite every slice with rank 0's and average unrelated numbers. Collective (one digest allgather).
+    """
+    from mpidist.nn.placement import Shard, placement_of
+    items = []
+    for name, param in named:
+        where = placement_of(param)
+        if isinstance(where, Shard):
+            items.append((name, where.dim, where.start, tuple(param.data.shape)))
+    check_same(comm, items, f"{who}: the ranks of its communicator hold different tensor-parallel slices of a "
+                            f"parameter, so averaging over them would mix unrelated numbers; pass the data-parallel "
+                            f"communicator of the mesh (mesh(comm, dp=, tp=, pp=).dp_comm), not one that spans the "
+                            f"tensor-parallel ranks", what="(parameter, shard dim, shard start, local shape)")
 
 
 def structure(named_parameters):
@@ -76,6 +95,41 @@ class StepStamp:
         self._handle = collectives.iallreduce(np.array(mine + tuple(-v for v in mine), dtype=np.int64),
                                               self.comm, op="max")
 
+    # -- the stamp carried inside a summed message (DDP's last gradient bucket) -----------------------------
+    SLOTS = 8  # (count mod M, (count mod M)^2) for each of the four counts
+
+    @staticmethod
+    def modulus(dtype, size):
+        """The largest M with size * M^2 exact in ``dtype``, or None when too small to tell counts apart."""
+        bits = {2: 11, 4: 24, 8: 53}.get(np.dtype(dtype).itemsize) if np.dtype(dtype).kind == "f" else None
+        if bits is None:
+            return None
+        m = int((2.0 ** bits / size) ** 0.5)
+        return min(m, 1 << 20) if m >= 16 else None
+
+    def encode(self, params, m):
+        """Record this rank's counts and return them as the 8 values to add into a summed message.
+
+        Summed over N ranks, each count's pair gives S1 = sum c and S2 = sum c^2, and S1^2 == N * S2 exactly
+        when every rank has the same c (Cauchy-Schwarz). Counts are taken mod m so the sums stay exact in
+        the message's dtype; ranks apart by a multiple of m steps would pass, but a desync is caught at the
+        first synchronization after it happens, one or two steps apart.
+        """
+        self._mine = (self.forwards, self.backwards, self.syncs, _updates(params) - self._base_updates)
+        out = []
+        for c in self._mine:
+            c %= m
+            out += [c, c * c]
+        return np.array(out, dtype=np.float64)
+
+    def check_sums(self, sums, where):
+        """Raise DesyncError on every rank if the summed stamp of ``encode`` shows ranks at different counts."""
+        size = self.comm.Get_size()
+        values = [int(round(float(v))) for v in sums]
+        if all(values[k] * values[k] == size * values[k + 1] for k in range(0, len(values), 2)):
+            return
+        self._raise(where)
+
     def finish(self, where):
         """Wait for the check; raise DesyncError on every rank, naming each rank's counts, if ranks differ."""
         if self._handle is None:
@@ -84,7 +138,10 @@ class StepStamp:
         n = len(both) // 2
         if (both[:n] == -both[n:]).all():
             return
-        # Every rank saw the same reduced vector, so every rank is here: the gather below matches.
+        self._raise(where)
+
+    def _raise(self, where):
+        # Every rank saw the same reduced values, so every rank is here: the gather below matches.
         stamps = self.comm.allgather(self._mine)
         groups = {}
         for rank, stamp in enumerate(stamps):

@@ -31,8 +31,8 @@ from .. import collectives
 from ..comm import check_comm
 from ..nn import is_grad_enabled, queue_callback
 from ..nn.utils import clip_grad_norm_
-from ..xp import get_array_module
-from .agreement import StepStamp, check_same_structure
+from ..xp import get_array_module, to_numpy
+from .agreement import StepStamp, check_same_shards, check_same_structure
 
 __all__ = ["DDP", "GradientBucket"]
 
@@ -42,13 +42,15 @@ _MB = 1024 * 1024
 class GradientBucket:
     """A flat gradient buffer for a group of parameters, with its pending allreduce."""
 
-    def __init__(self, index, params, names):
+    def __init__(self, index, params, names, extra=0):
         self.index = index
         self.params = params
         self.names = names
         xp = get_array_module(params[0].data)
         self.sizes = [p.data.size for p in params]
-        self.flat = xp.zeros(sum(self.sizes), dtype=params[0].data.dtype)
+        # ``extra`` slots after the gradients carry the step stamp (agreement.StepStamp.encode) in the sum.
+        self.flat = xp.zeros(sum(self.sizes) + extra, dtype=params[0].data.dtype)
+        self.stamp_view = self.flat[sum(self.sizes):] if extra else None
         self.views = []
         offset = 0
         for p, n in zip(params, self.sizes):
@@ -133,11 +135,20 @@ class DDP:
             raise ValueError(f"DDP: module {type(module).__name__} has no parameters")
         # Before the first broadcast: different models would fail there with MPI's size error, or worse.
         check_same_structure(comm, named, "DDP")
+        check_same_shards(comm, named, "DDP")
         self._stamp = StepStamp(comm, "DDP")
         self._broadcast_state([p.data for _, p in named])
         if broadcast_buffers:
             self._broadcast_state([b for _, b in module.named_buffers()])
         self.buckets = self._build_buckets(named, bucket_cap_mb * _MB, first_bucket_mb * _MB)
+        # The step check rides in the last bucket's allreduce (launched last, so every count is final by
+        # then): no message of its own. Where the bucket's dtype cannot hold the sums exactly (float16 on
+        # many ranks), it falls back to a small nonblocking allreduce of its own.
+        last = self.buckets[-1]
+        self._stamp_mod = StepStamp.modulus(last.flat.dtype, comm.Get_size())
+        if self._stamp_mod is not None:
+            self.buckets[-1] = GradientBucket(last.index, last.params, last.names, extra=StepStamp.SLOTS)
+        self._stamp_pending = False
         self._bucket_of = {}
         for bucket in self.buckets:
             for p in bucket.params:
@@ -248,6 +259,12 @@ class DDP:
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
 
+    def remove_hooks(self):
+        """Detach this DDP from the module's parameters, e.g. before wrapping the module again over another comm."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
     # -- gradient synchronization -------------------------------------------------------------------
     def _grad_ready(self, param):
         if self._backward is None:
@@ -276,8 +293,14 @@ class DDP:
         self._backward = (sync, time.perf_counter())
         self._stamp.count_backward(sync)
         if sync and self._join is None:  # joined ranks mirror only the buckets' collectives
-            self._stamp.start(self.module.parameters())
+            self._start_stamp()
         queue_callback(self._end_backward)
+
+    def _start_stamp(self):
+        if self._stamp_mod is None:
+            self._stamp.start(self.module.parameters())
+        else:
+            self._stamp_pending = True  # written into the last bucket when it launches
 
     def _end_backward(self):
         sync, start = self._backward
@@ -302,6 +325,10 @@ class DDP:
             # Remember which rank produced a NaN/Inf before averaging spreads it to every rank.
             xp = get_array_module(bucket.flat)
             bucket.local_nonfinite = [not bool(xp.isfinite(v).all()) for v in bucket.views]
+        if bucket.stamp_view is not None:
+            values = self._stamp.encode(self.module.parameters(), self._stamp_mod) if self._stamp_pending else None
+            bucket.stamp_view[...] = 0 if values is None else get_array_module(bucket.flat).asarray(values)
+            self._stamp_pending = values is not None  # now: whether to check the sums after the wait
         # Every gradient was divided by the world size on its way into the bucket: the sum is the mean.
         bucket.handle = collectives.iallreduce(bucket.flat, self.comm, op="sum")
 
@@ -339,7 +366,12 @@ class DDP:
             bucket.scaled = [False] * len(bucket.params)
         self._next_launch = 0
         self.stats["steps"] += 1
-        self._stamp.finish(f"gradient synchronization #{self.stats['steps']}")
+        where = f"gradient synchronization #{self.stats['steps']}"
+        if self._stamp_pending:
+            self._stamp_pending = False
+            self._stamp.check_sums(to_numpy(self.buckets[-1].stamp_view), where)
+        elif self._stamp_mod is None:
+            self._stamp.finish(where)
         if self.unused_parameters == "error":
             self._check_unused(unused)
         if self.check_finite:
@@ -373,7 +405,7 @@ class DDP:
             bucket.ready.update(id(p) for p in bucket.params)
         self._next_launch = 0
         if self._join is None:
-            self._stamp.start(self.module.parameters())
+            self._start_stamp()
         self._finish_sync()
 
     @contextlib.contextmanager

@@ -13,6 +13,10 @@ nonblocking or rooted form of (reduce, gather, scatter, reduce-scatter, all-to-a
 the bitwise reductions) call mpi4py's nonblocking methods here, on the same numpy buffers.
 """
 
+import datetime
+import time
+import weakref
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -21,7 +25,7 @@ from mpi4py import MPI
 from .. import collectives
 from . import _check
 from ._tensors import UnsupportedError, as_bytes, as_reducible, check_device, empty_bytes, reduce_dtype
-from ._work import Requests, Work, completed
+from ._work import Abort, AbortedError, Requests, Work, completed
 
 __all__ = ["ProcessGroupMPI", "BACKEND_NAME"]
 
@@ -84,14 +88,30 @@ def _write_back(buffers):
 class ProcessGroupMPI(dist.ProcessGroup):
     """A torch.distributed process group whose operations run on an MPI communicator."""
 
-    def __init__(self, comm, rank, size, name=None):
+    def __init__(self, comm, rank, size, name=None, store=None, timeout=None):
         super().__init__(rank, size)
         if comm.Get_rank() != rank or comm.Get_size() != size:
             raise RuntimeError(f"mpidist: torch gives this process rank {rank} of {size}, MPI rank {comm.Get_rank()} of "
                                f"{comm.Get_size()}: launch with mpiexec/srun and let init_process_group take both from MPI")
-        self.comm = comm
+        self._comm = comm
         self._rank, self._size = rank, size
         self.name_given = name
+        self._store = store            # torch's store of this group (a PrefixStore), for get_group_store()
+        self._timeout = timeout        # torch's timeout of this group (monitored_barrier's default, shutdown's bound)
+        self._abort = Abort(name)      # see _work's glossary
+        self._pending = weakref.WeakSet()  # works started and not yet complete (abort and shutdown end them)
+        # monitored_barrier talks on a communicator of its own, made now: made at the first monitored_barrier
+        # it would be collective, and a rank that never arrives would hang the others instead of being named.
+        self._monitor = comm.Dup()
+        self._monitor_calls = 0
+        self._splits = 0
+
+    @property
+    def comm(self):
+        """The group communicator; raises once the group was aborted or shut down (every operation asks here)."""
+        if self._abort.reason is not None:
+            raise AbortedError(self._abort.reason)
+        return self._comm
 
     # -- identity ---------------------------------------------------------------------------------
     def getBackendName(self):
@@ -110,6 +130,14 @@ class ProcessGroupMPI(dist.ProcessGroup):
 
     def size(self):
         return self._size
+
+    def get_group_store(self):
+        return self._store
+
+    def _set_sequence_number_for_group(self):
+        # torch's split_group calls this on the new group's backend; sequence numbers are an NCCL/gloo
+        # bookkeeping this backend does not keep (MPI orders a communicator's collectives itself).
+        pass
 
     def rank(self):
         return self._rank
@@ -155,7 +183,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
             for f in finishers:
                 f()
             return list(tensors)
-        return Work(op, pending, finish)
+        return Work(op, pending, finish, group=self)
 
     def reduce(self, tensors, opts):
         op = "reduce"
@@ -176,7 +204,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
                     buf.array /= self._size
                 buf.write_back()
             return [t]
-        return Work(op, [Requests([request], keep=(buf.array,))], finish)
+        return Work(op, [Requests([request], keep=(buf.array,))], finish, group=self)
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self._reduce_scatter("reduce_scatter_single", output, [input], _kind_of(opts), opts)
@@ -222,7 +250,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
                 out.array /= self._size
             out.write_back()
             return [output]
-        return Work(op, [Requests([request], keep=(send.array, out.array))], finish)
+        return Work(op, [Requests([request], keep=(send.array, out.array))], finish, group=self)
 
     # -- data movement ----------------------------------------------------------------------------
     def broadcast(self, tensors, opts):
@@ -236,7 +264,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         def finish():
             _write_back(bufs)
             return list(tensors)
-        return Work(op, pending, finish)
+        return Work(op, pending, finish, group=self)
 
     def all_gather_single(self, output, input, opts=None):
         op = "all_gather_single"
@@ -262,13 +290,13 @@ class ProcessGroupMPI(dist.ProcessGroup):
                 def finish_in_place():
                     out.write_back()
                     return [output]
-                return Work(op, [Requests([request], keep=(out.array,))], finish_in_place)
+                return Work(op, [Requests([request], keep=(out.array,))], finish_in_place, group=self)
         handle = collectives.iallgather(send.array, self.comm, out=out.array)
 
         def finish():
             out.write_back()
             return [output]
-        return Work(op, [handle], finish)
+        return Work(op, [handle], finish, group=self)
 
     def _allgather_base(self, output, input, opts=None):
         return self.all_gather_single(output, input, opts)
@@ -330,7 +358,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
             if receiving:
                 _unpack(recv, counts, outputs)
             return [outputs] if receiving else []
-        return Work(op, [Requests([request], keep=(send.array, recv))], finish)
+        return Work(op, [Requests([request], keep=(send.array, recv))], finish, group=self)
 
     def scatter(self, outputs, input_lists, opts):
         op = "scatter"
@@ -356,7 +384,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         def finish():
             out.write_back()
             return [t]
-        return Work(op, [Requests([request], keep=(send, out.array))], finish)
+        return Work(op, [Requests([request], keep=(send, out.array))], finish, group=self)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         op = "all_to_all_single"
@@ -376,7 +404,7 @@ class ProcessGroupMPI(dist.ProcessGroup):
         def finish():
             out.write_back()
             return [output]
-        return Work(op, [Requests([request], keep=(send.array, out.array))], finish)
+        return Work(op, [Requests([request], keep=(send.array, out.array))], finish, group=self)
 
     def alltoall_base(self, output, input, output_splits, input_splits, opts=None):
         return self.all_to_all_single(output, input, output_splits, input_splits, opts)
@@ -398,18 +426,156 @@ class ProcessGroupMPI(dist.ProcessGroup):
         def finish():
             _unpack(recv, recv_counts, outputs)
             return list(outputs)
-        return Work(op, [Requests([request], keep=(send, recv))], finish)
+        return Work(op, [Requests([request], keep=(send, recv))], finish, group=self)
 
     def barrier(self, opts=None):
         _check.agree(self.comm, "barrier", [])
-        return Work("barrier", [Requests([self.comm.Ibarrier()])], None, [])
+        return Work("barrier", [Requests([self.comm.Ibarrier()])], None, [], group=self)
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """A barrier that names the ranks that did not arrive within ``timeout`` instead of waiting forever.
+
+        As gloo's: every other rank tells group rank 0 it arrived and waits for rank 0's answer; rank 0 waits
+        (tests with sleeps in between, never spinning) until all arrived or ``timeout`` passed. Then rank 0
+        raises naming the first missing rank ("Rank 2 failed to pass monitoredBarrier in 1000 ms"), or all of
+        them with ``wait_all_ranks``; unlike gloo, the ranks that did arrive learn those names from rank 0
+        at once and raise them too. A rank whose answer from rank 0 does not come within ``timeout`` plus a
+        grace of min(timeout, 1 s) raises saying so (rank 0 missing, or it gave up before this rank came).
+        Not checked for desync and not a collective of the group communicator: a missing rank cannot hang it.
+        After a failure the group is for diagnosis: a rank that arrives after rank 0 gave up is counted as
+        arrived at the next monitored_barrier (a rank that never came leaves nothing behind).
+        """
+        limit = _seconds(timeout if timeout is not None else self._timeout)
+        self.comm  # noqa: B018 - raises when aborted
+        comm, rank, size = self._monitor, self._rank, self._size
+        self._monitor_calls += 1
+        ms = int(round(limit * 1000))
+        if size == 1:
+            return
+        start = time.monotonic()
+        if rank == 0:
+            notes = {r: np.zeros(1, np.int32) for r in range(1, size)}
+            waiting = {r: comm.Irecv(notes[r], source=r, tag=_ARRIVED) for r in range(1, size)}
+            _poll(lambda: _drop_completed(waiting), start + limit, self._abort)
+            for r, request in list(waiting.items()):
+                if not _cancelled(request):
+                    del waiting[r]  # it arrived while we gave up
+            missing = sorted(waiting)
+            answer = np.full(size, -1, np.int32)
+            answer[0] = len(missing)
+            answer[1:1 + len(missing)] = missing
+            MPI.Request.Waitall([comm.Isend(answer, r, _ANSWER) for r in range(1, size) if r not in waiting])
+            if missing:
+                raise RuntimeError(_monitor_failure(missing, ms, wait_all_ranks, size))
+            return
+        answer = np.empty(size, np.int32)
+        here = np.ones(1, np.int32)
+        reply = comm.Irecv(answer, source=0, tag=_ANSWER)
+        arrival = comm.Isend(here, 0, _ARRIVED)
+        grace = min(limit, 1.0)
+        if not _poll(reply.Test, start + limit + grace, self._abort) and _cancelled(reply):
+            if not arrival.Test():
+                _work_abandoned(arrival, here)
+            raise RuntimeError(f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting "
+                               f"for send/recv from rank 0: no answer within {ms} ms (+{int(grace * 1000)} ms grace): rank 0 "
+                               f"did not reach the barrier, or gave up before rank {rank} arrived (group of {size})")
+        arrival.Wait()
+        if answer[0]:
+            missing = [int(r) for r in answer[1:1 + answer[0]]]
+            raise RuntimeError(f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting "
+                               f"for send/recv from rank 0: rank 0 reports {_monitor_failure(missing, ms, wait_all_ranks, size)}")
+
+    # -- splitting, abort, shutdown ---------------------------------------------------------------
+    @property
+    def supports_splitting(self):
+        return True
+
+    @property
+    def options(self):
+        # torch's split_group deep-copies the parent's options and hands them to split_group (unused here).
+        return _Options(self._timeout)
+
+    def comm_split_count(self):
+        return self._splits
+
+    def perform_nocolor_split(self, device=None):
+        # torch calls this on the ranks left out of a new_group when the default group has a bound device
+        # (NCCL's ncclCommSplit needs every rank); our new_group is MPI_Comm_create_group over the members
+        # only, so the others have nothing to do.
+        pass
+
+    def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None, device_types=None):
+        """Split this group (collective over all of it): ``ranks`` (ranks of this group) become a new group.
+
+        torch's ``dist.split_group`` calls this on every rank of the parent with the rank's own split (or the
+        first split for a rank in none); one ``MPI_Comm_split``, colour = the split's lowest rank, so disjoint
+        splits become disjoint communicators at once. Returns the new group, or None for a rank in no split.
+        """
+        comm = self.comm
+        ranks = sorted(int(r) for r in ranks)
+        if not ranks or ranks[0] < 0 or ranks[-1] >= self._size or len(set(ranks)) != len(ranks):
+            raise ValueError(f"mpidist split_group: split {ranks} must be distinct ranks of this group of {self._size}")
+        mine = self._rank in ranks
+        sub = comm.Split(ranks[0] if mine else MPI.UNDEFINED, self._rank)
+        self._splits += 1
+        if not mine:
+            return None
+        members = MPI.Group.Translate_ranks(sub.Get_group(), list(range(sub.Get_size())), comm.Get_group())
+        if list(members) != ranks:
+            sub.Free()
+            raise ValueError(f"mpidist split_group: rank {self._rank} was given the split {ranks}, but the ranks that "
+                             f"joined it gave {list(members)}: every rank must pass the same split_ranks")
+        name = str(group_name) if group_name is not None else f"{self.group_name}:split:{self._splits}"
+        sub.Set_name(f"torch:{name}")
+        store = dist.PrefixStore(f"{name}/", self._store) if self._store is not None else None
+        group = ProcessGroupMPI(sub, sub.Get_rank(), sub.Get_size(), name=name, store=store,
+                                timeout=timeout if timeout is not None else self._timeout)
+        if group_desc is not None:
+            group._set_group_desc(group_desc)
+        return group
+
+    def abort(self):
+        """End this group at once, locally: every pending and later operation raises, blocked waits return.
+
+        What MPI allows without the peers: waits blocked inside MPI are released (see _work's abort signal),
+        pending receives are cancelled, collectives and sends that cannot be cancelled are abandoned with
+        their buffers kept alive (a late peer may still complete them), and the communicators are freed
+        (MPI_Comm_free lets pending operations finish). Peers are not told: they abort on their own
+        timeouts, as with NCCL's ncclCommAbort.
+        """
+        self._end(f"mpidist: process group {self.name_given or ''} (rank {self._rank} of {self._size}) was aborted")
+
+    def shutdown(self):
+        """End this group after its pending operations complete (destroy_process_group calls it).
+
+        Waits for the operations still in flight at most the group's timeout, then aborts what is left, and
+        frees the group's communicators, so destroying many groups does not run MPI out of communicators.
+        """
+        if self._abort.reason is None:
+            deadline = time.monotonic() + _seconds(self._timeout)
+            for work in list(self._pending):
+                try:
+                    work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+                except Exception:  # noqa: BLE001 - its own waiter sees the error; shutdown goes on
+                    pass
+        self._end(f"mpidist: process group {self.name_given or ''} (rank {self._rank} of {self._size}) was shut down")
+
+    def _end(self, reason):
+        if not self._abort.fire(reason):
+            return
+        for work in list(self._pending):
+            work._abandon()
+        _check.forget(self._comm)
+        for comm in (self._comm, self._monitor):
+            if comm != MPI.COMM_NULL:
+                comm.Free()
 
     # -- point to point ---------------------------------------------------------------------------
     def send(self, tensors, dst, tag):
         op = "send"
         t = _one(op, tensors)
         buf = as_bytes(op, t)
-        return Work(op, [Requests([self.comm.Isend(buf.array, dst, tag)], keep=(buf.array,))], None, [t])
+        return Work(op, [Requests([self.comm.Isend(buf.array, dst, tag)], keep=(buf.array,))], None, [t], group=self)
 
     def recv(self, tensors, src, tag):
         return self._recv("recv", tensors, src, tag)
@@ -430,8 +596,65 @@ class ProcessGroupMPI(dist.ProcessGroup):
             buf.write_back()
             work._source = status.Get_source()
             return [t]
-        work = Work(op, [Requests([self.comm.Irecv(buf.array, src, tag)], keep=(buf.array,), status=status)], finish)
+        work = Work(op, [Requests([self.comm.Irecv(buf.array, src, tag)], keep=(buf.array,), status=status)], finish, group=self)
         return work
+
+
+# monitored_barrier's messages on its own communicator: "I arrived" to rank 0, rank 0's answer back.
+_ARRIVED, _ANSWER = 1, 2
+
+
+class _Options:
+    """What torch's split_group copies from a parent group and passes to the split (the timeout)."""
+
+    def __init__(self, timeout):
+        self._timeout = timeout
+
+
+def _seconds(timeout):
+    if timeout is None:
+        return float(dist.distributed_c10d.default_pg_timeout.total_seconds())
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+def _poll(done, deadline, abort):
+    """Call ``done()`` with sleeps of 50 us growing to 1 ms in between until true or ``deadline``; return it."""
+    delay = 5e-5
+    while not done():
+        abort.check()
+        if time.monotonic() >= deadline:
+            return done()
+        time.sleep(delay)
+        delay = min(2 * delay, 1e-3)
+    return True
+
+
+def _drop_completed(waiting):
+    for r in [r for r, request in waiting.items() if request.Test()]:
+        del waiting[r]
+    return not waiting
+
+
+def _monitor_failure(missing, ms, wait_all_ranks, size):
+    if wait_all_ranks:
+        return f"[Rank 0]: Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in {ms} ms"
+    return (f"[Rank 0]: Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms (Rank 0 timed out in "
+            f"monitoredBarrier after {ms} ms; of {size} ranks, {len(missing)} did not arrive: {missing})")
+
+
+def _cancelled(request):
+    """Cancel a pending receive; return False if it had matched a message after all (then it is complete)."""
+    status = MPI.Status()
+    request.Cancel()
+    request.Wait(status)
+    return status.Is_cancelled()
+
+
+def _work_abandoned(request, buffer):
+    from . import _work
+    _work._abandoned.append(([request], (buffer,)))
 
 
 def _kind_of(opts):

@@ -21,7 +21,7 @@ from mpi4py import MPI
 from .. import guard
 from ..guard import DesyncError
 
-__all__ = ["agree", "enabled"]
+__all__ = ["agree", "enabled", "forget"]
 
 _OPS = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_single", "broadcast",
         "all_gather_single", "allgather", "allgather_coalesced", "gather", "scatter", "all_to_all_single",
@@ -57,6 +57,13 @@ def agree(comm, op, tensors, reduction=None, root=-1, rows=False):
         return
     calls = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(every))
     raise DesyncError(f"mpidist torch backend: ranks of a group of {comm.Get_size()} disagree at call #{state[2]} ({calls})")
+
+
+def forget(comm):
+    """Free the check communicator of ``comm`` (its group ended)."""
+    state = _state.pop(id(comm), None)
+    if state is not None and state[0] is comm:
+        state[1].Free()
 
 
 def _describe(row):

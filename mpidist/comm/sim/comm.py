@@ -8,6 +8,7 @@ Sends are eager (buffered at once), except synchronous sends, which complete whe
 them; so a standard ``Send`` never blocks here although a large one may block under real MPI.
 """
 
+import threading
 import time
 
 import numpy as np
@@ -16,25 +17,59 @@ from mpi4py import MPI
 from ..errors import CollectiveMismatchError, SimAbort
 from . import spec
 from .collectives import Collectives
-from .engine import Context
+from .engine import Context, current
 from .errors import mpi_error
 from .group import SimGroup
-from .p2p import PointToPoint
+from .handles import Handles
+from .p2p import _TAG_UB, PointToPoint  # p2p's _TAG_UB: Open MPI 4 sets TAG_UB on COMM_WORLD only
 from .request import SimRequest
 
-__all__ = ["SimComm", "COMM_NULL"]
+__all__ = ["SimComm", "SimIntercomm", "COMM_NULL"]
 
 
 
 def _describe(name, sig):
-    fields = ", ".join(f"{k}={v}" for k, v in sig)
-    return f"{name}({fields})"
+    try:
+        return _DESCRIBED[name, sig]
+    except (KeyError, TypeError):  # TypeError: a signature value that cannot be a key
+        pass
+    text = f"{name}({', '.join(f'{k}={v}' for k, v in sig)})"
+    if len(_DESCRIBED) < 4096:
+        try:
+            _DESCRIBED[name, sig] = text
+        except TypeError:
+            pass
+    return text
 
 
-class SimComm(PointToPoint, Collectives):
+_DESCRIBED = {}  # (call name, signature) -> its description (the same few calls recur)
+
+
+class SimComm(Handles, PointToPoint, Collectives):
     """Simulated intracommunicator with mpi4py's method names and MPI's semantics."""
 
+    _NULL_HANDLE = MPI.COMM_NULL.handle
+    _TOPOLOGY = None  # a subclass's required topology kind: MPI.Cartcomm(comm) of another is a TypeError
+
+    def __new__(cls, ctx=None, rank=0):
+        self = object.__new__(cls)
+        if isinstance(ctx, SimComm):
+            source = ctx._resolve()
+            if cls._TOPOLOGY is not None and source._ctx is not None and not cls._TOPOLOGY(source._ctx.topo):
+                raise TypeError(f"{cls.__name__}: expecting a communicator of that topology (got {source!r})")
+            # mpi4py's Comm(comm): a second handle on the same communicator. Sharing the member state
+            # (collective sequence number, name, attributes) keeps collectives through either handle in step.
+            self.__dict__ = ctx._resolve().__dict__
+        return self
+
     def __init__(self, ctx=None, rank=0):
+        if isinstance(ctx, SimComm):
+            return  # a second handle: __new__ shared the state
+        if ctx is not None and not isinstance(ctx, Context):
+            if isinstance(ctx, MPI.Comm) and ctx == MPI.COMM_NULL:
+                ctx = None
+            else:
+                raise TypeError(f"SimComm: expecting a simulated communicator (got {type(ctx).__name__})")
         self._ctx = ctx
         self._rank = rank
         self._seq = 0
@@ -42,6 +77,8 @@ class SimComm(PointToPoint, Collectives):
         self._attrs = {}
         self._info = None
         self._errhandler = MPI.ERRORS_ARE_FATAL
+        self._locks = {}        # mpi4py's per-communicator locks (MPI._comm_lock), by key
+        self._commctx = None    # [duplicate, next tag] of MPI._commctx_intra
 
     # -- identity ---------------------------------------------------------------------------------
     def _live(self, what):
@@ -94,13 +131,6 @@ class SimComm(PointToPoint, Collectives):
     def size(self):
         return self.Get_size()
 
-    @property
-    def handle(self):
-        return 0 if self._ctx is None else self._ctx.id + 1000
-
-    def py2f(self):
-        return self.handle
-
     def Get_rank(self):
         """Return this rank's index in the communicator."""
         self._live("Get_rank")
@@ -113,13 +143,15 @@ class SimComm(PointToPoint, Collectives):
     def Get_group(self):
         """Return the group of this communicator's ranks."""
         ctx = self._live("Get_group")
-        return SimGroup(ctx.world_ranks, self._world_rank)
+        return SimGroup(ctx.world_ranks, self._world_rank, universe=ctx.universe)
 
     group = property(Get_group)
 
     def Get_name(self):
         """Return the communicator's name."""
-        ctx = self._live("Get_name")
+        if self._ctx is None:
+            return "MPI_COMM_NULL"
+        ctx = self._ctx
         return self._name if self._name is not None else ctx.name
 
     def Set_name(self, name):
@@ -170,6 +202,8 @@ class SimComm(PointToPoint, Collectives):
 
     def Set_errhandler(self, errhandler):
         self._live("Set_errhandler")
+        if errhandler == MPI.ERRHANDLER_NULL:
+            raise mpi_error(MPI.ERR_ERRHANDLER, "SimComm.Set_errhandler: errhandler is MPI.ERRHANDLER_NULL")
         self._errhandler = errhandler
 
     def Call_errhandler(self, errorcode):
@@ -190,8 +224,8 @@ class SimComm(PointToPoint, Collectives):
     def Get_attr(self, keyval):
         """Return the attribute at ``keyval`` (predefined keys answer as under MPI)."""
         self._live("Get_attr")
-        if keyval in (MPI.TAG_UB, MPI.IO, MPI.HOST, MPI.WTIME_IS_GLOBAL, MPI.UNIVERSE_SIZE, MPI.APPNUM,
-                      MPI.LASTUSEDCODE):
+        _check_keyval("Get_attr", keyval)
+        if keyval in _PREDEFINED_KEYS:
             if keyval == MPI.UNIVERSE_SIZE:
                 return self._universe.size
             if keyval == MPI.APPNUM:
@@ -201,6 +235,7 @@ class SimComm(PointToPoint, Collectives):
 
     def Set_attr(self, keyval, attrval):
         self._live("Set_attr")
+        _check_keyval("Set_attr", keyval)
         old = self._attrs.get(keyval, _MISSING)
         if old is not _MISSING:
             self._delete_attr(keyval, old)
@@ -208,6 +243,7 @@ class SimComm(PointToPoint, Collectives):
 
     def Delete_attr(self, keyval):
         self._live("Delete_attr")
+        _check_keyval("Delete_attr", keyval)
         if keyval not in self._attrs:
             raise mpi_error(MPI.ERR_KEYVAL, f"SimComm.Delete_attr: no attribute at key {keyval}")
         self._delete_attr(keyval, self._attrs.pop(keyval))
@@ -229,6 +265,27 @@ class SimComm(PointToPoint, Collectives):
             got = copy_fn(self, key, value)
             if got is not NotImplemented:
                 new._attrs[key] = got
+
+    # -- mpi4py's internal helpers (mpi4py.util.pkl5 calls them through MPI._comm_lock/_commctx_intra) --------
+    def _lock_table(self):
+        self._live("_comm_lock_table")
+        return self._locks
+
+    def _lock(self, key=None):
+        """The lock mpi4py keeps for this communicator and ``key`` (created on first use)."""
+        lock = self._lock_table().get(key)
+        if lock is None:
+            lock = self._locks.setdefault(key, threading.Lock())  # setdefault: one lock even if raced
+        return lock
+
+    def _context_intra(self):
+        """(private duplicate, fresh tag): collective, as MPI's own is; every rank counts tags the same way."""
+        with self._lock("@commctx_intra"):
+            if self._commctx is None:
+                self._commctx = [self.Dup(), 0]
+            dup, tag = self._commctx
+            self._commctx[1] = 0 if tag >= _TAG_UB else tag + 1
+        return dup, tag
 
     # -- collective machinery ----------------------------------------------------------------------
     def _start(self, name, sig, payload, work):
@@ -292,7 +349,7 @@ class SimComm(PointToPoint, Collectives):
             raise mpi_error(MPI.ERR_ROOT, f"SimComm.{name}: root {root} out of range for communicator of size {size}")
 
     # -- communicator management --------------------------------------------------------------------
-    def _derive(self, name, color, key, topo=None, sig=()):
+    def _derive(self, name, color, key, topo=None, sig=(), cls=None):
         parent = self._live(name)
 
         def work(parts):
@@ -311,26 +368,45 @@ class SimComm(PointToPoint, Collectives):
         got = self._run(name, sig, (color, key), work)
         if got is None:
             return COMM_NULL_FACTORY()
-        return (topo_class(topo) if topo is not None else type(self)._derived_class())(*got)
-
-    @classmethod
-    def _derived_class(cls):
-        return SimComm
+        if cls is None:
+            cls = topo_class(topo) if topo is not None else SimComm
+        # as mpi4py's New(cls): a subclass's own __new__/__init__ (pkl5.Comm's takes one comm) are not called
+        new = object.__new__(cls)
+        SimComm.__init__(new, *got)
+        return new
 
     def Split(self, color=0, key=0):
         """Partition ranks by ``color``, ordered by ``key`` then rank; ``MPI.UNDEFINED`` gives ``MPI.COMM_NULL``."""
         return self._derive("Split", color, key)
 
     def Split_type(self, split_type, key=0, info=None):
-        """Split by simulated node (``simulate(ranks_per_node=)``) for every type but ``MPI.UNDEFINED``."""
+        """Split by simulated node (``simulate(ranks_per_node=)``), the one hardware level simulated.
+
+        ``COMM_TYPE_HW_GUIDED``/``RESOURCE_GUIDED`` need the info hint ``mpi_hw_resource_type`` =
+        ``mpi_shared_memory`` (else ``COMM_NULL``, as MPI gives for a resource it does not know);
+        ``COMM_TYPE_HW_UNGUIDED`` splits only a communicator spanning several nodes (it must give a strictly
+        smaller one) and names the level in ``info``; ``MPI.UNDEFINED`` gives ``COMM_NULL``.
+        """
+        ctx = self._live("Split_type")
+        per_node = self._universe.ranks_per_node
+        color = self._world_rank // per_node
+        hint = None if info is None or info == MPI.INFO_NULL else info
         if split_type == MPI.UNDEFINED:
-            return self._derive("Split_type", MPI.UNDEFINED, key)
-        node = self._world_rank // self._universe.ranks_per_node
-        return self._derive("Split_type", node, key)
+            color = MPI.UNDEFINED
+        elif split_type in (MPI.COMM_TYPE_HW_GUIDED, MPI.COMM_TYPE_RESOURCE_GUIDED):
+            if hint is None or hint.Get("mpi_hw_resource_type") != "mpi_shared_memory":
+                color = MPI.UNDEFINED
+        elif split_type == MPI.COMM_TYPE_HW_UNGUIDED:
+            if len({w // per_node for w in ctx.world_ranks}) < 2:
+                color = MPI.UNDEFINED
+            elif hint is not None:
+                hint.Set("mpi_hw_resource_type", "mpi_shared_memory")
+        return self._derive("Split_type", color, key)
 
     def Dup(self, info=None):
         """Return a new communicator with the same ranks and a separate message space."""
-        new = self._derive("Dup", 0, self._rank, topo=self._ctx.topo if self._ctx is not None else None)
+        # mpi4py's Dup returns the caller's class (a subclass such as pkl5.Intracomm stays one)
+        new = self._derive("Dup", 0, self._rank, topo=self._live("Dup").topo, cls=type(self))
         self._copy_attrs(new)
         new._info = None if info is None or info == MPI.INFO_NULL else info.Dup()
         if info is None and self._info is not None:
@@ -344,14 +420,17 @@ class SimComm(PointToPoint, Collectives):
         """Return (new communicator, completed request): the Dup is done at once."""
         return self.Dup(info), SimRequest()
 
+    def Idup_with_info(self, info):
+        return self.Idup(info)
+
     def Clone(self):
         return self.Dup()
 
     def Create(self, group):
         """Communicator of ``group``'s ranks (collective over this communicator); others get COMM_NULL."""
+        parent = self._live("Create")
         ranks = group._world_ranks if isinstance(group, SimGroup) else []
         mine = self._world_rank in ranks
-        parent = self._live("Create")
 
         def work(parts):
             members = parts[0]
@@ -367,17 +446,21 @@ class SimComm(PointToPoint, Collectives):
         me = self._world_rank
         if me not in ranks:
             return COMM_NULL_FACTORY()
-        u = self._universe
-        key = ("Create_group", self._live("Create_group").id, tuple(ranks), tag)
-        with u.cond:
-            table = u.attrs.setdefault("create_group", {})
-            entry = table.get(key)
-            if entry is None or me in entry["taken"]:
-                entry = table[key] = {"ctx": Context(u, ranks, f"{self._ctx.name}.Create_group"), "taken": set()}
-            entry["taken"].add(me)
-            ctx = entry["ctx"]
-            if len(entry["taken"]) == len(ranks):
-                table.pop(key, None)
+        ctx = _meet(self._universe, ("Create_group", self._live("Create_group").id, tuple(ranks), tag), ranks, me,
+                    f"{self._ctx.name}.Create_group")
+        comm = SimComm(ctx, ranks.index(me))
+        comm.Barrier()
+        return comm
+
+    @classmethod
+    def Create_from_group(cls, group, stringtag="org.mpi4py", info=None, errhandler=None):
+        """Communicator of ``group``'s ranks, called by those ranks only, matched by ``stringtag``."""
+        ranks, me = list(group._live("Create_from_group")), group._owner
+        if me not in ranks:
+            raise mpi_error(MPI.ERR_GROUP, f"Comm.Create_from_group: the calling rank (world rank {me}) is not "
+                                           f"in the group {ranks}")
+        ctx = _meet(group._universe, ("Create_from_group", tuple(ranks), str(stringtag)), ranks, me,
+                    f"Create_from_group({stringtag})")
         comm = SimComm(ctx, ranks.index(me))
         comm.Barrier()
         return comm
@@ -387,16 +470,21 @@ class SimComm(PointToPoint, Collectives):
         self._live("Free")
         for key in list(self._attrs):
             self._delete_attr(key, self._attrs.pop(key))
+        if self._commctx is not None:
+            self._commctx[0].Free()
+            self._commctx = None
         self._ctx = None
 
     def Disconnect(self):
         self.Barrier()
         self.Free()
 
-    @staticmethod
-    def Compare(comm1, comm2):
-        """Return ``MPI.IDENT``, ``CONGRUENT``, ``SIMILAR`` or ``UNEQUAL``."""
-        a, b = comm1._resolve(), comm2._resolve()
+    def Compare(self, comm):
+        """Return ``MPI.IDENT``, ``CONGRUENT``, ``SIMILAR`` or ``UNEQUAL`` (``MPI.Comm.Compare(a, b)`` works too)."""
+        a, b = self._resolve(), comm._resolve()
+        if a._ctx is None or b._ctx is None:
+            raise mpi_error(MPI.ERR_COMM, f"Comm.Compare: {'the first' if a._ctx is None else 'the second'} "
+                                          f"communicator is MPI.COMM_NULL")
         if a._ctx is b._ctx:
             return MPI.IDENT
         if a._ctx.world_ranks == b._ctx.world_ranks:
@@ -419,6 +507,18 @@ class SimComm(PointToPoint, Collectives):
     def Create_graph(self, index, edges, reorder=False):
         from .topo import graph_layout
         return self._create_topo("Create_graph", graph_layout(self.Get_size(), index, edges))
+
+    def Cart_map(self, dims, periods=None):
+        """This rank's rank in a Cartesian layout of ``dims`` (ranks keep their order), or ``MPI.UNDEFINED``."""
+        from .topo import cart_layout
+        layout = cart_layout(self.Get_size(), dims, periods)
+        return self._rank if self._rank < layout.size else MPI.UNDEFINED
+
+    def Graph_map(self, index, edges):
+        """This rank's rank in a graph layout (ranks keep their order), or ``MPI.UNDEFINED``."""
+        from .topo import graph_layout
+        layout = graph_layout(self.Get_size(), index, edges)
+        return self._rank if self._rank < layout.size else MPI.UNDEFINED
 
     def Create_dist_graph_adjacent(self, sources, destinations, sourceweights=None, destweights=None,
                                    info=None, reorder=False):
@@ -446,8 +546,51 @@ class SimComm(PointToPoint, Collectives):
         return self._derive(name, color, self._rank, topo=layout)
 
     # -- constants mpi4py users compare against --------------------------------------------------------
-    def Get_parent(self):
-        return COMM_NULL_FACTORY()
+    @staticmethod
+    def Get_parent():
+        """No simulated rank was spawned: a null intercommunicator (MPI's own null handle)."""
+        return SimIntercomm(MPI.Comm.Get_parent())
+
+    # -- buffered mode (MPI 4.1 per-communicator buffer; sends here never need it) ------------------------------
+    def Attach_buffer(self, buf):
+        self._live("Attach_buffer")
+        self._bsend_buffer = buf
+
+    def Detach_buffer(self):
+        self._live("Detach_buffer")
+        buf, self._bsend_buffer = getattr(self, "_bsend_buffer", None), None
+        return buf
+
+    def Flush_buffer(self):
+        self._live("Flush_buffer")
+
+    def Iflush_buffer(self):
+        self._live("Iflush_buffer")
+        return SimRequest()
+
+    # -- pickling: only the predefined communicators, as in mpi4py ---------------------------------------------
+    def __reduce__(self):
+        me = self._resolve()
+        if me is COMM_NULL:
+            return "COMM_NULL"  # the module's constant
+        if me._ctx is None:
+            return COMM_NULL_FACTORY, ()
+        comms = current()
+        for which, comm in enumerate(comms or ()):
+            if comm.__dict__ is me.__dict__:
+                return _predefined_handle, (which,)
+        raise ValueError(f"cannot pickle {me!r}: only MPI.COMM_NULL, COMM_SELF and COMM_WORLD are picklable")
+
+
+class SimIntercomm(MPI.Intercomm):
+    """``MPI.Intercomm`` here: intercommunicators are not simulated, so the only ones are null
+    (``MPI.Intercomm()``, ``Get_parent()``), whose calls raise ERR_COMM as MPI's do; ``Create`` takes a
+    simulated group."""
+
+    def Create(self, group):
+        if self == MPI.COMM_NULL:
+            raise mpi_error(MPI.ERR_COMM, "Intercomm.Create: communicator is MPI.COMM_NULL")
+        raise NotImplementedError("SimComm.Intercomm.Create: intercommunicators are not simulated")
 
 
 class _Round:
@@ -462,13 +605,63 @@ class _Round:
         self.results = [None] * size
 
 
+# What the simulator does not do: these raise NotImplementedError naming the call (docs/simulation.md).
+_NOT_SIMULATED = {
+    **dict.fromkeys(("Spawn", "Spawn_multiple", "Accept", "Connect", "Join"), "dynamic processes"),
+    "Create_intercomm": "intercommunicators",
+    **dict.fromkeys(("Ack_failed", "Agree", "Iagree", "Get_failed", "Is_revoked", "Revoke", "Shrink", "Ishrink"),
+                    "fault-tolerance (ULFM) calls"),
+    **dict.fromkeys(("Psend_init", "Precv_init"), "partitioned communications"),
+}
+
+
+def _refuse(name, what):
+    def refuse(*args, **kwargs):
+        raise NotImplementedError(f"SimComm.{name}: {what} are not simulated")
+    refuse.__name__ = refuse.__qualname__ = name
+    return refuse
+
+
+for _name, _what in _NOT_SIMULATED.items():
+    setattr(SimComm, _name, _refuse(_name, _what))
+SimComm.Create_errhandler = staticmethod(MPI.Comm.Create_errhandler)  # an Errhandler object: MPI's own
+
+
 _MISSING = object()
+# MPI's predefined attribute keys (MPI.HOST is gone from mpi4py 4: only the names this mpi4py has)
+_PREDEFINED_KEYS = frozenset(getattr(MPI, k) for k in ("TAG_UB", "IO", "HOST", "WTIME_IS_GLOBAL", "UNIVERSE_SIZE",
+                                                        "APPNUM", "LASTUSEDCODE") if hasattr(MPI, k))
+
+
+def _check_keyval(name, keyval):
+    if keyval == MPI.KEYVAL_INVALID:
+        raise mpi_error(MPI.ERR_KEYVAL, f"SimComm.{name}: keyval is MPI.KEYVAL_INVALID")
+
 _KEYVALS = {}
 
 
 def topo_class(topo):
     from .topo import class_for
     return class_for(topo)
+
+
+def _meet(universe, key, ranks, me, name):
+    """The context the ranks of ``ranks`` share for a call only they make (Create_group and
+    Create_from_group): the first to arrive creates it, the others find it under ``key``."""
+    with universe.cond:
+        table = universe.attrs.setdefault("meet", {})
+        entry = table.get(key)
+        if entry is None or me in entry["taken"]:
+            entry = table[key] = {"ctx": Context(universe, ranks, name), "taken": set()}
+        entry["taken"].add(me)
+        if len(entry["taken"]) == len(ranks):
+            table.pop(key, None)
+        return entry["ctx"]
+
+
+def _predefined_handle(which):
+    """A new handle on the calling rank's COMM_WORLD (0) or COMM_SELF (1): what an unpickled copy is."""
+    return SimComm(current()[which])
 
 
 def COMM_NULL_FACTORY():

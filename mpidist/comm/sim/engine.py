@@ -23,16 +23,44 @@ from mpi4py import MPI
 
 from ..errors import DeadlockError, RankFailedError, WatchdogTimeout
 
-__all__ = ["Universe", "Context", "Round", "ANY_SOURCE", "ANY_TAG"]
+__all__ = ["Universe", "Context", "Round", "ANY_SOURCE", "ANY_TAG", "current", "bind_rank"]
 
 ANY_SOURCE, ANY_TAG = MPI.ANY_SOURCE, MPI.ANY_TAG
 
+_local = threading.local()
+
+
+def current():
+    """The calling rank thread's (world, self) communicators, or None outside a simulated rank."""
+    return getattr(_local, "comms", None)
+
+
+def bind_rank(comms):
+    """Make ``comms`` (world, self) the calling thread's communicators (None: unbind)."""
+    _local.comms = comms
+
+
+class _Waiter:
+    """A blocked rank's wakeup: a lock held while the rank sleeps, released once by ``Universe.changed``."""
+
+    __slots__ = ("gate", "armed")
+
+    def __init__(self):
+        self.gate = threading.Lock()
+        self.gate.acquire()
+        self.armed = False  # whether the rank sleeps on ``gate`` (so that one release wakes it)
+
 
 class Universe:
-    """State shared by every simulated rank of one ``simulate`` run."""
+    """State shared by every simulated rank of one ``simulate`` run.
+
+    ``cond`` is the universe lock (re-entrant). A rank that must wait sleeps on a lock of its own, which
+    ``changed`` releases: one handoff per wakeup (a ``threading.Condition`` costs a fresh lock per wait
+    and makes the woken rank contend for the condition's lock again), the floor of a Python thread switch.
+    """
 
     def __init__(self, size, timeout=None, seed=None, ranks_per_node=None):
-        self.cond = threading.Condition()
+        self.cond = threading.RLock()
         self.size = size
         self.timeout = timeout       # watchdog: seconds one wait may last (None: forever)
         self.alive = size
@@ -44,10 +72,34 @@ class Universe:
         self.rng = random.Random(seed) if seed is not None else None
         self.ranks_per_node = ranks_per_node or size
         self.attrs = {}              # universe-wide state other modules keep (keyvals, published names)
+        self._sleepers = []          # (lock held) the _Waiter of every thread asleep in wait_until
 
     def changed(self):
+        """(lock held) Record a state change and wake every sleeping rank to re-check its wait."""
         self.epoch += 1
-        self.cond.notify_all()
+        if self._sleepers:
+            for waiter in self._sleepers:
+                waiter.armed = False
+                waiter.gate.release()
+            self._sleepers.clear()
+
+    def _sleep(self, world_rank, seconds):
+        """(lock held) Sleep until ``changed`` or ``seconds`` pass; the universe lock is released meanwhile."""
+        waiter = getattr(_local, "waiter", None)  # per thread: a rank's helper threads may wait too
+        if waiter is None:
+            waiter = _local.waiter = _Waiter()
+        waiter.armed = True
+        self._sleepers.append(waiter)
+        saved = self.cond._release_save()
+        try:
+            woken = waiter.gate.acquire(timeout=seconds)
+        finally:
+            self.cond._acquire_restore(saved)
+        if not woken and waiter.armed:  # timed out before anyone woke it
+            waiter.armed = False
+            self._sleepers.remove(waiter)
+        elif not woken:  # woken between the timeout and taking the lock back: consume that release
+            waiter.gate.acquire()
 
     def wait_until(self, world_rank, ready, what):
         """Block (lock held) until ``ready()``; raise if another rank failed, all ranks are stuck, or the watchdog fires."""
@@ -73,7 +125,7 @@ class Universe:
                     self.deadlock = f"deadlock: every live simulated rank is blocked: {lines}"
                     self.changed()
                     raise DeadlockError(self.deadlock)
-                self.cond.wait(timeout=5.0 if self.timeout is None else min(5.0, self.timeout / 4))
+                self._sleep(world_rank, 5.0 if self.timeout is None else min(5.0, self.timeout / 4))
         finally:
             self.waiting.pop(world_rank, None)
 
@@ -136,5 +188,7 @@ class Context:
             if (recv.source == ANY_SOURCE or recv.source == env[0]) and (recv.tag == ANY_TAG or recv.tag == env[1]):
                 del posted[i]
                 recv.envelope = env
+                if len(env) > 4 and env[4] is not None:
+                    env[4][0] = True  # a synchronous send completes once a posted receive has matched it
                 return
         self.unexpected[dest].append(env)

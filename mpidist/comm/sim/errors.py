@@ -25,4 +25,8 @@ class SimMPIError(MPI.Exception, ValueError):
 
 def mpi_error(error_class, message):
     """Return an ``MPI.Exception`` of ``error_class`` whose text also says ``message``."""
+    if MPI.Get_error_class(error_class) != error_class:
+        # An MPI-4 class (ERR_ERRHANDLER, ...) that an MPI-3.1 library lacks: mpi4py gives it a number that Open
+        # MPI 4 reports as ERR_UNKNOWN. That library reports such bad arguments as ERR_ARG, and so do we.
+        error_class = MPI.ERR_ARG
     return SimMPIError(error_class, message)

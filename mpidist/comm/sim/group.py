@@ -7,17 +7,44 @@ in MPI, so each simulated rank holds its own).
 from mpi4py import MPI
 
 from .errors import mpi_error
+from .handles import Handles
 
 __all__ = ["SimGroup", "GROUP_EMPTY", "GROUP_NULL"]
 
 
-class SimGroup:
+class SimGroup(Handles):
     """An ordered set of simulated ranks."""
 
-    def __init__(self, world_ranks=(), owner=None, null=False):
-        self._world_ranks = list(world_ranks)
+    _NULL_HANDLE = MPI.GROUP_NULL.handle
+
+    def __new__(cls, *args, **kwargs):
+        self = object.__new__(cls)
+        if args and isinstance(args[0], SimGroup) and not args[0]._constant:
+            self.__dict__ = args[0].__dict__  # MPI.Group(group): a second handle on the same group
+        return self
+
+    def __init__(self, world_ranks=None, owner=None, null=False, universe=None, constant=False):
+        """``SimGroup()`` is a null group, as ``MPI.Group()`` is; ``SimGroup(group)`` a second handle."""
+        if isinstance(world_ranks, SimGroup):
+            if world_ranks._constant:  # a copy of GROUP_EMPTY/GROUP_NULL is a handle of its own
+                self.__dict__ = dict(world_ranks.__dict__, _constant=False)
+            return
+        if isinstance(world_ranks, MPI.Group):
+            if world_ranks not in (MPI.GROUP_NULL, MPI.GROUP_EMPTY):
+                raise TypeError(f"MPI.Group: expecting a simulated group (got {world_ranks!r})")
+            null, world_ranks = world_ranks == MPI.GROUP_NULL, []
+        self._world_ranks = [] if world_ranks is None else list(world_ranks)
         self._owner = owner
-        self._null = null
+        self._null = null or world_ranks is None
+        self._universe = universe  # of the communicator it came from (Create_from_group meets there)
+        self._constant = constant  # GROUP_EMPTY and GROUP_NULL themselves never change
+
+    def __reduce__(self):
+        if self._constant:
+            return "GROUP_NULL" if self._null else "GROUP_EMPTY"  # the module's own constant
+        if self._null or not self._world_ranks:
+            return SimGroup, (None if self._null else [],)
+        raise ValueError(f"cannot pickle {self!r}: only MPI.GROUP_NULL and GROUP_EMPTY are picklable")
 
     def __bool__(self):
         return not self._null
@@ -26,7 +53,7 @@ class SimGroup:
         if isinstance(other, SimGroup):
             if self._null or other._null:
                 return self._null and other._null
-            return self is other or (not self._world_ranks and not other._world_ranks)
+            return self.__dict__ is other.__dict__ or (not self._world_ranks and not other._world_ranks)
         if isinstance(other, MPI.Group):
             if self._null:
                 return other == MPI.GROUP_NULL
@@ -48,7 +75,7 @@ class SimGroup:
         return self._world_ranks
 
     def _new(self, ranks):
-        return SimGroup(ranks, self._owner)
+        return SimGroup(ranks, self._owner, universe=self._universe)
 
     def Get_size(self):
         return len(self._live("Get_size"))
@@ -98,26 +125,32 @@ class SimGroup:
         return self._new(self._live("Dup"))
 
     def Free(self):
+        if self._constant:
+            raise mpi_error(MPI.ERR_GROUP, "Group.Free: a predefined group cannot be freed")
         self._null = True
         self._world_ranks = []
 
-    @classmethod
-    def Union(cls, group1, group2):
+    def Union(self, group):
+        """Ranks of this group, then those of ``group`` not in it (``MPI.Group.Union(a, b)`` works too)."""
+        group1, group2 = self, group
         a, b = group1._live("Union"), group2._live("Union")
         return group1._new(a + [w for w in b if w not in a])
 
-    @classmethod
-    def Intersection(cls, group1, group2):
+    def Intersection(self, group):
+        group1, group2 = self, group
         a, b = group1._live("Intersection"), set(group2._live("Intersection"))
         return group1._new([w for w in a if w in b])
 
-    @classmethod
-    def Difference(cls, group1, group2):
+    def Difference(self, group):
+        group1, group2 = self, group
         a, b = group1._live("Difference"), set(group2._live("Difference"))
         return group1._new([w for w in a if w not in b])
 
-    @classmethod
-    def Translate_ranks(cls, group1, ranks=None, group2=None):
+    Intersect = Intersection  # MPI 4.1's name
+
+    def Translate_ranks(self, ranks=None, group=None):
+        """This group's ``ranks`` as ranks of ``group`` (world ranks if None; ``MPI.UNDEFINED`` if absent)."""
+        group1, group2 = self, group
         a = group1._live("Translate_ranks")
         if ranks is None:
             ranks = range(len(a))
@@ -134,18 +167,15 @@ class SimGroup:
             out.append(b.index(a[r]) if a[r] in b else MPI.UNDEFINED)
         return out
 
-    @classmethod
-    def Compare(cls, group1, group2):
-        a, b = group1._live("Compare"), group2._live("Compare")
+    def Compare(self, group):
+        a, b = self._live("Compare"), group._live("Compare")
         if a == b:
             return MPI.IDENT
         if sorted(a) == sorted(b):
             return MPI.SIMILAR
         return MPI.UNEQUAL
 
-    def py2f(self):
-        return 0 if self._null else id(self) & 0x7FFFFFFF
 
 
-GROUP_EMPTY = SimGroup()
-GROUP_NULL = SimGroup(null=True)
+GROUP_EMPTY = SimGroup([], constant=True)
+GROUP_NULL = SimGroup(None, constant=True)

@@ -15,7 +15,7 @@ import types
 from mpi4py import MPI as _MPI
 
 from . import topo
-from .comm import COMM_NULL, SimComm
+from .comm import COMM_NULL, SimComm, SimIntercomm
 from .errors import mpi_error
 from .group import GROUP_EMPTY, GROUP_NULL, SimGroup
 from .request import MESSAGE_NO_PROC, MESSAGE_NULL, REQUEST_NULL, SimMessage, SimPrequest, SimRequest
@@ -38,7 +38,7 @@ class ThreadComm(SimComm):
         return comms[object.__getattribute__(self, "_which")]
 
     def __getattribute__(self, name):
-        if name in ("_target", "__class__", "__dict__"):
+        if name in ("_target", "__class__", "__dict__", "__module__", "__reduce__", "__reduce_ex__"):
             return object.__getattribute__(self, name)
         if name in ("Free", "Disconnect"):
             which = ("COMM_WORLD", "COMM_SELF")[object.__getattribute__(self, "_which")]
@@ -51,10 +51,75 @@ class ThreadComm(SimComm):
     def __setattr__(self, name, value):
         setattr(self._target(), name, value)
 
+    def __reduce__(self):
+        return ("COMM_WORLD", "COMM_SELF")[object.__getattribute__(self, "_which")]  # this module's own name
+
     def __repr__(self):
         comms = current()
         which = ("COMM_WORLD", "COMM_SELF")[object.__getattribute__(self, "_which")]
         return f"<MPI.{which} (simulated){'' if comms is None else ': ' + repr(comms[object.__getattribute__(self, '_which')])}>"
+
+
+def _not_simulated(name, what):
+    def refuse(*args, **kwargs):
+        raise NotImplementedError(f"MPI.{name}: {what} are not simulated")
+    refuse.__name__ = name
+    return refuse
+
+
+class Win(_MPI.Win):
+    """One-sided windows are not simulated: creating one raises NotImplementedError (WIN_NULL stays MPI's)."""
+
+    Create = Allocate = Allocate_shared = Create_dynamic = classmethod(
+        lambda cls, *args, **kwargs: _not_simulated("Win.Create", "one-sided windows")())
+
+
+class _WinNull:
+    """``MPI.WIN_NULL`` here: windows are not simulated, so every call on it raises NotImplementedError
+    (what mpi4py gives where the MPI library has no one-sided support)."""
+
+    def __bool__(self):
+        return False
+
+    def __eq__(self, other):
+        return other is self or (isinstance(other, _MPI.Win) and other == _MPI.WIN_NULL)
+
+    __hash__ = object.__hash__
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        refuse = _not_simulated(f"Win.{name}", "one-sided windows")
+        if name not in _RMA_CALLS:
+            return refuse
+
+        def rma(origin, target_rank=None, target=None, *args, **kwargs):
+            _check_rma_specs(name, origin, target)  # mpi4py reads the specs before it calls MPI
+            return refuse()
+        return rma
+
+
+_RMA_CALLS = ("Put", "Get", "Accumulate", "Rput", "Rget", "Raccumulate")
+
+
+def _check_rma_specs(name, origin, target):
+    """Raise ValueError for an origin or target spec mpi4py's one-sided calls refuse to read."""
+    from .spec import _items
+    if isinstance(origin, (list, tuple)):
+        _items(origin)  # 2 to 4 items
+    if target is None or isinstance(target, int):
+        return
+    if isinstance(target, (list, tuple)):
+        if len(target) > 3:
+            raise ValueError(f"Win.{name}: target: expecting 3 items at most, got {len(target)}")
+        return
+    raise ValueError(f"Win.{name}: target: expecting integral or list/tuple, got {type(target).__name__}")
+
+
+class File(_MPI.File):
+    """MPI-IO is not simulated: opening a file raises NotImplementedError (FILE_NULL stays MPI's)."""
+
+    Open = classmethod(lambda cls, *args, **kwargs: _not_simulated("File.Open", "MPI-IO files")())
 
 
 def _init(*args, **kwargs):
@@ -88,11 +153,16 @@ def _build():
         "COMM_WORLD": ThreadComm(0), "COMM_SELF": ThreadComm(1), "COMM_NULL": COMM_NULL,
         "Comm": SimComm, "Intracomm": SimComm, "Topocomm": topo.SimTopocomm, "Cartcomm": topo.SimCartcomm,
         "Graphcomm": topo.SimGraphcomm, "Distgraphcomm": topo.SimDistgraphcomm,
+        "Win": Win, "WIN_NULL": _WinNull(), "File": File, "Intercomm": SimIntercomm,
         "Request": SimRequest, "Prequest": SimPrequest, "REQUEST_NULL": REQUEST_NULL,
         "Message": SimMessage, "MESSAGE_NULL": MESSAGE_NULL, "MESSAGE_NO_PROC": MESSAGE_NO_PROC,
         "Group": SimGroup, "GROUP_EMPTY": GROUP_EMPTY, "GROUP_NULL": GROUP_NULL,
         "Attach_buffer": _attach_buffer, "Detach_buffer": _detach_buffer, "Flush_buffer": _init,
         "Iflush_buffer": lambda: REQUEST_NULL,
+        "_comm_lock": lambda comm, key=None: comm._resolve()._lock(key),
+        "_comm_lock_table": lambda comm: comm._resolve()._lock_table(),
+        "_commctx_intra": lambda comm: comm._resolve()._context_intra(),
+        "_commctx_inter": _not_simulated("_commctx_inter", "intercommunicators"),
         "Init": _init, "Init_thread": lambda *a, **k: _MPI.THREAD_MULTIPLE, "Finalize": _init,
         "Is_initialized": lambda: True, "Is_finalized": lambda: False,
         "Wtime": time.perf_counter, "Wtick": lambda: time.get_clock_info("perf_counter").resolution,
@@ -101,4 +171,5 @@ def _build():
 
 
 MPI = _build()
+COMM_WORLD, COMM_SELF = MPI.COMM_WORLD, MPI.COMM_SELF  # what a pickled MPI.COMM_WORLD/COMM_SELF names
 sys.modules.setdefault("mpidist.comm.sim.MPI", MPI)

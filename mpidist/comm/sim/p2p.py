@@ -3,7 +3,20 @@
 An envelope is (source, tag, payload, kind, sync): payload is the packed bytes of a buffer message or the
 pickled bytes of an object message (so a buffer receive can take an object message and the other way
 round, as in MPI); ``sync`` is a one-item list set when a receive matches a synchronous send.
+
+Seeded order (``simulate(..., seed=k)``, ``mpidist sim --seed k``): a receive or probe with ``ANY_SOURCE`` may
+match the oldest matching message of any sender (MPI's non-overtaking rule binds one sender, communicator and
+tag only). Which one it takes should depend on the seed, not on which rank thread the GIL ran first, so the
+choice waits for a settled point: every other live rank blocked, polling with nothing to receive, or itself
+waiting to choose (the lowest such rank chooses first). Then a generator seeded with k picks among the
+candidates ordered by sender rank. Receives are matched in posting order (an earlier receive gets the
+message first); messages stay queued until a receive asks for them. A rank that computes for more than
+``_PATIENCE`` seconds while another waits to choose lets that choice be made without it (timing-dependent).
 """
+
+import random
+import time
+import warnings
 
 import numpy as np
 from mpi4py import MPI
@@ -64,7 +77,12 @@ class PointToPoint:
         if not sync:
             return SimRequest(u, self._world_rank, lambda: True, lambda: (None, None), name)
         what = f"{name}(dest={dest}, tag={tag}) on {ctx.name} (synchronous: waits for a matching receive)"
-        return SimRequest(u, self._world_rank, lambda: matched[0], lambda: (None, None), what)
+        seeded = _seeded(u)
+        if seeded is None:
+            ready = lambda: matched[0]  # noqa: E731
+        else:  # receives posted at dest match when asked: ask now
+            ready = lambda: _match_settled(ctx, dest, seeded, self._world_rank, lambda: matched[0])  # noqa: E731
+        return SimRequest(u, self._world_rank, ready, lambda: (None, None), what)
 
     def _send_buffer(self, name, buf, dest, tag, sync=False):
         if dest == MPI.PROC_NULL:
@@ -135,6 +153,9 @@ class PointToPoint:
             return SimRequest(u, self._world_rank, lambda: True,
                               lambda: (deliver(None)[0], (MPI.PROC_NULL, MPI.ANY_TAG, 0, False)), name)
         slot = _Slot(source, tag)
+        seeded = _seeded(u)
+        if seeded is not None:
+            return self._seeded_receive(name, ctx, slot, seeded, deliver)
         with u.cond:
             env = ctx.take(self._rank, source, tag)
             if env is not None:
@@ -163,8 +184,38 @@ class PointToPoint:
                 posted.remove(slot)
                 return True
             return False
+        def peek():
+            env = slot.envelope
+            return env[0], env[1], len(env[2]), False
         what = f"{name}(source={_show(source)}, tag={_show(tag)}) on {ctx.name}"
-        return SimRequest(u, self._world_rank, ready, finish, what, cancel)
+        return SimRequest(u, self._world_rank, ready, finish, what, cancel, peek)
+
+    def _seeded_receive(self, name, ctx, slot, seeded, deliver):
+        u, me, dest = ctx.universe, self._world_rank, self._rank
+        key = (ctx.id, dest)
+        with u.cond:
+            seeded.pending.setdefault(key, []).append(slot)
+
+        def ready():
+            return _match_settled(ctx, dest, seeded, me, lambda: slot.envelope is not None)
+
+        def finish():
+            env = slot.envelope
+            result, nbytes = deliver(env)
+            return result, (env[0], env[1], nbytes, False)
+
+        def cancel():
+            pending = seeded.pending.get(key, [])
+            if slot in pending and slot.envelope is None:
+                pending.remove(slot)
+                return True
+            return False
+
+        def peek():
+            env = slot.envelope
+            return env[0], env[1], len(env[2]), False
+        what = f"{name}(source={_show(slot.source)}, tag={_show(slot.tag)}) on {ctx.name}"
+        return SimRequest(u, me, ready, finish, what, cancel, peek)
 
     def _buffer_deliver(self, name, buf, source):
         msg = spec.simple(buf, readonly=False, null=source == MPI.PROC_NULL)
@@ -184,20 +235,32 @@ class PointToPoint:
         self._receive("Recv", source, tag, self._buffer_deliver("Recv", buf, source)).Wait(status)
 
     @staticmethod
-    def _object_deliver(env):
+    def _object_deliver(env, capacity=None, name="recv"):
         if env is None:
             return None, 0
         payload = env[2]
         data = payload.tobytes() if isinstance(payload, np.ndarray) else payload
-        return MPI.pickle.loads(data), len(data)
+        if capacity is not None and len(data) > capacity:
+            raise mpi_error(MPI.ERR_TRUNCATE, f"SimComm.{name}: message truncated ({len(data)} bytes into a "
+                                              f"buffer of {capacity} bytes)")
+        return (MPI.pickle.loads(data) if len(data) else None), len(data)  # an empty message reads as None
+
+    def _object_receiver(self, name, buf):
+        """``deliver`` for an object receive into ``buf`` (None: any size; an int: that many bytes)."""
+        if buf is None:
+            return self._object_deliver
+        capacity = int(buf) if isinstance(buf, (int, np.integer)) else memoryview(buf).nbytes
+        return lambda env: self._object_deliver(env, capacity, name)
 
     def irecv(self, buf=None, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
         """Start receiving a Python object; ``wait()`` returns it."""
-        return self._receive("irecv", source, tag, self._object_deliver)
+        return self._receive("irecv", source, tag, self._object_receiver("irecv", buf))
 
     def recv(self, buf=None, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
         """Receive a Python object."""
-        return self._receive("recv", source, tag, self._object_deliver).wait(status)
+        if buf is not None:
+            warnings.warn("the 'buf' argument is deprecated", UserWarning, stacklevel=2)  # as mpi4py 4 warns
+        return self._receive("recv", source, tag, self._object_receiver("recv", buf)).wait(status)
 
     # -- combined --------------------------------------------------------------------------------------------
     def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=MPI.ANY_SOURCE, recvtag=MPI.ANY_TAG,
@@ -259,11 +322,52 @@ class PointToPoint:
         if source == MPI.PROC_NULL:
             fill_status(status, MPI.PROC_NULL, MPI.ANY_TAG, 0)
             return "proc_null"
-        env = ctx.take(self._rank, source, tag, remove=take)
+        seeded = _seeded(ctx.universe)
+        env = (ctx.take(self._rank, source, tag, remove=take) if seeded is None
+               else self._seeded_peek(ctx, source, tag, take, seeded))
         if env is not None:
             fill_status(status, env[0], env[1], len(env[2]))
             if take and env[4] is not None:
                 env[4][0] = True
+        return env
+
+    def _seeded_peek(self, ctx, source, tag, take, seeded):
+        """(lock held) The envelope a probe finds now, chosen at a settled point among several senders."""
+        u, me, dest = ctx.universe, self._world_rank, self._rank
+        key = (ctx.id, dest)
+        started = None
+        try:
+            while True:
+                _match_pending(ctx, dest, seeded)   # earlier receives take their messages first
+                queue = ctx.unexpected[dest]
+                firsts = _firsts(queue, source, tag)
+                probed = seeded.probed.get(key)
+                if not firsts:
+                    seeded.idle[me] = u.epoch
+                    return None
+                if source != ANY_SOURCE:
+                    index = firsts[0]
+                    break
+                index = next((i for i in firsts if queue[i] is probed), None)
+                if index is not None:
+                    break
+                if u.failure is not None or u.deadlock is not None:
+                    return None
+                seeded.deciding.add(me)
+                started = started or time.monotonic()
+                if _settled(u, seeded, me) or time.monotonic() - started > _PATIENCE:
+                    index = _choose(seeded, queue, tag)
+                    break
+                _pause(u)
+        finally:
+            seeded.deciding.discard(me)
+        env = queue[index]
+        if take:
+            del queue[index]
+            if seeded.probed.get(key) is env:
+                del seeded.probed[key]
+        else:
+            seeded.probed[key] = env   # a later wildcard receive takes the message this probe reported
         return env
 
     def Iprobe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
@@ -287,8 +391,7 @@ class PointToPoint:
 
     def _message(self, env):
         if env == "proc_null":
-            from .request import MESSAGE_NO_PROC
-            return MESSAGE_NO_PROC
+            return SimMessage(no_proc=True)  # a fresh handle: receiving it turns it into MESSAGE_NULL
         return SimMessage(self, env)
 
     def Improbe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
@@ -317,6 +420,133 @@ class PointToPoint:
 
     def mprobe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
         return self.Mprobe(source, tag, status)
+
+
+# -- seeded wildcard matching ------------------------------------------------------------------------------------
+ANY_SOURCE, ANY_TAG = MPI.ANY_SOURCE, MPI.ANY_TAG
+
+# Seconds a wildcard choice waits for the other ranks to settle before it is made anyway: long enough for a
+# rank's Python code between two calls, short enough that a rank polling with Test/Iprobe in a loop only delays.
+_PATIENCE = 2.0
+
+
+class _Seeded:
+    """Seeded wildcard matching of one universe."""
+
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+        self.deciding = set()   # world ranks waiting for a settled point to choose among senders
+        self.idle = {}          # world rank -> epoch at which its last poll found nothing to receive
+        self.pending = {}       # (context id, dest) -> receive slots not yet matched, in posting order
+        self.probed = {}        # (context id, dest) -> the envelope the last wildcard probe reported
+
+
+def _seeded(universe):
+    """The universe's seeded matching state, or None in FIFO order (no seed)."""
+    if universe.seed is None:
+        return None
+    state = universe.attrs.get("p2p.seeded")
+    if state is None:
+        state = universe.attrs["p2p.seeded"] = _Seeded(universe.seed)
+    return state
+
+
+def _firsts(queue, source, tag):
+    """Indices of the oldest envelope of each sender that (source, tag) matches, by sender rank."""
+    firsts = {}
+    for i, env in enumerate(queue):
+        if env[0] not in firsts and (source == ANY_SOURCE or env[0] == source) and (tag == ANY_TAG or env[1] == tag):
+            firsts[env[0]] = i
+    return [firsts[sender] for sender in sorted(firsts)]
+
+
+def _choose(seeded, queue, tag):
+    firsts = _firsts(queue, ANY_SOURCE, tag)
+    return firsts[seeded.rng.randrange(len(firsts))] if len(firsts) > 1 else firsts[0]
+
+
+def _assign(universe, slot, env):
+    slot.envelope = env
+    if env[4] is not None and not env[4][0]:
+        env[4][0] = True   # a synchronous send completes once a receive has matched it
+        universe.changed()
+
+
+def _match_pending(ctx, dest, seeded):
+    """(lock held) Match ``dest``'s pending receives in posting order; return the first wildcard receive that
+    must choose among senders (later receives wait behind it), or None."""
+    key = (ctx.id, dest)
+    pending = seeded.pending.get(key)
+    if not pending:
+        return None
+    queue = ctx.unexpected[dest]
+    for slot in list(pending):
+        if slot.source == ANY_SOURCE:
+            firsts = _firsts(queue, ANY_SOURCE, slot.tag)
+            probed = seeded.probed.get(key)
+            index = next((i for i in firsts if queue[i] is probed), None)
+            if index is not None:   # the message a wildcard probe reported
+                del seeded.probed[key]
+            elif firsts:
+                return slot
+            else:
+                continue
+        else:
+            index = next((i for i, env in enumerate(queue)
+                          if env[0] == slot.source and (slot.tag == ANY_TAG or env[1] == slot.tag)), None)
+            if index is None:
+                continue
+        _assign(ctx.universe, slot, queue.pop(index))
+        pending.remove(slot)
+    return None
+
+
+def _match_settled(ctx, dest, seeded, me, done):
+    """(lock held) Match ``dest``'s pending receives, choosing among senders at settled points, until ``done()``
+    (True) or nothing is left to choose (False: the caller waits)."""
+    u = ctx.universe
+    started = None
+    try:
+        while True:
+            undecided = _match_pending(ctx, dest, seeded)
+            if done():
+                return True
+            if undecided is None:   # nothing to choose among: the caller just waits
+                seeded.idle[me] = u.epoch
+                return False
+            if u.failure is not None or u.deadlock is not None:
+                return False
+            seeded.deciding.add(me)
+            started = started or time.monotonic()
+            if _settled(u, seeded, me) or time.monotonic() - started > _PATIENCE:
+                queue = ctx.unexpected[dest]
+                _assign(u, undecided, queue.pop(_choose(seeded, queue, undecided.tag)))
+                seeded.pending[(ctx.id, dest)].remove(undecided)
+                u.changed()
+                started = None
+                continue
+            _pause(u)
+    finally:
+        seeded.deciding.discard(me)
+
+
+def _settled(universe, seeded, me):
+    """Whether every other live rank is blocked, idle or choosing too, and ``me`` is the lowest one choosing."""
+    epoch = universe.epoch
+    still = {r for r, (e, _) in universe.waiting.items() if e == epoch}
+    still |= seeded.deciding
+    still |= {r for r, e in seeded.idle.items() if e == epoch}
+    still.discard(me)
+    return len(still) >= universe.alive - 1 and me == min(seeded.deciding)
+
+
+def _pause(universe):
+    """Let the other rank threads run for a moment (lock released)."""
+    saved = universe.cond._release_save()
+    try:
+        time.sleep(0.0002)
+    finally:
+        universe.cond._acquire_restore(saved)
 
 
 def _joined(first, second):

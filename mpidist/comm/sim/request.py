@@ -5,10 +5,12 @@ A request is active until a Wait/Test completes it; it then becomes null (false,
 """
 
 import pickle
+import threading
 
 from mpi4py import MPI
 
 from .errors import mpi_error
+from .handles import Handles
 
 __all__ = ["SimRequest", "SimPrequest", "SimMessage", "fill_status", "REQUEST_NULL", "MESSAGE_NULL", "MESSAGE_NO_PROC"]
 
@@ -23,12 +25,56 @@ def fill_status(status, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, nbytes=0, cancel
         status.Set_cancelled(cancelled)
 
 
-class SimRequest:
+class _Detached:
+    """The universe of requests that are complete from the start (a matched message's receive)."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+
+    def wait_until(self, world_rank, ready, what):
+        if not ready():
+            raise RuntimeError(f"{what}: a detached request was not ready")
+
+    def changed(self):
+        pass
+
+
+_DETACHED = _Detached()
+
+
+def _status_slots(statuses, n):
+    """The statuses to fill for ``n`` requests: a list grows to ``n`` (as mpi4py's does), a tuple fills what it has."""
+    if statuses is None:
+        return [None] * n
+    if isinstance(statuses, list):
+        while len(statuses) < n:
+            statuses.append(MPI.Status())
+    return list(statuses[:n]) + [None] * (n - len(statuses))
+
+
+class SimRequest(Handles):
     """Request of a nonblocking simulated operation (``Wait``/``Test``... like ``MPI.Request``)."""
 
-    def __init__(self, universe=None, world_rank=None, ready=None, finish=None, what="", cancel=None):
+    _NULL_HANDLE = MPI.REQUEST_NULL.handle
+
+    def __new__(cls, *args, **kwargs):
+        self = object.__new__(cls)
+        if args and isinstance(args[0], SimRequest):
+            self.__dict__ = args[0].__dict__  # MPI.Request(request): a second handle on the same request
+        return self
+
+    def __init__(self, universe=None, world_rank=None, ready=None, finish=None, what="", cancel=None, peek=None):
+        if isinstance(universe, SimRequest):
+            return
+        if isinstance(universe, MPI.Request):
+            if universe != MPI.REQUEST_NULL:
+                raise TypeError(f"MPI.Request: expecting a simulated request (got {universe!r})")
+            universe = None
+        if universe is None and ready is not None:
+            universe = _DETACHED
         self._universe, self._world_rank = universe, world_rank
         self._ready, self._finish, self._what, self._cancel = ready, finish, what, cancel
+        self._peek = peek    # (source, tag, nbytes, cancelled) of a ready request before it completes, or None
         self._result = None
         self._status = None  # (source, tag, nbytes, cancelled) once complete
 
@@ -41,7 +87,7 @@ class SimRequest:
 
     def __eq__(self, other):
         if isinstance(other, SimRequest):
-            return self is other or (not self and not other)
+            return self.__dict__ is other.__dict__ or (not self and not other)
         if isinstance(other, MPI.Request):
             return not self and other == MPI.REQUEST_NULL
         return NotImplemented
@@ -54,6 +100,13 @@ class SimRequest:
 
     def __repr__(self):
         return f"<SimRequest {self._what or 'null'}{'' if self else ' (null)'}>"
+
+    def __reduce__(self):
+        if self is REQUEST_NULL:
+            return "REQUEST_NULL"
+        if self:
+            raise ValueError(f"cannot pickle an active request ({self!r})")
+        return SimRequest, ()
 
     def _complete(self, status):
         """Finish (lock held, ready) and turn null; fill ``status``."""
@@ -69,7 +122,7 @@ class SimRequest:
         return self._result
 
     def _deactivate(self):
-        self._ready = self._finish = self._cancel = None
+        self._ready = self._finish = self._cancel = self._peek = None
 
     # -- completion ---------------------------------------------------------------------------------
     def Wait(self, status=None):
@@ -95,12 +148,22 @@ class SimRequest:
         return True
 
     def Get_status(self, status=None):
-        """Return whether the operation is complete, without completing it."""
+        """Return whether the operation is complete, without completing it; fill ``status`` if it is."""
         if self._ready is None:
             fill_status(status)
             return True
         with self._universe.cond:
-            return bool(self._ready())
+            return self._peek_status(status)
+
+    def _peek_status(self, status):
+        """(lock held) Whether this active request is ready; if so fill ``status`` without completing it."""
+        if not self._ready():
+            return False
+        if self._peek is not None:
+            fill_status(status, *self._peek())
+        else:
+            fill_status(status)
+        return True
 
     def wait(self, status=None):
         """Block until the operation completes and return its object result."""
@@ -118,8 +181,18 @@ class SimRequest:
     def get_status(self, status=None):
         return self.Get_status(status)
 
+    def cancel(self):
+        """Cancel a pending receive (as ``Cancel``)."""
+        self.Cancel()
+
+    def free(self):
+        """Release the request (as ``Free``)."""
+        self.Free()
+
     def Cancel(self):
         """Cancel a pending receive (sends here complete at once, so cancelling them does nothing)."""
+        if not self:
+            raise mpi_error(MPI.ERR_REQUEST, "Request.Cancel: the request is MPI.REQUEST_NULL")
         if self._cancel is not None:
             with self._universe.cond:
                 if self._cancel():
@@ -128,10 +201,9 @@ class SimRequest:
 
     def Free(self):
         """Release the request (an active one completes in the background, as MPI lets it)."""
+        if not self:
+            raise mpi_error(MPI.ERR_REQUEST, "Request.Free: the request is MPI.REQUEST_NULL")
         self._deactivate()
-
-    def py2f(self):
-        return 0 if not self else id(self) & 0x7FFFFFFF
 
     # -- many requests --------------------------------------------------------------------------------
     @staticmethod
@@ -140,21 +212,72 @@ class SimRequest:
 
     @classmethod
     def _universe_of(cls, requests):
+        """(universe, world rank) of the active requests (None: none is active); a real universe wins over
+        the detached one, whose requests are ready from the start."""
+        found = None, None
         for r in requests:
-            if isinstance(r, SimRequest) and r._universe is not None and r._ready is not None:
-                return r._universe, r._world_rank
-        return None, None
+            if isinstance(r, SimRequest) and r._ready is not None:
+                if r._universe is not _DETACHED:
+                    return r._universe, r._world_rank
+                found = _DETACHED, None
+        return found
 
     @classmethod
     def Waitall(cls, requests, statuses=None):
         """Wait for every request; fill ``statuses`` (a list) in order."""
         requests = list(requests)
-        if isinstance(statuses, list):
-            while len(statuses) < len(requests):
-                statuses.append(MPI.Status())
-        for i, req in enumerate(requests):
-            req.Wait(None if statuses is None else statuses[i])
+        for req, status in zip(requests, _status_slots(statuses, len(requests))):
+            req.Wait(status)
         return True
+
+    @classmethod
+    def Get_status_all(cls, requests, statuses=None):
+        """Return whether every request is complete, completing none; fill ``statuses`` if they all are."""
+        requests = list(requests)
+        u, _ = cls._universe_of(requests)
+        slots = _status_slots(statuses, len(requests))
+        if u is None:
+            for status in slots:
+                fill_status(status)
+            return True
+        with u.cond:
+            if not all(r._ready is None or r._ready() for r in requests):
+                return False
+            for r, status in zip(requests, slots):
+                if r._ready is None:
+                    fill_status(status)
+                else:
+                    r._peek_status(status)
+        return True
+
+    @classmethod
+    def Get_status_any(cls, requests, status=None):
+        """Return (index, flag) of a complete active request, completing none (``MPI.UNDEFINED``: none active)."""
+        requests = list(requests)
+        u, _ = cls._universe_of(requests)
+        if u is None:
+            fill_status(status)
+            return MPI.UNDEFINED, True
+        with u.cond:
+            for i, r in enumerate(requests):
+                if r._ready is not None and r._peek_status(status):
+                    return i, True
+        return MPI.UNDEFINED, False
+
+    @classmethod
+    def Get_status_some(cls, requests, statuses=None):
+        """Return the indices of the complete active requests, completing none (None: none active)."""
+        requests = list(requests)
+        u, _ = cls._universe_of(requests)
+        if u is None:
+            return None
+        with u.cond:
+            done = [i for i, r in enumerate(requests) if r._ready is not None and r._ready()]
+            for i, status in zip(done, _status_slots(statuses, len(done))):
+                requests[i]._peek_status(status)
+        return done
+
+    get_status_all, get_status_any, get_status_some = Get_status_all, Get_status_any, Get_status_some
 
     @classmethod
     def waitall(cls, requests, statuses=None):
@@ -295,13 +418,16 @@ class SimRequest:
     @classmethod
     def Cancelall(cls, requests):
         for r in requests:
-            r.Cancel()
+            if r:
+                r.Cancel()
 
 
 class SimPrequest(SimRequest):
     """Persistent request: ``Start`` begins the operation again; it stays valid until ``Free``."""
 
     def __init__(self, start=None, what="persistent request"):
+        if isinstance(start, SimRequest):
+            return
         super().__init__(what=what)
         self._start = start
         self._inner = None
@@ -316,10 +442,10 @@ class SimPrequest(SimRequest):
             raise mpi_error(MPI.ERR_REQUEST, f"Prequest.Start: request {self._what} was freed")
         inner = self._start()
         self._universe, self._world_rank = inner._universe, inner._world_rank
-        self._ready, self._finish, self._cancel = inner._ready, inner._finish, inner._cancel
+        self._ready, self._finish, self._cancel, self._peek = inner._ready, inner._finish, inner._cancel, inner._peek
 
     def _deactivate(self):
-        self._ready = self._finish = self._cancel = None  # inactive, not null
+        self._ready = self._finish = self._cancel = self._peek = None  # inactive, not null
 
     def Free(self):
         self._deactivate()
@@ -331,18 +457,37 @@ class SimPrequest(SimRequest):
             r.Start()
 
 
-class SimMessage:
+class SimMessage(Handles):
     """A message taken off the queue by a matched probe; ``Recv`` delivers it (like ``MPI.Message``)."""
 
-    def __init__(self, comm=None, envelope=None, no_proc=False):
+    _NULL_HANDLE = MPI.MESSAGE_NULL.handle
+
+    def __new__(cls, *args, **kwargs):
+        self = object.__new__(cls)
+        if args and isinstance(args[0], SimMessage):
+            self.__dict__ = args[0].__dict__  # MPI.Message(message): a second handle on the same message
+        return self
+
+    def __init__(self, comm=None, envelope=None, no_proc=False, constant=False):
+        if isinstance(comm, SimMessage):
+            if comm._constant:  # a copy of MESSAGE_NULL/MESSAGE_NO_PROC is a handle of its own
+                self.__dict__ = dict(comm.__dict__, _constant=False)
+            return
+        if isinstance(comm, MPI.Message):
+            no_proc = comm == MPI.MESSAGE_NO_PROC
+            if not no_proc and comm != MPI.MESSAGE_NULL:
+                raise TypeError(f"MPI.Message: expecting a simulated message (got {comm!r})")
+            comm = None
         self._comm, self._env, self._no_proc = comm, envelope, no_proc
+        self._constant = constant  # MESSAGE_NULL and MESSAGE_NO_PROC themselves never change
 
     def __bool__(self):
         return self._env is not None or self._no_proc
 
     def __eq__(self, other):
         if isinstance(other, SimMessage):
-            return self is other or (self._no_proc and other._no_proc) or (not self and not other)
+            return (self.__dict__ is other.__dict__ or (self._no_proc and other._no_proc)
+                    or (not self and not other))
         if isinstance(other, MPI.Message):
             if self._no_proc:
                 return other == MPI.MESSAGE_NO_PROC
@@ -355,8 +500,26 @@ class SimMessage:
 
     __hash__ = object.__hash__
 
+    def __reduce__(self):
+        if self._constant:
+            return "MESSAGE_NO_PROC" if self._no_proc else "MESSAGE_NULL"  # the module's own constant
+        if self._env is not None:
+            raise ValueError(f"cannot pickle a pending message ({self!r})")
+        return SimMessage, (None, None, self._no_proc)
+
+    def __repr__(self):
+        state = "MESSAGE_NO_PROC" if self._no_proc else "MESSAGE_NULL" if self._env is None else "pending"
+        return f"<SimMessage {state}{' (constant)' if self._constant else ''}>"
+
+    def free(self):
+        """Drop the handle (a predefined message stays as it is)."""
+        if not self._constant:
+            self._env, self._no_proc = None, False
+
     def _take(self, what):
         if self._no_proc:
+            if not self._constant:
+                self._no_proc = False  # received: the handle is MESSAGE_NULL now, as in MPI
             return None
         if self._env is None:
             raise mpi_error(MPI.ERR_REQUEST, f"Message.{what}: the message was already received (MESSAGE_NULL)")
@@ -425,5 +588,5 @@ def dumps(obj):
 
 
 REQUEST_NULL = SimRequest()
-MESSAGE_NULL = SimMessage()
-MESSAGE_NO_PROC = SimMessage(no_proc=True)
+MESSAGE_NULL = SimMessage(constant=True)
+MESSAGE_NO_PROC = SimMessage(no_proc=True, constant=True)

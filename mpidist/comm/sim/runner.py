@@ -1,22 +1,17 @@
 """simulate(): run a function on N rank threads that share one simulated universe."""
 
+import ctypes
 import os
 import threading
+import time
 
 from mpi4py import MPI
 
 from ..errors import DeadlockError, RankFailedError
 from .comm import SimComm
-from .engine import Context, Universe
+from .engine import Context, Universe, bind_rank, current
 
 __all__ = ["simulate", "current", "rank_threads"]
-
-_local = threading.local()
-
-
-def current():
-    """The calling rank thread's (world, self) communicators, or None outside a simulated rank."""
-    return getattr(_local, "comms", None)
 
 
 def bind_thread(size=1, rank=0):
@@ -24,13 +19,18 @@ def bind_thread(size=1, rank=0):
     ``MPI.COMM_WORLD.Get_size()`` made while a module is imported; return the previous binding."""
     previous = current()
     universe = Universe(size)
-    _local.comms = (SimComm(Context(universe, range(size), "SIM_WORLD"), rank),
-                    SimComm(Context(universe, [rank], "SIM_SELF"), 0))
+    bind_rank((SimComm(Context(universe, range(size), "SIM_WORLD"), rank),
+               SimComm(Context(universe, [rank], "SIM_SELF"), 0)))
     return previous
 
 
-def rank_threads(n, target, *, ranks_per_node=None, timeout=None, seed=None, name="SIM_WORLD"):
-    """Run ``target(rank, world)`` on ``n`` rank threads; return (results, errors, universe)."""
+def rank_threads(n, target, *, ranks_per_node=None, timeout=None, seed=None, name="SIM_WORLD", abandon_after=None):
+    """Run ``target(rank, world)`` on ``n`` rank threads; return (results, errors, universe).
+
+    ``abandon_after`` (seconds): once a rank failed, a rank thread that has not ended this long after
+    (computing, sleeping, reading stdin: nothing a communication call could release) gets ``RankFailedError``
+    raised in it; one that still runs as long again is left behind (a daemon thread), as mpiexec kills it.
+    """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"simulate: n must be a positive int (got {n!r})")
     if timeout is None and os.environ.get("MPIDIST_SIM_TIMEOUT"):
@@ -43,7 +43,7 @@ def rank_threads(n, target, *, ranks_per_node=None, timeout=None, seed=None, nam
     def run(rank):
         comm = SimComm(world, rank)
         self_comm = SimComm(Context(universe, [rank], "SIM_SELF"), 0)
-        _local.comms = (comm, self_comm)
+        bind_rank((comm, self_comm))
         try:
             results[rank] = target(rank, comm)
         except BaseException as exc:  # noqa: BLE001 - any failure must release the other ranks
@@ -53,7 +53,7 @@ def rank_threads(n, target, *, ranks_per_node=None, timeout=None, seed=None, nam
                     universe.failure = (rank, exc)
                 universe.changed()
         finally:
-            _local.comms = None
+            bind_rank(None)
             with universe.cond:
                 universe.alive -= 1
                 universe.changed()
@@ -61,9 +61,36 @@ def rank_threads(n, target, *, ranks_per_node=None, timeout=None, seed=None, nam
     threads = [threading.Thread(target=run, args=(r,), name=f"sim-rank-{r}", daemon=True) for r in range(n)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    if abandon_after is None:
+        for t in threads:
+            t.join()
+    else:
+        _join_or_abandon(threads, universe, abandon_after)
     return results, errors, universe
+
+
+def _join_or_abandon(threads, universe, grace):
+    deadline, interrupted = None, False
+    while True:
+        alive = [t for t in threads if t.is_alive()]
+        if not alive:
+            return
+        alive[0].join(0.05)
+        if universe.failure is None and universe.deadlock is None:
+            continue
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + grace
+        elif now > deadline and not interrupted:
+            for t in alive:  # raised at the thread's next bytecode: ends a compute loop or a sleep
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(_Stopped))
+            deadline, interrupted = now + grace, True
+        elif now > deadline:
+            return
+
+
+class _Stopped(RankFailedError):
+    """Raised inside a rank thread that kept running after another rank failed."""
 
 
 def simulate(n, fn, *args, ranks_per_node=None, timeout=None, seed=None, **kwargs):

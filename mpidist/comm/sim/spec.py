@@ -13,6 +13,8 @@ Glossary:
 """
 
 import ctypes
+import operator
+import sys
 import threading
 
 import numpy as np
@@ -71,8 +73,13 @@ def typemap(dt):
         tm = TypeMap(np.arange(size, dtype=np.intp), extent, size, lb)
     else:
         tlb, span = dt.Get_true_extent()
-        shifted = MPI.Datatype.Create_struct([1], [-tlb], [dt]).Create_resized(0, span).Commit()
+        made = []
         try:
+            exact = _byte_exact(dt, made)
+            struct = MPI.Datatype.Create_struct([1], [-tlb], [exact])
+            made.append(struct)
+            shifted = struct.Create_resized(0, span).Commit()
+            made.append(shifted)
             k = np.arange(span, dtype=np.int64)
             offsets = np.zeros(size, np.intp)
             out = np.empty(size, np.uint8)
@@ -80,7 +87,8 @@ def typemap(dt):
                 shifted.Pack(((k >> plane) & 0xFF).astype(np.uint8), out, 0, MPI.COMM_SELF)
                 offsets |= out.astype(np.intp) << plane
         finally:
-            shifted.Free()
+            for t in made:
+                t.Free()
         tm = TypeMap(offsets + tlb, extent, size, lb)
     if predefined:
         with _maps_lock:
@@ -88,7 +96,54 @@ def typemap(dt):
     return tm
 
 
+# MPICH packs a long double inside a derived type with a typed copy that moves 10 of its 16 bytes, so the
+# numbered-buffer trick below would learn garbage offsets: it learns the layout of a stand-in instead in which
+# every predefined leaf type is plain bytes (same size, extent and position). Pair types keep their own
+# layout (their padding is not data), except long double + int, spelled out.
+_PAIR_BYTES = {MPI.LONG_DOUBLE_INT.handle: ([MPI.LONG_DOUBLE.Get_size(), MPI.INT.Get_size()],
+                                            [0, MPI.LONG_DOUBLE.Get_extent()[1]])}
+
+
+def _leaf_bytes(dt):
+    """(block lengths, displacements) of the bytes of predefined ``dt``, or None to keep ``dt`` as it is."""
+    if dt.handle in _PAIR_BYTES:
+        return _PAIR_BYTES[dt.handle]
+    lb, extent = dt.Get_extent()
+    size = dt.Get_size()
+    return ([size], [0]) if size == extent and lb == 0 and size > 0 else None
+
+
+def _byte_exact(dt, made):
+    """``dt`` with its predefined leaf types replaced by bytes of the same layout (rebuilt from MPI's own
+    description of ``dt``); new handles are appended to ``made``."""
+    base, combiner, params = dt.decode()
+    if combiner == "NAMED":
+        blocks = _leaf_bytes(dt)
+        if blocks is None:
+            return dt
+        lb, extent = dt.Get_extent()
+        raw = MPI.Datatype.Create_struct(blocks[0], blocks[1], [MPI.BYTE] * len(blocks[0]))
+        made.append(raw)
+        new = raw.Create_resized(lb, extent)
+        made.append(new)
+        return new
+    made.extend(t for t in ([base] + list(params.get("datatypes", []))) if not t.is_predefined)
+    if combiner == "STRUCT":
+        params = dict(params, datatypes=[_byte_exact(t, made) for t in params["datatypes"]])
+    else:
+        base = _byte_exact(base, made)
+    new = MPI._datatype_create(base, combiner, params)
+    made.append(new)
+    return new
+
+
+_FOREIGN_ORDER = ">!" if sys.byteorder == "little" else "<"
+
+
 def _format_datatype(fmt):
+    if fmt and fmt[0] in _FOREIGN_ORDER:
+        raise BufferError(f"message: byte order of buffer format {fmt!r} is not the machine's; "
+                          f"pass the datatype explicitly ([buf, MPI.INT])")
     if fmt and fmt[0] in "@=<>!":
         fmt = fmt[1:]
     try:
@@ -98,32 +153,66 @@ def _format_datatype(fmt):
 
 
 _DEVICE_MODULES = ("cupy", "numba", "torch", "jax", "tensorflow")
+_DL_HOST_DEVICES = (1, 3, 11)  # kDLCPU, kDLCUDAHost, kDLROCMHost: memory this process can read
+_DL_KINDS = {0: "i", 1: "u", 2: "f", 5: "c", 6: "b"}  # DLPack type code -> numpy kind
 
 
-def _host_view(obj):
-    """A buffer-protocol view of a DLPack CPU tensor or a host-memory ``__cuda_array_interface__`` object."""
-    if hasattr(obj, "__dlpack_device__") and not hasattr(obj, "__cuda_array_interface__"):
-        # np.from_dlpack crashed (SIGSEGV) on mpi4py's ctypes DLPack test double: not simulated yet
-        raise NotImplementedError(f"message: DLPack-only buffers are not simulated ({type(obj).__name__}); "
-                                  f"pass an object with the buffer protocol")
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is not None and not type(obj).__module__.split(".")[0] in _DEVICE_MODULES:
-        # mpi4py hands this pointer to MPI as it is; objects that are not a GPU library's arrays (test
-        # doubles, shims) point at host memory, which we can read the same way.
-        if cai.get("strides") is not None:
-            raise BufferError(f"__cuda_array_interface__: buffer is not contiguous (strides: {cai['strides']})")
-        itemsize = np.dtype(cai["typestr"]).itemsize
-        nbytes = int(np.prod(cai["shape"], dtype=np.int64)) * itemsize
-        address, readonly = cai["data"]
-        if nbytes == 0:
-            return np.zeros(0, np.dtype(cai["typestr"]))
-        raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
-        arr = raw.view(np.dtype(cai["typestr"]))
-        if readonly:
-            arr.flags.writeable = False
-        return arr
-    raise NotImplementedError(f"message: device buffers are not simulated ({type(obj).__module__}."
-                              f"{type(obj).__name__}); stage through host memory")
+def _dlpack_format(obj):
+    """The numpy type of a DLPack tensor's elements (None if it has no plain one), read from a fresh capsule."""
+    device = obj.__dlpack_device__()
+    stream = None if device[0] == 1 else -1
+    try:
+        capsule = obj.__dlpack__(stream=stream, max_version=(1, 0))
+    except TypeError:
+        capsule = obj.__dlpack__(stream=stream)
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    name = get_name(capsule)
+    # DLManagedTensorVersioned starts with version, manager_ctx, deleter and flags (32 bytes) before the
+    # DLTensor; the unversioned DLManagedTensor starts with it. DLTensor's dtype (code, bits, lanes) is at 20.
+    tensor = get_pointer(capsule, name) + (32 if name == b"dltensor_versioned" else 0)
+    code, bits, lanes = ctypes.c_uint8.from_address(tensor + 20).value, \
+        ctypes.c_uint8.from_address(tensor + 21).value, ctypes.c_uint16.from_address(tensor + 22).value
+    del capsule
+    if lanes == 2 and code == 2 and bits in (32, 64, 8 * np.dtype(np.longdouble).itemsize):
+        return np.dtype(f"c{bits // 4}")  # a pair of floats is a complex number, as mpi4py reads it
+    if lanes != 1 or code not in _DL_KINDS or bits % 8:
+        return None
+    try:
+        return np.dtype(f"{_DL_KINDS[code]}{bits // 8}")
+    except TypeError:
+        return None
+
+
+def _device_buffer(obj, readonly, need_format):
+    """(uint8 array, format datatype) of a DLPack or ``__cuda_array_interface__`` object without the buffer
+    protocol. mpi4py's own reader (``MPI.buffer.frombuffer``) checks it exactly as MPI calls would (version,
+    contiguity, writability) and gives its address; memory a GPU library allocated is not simulated."""
+    dlpack = hasattr(obj, "__dlpack_device__")
+    on_device = (dlpack and obj.__dlpack_device__()[0] not in _DL_HOST_DEVICES) or (
+        not dlpack and hasattr(obj, "__cuda_array_interface__"))
+    if on_device and type(obj).__module__.split(".")[0] in _DEVICE_MODULES:
+        raise NotImplementedError(f"message: device buffers are not simulated ({type(obj).__module__}."
+                                  f"{type(obj).__name__}); stage through host memory")
+    # Anything else (test doubles, shims) points at host memory, which we read the way MPI would.
+    found = MPI.buffer.frombuffer(obj, readonly=readonly)
+    if found.nbytes:
+        data = np.frombuffer(MPI.buffer.fromaddress(found.address, found.nbytes, readonly=found.readonly), np.uint8)
+    else:
+        data = np.zeros(0, np.uint8)
+    fmt_dt = None
+    if need_format:
+        if dlpack:
+            dtype = _dlpack_format(obj)
+        else:
+            typestr = obj.__cuda_array_interface__["typestr"]
+            if typestr[:1] not in "<>|=" or typestr[:1] in _FOREIGN_ORDER:
+                raise BufferError(f"__cuda_array_interface__: typestr {typestr!r} is not in the machine's byte order")
+            dtype = np.dtype("=" + typestr[1:])
+        fmt_dt = _TYPEDICT.get(dtype.char, MPI.BYTE) if dtype is not None else MPI.BYTE
+    return data, fmt_dt
 
 
 def _buffer(obj, readonly, need_format=True):
@@ -132,16 +221,18 @@ def _buffer(obj, readonly, need_format=True):
         view = memoryview(obj)
     except TypeError:
         if hasattr(obj, "__dlpack_device__") or hasattr(obj, "__cuda_array_interface__"):
-            view = memoryview(_host_view(obj))
-        else:
-            raise TypeError(f"message: expecting buffer or list/tuple (got {type(obj).__name__})") from None
+            return _device_buffer(obj, readonly, need_format)
+        raise TypeError(f"message: expecting buffer or list/tuple (got {type(obj).__name__})") from None
     if not view.contiguous:
         raise BufferError(f"message: buffer is not contiguous (shape: {view.shape}, strides: {view.strides})")
     if not readonly and view.readonly:
         raise BufferError(f"message: buffer is not writable ({type(obj).__name__})")
-    data = np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.zeros(0, np.uint8)
-    if view.nbytes and view.ndim > 1 and not view.c_contiguous:  # Fortran order: the memory itself
-        data = np.asarray(view).reshape(-1, order="K").view(np.uint8)
+    if not view.nbytes:
+        data = np.zeros(0, np.uint8)
+    elif view.c_contiguous:
+        data = np.frombuffer(view, dtype=np.uint8)
+    else:  # Fortran order: the memory itself, in memory order (a view, so receives write through)
+        data = np.asarray(view).ravel(order="K").view(np.uint8)
     return data, (_format_datatype(view.format) if need_format else None)
 
 
@@ -150,9 +241,9 @@ class Msg:
 
     __slots__ = ("base", "dtype", "tm", "counts", "starts", "bottom")
 
-    def __init__(self, base, dtype, counts, starts, bottom=False):
+    def __init__(self, base, dtype, counts, starts, bottom=False, tm=None):
         self.base, self.dtype, self.counts, self.starts, self.bottom = base, dtype, counts, starts, bottom
-        self.tm = typemap(dtype) if dtype is not None else None
+        self.tm = tm if tm is not None else typemap(dtype) if dtype is not None else None
 
     @property
     def count(self):
@@ -160,6 +251,18 @@ class Msg:
 
     def nbytes(self, block=0):
         return 0 if self.tm is None else self.counts[block] * self.tm.size
+
+    def _span(self, block):
+        """(start, stop) bytes of block ``block`` of a contiguous datatype in ``base`` (bounds checked)."""
+        start = self.starts[block]
+        stop = start + self.counts[block] * self.tm.size
+        if self.base is None:
+            raise ValueError(f"message: buffer is None but count is {self.counts[block]}")
+        if start < 0 or stop > self.base.size:
+            raise ValueError(f"message: {self.counts[block]} elements of {self.dtype.Get_name() or 'the datatype'} "
+                             f"(extent {self.tm.extent}) from byte {start} do not fit a buffer of "
+                             f"{self.base.size} bytes")
+        return start, stop
 
     def _target(self, block, writing):
         start, count = self.starts[block], self.counts[block]
@@ -179,35 +282,44 @@ class Msg:
 
     def pack(self, block=0):
         """Return a copy of block ``block``'s elements in pack order (uint8)."""
+        if self.tm is None or self.counts[block] == 0:
+            return _EMPTY
+        if self.tm.contiguous and not self.bottom:
+            start, stop = self._span(block)
+            return self.base[start:stop].copy()
         mem, idx = self._target(block, False)
-        if mem is None:
-            return np.zeros(0, np.uint8)
-        if self.tm.contiguous:
-            return mem[idx[0]: idx[-1] + 1].copy()
         return mem[idx]
 
     def view(self, block=0):
         """Return block ``block`` as a uint8 view (contiguous datatypes only), else None."""
-        if not self.tm.contiguous or self.bottom:
+        if self.tm is None or not self.tm.contiguous or self.bottom:
             return None
-        mem, idx = self._target(block, True)
-        return np.zeros(0, np.uint8) if mem is None else mem[idx[0]: idx[-1] + 1]
+        if self.counts[block] == 0:
+            return _EMPTY
+        start, stop = self._span(block)
+        return self.base[start:stop]
 
     def unpack(self, data, block=0, what="message"):
         """Write packed ``data`` into block ``block``; raise ERR_TRUNCATE if it does not fit."""
-        capacity = self.nbytes(block)
-        if data.nbytes > capacity:
-            raise mpi_error(MPI.ERR_TRUNCATE, f"{what}: message truncated ({data.nbytes} bytes into room for "
+        nbytes = data.nbytes
+        capacity = 0 if self.tm is None else self.counts[block] * self.tm.size
+        if nbytes > capacity:
+            raise mpi_error(MPI.ERR_TRUNCATE, f"{what}: message truncated ({nbytes} bytes into room for "
                                               f"{capacity} bytes: {self.counts[block]} x "
                                               f"{self.dtype.Get_name() or 'datatype'})")
-        if data.nbytes == 0:
+        if nbytes == 0:
             return 0
+        if self.tm.contiguous and not self.bottom:
+            start, _ = self._span(block)
+            self.base[start: start + nbytes] = data
+            return nbytes
         mem, idx = self._target(block, True)
-        if self.tm.contiguous:
-            mem[idx[0]: idx[0] + data.nbytes] = data
-        else:
-            mem[idx[: data.nbytes]] = data
-        return data.nbytes
+        mem[idx[:nbytes]] = data
+        return nbytes
+
+
+_EMPTY = np.zeros(0, np.uint8)
+_EMPTY.flags.writeable = False
 
 
 def _items(spec):
@@ -254,10 +366,46 @@ def _check_spec(spec):
         raise TypeError(f"message: expecting buffer or list/tuple (got {type(spec).__name__})") from None
 
 
+_NUMPY_TYPES = {}  # numpy dtype -> MPI datatype (None: not a plain native type; the general path decides)
+
+
+def _numpy_msg(arr, readonly, blocks):
+    """The Msg of a plain C-contiguous numpy array of a predefined type, or None (then the general path
+    parses it, with its errors). The common case, read without the buffer protocol's detour."""
+    dtype = arr.dtype
+    try:
+        dt, tm = _NUMPY_TYPES[dtype]
+    except KeyError:
+        plain = dtype.isnative and dtype.fields is None and dtype.subdtype is None
+        dt = _TYPEDICT.get(dtype.char) if plain else None
+        tm = typemap(dt) if dt is not None else None
+        if tm is None or tm.extent != dtype.itemsize:
+            dt = tm = None
+        _NUMPY_TYPES[dtype] = dt, tm
+    if dt is None:
+        return None
+    flags = arr.flags
+    if not flags.c_contiguous or (not readonly and not flags.writeable):
+        return None
+    count = arr.size
+    if blocks >= 2:
+        if count % blocks:
+            return None
+        count //= blocks
+    nb = max(blocks, 1)
+    step = count * tm.extent
+    base = np.frombuffer(arr, np.uint8) if arr.size else _EMPTY  # a view: receives write through
+    return Msg(base, dt, [count] * nb, [i * step for i in range(nb)], False, tm)
+
+
 def simple(spec, readonly=True, blocks=0, null=False):
     """Parse a block-variant spec: ``blocks`` equal blocks (0 or 1: one block)."""
     if null:
         return Msg(None, None, [0] * max(blocks, 1), [0] * max(blocks, 1))
+    if type(spec) is np.ndarray:
+        msg = _numpy_msg(spec, readonly, blocks)
+        if msg is not None:
+            return msg
     _check_spec(spec)
     buf, count, displ, dtype, _ = _items(spec)
     if spec is None:
@@ -269,7 +417,7 @@ def simple(spec, readonly=True, blocks=0, null=False):
     length = 0 if base is None else base.size
     offset = 0
     if displ is not None:
-        displ = int(displ)
+        displ = operator.index(displ)
         if displ < 0:
             raise ValueError(f"message: negative displacement {displ}")
         if displ > 0:
@@ -281,7 +429,7 @@ def simple(spec, readonly=True, blocks=0, null=False):
             offset = displ * tm.extent
             length -= offset
     if count is not None:
-        count = int(count)
+        count = operator.index(count)
         if count < 0:
             raise ValueError(f"message: negative count {count}")
         if count > 0 and buf is None:
@@ -307,7 +455,7 @@ def simple(spec, readonly=True, blocks=0, null=False):
 
 
 def _int_list(values, blocks, what):
-    values = [int(v) for v in values]
+    values = [operator.index(v) for v in values]  # 3.1 is a TypeError, as in mpi4py
     if len(values) != blocks:
         raise ValueError(f"message: expecting {blocks} {what}, got {len(values)}")
     return values
@@ -352,14 +500,14 @@ def vector(spec, readonly=True, blocks=1, null=False):
                                  f"datatype extent {tm.extent}")
             total = size // tm.extent
         counts = [total // blocks + (total % blocks > i) for i in range(blocks)]
-    elif isinstance(counts, (int, np.integer)):
-        counts = [int(counts)] * blocks
+    elif np.ndim(counts) == 0:  # one count for every block (an int, a numpy scalar or 0-d array)
+        counts = [operator.index(counts)] * blocks
     else:
         counts = _int_list(counts, blocks, "counts")
     if displs is None:
         displs = [sum(counts[:i]) for i in range(blocks)]
-    elif isinstance(displs, (int, np.integer)):
-        displs = [int(displs) * i for i in range(blocks)]
+    elif np.ndim(displs) == 0:
+        displs = [operator.index(displs) * i for i in range(blocks)]
     else:
         displs = _int_list(displs, blocks, "displacements")
     return Msg(base, dt, counts, [d * tm.extent for d in displs], bottom)
@@ -381,8 +529,10 @@ class MsgW:
             raise ValueError(f"message: expecting 2 to 4 items, got {n}")
         if isinstance(types, (MPI.Datatype, str)):
             types = [types] * blocks
+        if buf is MPI.BOTTOM and (counts is None or displs is None):  # as mpi4py's message_vector_w
+            raise ValueError(f"message: BOTTOM requires {'counts' if counts is None else 'displs'}")
         base, _, bottom = _basic(buf, MPI.BYTE, readonly)
-        if counts is None:
+        if counts is None and displs is None:
             counts, displs = [1] * blocks, [0] * blocks
         types = list(types)
         if len(types) != blocks:

@@ -79,27 +79,52 @@ class DistGraph:
 
 def cart_layout(size, dims, periods):
     dims = [int(d) for d in dims]
-    periods = [bool(p) for p in (periods if periods is not None else [False] * len(dims))]
-    if isinstance(periods, bool):
-        periods = [periods] * len(dims)
+    if periods is None or isinstance(periods, (bool, int)):  # one value for every dimension, as in mpi4py
+        periods = [bool(periods)] * len(dims)
+    periods = [bool(p) for p in periods]
+    if len(periods) != len(dims):
+        raise ValueError(f"Create_cart: {len(periods)} periods for {len(dims)} dimensions")
     layout = Cart(dims, periods)
     if layout.size > size:
         raise mpi_error(MPI.ERR_DIMS, f"Create_cart: dims {dims} need {layout.size} ranks, the communicator has {size}")
     return layout
 
 
+def graph_index(index, edges):
+    """``index`` as MPI takes it; mpi4py also takes the standard adjacency form with a leading 0."""
+    index, edges = [int(i) for i in index], [int(e) for e in edges]
+    if index and index[0] == 0 and index[-1] == len(edges):
+        index = index[1:]
+    return index, edges
+
+
 def graph_layout(size, index, edges):
-    layout = Graph(index, edges)
+    layout = Graph(*graph_index(index, edges))
     if layout.size > size:
         raise mpi_error(MPI.ERR_ARG, f"Create_graph: {layout.size} nodes, the communicator has {size} ranks")
     return layout
 
 
+def _adjacent_weights(weights, count, what):
+    """Weights as a list (None: unweighted); MPI.WEIGHTS_EMPTY only for no edges, as mpi4py checks."""
+    if weights is None or weights is MPI.UNWEIGHTED:
+        return None
+    if weights is MPI.WEIGHTS_EMPTY:
+        if count:
+            raise ValueError(f"Create_dist_graph_adjacent: MPI.WEIGHTS_EMPTY given for {count} {what}")
+        return []
+    weights = [int(w) for w in weights]
+    if len(weights) != count:
+        raise ValueError(f"Create_dist_graph_adjacent: {len(weights)} weights for {count} {what}")
+    return weights
+
+
 def dist_graph_adjacent(sources, destinations, sourceweights=None, destweights=None):
-    weighted = sourceweights is not None and sourceweights is not MPI.UNWEIGHTED
-    sw = list(sourceweights) if weighted and sourceweights is not MPI.WEIGHTS_EMPTY else None
-    dw = list(destweights) if destweights is not None and destweights not in (MPI.UNWEIGHTED, MPI.WEIGHTS_EMPTY) else None
-    return ("adjacent", list(sources), sw, list(destinations), dw, weighted)
+    sources = [] if sources is None else [int(r) for r in sources]
+    destinations = [] if destinations is None else [int(r) for r in destinations]
+    sw = _adjacent_weights(sourceweights, len(sources), "sources")
+    dw = _adjacent_weights(destweights, len(destinations), "destinations")
+    return ("adjacent", sources, sw, destinations, dw, sw is not None or dw is not None)
 
 
 def dist_graph_edges(sources, degrees, destinations, weights=None):
@@ -144,10 +169,7 @@ def _make_classes():
     from .comm import SimComm
 
     class SimTopocomm(SimComm):
-        @classmethod
-        def _derived_class(cls):
-            return cls
-
+        _TOPOLOGY = staticmethod(lambda topo: topo is not None)
         @property
         def degrees(self):
             s, d = self._ctx.topo.neighbors(self._rank)
@@ -174,6 +196,7 @@ def _make_classes():
             return self.inoutedges[1]
 
     class SimCartcomm(SimTopocomm):
+        _TOPOLOGY = staticmethod(lambda topo: isinstance(topo, Cart))
         def Get_dim(self):
             return len(self._live("Get_dim").topo.dims)
 
@@ -211,6 +234,7 @@ def _make_classes():
             return self._derive("Sub", color_id, self._rank, topo=sub)
 
     class SimGraphcomm(SimTopocomm):
+        _TOPOLOGY = staticmethod(lambda topo: isinstance(topo, Graph))
         def Get_dims(self):
             t = self._live("Get_dims").topo
             return t.size, len(t.edges)
@@ -237,6 +261,7 @@ def _make_classes():
         neighbors = property(lambda self: self.Get_neighbors(self._rank))
 
     class SimDistgraphcomm(SimTopocomm):
+        _TOPOLOGY = staticmethod(lambda topo: isinstance(topo, DistGraph))
         def Get_dist_neighbors_count(self):
             s, _, d, _, weighted = self._live("Get_dist_neighbors_count").topo.layouts[self._rank]
             return len(s), len(d), bool(weighted)

@@ -3,13 +3,15 @@
 One module per concept: ``api`` (the FSDP wrapper and its hooks), ``lifecycle`` (a unit's gather/free and
 gradient states), ``selection`` (which modules form units; who owns tied parameters), ``state_dict`` (full
 and sharded state dicts), ``memory`` (byte accounting), ``layout`` (the public shard layout checkpoints
-read), ``settings`` (strategy enums and the frozen settings).
+read), ``groups`` (which ranks shard and which replicate: hybrid sharding), ``settings`` (strategy enums and
+the frozen settings).
 """
 
 from .api import FSDP, UnitInfo
+from .groups import ShardGroups
 from .layout import ParamSpan, ShardPiece, UnitShard
 from .lifecycle import GradState, ParamState
 from .settings import BackwardPrefetch, FSDPSettings, ShardingStrategy
 
 __all__ = ["FSDP", "ShardingStrategy", "BackwardPrefetch", "FSDPSettings", "UnitInfo", "UnitShard", "ParamSpan",
-           "ShardPiece", "ParamState", "GradState"]
+           "ShardPiece", "ParamState", "GradState", "ShardGroups"]

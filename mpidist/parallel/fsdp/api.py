@@ -13,15 +13,28 @@ How FSDP attaches (never replacing a method of the user's modules):
 - forward pre-hook on each unit module: gather the unit (and the units owning tied parameters it uses);
   prefetch the next unit.
 - forward hook: register a gradient hook (``Tensor.register_hook``) on each output that requires grad, then
-  free the unit (FULL_SHARD) or keep it for backward (SHARD_GRAD_OP).
+  free the unit (FULL_SHARD) or keep it for backward (SHARD_GRAD_OP and its hybrid twin).
 - gradient hook on a unit's outputs, first firing per pass: gather the unit again, point ``param.grad`` at
   views of a flat gradient buffer, prefetch the previous unit. Autograd runs nodes in reverse creation order,
   so every session that ran its forward later has finished its backward by then: their holds are released.
 - post-accumulate-grad hook on each parameter: count; when all of a unit's trainable parameters are final,
-  reduce-scatter its flat gradient into its shard and free the unit.
-- ``queue_callback`` at the pass's end: reduce units that got no gradient, release what is still held,
-  complete stray prefetches, raise on non-finite gradients.
+  finish the reduction in flight (the unit before it in backward order) and start a nonblocking
+  reduce-scatter of this unit's flat gradient into its shard, then free the unit. So a unit's reduce-scatter
+  runs while the next unit's backward computes, as in PyTorch's FSDP; one is in flight at a time (two
+  unsharded grads alive), none with ``backward_prefetch="post"`` once the next unit's backward starts.
+- ``queue_callback`` at the pass's end: reduce units that got no gradient, finish every reduction in flight
+  (so the optimizer sees final shard grads), release what is still held, complete stray prefetches, raise on
+  non-finite gradients.
 - forward pre-hook and hook on the root module: step stamps and peak tracking per step, and settling.
+
+Deferred weight gradients (zero-bubble pipelines: ``nn.backward_input`` now, ``DeferredWeightGrads.run()``
+later): a backward_input pass gathers each unit it reaches for the input gradients, as any backward does, but
+installs no gradient buffers and reduces nothing at its end (no parameter gradient exists yet); it queues a
+weight callback. When the weight pass starts, that callback gathers those units again (all at once: the
+weight pass computes every deferred node before accumulating) and installs their gradient buffers; from
+there the weight pass is an ordinary backward to FSDP: units reduce as their gradients become final, the
+rest at its end. An output whose whole backward was deferred (a first stage) fires its gradient hook in
+the weight pass, which then gathers as usual.
 """
 
 import contextlib
@@ -33,11 +46,13 @@ import numpy as np
 
 from ... import collectives
 from ...comm import check_comm
-from ...nn.autograd import Tensor, is_grad_enabled, queue_callback
+from ...nn.autograd import Tensor, is_grad_enabled, queue_callback, queue_weight_callback, weights_deferred
 from ...nn.module import Module
+from ...nn.placement import placement_of
 from ...nn.utils import clip_grad_norm_
-from ..agreement import StepStamp, check_same_structure
+from ..agreement import StepStamp, check_same_shards, check_same_structure
 from . import state_dict as _state
+from .groups import build_groups
 from .lifecycle import GradState, ParamState, Unit
 from .memory import Transient, memory_stats
 from .selection import assign_parameters, resolve_units
@@ -63,11 +78,11 @@ class UnitInfo:
 class _Context:
     """What all units of one FSDP share."""
 
-    def __init__(self, comm, settings):
-        self.comm, self.settings = comm, settings
+    def __init__(self, comm, settings, groups):
+        self.comm, self.settings, self.groups = comm, settings, groups
         self.transient = Transient()
-        # Seconds spent blocked on communication: waiting for all-gathers, and in the gradient
-        # reduce-scatters (blocking). What prefetching did not hide.
+        # Seconds spent blocked on communication: waiting for all-gathers and for the gradient
+        # reductions (starting them counts too). What prefetching and overlap did not hide.
         self.stats = {"comm_wait_s": 0.0}
 
 
@@ -91,7 +106,7 @@ class _Session:
         self.own = False      # holds the unit itself
         self.used = []        # units owning tied parameters it holds
         self.hooked = False   # registered a gradient hook on some output
-        self.kept = False     # holds kept from forward to backward (SHARD_GRAD_OP)
+        self.kept = False     # holds kept from forward to backward (SHARD_GRAD_OP, HYBRID_SHARD_GRAD_OP)
         self.pass_id = None   # the backward pass that reached it
 
 
@@ -100,8 +115,13 @@ class FSDP:
 
     Args:
         module: the model; its parameters are replaced by placeholders and live as shards in this wrapper.
-        comm: an mpi4py intracommunicator or a SimComm.
-        strategy: a ``ShardingStrategy`` or its name ("full_shard", "shard_grad_op", "no_shard").
+        comm: an mpi4py intracommunicator or a SimComm: all data-parallel ranks.
+        strategy: a ``ShardingStrategy`` or its name ("full_shard", "shard_grad_op", "no_shard",
+            "hybrid_shard", "hybrid_shard_grad_op").
+        shard_size: for the hybrid strategies: shard within groups of this many consecutive ranks of
+            ``comm`` and replicate across the ``size // shard_size`` groups (it must divide the size).
+        shard_comm, replicate_comm: for the hybrid strategies, instead of ``shard_size``: the shard group
+            and the replica group of this rank (e.g. from a mesh), which must tile ``comm``.
         units: None (one unit per child of a Sequential), an int N (consecutive Sequential children grouped
             until each group holds at least N elements), or a list whose items are submodules, child
             indices of a Sequential, or lists of those (one unit each). Units must cover every parameter;
@@ -119,7 +139,7 @@ class FSDP:
     """
 
     def __init__(self, module, comm, strategy="full_shard", units=None, prefetch=True, backward_prefetch="pre",
-                 check_finite=False):
+                 check_finite=False, shard_size=None, shard_comm=None, replicate_comm=None):
         if not isinstance(module, Module):
             raise TypeError(f"FSDP: module must be an mpidist.nn.Module (got {type(module).__name__})")
         check_comm("FSDP", comm)
@@ -127,12 +147,12 @@ class FSDP:
             raise TypeError(f"FSDP: prefetch must be a bool (got {prefetch!r})")
         backward_prefetch = BackwardPrefetch.parse(backward_prefetch)
         strategy = ShardingStrategy.parse(strategy)
-        size = comm.Get_size()
-        num_shards = 1 if strategy is ShardingStrategy.NO_SHARD else size
+        groups = build_groups(comm, strategy, shard_size, shard_comm, replicate_comm)
         self.module, self.comm = module, comm
-        self.settings = FSDPSettings(strategy, prefetch, size, num_shards, backward_prefetch)
+        self.settings = FSDPSettings(strategy, prefetch, comm.Get_size(), groups.num_shards, backward_prefetch,
+                                     groups.num_replicas)
         self.check_finite = check_finite
-        self._ctx = _Context(comm, self.settings)
+        self._ctx = _Context(comm, self.settings, groups)
         self.stats = self._ctx.stats
         self._nonfinite = set()  # parameter names whose local (pre-average) gradient held NaN/Inf this pass
         self._sync = True
@@ -142,19 +162,23 @@ class FSDP:
         self._pass = None      # id of the backward pass running now
         self._active = []      # sessions whose backward runs in this pass
         self._forward = None   # the training forward running now
+        self._deferring = False  # the backward pass running now defers the weight gradients (backward_input)
+        self._weights_for = None  # units that pass reached: the weight pass gathers them again
         self._inflight = []    # training forwards awaiting their backward
+        self._reducing = []    # units whose gradient reduction is in flight, in the order they started
 
-        groups = resolve_units(module, units)
-        wrapped = [m for _, mods in groups for m in mods if m in _WRAPPED]
+        unit_groups = resolve_units(module, units)
+        wrapped = [m for _, mods in unit_groups for m in mods if m in _WRAPPED]
         if module in _WRAPPED or wrapped:
             name = type(wrapped[0] if wrapped else module).__name__
             raise ValueError(f"FSDP: module {name} is already wrapped by an FSDP; build a new model for a new wrapper")
         # Before the first broadcast: different models would fail there with MPI's size error, or worse.
         check_same_structure(comm, module.named_parameters(), "FSDP")
+        check_same_shards(comm, module.named_parameters(), "FSDP")
         self._stamp = StepStamp(comm, "FSDP")
-        assigned = assign_parameters(module, groups)
+        assigned = assign_parameters(module, unit_groups)
         self._units = [Unit(i, label, mods, params, used, self._ctx)
-                       for i, ((label, mods), (params, used)) in enumerate(zip(groups, assigned))]
+                       for i, ((label, mods), (params, used)) in enumerate(zip(unit_groups, assigned))]
         self._param_units = [u for u in self._units if u.params]
         for u in self._param_units:
             u.shard_from_rank0()
@@ -176,7 +200,7 @@ class FSDP:
                                                               prepend=True))
         self._handles.append(module.register_forward_hook(lambda mod, args, out: self._root_post_forward()))
         _WRAPPED.add(module)
-        for _, mods in groups:
+        for _, mods in unit_groups:
             _WRAPPED.update(mods)
 
     # -- construction helpers ---------------------------------------------------------------------------
@@ -220,6 +244,16 @@ class FSDP:
             yield (f"{prefix}.{u.label}" if prefix else u.label), u.shard
 
     @property
+    def shard_comm(self):
+        """The ranks this rank's shards are split over (``comm``, a hybrid shard group, or None for NO_SHARD)."""
+        return self._ctx.groups.shard_comm
+
+    @property
+    def replicate_comm(self):
+        """The ranks holding copies of this rank's shards (hybrid replica group, ``comm`` for NO_SHARD, or None)."""
+        return self._ctx.groups.replicate_comm
+
+    @property
     def units(self):
         """Return a ``UnitInfo`` per unit, in order (units without parameters included)."""
         return tuple(UnitInfo(u.label, tuple(u.names), u.numel, u.shard_numel,
@@ -242,6 +276,14 @@ class FSDP:
         """Return how many training forwards have not been reached by a backward yet."""
         return len(self._inflight)
 
+    def reductions_in_flight(self):
+        """Return the labels of the units whose gradient reduction has started and not finished, oldest first.
+
+        Finished means added into the shard grad, which FSDP does in order when the next one starts and at
+        the end of backward; MPI may have completed the transfer earlier.
+        """
+        return tuple(u.label for u in self._reducing)
+
     def zero_grad(self, set_to_none=True):
         """Drop every shard gradient and any gradient accumulated under ``no_sync`` (or zero them in place)."""
         for u in self._param_units:
@@ -256,21 +298,55 @@ class FSDP:
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """Clip the gradients to global norm ``max_norm`` over the whole model; return the norm before.
 
-        Each rank holds a shard of every gradient (padding is zero), so the ranks add up their shards'
-        contributions: the norm and scale equal those of the unsharded model. Call after backward.
+        Each rank holds a shard of every gradient (padding is zero), so the ranks of a shard group add up
+        their shards' contributions: the norm and scale equal those of the unsharded model. Replicas hold the
+        same reduced gradients, so the sum runs over the shard group only. Call after backward.
         """
         self._check_at_rest("clip_grad_norm_")
-        sharded = self.settings.strategy is not ShardingStrategy.NO_SHARD
-        return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.comm if sharded else None,
-                               error_if_nonfinite)
+        return clip_grad_norm_(self._norm_parts(), max_norm, norm_type, self.shard_comm, error_if_nonfinite)
+
+    def _norm_parts(self):
+        """The gradients a norm adds up: the flat shards, or, when the wrapped parameters carry tensor-parallel
+        placements, each parameter's piece of its shard with that placement (a replicated piece counts once)."""
+        placements = {name: placement_of(p) for name, p in self.module.named_parameters()}
+        if all(where is None for where in placements.values()):
+            return list(self.parameters())
+        # One empty part per placement first, in the module's order: every rank then reduces over the same
+        # communicators in the same order, whichever pieces its shards happen to hold.
+        parts = [_GradPart(None, where) for where in placements.values() if where is not None]
+        for shard in self.shard_layout():
+            grad = shard.parameter.grad
+            if grad is None:
+                continue
+            for piece in shard.pieces():
+                parts.append(_GradPart(grad[piece.offset:piece.offset + piece.count], placements.get(piece.name)))
+        return parts
+
+    def remove_hooks(self):
+        """Detach this FSDP from the module (its hooks, and the mark that it is wrapped), without communicating.
+
+        For wrapping the module again over another communicator, e.g. after ranks were lost
+        (``mpidist.elastic``): the module's parameters keep whatever ``data`` they hold now (empty placeholders
+        while sharded), so put the full values in before building the new FSDP.
+        """
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        _WRAPPED.discard(self.module)
+        for u in self._units:
+            for m in u.modules:
+                _WRAPPED.discard(m)
 
     def __repr__(self):
         units = ", ".join(f"{u.label}:{u.numel}" for u in self._units)
-        return f"FSDP(strategy={self.settings.strategy.value}, prefetch={self.settings.prefetch}, units=[{units}])"
+        hybrid = (f", shards={self.settings.num_shards} x replicas={self.settings.num_replicas}"
+                  if self.settings.strategy.hybrid else "")
+        return (f"FSDP(strategy={self.settings.strategy.value}{hybrid}, prefetch={self.settings.prefetch}, "
+                f"units=[{units}])")
 
     # -- state ---------------------------------------------------------------------------------------------
     def _check_at_rest(self, fn):
-        busy = [u.label for u in self._param_units if u.holds or u.handle is not None]
+        busy = [u.label for u in self._param_units if u.holds or u.handle is not None or u.reduction is not None]
         sessions = [u.label for u in self._units if u.session is not None]
         if busy or sessions or self._inflight or self._pass is not None:
             raise RuntimeError(f"FSDP.{fn}: micro-batches are in flight (units gathered: {busy}, training forwards "
@@ -290,11 +366,14 @@ class FSDP:
         _state.load_full_state_dict(self, state_dict)
 
     def sharded_state_dict(self):
-        """Return this rank's shards, no communication: ``{unit label: {"shard", "params", "numel", "num_shards", "rank"}}``."""
+        """Return this rank's shards, no communication: ``{unit label: {"shard", "params", "numel", "num_shards", "rank"}}``.
+
+        ``rank`` is the shard index (the rank in the shard group): replicas of a hybrid run save equal entries.
+        """
         return _state.sharded_state_dict(self)
 
     def load_sharded_state_dict(self, state_dict):
-        """Load shards saved by ``sharded_state_dict()`` on this rank with the same units and world size."""
+        """Load shards saved by ``sharded_state_dict()`` with the same units, shard group size and shard index."""
         self._check_at_rest("load_sharded_state_dict")
         _state.load_sharded_state_dict(self, state_dict)
 
@@ -354,7 +433,9 @@ class FSDP:
         self._stamp.finish(f"gradient synchronization #{self._syncs}")
         for u in self._param_units:
             if u.grad_state is GradState.ACCUMULATING:
-                u.reduce(self._nonfinite if self.check_finite else None)
+                self._start_reduce(u)
+        self._finish_reductions()
+        for u in self._param_units:
             if u.grad_state is GradState.REDUCED:
                 u.grad_state = GradState.NONE
         if self.check_finite:
@@ -373,6 +454,24 @@ class FSDP:
             raise FloatingPointError(f"FSDP: non-finite gradient (NaN or Inf): {culprits}; the optimizer step must "
                                      f"not be taken")
 
+    # -- reduction helpers ---------------------------------------------------------------------------------
+    def _start_reduce(self, unit):
+        """Start ``unit``'s gradient reduction after taking those in flight one stage on (rank-independent order).
+
+        With one collective per reduction (no replicas) that finishes the previous unit's: one reduce-scatter
+        is in flight while the next unit's backward computes. With replicas a chunk's allreduce and the next
+        unit's reduce-scatter overlap too.
+        """
+        self._reducing = [u for u in self._reducing if not u.advance_reduce()]
+        unit.start_reduce(self._nonfinite if self.check_finite else None)
+        self._reducing.append(unit)
+
+    def _finish_reductions(self):
+        """Finish every reduction in flight, oldest first."""
+        reducing, self._reducing = self._reducing, []
+        for u in reducing:
+            u.wait_reduce()
+
     # -- gathering helpers -----------------------------------------------------------------------------------
     def _prefetch(self, unit, step):
         """Start the all-gather of the next unit with parameters (``step`` +1: forward order, -1: backward)."""
@@ -386,6 +485,8 @@ class FSDP:
         for u in self._param_units:
             if u.handle is not None:
                 u.handle.test()
+        for u in self._reducing:  # MPI may complete one here; FSDP still finishes it in order (advance_reduce)
+            u.reduction.handle.test()
 
     def _settle(self):
         """Complete stray prefetches and free what nobody holds (rank-independent order)."""
@@ -471,8 +572,7 @@ class FSDP:
         session, unit.session = unit.session, None
         if session.forward is not None and session.hooked:
             session.forward.hooked = True
-        keep = (self.settings.strategy is ShardingStrategy.SHARD_GRAD_OP and session.hooked
-                and session.forward is not None)
+        keep = self.settings.strategy.keeps_params_for_backward and session.hooked and session.forward is not None
         if keep:
             session.kept = True  # its holds stay until its backward
         else:
@@ -480,17 +580,47 @@ class FSDP:
 
     # -- backward hooks --------------------------------------------------------------------------------------
     def _begin_backward(self):
-        self._stamp.count_backward(self._sync)
+        deferring = weights_deferred()
+        sync = self._sync and not deferring  # input gradients only: nothing to reduce in this pass
+        self._stamp.count_backward(sync)
         self._stamp.start(self.parameters())  # waited for before the first all-gather or reduce-scatter
-        self._stamp.finish(f"gradient synchronization #{self._syncs + 1}" if self._sync else
-                           f"backward #{self._stamp.backwards} (under no_sync)")
-        if self._sync:
+        self._stamp.finish(f"gradient synchronization #{self._syncs + 1}" if sync else
+                           f"backward #{self._stamp.backwards} (input gradients; weight gradients deferred)"
+                           if deferring else f"backward #{self._stamp.backwards} (under no_sync)")
+        if sync:
             self._syncs += 1
         self._pass = next(self._pass_ids)
+        self._deferring = deferring
         for u in self._param_units:
             u.final = 0
             u.expected = u.trainable()
         queue_callback(self._end_backward)
+        if deferring:
+            self._weights_for = []
+            queue_weight_callback(lambda units=self._weights_for: self._begin_weights(units))
+
+    def _begin_weights(self, units):
+        """Weight-pass callback of a backward_input pass: gather ``units`` again and install their gradient buffers."""
+        if self._pass is None:
+            self._begin_backward()
+        for unit in units:  # start every gather before waiting for any
+            unit.start_gather()
+        for unit in units:
+            # Ordered before every session: the weight pass's own output hooks (units reached only now) must
+            # not finish these; they are released when their gradients are final, or at the pass's end.
+            session = _Session(unit, -1, None)
+            session.pass_id = self._pass
+            self._take(session)
+            self._active.append(session)
+            if unit.params:
+                self._install_grads(unit)
+
+    def _install_grads(self, unit):
+        if self.settings.backward_prefetch is BackwardPrefetch.POST:
+            # POST promises two units of transient memory: the last unit's gradient leaves before this
+            # unit's arrives (its reduction stops overlapping compute here).
+            self._finish_reductions()
+        unit.install_grad_views()
 
     def _on_output_grad(self, session):
         if self._pass is None:
@@ -507,9 +637,12 @@ class FSDP:
         session.kept = False
         self._take(session)
         self._active.append(session)
+        self._progress()
         unit = session.unit
-        if unit.params:
-            unit.install_grad_views()
+        if self._deferring:
+            self._weights_for.append(unit)  # its parameter gradients come in the weight pass
+        elif unit.params:
+            self._install_grads(unit)
         if self.settings.prefetch and self.settings.backward_prefetch is BackwardPrefetch.PRE:
             self._prefetch(unit, -1)
         return None
@@ -527,7 +660,7 @@ class FSDP:
         if unit.final != unit.expected:
             return
         if self._sync:
-            unit.reduce(self._nonfinite if self.check_finite else None)
+            self._start_reduce(unit)
         # Every node that reads a trainable parameter has run once its gradient is final; a frozen one may
         # still be read, so a unit with frozen parameters stays gathered until its session finishes.
         if unit.expected == len(unit.params):
@@ -537,13 +670,16 @@ class FSDP:
             self._prefetch(unit, -1)
 
     def _end_backward(self):
+        deferring, self._deferring, self._weights_for = self._deferring, False, None
+        sync = self._sync and not deferring
         try:
-            if self._sync:
+            if sync:
                 # Units whose parameters got no gradient in this backward still take part (zeros), in unit
                 # order on every rank.
                 for u in self._param_units:
                     if u.expected and u.grad_state is not GradState.REDUCED:
-                        u.reduce(self._nonfinite if self.check_finite else None)
+                        self._start_reduce(u)
+                self._finish_reductions()
             for s in list(self._active):
                 self._finish_session(s)
             self._inflight = [f for f in self._inflight if not f.started]
@@ -554,7 +690,7 @@ class FSDP:
             self._settle()
         finally:
             self._pass = None
-        if self.check_finite and self._sync:
+        if self.check_finite and sync:
             self._raise_if_nonfinite()
 
 
@@ -569,3 +705,10 @@ def _tensors(out):
         for o in out.values():
             yield from _tensors(o)
 
+
+class _GradPart:
+    """A view of part of a flat shard's gradient, with the placement of the parameter it belongs to."""
+
+    def __init__(self, grad, placement):
+        self.grad = np.zeros(0) if grad is None else grad
+        self.placement = placement

@@ -4,7 +4,8 @@ Glossary:
 - flat parameter: a unit's own parameters concatenated in ``named_parameters()`` order into one 1-D array,
   zero-padded to ``shard_numel * num_shards`` elements.
 - shard: this rank's chunk ``[shard_index * shard_numel, (shard_index + 1) * shard_numel)`` of the flat parameter,
-  held as one ``Parameter`` (the one the optimizer sees).
+  held as one ``Parameter`` (the one the optimizer sees). Under hybrid sharding ``num_replicas`` ranks (one per
+  shard group) hold equal copies of each chunk; ``replica_index`` tells them apart.
 - piece: the part of one parameter that falls into this rank's shard: ``count`` elements starting at element
   ``start`` of the flattened parameter and at element ``offset`` of the shard.
 
@@ -45,9 +46,11 @@ class UnitShard:
     params: tuple       # ParamSpan per parameter the unit owns, in flat order
     numel: int          # unpadded flat size
     shard_numel: int    # elements per shard: ceil(numel / num_shards)
-    num_shards: int     # the world size, or 1 for NO_SHARD
+    num_shards: int     # ranks per shard group: the world size, shard_size (hybrid), or 1 for NO_SHARD
     shard_index: int    # which chunk this rank holds (0 when num_shards is 1)
     parameter: object   # the shard Parameter (``parameter.data`` has shard_numel elements)
+    num_replicas: int = 1   # ranks holding a copy of this chunk (hybrid: the shard groups; NO_SHARD: the world)
+    replica_index: int = 0  # which copy this rank holds
 
     @property
     def shard_start(self):

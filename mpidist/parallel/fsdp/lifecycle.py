@@ -10,6 +10,9 @@ Glossary:
   the reduce-scatter (kept under ``no_sync``); with NO_SHARD it is the shard's grad itself.
 - final: a backward has delivered every gradient of the unit's trainable parameters (each parameter's
   post-accumulate-grad hook fired once): the unit's gradients can be reduced.
+- reduction in flight: the nonblocking reduce-scatter (then, with replicas, allreduce) of a final unit's
+  gradient, started at once and finished later (FSDP finishes it when the next unit's starts, so it overlaps
+  the next unit's backward, and at the end of backward). ``GradState.REDUCED`` means started in this backward.
 """
 
 import enum
@@ -41,6 +44,22 @@ class GradState(enum.Enum):
     REDUCED = "reduced"            # reduced in the backward running now (reset when it ends)
 
 
+class _Stage(enum.Enum):
+    """Which collective of a unit's gradient reduction is in flight."""
+
+    SHARDS = "shards"      # the reduce-scatter over the shard group
+    REPLICAS = "replicas"  # the allreduce over the replica group (of the chunk; of the whole grad for NO_SHARD)
+
+
+class _Reduction:
+    """A unit's gradient reduction in flight: the handle of its running collective and which one it is."""
+
+    __slots__ = ("handle", "stage")
+
+    def __init__(self, handle, stage):
+        self.handle, self.stage = handle, stage
+
+
 class Unit:
     """One sharding unit: its modules, its flat parameter's layout, its shard and its lifecycle state."""
 
@@ -68,6 +87,7 @@ class Unit:
         self.session = None        # the forward of this unit running now (api._Session)
         self.expected = 0          # trainable parameters at the start of this backward
         self.final = 0             # trainable parameters whose gradient is final in this backward
+        self.reduction = None      # the gradient reduction in flight (_Reduction), see start_reduce
 
     @property
     def no_shard(self):
@@ -84,9 +104,9 @@ class Unit:
     def layout(self):
         """Return the public ``UnitShard`` of this unit on this rank."""
         spans = tuple(ParamSpan(n, s, o, k) for n, s, o, k in zip(self.names, self.shapes, self.offsets, self.sizes))
-        index = 0 if self.ctx.settings.num_shards == 1 else self.ctx.comm.Get_rank()
-        return UnitShard(self.label, spans, self.numel, self.shard_numel, self.ctx.settings.num_shards, index,
-                         self.shard)
+        groups = self.ctx.groups
+        return UnitShard(self.label, spans, self.numel, self.shard_numel, groups.num_shards, groups.shard_index,
+                         self.shard, groups.num_replicas, groups.replica_index)
 
     # -- sharding -------------------------------------------------------------------------------------
     def shard_from_rank0(self):
@@ -107,8 +127,8 @@ class Unit:
             for p, view in zip(self.params, self.views(flat)):
                 p.data = view
             return
-        rank = self.ctx.comm.Get_rank()
-        self.shard = Parameter(flat[rank * self.shard_numel: (rank + 1) * self.shard_numel].copy())
+        index = self.ctx.groups.shard_index
+        self.shard = Parameter(flat[index * self.shard_numel: (index + 1) * self.shard_numel].copy())
         for p in self.params:
             p.data = self.placeholder
 
@@ -119,7 +139,7 @@ class Unit:
             return
         xp = get_array_module(self.shard.data)
         self.gathered = xp.empty(self.padded, dtype=self.shard.data.dtype)
-        self.handle = collectives.iallgather(self.shard.data, self.ctx.comm, out=self.gathered)
+        self.handle = collectives.iallgather(self.shard.data, self.ctx.groups.shard_comm, out=self.gathered)
         self.param_state = ParamState.GATHERING
         self.ctx.transient.add(gathered=self.gathered.nbytes)
 
@@ -197,11 +217,17 @@ class Unit:
                 self.grad_views[index] += fresh
         self.grad_state = GradState.ACCUMULATING
 
-    def reduce(self, check_finite=None):
-        """Mean-reduce the unsharded grad over ranks into the shard grad, then release the buffer.
+    def start_reduce(self, check_finite=None):
+        """Start the mean-reduction of the unsharded grad over all ranks into the shard grad (nonblocking).
+
+        Within the shard group a reduce-scatter, then across replicas an allreduce of the chunk: a mean of
+        equal-sized groups' means is the mean over all ranks. ``advance_reduce`` moves it on, ``wait_reduce``
+        finishes it; until then the unsharded grad stays alive (MPI reads it) and the shard grad is not updated.
 
         ``check_finite``: a set receiving the names of parameters whose local gradient is not finite.
         """
+        if self.reduction is not None:
+            raise RuntimeError(f"FSDP: unit {self.label!r} started a reduction while one is in flight (library bug)")
         if self.unsharded_grad is None or self.no_shard:
             # No gradient reached this unit in this backward (its ranks still take part), or NO_SHARD's
             # shard grad was dropped by the optimizer since: start from zeros.
@@ -214,18 +240,47 @@ class Unit:
                 if not bool(xp.isfinite(view).all()):
                     check_finite.add(name)
         start = time.perf_counter()
+        groups = self.ctx.groups
         if self.no_shard:
-            collectives.allreduce(self.shard.grad, self.ctx.comm, op="mean")  # the unsharded grad is the shard grad
-            self.ctx.stats["comm_wait_s"] += time.perf_counter() - start
-            return
-        # The flat gradient is padded to a multiple of the world size, so every rank gets an equal chunk.
-        chunk = collectives.reduce_scatter(self.unsharded_grad, self.ctx.comm, op="mean")
-        self.ctx.stats["comm_wait_s"] += time.perf_counter() - start
-        if self.shard.grad is None:
-            self.shard.grad = chunk
+            # The unsharded grad is the shard grad (averaged in place); the replica group is every rank.
+            self.reduction = _Reduction(collectives.iallreduce(self.shard.grad, groups.replicate_comm, op="mean"),
+                                        _Stage.REPLICAS)
         else:
-            self.shard.grad += chunk
-        self.release_unsharded_grad()
+            # The flat gradient is padded to a multiple of the shard group size: every rank gets an equal chunk.
+            self.reduction = _Reduction(collectives.ireduce_scatter(self.unsharded_grad, groups.shard_comm, op="mean"),
+                                        _Stage.SHARDS)
+        self.ctx.stats["comm_wait_s"] += time.perf_counter() - start
+
+    def advance_reduce(self):
+        """Take the reduction in flight one stage on (blocking on the stage running now); return whether it is done.
+
+        After the reduce-scatter the unsharded grad is freed and, with replicas, their allreduce of the chunk starts.
+        """
+        r = self.reduction
+        if r is None:
+            return True
+        start = time.perf_counter()
+        result = r.handle.wait()
+        groups = self.ctx.groups
+        if r.stage is _Stage.SHARDS:
+            self.release_unsharded_grad()
+            if groups.num_replicas > 1:
+                r.handle, r.stage = collectives.iallreduce(result, groups.replicate_comm, op="mean"), _Stage.REPLICAS
+                self.ctx.stats["comm_wait_s"] += time.perf_counter() - start
+                return False
+        self.reduction = None
+        if not self.no_shard:
+            if self.shard.grad is None:
+                self.shard.grad = result
+            else:
+                self.shard.grad += result
+        self.ctx.stats["comm_wait_s"] += time.perf_counter() - start
+        return True
+
+    def wait_reduce(self):
+        """Finish the reduction in flight, if any."""
+        while not self.advance_reduce():
+            pass
 
     def release_unsharded_grad(self):
         """Drop the unsharded grad (``param.grad`` become None)."""

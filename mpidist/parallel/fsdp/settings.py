@@ -18,16 +18,34 @@ def _parse(cls, value, what):
 
 
 class ShardingStrategy(enum.Enum):
-    """What stays sharded between the uses of a unit."""
+    """What stays sharded between the uses of a unit, and over which ranks.
+
+    In ZeRO's terms (params P, grads G, optimizer state O; Rajbhandari et al. 2020): FULL_SHARD is ZeRO-3
+    (P, G, O sharded), SHARD_GRAD_OP is ZeRO-2 (G, O sharded; P stay gathered from a unit's forward to its
+    backward, sharded only between steps), NO_SHARD is DDP. The hybrid strategies do the same within shard
+    groups of ``shard_size`` ranks and replicate across the groups (HSDP).
+    """
 
     FULL_SHARD = "full_shard"        # params, grads, optimizer state sharded; re-gather in backward
     SHARD_GRAD_OP = "shard_grad_op"  # as FULL_SHARD, but gathered params live from forward to backward
     NO_SHARD = "no_shard"            # like DDP: full params everywhere, mean-allreduce of gradients
+    HYBRID_SHARD = "hybrid_shard"    # FULL_SHARD within each shard group, replicas across groups
+    HYBRID_SHARD_GRAD_OP = "hybrid_shard_grad_op"  # SHARD_GRAD_OP within each group (PyTorch's _HYBRID_SHARD_ZERO2)
 
     @classmethod
     def parse(cls, value):
         """Return the strategy named by ``value`` (a ShardingStrategy or its lowercase name)."""
         return _parse(cls, value, "strategy")
+
+    @property
+    def hybrid(self):
+        """Shards within groups and replicates across them (needs a shard group size)."""
+        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_GRAD_OP)
+
+    @property
+    def keeps_params_for_backward(self):
+        """A unit's gathered params stay from its training forward to its backward (ZeRO-2)."""
+        return self in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD_GRAD_OP)
 
 
 class BackwardPrefetch(enum.Enum):
@@ -55,5 +73,6 @@ class FSDPSettings:
     strategy: ShardingStrategy
     prefetch: bool
     world_size: int
-    num_shards: int  # world_size, or 1 for NO_SHARD
+    num_shards: int  # ranks per shard group: world_size, shard_size (hybrid), or 1 for NO_SHARD
     backward_prefetch: BackwardPrefetch = BackwardPrefetch.PRE
+    num_replicas: int = 1  # copies of each shard: world_size // num_shards

@@ -14,9 +14,14 @@ _STATE_TAG = 0x5D5D
 
 
 def full_state_dict(fsdp):
-    """Gather the full state unit by unit to rank 0 and return it there (other ranks get ``{}``)."""
+    """Gather the full state unit by unit to rank 0 and return it there (other ranks get ``{}``).
+
+    Chunk ``i`` comes from the lowest rank holding it (under hybrid sharding several ranks hold copies).
+    """
     comm = fsdp.comm
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
+    groups = fsdp._ctx.groups
+    holders = [groups.holder_of(i) for i in range(groups.num_shards)]
     gathered = {}
     for u in fsdp._param_units:
         if u.no_shard:
@@ -24,11 +29,12 @@ def full_state_dict(fsdp):
         elif rank == 0:
             xp = get_array_module(u.shard.data)
             full = xp.empty(u.padded, dtype=u.shard.data.dtype)
-            full[: u.shard_numel] = u.shard.data
-            for r in range(1, size):
-                copy_into(full[r * u.shard_numel: (r + 1) * u.shard_numel], collectives.recv(r, comm, tag=_STATE_TAG))
+            for i, holder in enumerate(holders):
+                chunk = full[i * u.shard_numel: (i + 1) * u.shard_numel]
+                copy_into(chunk, u.shard.data if holder == 0 else collectives.recv(holder, comm, tag=_STATE_TAG))
         else:
-            collectives.send(u.shard.data, 0, comm, tag=_STATE_TAG)
+            if rank in holders:
+                collectives.send(u.shard.data, 0, comm, tag=_STATE_TAG)
             continue
         if rank == 0:
             for name, view in zip(u.names, u.views(full)):
@@ -62,6 +68,7 @@ def load_full_state_dict(fsdp, state_dict):
     """Load rank 0's full ``state_dict`` (other ranks may pass None) and re-shard it unit by unit."""
     comm = fsdp.comm
     rank, size = comm.Get_rank(), comm.Get_size()
+    shard_of = fsdp._ctx.groups.shard_of  # every rank gets its chunk from rank 0, replicas included
     # Rank 0 validates; every rank raises the same ValueError (none is left waiting in a transfer).
     raise_if_any(comm, _validate_full(fsdp, state_dict) if rank == 0 else None, "")
     for u in fsdp._param_units:
@@ -72,9 +79,10 @@ def load_full_state_dict(fsdp, state_dict):
         if u.no_shard:
             collectives.broadcast(u.shard.data, comm)
         elif rank == 0:
-            pending = [collectives.isend(flat[r * u.shard_numel: (r + 1) * u.shard_numel], r, comm, tag=_STATE_TAG)
+            n = u.shard_numel
+            pending = [collectives.isend(flat[shard_of[r] * n: (shard_of[r] + 1) * n], r, comm, tag=_STATE_TAG)
                        for r in range(1, size)]
-            u.shard.data[...] = flat[: u.shard_numel]
+            u.shard.data[...] = flat[shard_of[0] * n: (shard_of[0] + 1) * n]
             for handle in pending:
                 handle.wait()
         else:
@@ -93,7 +101,7 @@ def sharded_state_dict(fsdp):
 
 
 def load_sharded_state_dict(fsdp, state_dict):
-    """Load shards saved by ``sharded_state_dict()`` on this rank with the same units and world size."""
+    """Load shards saved by ``sharded_state_dict()`` with the same units, shard group size and shard index."""
     fn = "FSDP.load_sharded_state_dict"
     layout = fsdp.shard_layout()
     labels = [s.label for s in layout]

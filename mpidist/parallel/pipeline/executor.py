@@ -34,12 +34,14 @@ from mpidist import collectives
 from mpidist.comm import check_comm
 from mpidist.comm.agree import check_same, raise_if_any
 from mpidist.guard import DesyncError
-from mpidist.nn.autograd import Tensor, backward, backward_input
+from mpidist.nn.autograd import Tensor, backward, backward_input, no_grad
 from mpidist.nn.module import Sequential
-from mpidist.nn.utils import clip_grad_norm_
+from mpidist.nn.utils import clip_coefficient, clip_grad_norm_
 from mpidist.partition import split_sizes
+from mpidist.trace import recorder as _trace
 from mpidist.xp import asarray_like, is_device_array
 
+from .tied import TiedParameters
 from .schedules import (Action, Kind, Schedule, gpipe, insert_comms, interleaved_1f1b, one_f_one_b,
                         simulate_schedule, validate, zero_bubble_h1)
 
@@ -89,10 +91,15 @@ class Pipeline:
     `mpidist.nn.Loss`, or any function); required on the rank holding the last stage.
     dp_comm: data-parallel communicator (same pipeline position in every replica, see `mpidist.parallel.mesh`);
     each chunk is wrapped in DDP and its gradients are averaged over replicas after the schedule.
+    tied_parameters: this rank's copies of weights that several stages hold (a GPT's token embedding on the
+    first stage and its tied head on the last): a list of Parameters (one shared weight) or a dict
+    ``name -> list`` (several), with the same names on every rank and an empty list where a rank holds no copy.
+    Built collectively; after each step every copy's gradient is the sum over all copies, so equal copies stay
+    equal, and ``clip_grad_norm_`` counts the shared weight once.
     """
 
     def __init__(self, stage, comm, num_microbatches: int, schedule: Union[str, Schedule] = "1f1b",
-                 loss_fn=None, dp_comm=None):
+                 loss_fn=None, dp_comm=None, tied_parameters=None):
         self.comm = check_comm("Pipeline", comm)
         if dp_comm is not None:
             check_comm("Pipeline (dp_comm)", dp_comm)
@@ -104,8 +111,10 @@ class Pipeline:
         # Agree before anything else: a rank that raised alone would leave the others blocked in a receive.
         raise_if_any(comm, error, "Pipeline")
         # Ranks with different settings would exchange messages meant for other micro-batches or stages.
-        check_same(comm, self._settings(schedule, dp_comm), "Pipeline: ranks were built with different settings",
-                   what="setting")
+        tied = self._tied_groups(tied_parameters)
+        check_same(comm, self._settings(schedule, dp_comm) + [("tied parameters", sorted(tied))],
+                   "Pipeline: ranks were built with different settings", what="setting")
+        self.tied = [TiedParameters(comm, params, name) for name, params in sorted(tied.items())]
         self.schedule = self._resolve(schedule)
         self.v = self.schedule.v
         self.num_stages = self.schedule.num_stages
@@ -121,6 +130,7 @@ class Pipeline:
                                   f"({exc})") from exc
             self._ddp = [DDP(s, dp_comm) for s in self.stages]
         self.stats: Optional[StepStats] = None
+        self._bubble_formula: Optional[float] = None  # computed when a traced step first needs it
         self._step_number = 0  # steps started; every boundary message is stamped (step, micro-batch)
 
     # -- construction ------------------------------------------------------------------------------------------
@@ -148,6 +158,14 @@ class Pipeline:
         if self.rank == (p * v - 1) % p and self.loss_fn is None:
             return f"Pipeline: rank {self.rank} holds the last stage ({p * v - 1}) and needs loss_fn (got None)"
         return None
+
+    @staticmethod
+    def _tied_groups(tied_parameters) -> Dict[str, list]:
+        if tied_parameters is None:
+            return {}
+        if isinstance(tied_parameters, dict):
+            return {str(k): list(v) for k, v in tied_parameters.items()}
+        return {"tied": list(tied_parameters)}
 
     def _settings(self, schedule, dp_comm):
         """What every pipeline rank must agree on: schedule, micro-batches, stages, data-parallel replicas."""
@@ -178,9 +196,33 @@ class Pipeline:
         anything. With dp_comm the loss is the mean over replicas and the gradients are averaged over
         replicas. With broadcast_loss every rank returns the loss.
         """
+        return self._execute(self.actions, inputs, targets, broadcast_loss, "Pipeline.step", training=True)
+
+    def evaluate(self, inputs=None, targets=None, broadcast_loss: bool = False) -> Optional[float]:
+        """Run the forwards only, without autograd, and return the batch-mean loss as `step` does.
+
+        For validation: no gradient is touched and no activation is kept. Every rank runs its stages' forwards
+        in stage order, micro-batch by micro-batch; the modules run in whatever mode they are in (call
+        ``eval()`` on the stage modules to switch off dropout). Collective like `step`, and counted in the same
+        step sequence (its messages are stamped, so a rank that evaluates while another trains fails clearly).
+        """
+        if self._forward_actions is None:
+            rows = [[Action(s, Kind.F, k) for s in range(r, self.num_stages, self.p) for k in range(self.m)]
+                    for r in range(self.p)]
+            forward_only = insert_comms(Schedule(f"{self.schedule.name} forward-only", self.p, self.m, self.v,
+                                                 rows))
+            self._forward_actions = forward_only.actions[self.rank]
+        with no_grad():
+            return self._execute(self._forward_actions, inputs, targets, broadcast_loss, "Pipeline.evaluate",
+                                 training=False)
+
+    _forward_actions: Optional[Tuple[Action, ...]] = None
+
+    def _execute(self, actions, inputs, targets, broadcast_loss, name, training):
         t_start = time.perf_counter()
-        x_mbs, y_mbs, error = self._split_batch(inputs, targets)
-        raise_if_any(self.comm, error, "Pipeline.step")
+        traced_from = time.monotonic() if _trace.on else None
+        x_mbs, y_mbs, error = self._split_batch(inputs, targets, name)
+        raise_if_any(self.comm, error, name)
         self._step_number += 1
         self._compute = self._idle = 0.0
         self._peak = self._peak_w = 0
@@ -199,8 +241,9 @@ class Pipeline:
             self._loss_scales = ([1.0] * self.m if getattr(self.loss_fn, "reduction", "mean") == "sum"
                                  else [_batch_len(y) / n_total for y in y_mbs])
 
+        self._training = training
         with self._no_sync():
-            for action in self.actions:
+            for action in actions:
                 self._run(action)
                 self._sends = [h for h in self._sends if not h.test()]
         t0 = time.perf_counter()
@@ -208,9 +251,11 @@ class Pipeline:
             handle.wait()
         self._idle += time.perf_counter() - t0
         self._sends, self._inbox, self._saved, self._x_mbs, self._y_mbs = [], {}, {}, None, None
-        if self._ddp is not None:
+        if training and self._ddp is not None:
             for ddp in self._ddp:
                 ddp.sync_gradients()
+        for group in self.tied if training else ():  # after the replicas' average: sum of averages = average of sums
+            group.allreduce_grads()
 
         holds_loss = self.rank == self.schedule.rank_of(self.last_stage)
         loss = self._loss if holds_loss else None
@@ -220,35 +265,50 @@ class Pipeline:
         if broadcast_loss:
             buf = np.array([loss if holds_loss else 0.0])
             loss = float(collectives.broadcast(buf, self.comm, root=self.schedule.rank_of(self.last_stage))[0])
+        if not training:
+            return loss
         self.stats = StepStats(self._compute, self._idle, time.perf_counter() - t_start, self._peak, self._peak_w)
+        if traced_from is not None and _trace.on:
+            self._trace_step(traced_from)
         return loss
 
-    def _split_batch(self, inputs, targets):
+    def _trace_step(self, began):
+        """Record this step for ``mpidist trace summary``: its span, and the bubble its schedule predicts."""
+        if self._bubble_formula is None:
+            # Uniform costs, F = 1 and B + W = 2 per stage (halved per chunk when interleaved): the formulas'
+            # setting, e.g. (p-1)/(m+p-1) for GPipe and 1F1B.
+            self._bubble_formula = simulate_schedule(self.schedule, 1.0 / self.v, 2.0 / self.v).bubble_fraction
+        _trace.add(_trace.COMPUTE, "pipeline step", f"{self.schedule.name} step {self._step_number}", began,
+                   time.monotonic(), {"step": self._step_number, "pipeline": _trace.pipeline_number(self),
+                                      "schedule": self.schedule.name, "p": self.p,
+                                      "m": self.m, "v": self.v, "bubble_formula": self._bubble_formula})
+
+    def _split_batch(self, inputs, targets, name="Pipeline.step"):
         """Return (input micro-batches or None, target micro-batches or None, this rank's error or None)."""
         x_mbs = y_mbs = None
         n_inputs = None
         if self.rank == 0:
             if inputs is None:
-                return None, None, "Pipeline.step: rank 0 runs the first stage and needs inputs (got None)"
+                return None, None, f"{name}: rank 0 runs the first stage and needs inputs (got None)"
             n_inputs, error = _check_batch("inputs", inputs)
             if error is not None:
                 return None, None, error
             if n_inputs < self.m:
-                return None, None, (f"Pipeline.step: batch of {n_inputs} is smaller than the number of "
+                return None, None, (f"{name}: batch of {n_inputs} is smaller than the number of "
                                     f"micro-batches ({self.m})")
             x_mbs = _split(inputs, self.m)
         if self.rank == self.schedule.rank_of(self.last_stage):
             if targets is None:
-                return None, None, (f"Pipeline.step: rank {self.rank} runs the last stage and needs targets "
+                return None, None, (f"{name}: rank {self.rank} runs the last stage and needs targets "
                                     f"(got None)")
             n_targets, error = _check_batch("targets", targets)
             if error is not None:
                 return None, None, error
             if n_targets < self.m:
-                return None, None, (f"Pipeline.step: batch of {n_targets} targets is smaller than the "
+                return None, None, (f"{name}: batch of {n_targets} targets is smaller than the "
                                     f"number of micro-batches ({self.m})")
             if n_inputs is not None and n_targets != n_inputs:
-                return None, None, (f"Pipeline.step: inputs and targets differ in batch size "
+                return None, None, (f"{name}: inputs and targets differ in batch size "
                                     f"({n_inputs} vs {n_targets})")
             y_mbs = _split(targets, self.m)
         return x_mbs, y_mbs, None
@@ -265,8 +325,13 @@ class Pipeline:
             self._send(self._inbox.pop(("B", s - 1, k)), s - 1, _tag(1, s - 1, k, self.num_stages), k)
         else:
             t0 = time.perf_counter()
+            traced_from = time.monotonic() if _trace.on else None
             {Kind.F: self._forward, Kind.B: self._backward, Kind.W: self._weight}[kind](s, k)
             self._compute += time.perf_counter() - t0
+            if traced_from is not None and _trace.on:
+                _trace.add(_trace.COMPUTE, "pipeline", str(a), traced_from, time.monotonic(),
+                           {"kind": kind.value, "stage": s, "microbatch": k, "step": self._step_number,
+                            "pipeline": _trace.pipeline_number(self)})
             self._peak = max(self._peak, len(self._saved))
             self._peak_w = max(self._peak_w, len(self._pending_w))
 
@@ -283,7 +348,7 @@ class Pipeline:
         outputs = _as_outputs(s, out)
         if s == self.last_stage:
             loss = self.loss_fn(out, self._y_mbs[k])
-            if not isinstance(loss, Tensor) or loss.size != 1 or not loss.requires_grad:
+            if not isinstance(loss, Tensor) or loss.size != 1 or (self._training and not loss.requires_grad):
                 got = (f"shape {loss.shape}, requires_grad={loss.requires_grad}" if isinstance(loss, Tensor)
                        else type(loss).__name__)
                 raise TypeError(f"Pipeline: loss_fn must return a scalar Tensor that requires grad (got {got})")
@@ -293,7 +358,8 @@ class Pipeline:
             # Sent by SEND_F, or consumed here when stage s+1 is local.
             self._inbox[("F", s + 1, k)] = _Message(tuple(t.data for t in outputs),
                                                     tuple(t.requires_grad for t in outputs))
-        self._saved[(s, k)] = (inputs, outputs)
+        if self._training:
+            self._saved[(s, k)] = (inputs, outputs)
 
     def _backward(self, s: int, k: int) -> None:
         inputs, outputs = self._saved.pop((s, k))
@@ -337,7 +403,15 @@ class Pipeline:
         Collective over the pipeline's ranks: each holds other stages, so they add up their
         contributions. Replicas of a mesh hold the same averaged gradients and get the same result.
         """
-        return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.comm, error_if_nonfinite)
+        copies = [p for group in self.tied for p in group.params if not any(p is q for q in group.counts_in_norm)]
+        skip = {id(p) for p in copies}
+        norm = clip_grad_norm_([p for p in self.parameters() if id(p) not in skip], max_norm, norm_type, self.comm,
+                               error_if_nonfinite)
+        scale = clip_coefficient(norm, max_norm)  # the further copies hold the counted one's gradient: scale alike
+        for p in copies:
+            if p.grad is not None and scale < 1.0:
+                p.grad *= scale
+        return norm
 
     # Global index of the first layer of each chunk on this rank (see checkpoint_modules); found once.
     _layer_offsets: Optional[List[int]] = None
@@ -351,6 +425,12 @@ class Pipeline:
         2 stages loads with 3, or into the plain model). Counting the earlier stages' layers takes one allgather
         over the pipeline comm, on the first call only: call it on every rank (`mpidist.checkpoint` does).
         """
+        named = [getattr(module, "layer_prefixes", None) for module in self.stages]
+        if all(names is not None and len(names) == len(_layers(module)) for names, module in zip(named, self.stages)):
+            # Stages cut from a model that names its own layers (GPT: "embed.", "blocks.3.", "head."): the
+            # checkpoint keys are the unsplit model's parameter names, loadable into it or any other cut.
+            return [(prefix, layer) for names, module in zip(named, self.stages)
+                    for prefix, layer in zip(names, _layers(module))]
         if self._layer_offsets is None:
             counts = self.comm.allgather([len(_layers(module)) for module in self.stages])
             per_stage = [counts[self.schedule.rank_of(s)][s // self.p] for s in range(self.num_stages)]

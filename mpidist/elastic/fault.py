@@ -1,0 +1,132 @@
+"""Fault injection (``MPIDIST_FAULT``) and the failing rank's side of a failure (end so the others are told).
+
+``MPIDIST_FAULT="rank=R,step=S[,how=sigkill|exit|raise]"`` makes rank R (of the world it started in) fail at
+the start of step S (several faults: separate them with ``;``, e.g. ``rank=1,step=3;rank=2,step=8``):
+
+- ``sigkill`` (default): the process kills itself with SIGKILL, as a node or an OOM killer would.
+- ``exit``: ``os._exit(1)`` without a signal. Open MPI notices it only with its heartbeat detector
+  (``--mca mpi_ft_detector true``; about 10 s, or 0.5 s with ``--mca mpi_ft_detector_period 0.1
+  --mca mpi_ft_detector_timeout 0.5``).
+- ``raise``: an uncaught ``InjectedFault`` exception, handled like any bug on that rank (below).
+
+Why a failing rank kills itself: under ``mpiexec --with-ft ulfm`` an uncaught Python exception leaves the
+process alive inside mpi4py's exit-time ``MPI_Finalize`` while the others wait for it forever (measured).
+``install_kill_on_error`` prints the traceback once and ends the process with SIGKILL, which the others see
+within milliseconds and survive.
+
+``MPIDIST_FAULT_STAMP=path``: the failing rank writes the wall-clock time of its failure there first, so that
+the survivors (same clock on one node) can report the detection time.
+"""
+
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+__all__ = ["Fault", "InjectedFault", "parse_fault", "parse_faults", "faults_from_env", "install_kill_on_error", "kill_self"]
+
+HOWS = ("sigkill", "exit", "raise")
+
+
+class InjectedFault(RuntimeError):
+    """The failure ``MPIDIST_FAULT`` asked for (``how=raise``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """Rank ``rank`` fails at the start of step ``step`` by ``how``."""
+
+    rank: int
+    step: int
+    how: str = "sigkill"
+
+    def maybe_fail(self, world_rank, step, stamp_path=None):
+        """Fail now if this is the rank and the step; otherwise return."""
+        if world_rank != self.rank or step != self.step:
+            return
+        stamp_path = os.environ.get("MPIDIST_FAULT_STAMP") if stamp_path is None else stamp_path
+        if stamp_path:
+            with open(stamp_path, "w") as f:
+                f.write(f"{time.time():.6f}\n")
+        sys.stderr.write(f"[rank {world_rank}] mpidist.elastic: MPIDIST_FAULT: failing at step {step} ({self.how})\n")
+        sys.stderr.flush()
+        if self.how == "sigkill":
+            kill_self()
+        if self.how == "exit":
+            os._exit(1)
+        raise InjectedFault(f"MPIDIST_FAULT: rank {self.rank} fails at step {self.step}")
+
+
+def parse_fault(text):
+    """Return the ``Fault`` that ``text`` ("rank=R,step=S[,how=...]") describes, or None for an empty text."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    fields = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in ("rank", "step", "how") or key in fields:
+            raise ValueError(f"MPIDIST_FAULT: cannot read {part.strip()!r} in {text!r} "
+                             f"(expected rank=R,step=S[,how={'|'.join(HOWS)}], each once)")
+        fields[key] = value
+    missing = [k for k in ("rank", "step") if k not in fields]
+    if missing:
+        raise ValueError(f"MPIDIST_FAULT: {' and '.join(missing)} missing in {text!r} (expected rank=R,step=S[,how=...])")
+    numbers = {}
+    for key in ("rank", "step"):
+        try:
+            numbers[key] = int(fields[key])
+        except ValueError:
+            raise ValueError(f"MPIDIST_FAULT: {key} must be an integer (got {fields[key]!r} in {text!r})") from None
+        if numbers[key] < 0:
+            raise ValueError(f"MPIDIST_FAULT: {key} must be >= 0 (got {numbers[key]} in {text!r})")
+    how = fields.get("how", "sigkill")
+    if how not in HOWS:
+        raise ValueError(f"MPIDIST_FAULT: how must be one of {', '.join(HOWS)} (got {how!r} in {text!r})")
+    return Fault(numbers["rank"], numbers["step"], how)
+
+
+def parse_faults(text):
+    """Return the tuple of ``Fault``s in ``text`` (faults separated by ``;``; empty for an empty text)."""
+    faults = tuple(f for f in (parse_fault(part) for part in (text or "").split(";")) if f is not None)
+    clashes = {(f.rank, f.step) for f in faults if sum(g.rank == f.rank and g.step == f.step for g in faults) > 1}
+    if clashes:
+        raise ValueError(f"MPIDIST_FAULT: rank and step given twice ({sorted(clashes)}) in {text!r}")
+    return faults
+
+
+def faults_from_env(environ=None):
+    """Return the ``Fault``s of ``MPIDIST_FAULT`` (empty when unset or empty)."""
+    env = os.environ if environ is None else environ
+    return parse_faults(env.get("MPIDIST_FAULT", ""))
+
+
+def kill_self():
+    """End this process with SIGKILL now (no MPI_Finalize, no atexit: the others are told at once)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install_kill_on_error(rank):
+    """Make an uncaught exception (main thread or any other) print its traceback once, then SIGKILL this rank."""
+    lock = threading.Lock()
+
+    def report_and_die(exc_type, exc, tb):
+        # One report even if two threads fail at once; the second waits here until the kill ends both.
+        with lock:
+            try:
+                prefix = f"[rank {rank}] "
+                text = "".join(traceback.format_exception(exc_type, exc, tb))
+                sys.stderr.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
+                sys.stderr.write(f"{prefix}mpidist.elastic: uncaught exception: this rank ends (SIGKILL) and "
+                                 f"the others continue without it\n")
+                sys.stderr.flush()
+                sys.stdout.flush()
+            finally:
+                kill_self()
+
+    sys.excepthook = report_and_die
+    threading.excepthook = lambda args: report_and_die(args.exc_type, args.exc_value, args.exc_traceback)

@@ -1,0 +1,171 @@
+"""The elastic job: a fault-tolerant communicator, the failure guard around each step, and the training loop.
+
+``Elastic.train`` runs ``step_fn`` once per step; a lost rank surfaces on every survivor as an MPI error inside
+some collective, which ``guard`` turns into one ``RankFailure`` (revoke, shrink, agree on the commit). The loop
+then rolls the ``State`` back to the agreed commit, throws away the wrapper built on the dead communicator and
+calls ``build(comm)`` for a new one over the survivors: DDP re-broadcasts the (identical) restored parameters
+and lays out its buckets afresh, so nothing in DDP knows about failures.
+
+Ending is agreed too: a collective can complete on some ranks and fail on others, so a rank that finished its
+last step might leave while the others recover and wait for it in Shrink. The loop ends only after a
+``Comm.Agree`` (ULFM's fault-tolerant consensus, which gives every survivor the same answer) succeeds.
+
+Leaving: after two failures Open MPI 5.0.11's ``MPI_Finalize`` never returns (measured with plain mpi4py too;
+acknowledging the failures first does not help), so a process that survived a failure ends at exit with its
+output flushed and ``os._exit(0)``, skipping MPI_Finalize, as the dead ranks did.
+"""
+
+import atexit
+import contextlib
+import os
+import sys
+import time
+
+from mpi4py import MPI
+
+from .failure import RankFailure, process_failure, recover
+from .fault import faults_from_env, install_kill_on_error
+from .support import check_support
+
+__all__ = ["Elastic", "init"]
+
+
+class Elastic:
+    """A job that survives the loss of ranks (ULFM); refused with ``FaultToleranceUnavailable`` where it cannot.
+
+    ``comm``: the world to start from (``MPI.COMM_WORLD`` by default); ``self.comm`` is a duplicate with
+    ``ERRORS_RETURN``, replaced by the survivors' communicator after each failure. ``kill_on_error``: an uncaught
+    exception on this rank prints its traceback and SIGKILLs it, so the others are told and continue.
+    ``faults``: the ``Fault``s to inject (default: those of ``MPIDIST_FAULT``).
+    """
+
+    def __init__(self, comm=None, *, kill_on_error=True, faults=None, log=True):
+        check_support(comm)
+        base = MPI.COMM_WORLD if comm is None else comm
+        self.world_rank = MPI.COMM_WORLD.Get_rank()
+        self.comm = base.Dup()
+        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self.faults = faults_from_env() if faults is None else tuple(faults)
+        self.failures = []  # every RankFailure survived, oldest first
+        self._tracked = []  # communicators derived from self.comm (a mesh's), revoked on a failure
+        self.log = log
+        if kill_on_error:
+            install_kill_on_error(self.world_rank)
+        # Registered after mpi4py's own exit handler, so it runs first (atexit is last in, first out).
+        atexit.register(self._exit_without_finalize)
+
+    def _exit_without_finalize(self):
+        if not self.failures:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    def say(self, text):
+        """Print ``text`` once per job (from the lowest live rank)."""
+        if self.log and self.comm.Get_rank() == 0:
+            print(f"[elastic] {text}", flush=True)
+
+    def track(self, *comms):
+        """Register communicators derived from ``self.comm`` (a mesh's pp and dp groups); return them.
+
+        A rank blocked in a collective over a derived communicator with live members is told of a failure only
+        when one of them revokes it: on a failure every rank revokes what it tracks, then ``self.comm``.
+        Derived communicators inherit ``ERRORS_RETURN``. The list is cleared at each failure (build again).
+        """
+        for c in comms:
+            if c is not None:
+                c.Set_errhandler(MPI.ERRORS_RETURN)
+                self._tracked.append(c)
+        return comms[0] if len(comms) == 1 else comms
+
+    @contextlib.contextmanager
+    def guard(self, commit):
+        """Turn a process failure raised inside the block into ``RankFailure`` on this rank (all survivors do).
+
+        ``commit``: this rank's latest commit id, or a function returning it when the failure is handled (commits
+        taken inside the block count); the survivors agree on the smallest. Other exceptions pass unchanged.
+        """
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - only process failures are handled; the rest is re-raised
+            error = process_failure(exc, [self.comm, *self._tracked])
+            if error is None:
+                raise
+            tracked, self._tracked = self._tracked, []
+            for c in tracked:
+                try:
+                    c.Revoke()
+                except MPI.Exception:  # already revoked by a peer
+                    pass
+            failure = recover(self.comm, commit() if callable(commit) else commit, error)
+            self.comm = failure.comm
+            self.failures.append(failure)
+            raise failure from exc
+
+    def train(self, state, build, step_fn, steps, commit_every=1, on_failure=None):
+        """Run ``step_fn(wrapper, comm, state)`` until ``state.step == steps``; return the last wrapper.
+
+        ``build(comm)`` returns the wrapper (``DDP(module, comm)``, ``FSDP(module, comm)``, a pipeline); it is
+        called at the start and after each failure. ``state`` is a ``State`` (every rank holds everything: DDP),
+        ``ShardedState`` (FSDP: shards with buddy copies) or ``StageState`` (pipelines and meshes): it builds the
+        wrapper through ``build``, commits, and after a failure restores the agreed commit on the survivors
+        and builds the wrapper again. ``step_fn`` takes one step and leaves ``state`` consistent (optimizer
+        stepped, sampler advanced); the loop counts ``state.step`` and commits every ``commit_every`` steps and
+        at the end. ``on_failure(failure)`` is called on every survivor after the restore.
+
+        The restore runs under the guard too: a rank lost while the survivors restore (its collectives) is one
+        more failure, and the restore starts again from the same commit over fewer ranks.
+        """
+        if commit_every < 1:
+            raise ValueError(f"Elastic.train: commit_every must be >= 1 (got {commit_every})")
+        wrapper, failure = None, None
+        while True:
+            try:
+                with self.guard(lambda: state.committed_id):
+                    if failure is None:
+                        wrapper = state.start(build, self.comm)
+                        state.commit()
+                    else:
+                        started = time.perf_counter()
+                        wrapper = state.restore(failure, build, self.comm)
+                        failure.restore_s = time.perf_counter() - started
+                        failure.step = state.step
+                        self.say(f"lost world rank(s) {failure.failed} (MPI error class {failure.error_class}); "
+                                 f"shrink+agree {failure.shrink_s * 1e3:.1f} ms, back to the commit of step "
+                                 f"{state.step}, restored and rebuilt in {failure.restore_s * 1e3:.1f} ms "
+                                 f"({failure.restored_from}); continuing on {self.comm.Get_size()} ranks")
+                        done, failure = failure, None
+                        if on_failure is not None:
+                            on_failure(done)
+                    while state.step < steps:
+                        for fault in self.faults:
+                            fault.maybe_fail(self.world_rank, state.step)
+                        step_fn(wrapper, self.comm, state)
+                        state.step += 1
+                        if state.step % commit_every == 0 or state.step == steps:
+                            state.commit()
+                    self.comm.Agree(1)  # everyone reached the end: uniform on every survivor
+                return wrapper
+            except RankFailure as lost:
+                _release(wrapper)
+                wrapper = None
+                if lost.commit is None:
+                    raise RuntimeError(f"mpidist.elastic: {lost}, but before the first commit completed: there is "
+                                       f"no state to return to") from lost
+                if failure is not None:  # lost during a restore: restore again, reporting both
+                    lost.failed = sorted(set(failure.failed) | set(lost.failed))
+                    lost.old_size = failure.old_size
+                failure = lost
+
+
+def _release(wrapper):
+    """Detach a wrapper built on the dead communicator from its module (DDP's gradient hooks)."""
+    remove = getattr(wrapper, "remove_hooks", None)
+    if remove is not None:
+        remove()
+
+
+def init(comm=None, **options):
+    """Return an ``Elastic`` job over ``comm`` (the world by default), or raise ``FaultToleranceUnavailable``."""
+    return Elastic(comm, **options)

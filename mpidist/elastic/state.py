@@ -1,0 +1,156 @@
+"""The training state kept in memory at each commit, so that survivors roll back instead of restarting.
+
+A commit copies, on every rank (DDP: every rank holds the full state): parameters (values and ``version``,
+which DDP's step check compares), buffers, the optimizer's and the LR schedule's state, the sampler's
+position, the given numpy Generators and mpidist's default generator, and a user ``extra`` dict. The last
+``keep`` commits are held (two by default): ranks can be one commit apart when a failure strikes, and the
+survivors roll back to the older one that all of them hold.
+"""
+
+import copy
+import time
+
+from ..nn import random as nn_random
+
+__all__ = ["State", "Replicated"]
+
+
+class Replicated:
+    """What every rank holds whole and equal: LR schedule, sampler position, RNG streams, buffers, user extras.
+
+    The base of the three states (``State``, ``ShardedState``, ``StageState``); ``step`` counts the steps
+    taken, and ``stats`` what the in-memory copies cost (commits, seconds, bytes of the latest).
+    """
+
+    def __init__(self, sampler=None, rngs=(), extra=None, keep=2):
+        if keep < 2:
+            raise ValueError(f"{type(self).__name__}: keep must be >= 2 (got {keep}): survivors may need the "
+                             f"commit before the last")
+        self.sampler = sampler
+        self.rngs = list(rngs)
+        self.extra = {} if extra is None else extra
+        self.keep = keep
+        self.step = 0
+        self.stats = {"commits": 0, "commit_s": 0.0, "commit_bytes": 0}
+
+    def _save_replicated(self, scheduler, buffers):
+        return {
+            "scheduler": None if scheduler is None else scheduler.state_dict(),
+            "buffers": [b.copy() for b in buffers],
+            "sampler": None if self.sampler is None else self.sampler.state_dict(),
+            "rngs": [copy.deepcopy(g.bit_generator.state) for g in self.rngs],
+            "nn_rng": copy.deepcopy(nn_random.get_rng_state()),
+            "extra": copy.deepcopy(self.extra),
+        }
+
+    def _load_replicated(self, saved, scheduler, buffers):
+        for b, value in zip(buffers, saved["buffers"]):
+            b[...] = value
+        if scheduler is not None:
+            scheduler.load_state_dict(saved["scheduler"])
+        if self.sampler is not None:
+            self.sampler.load_state_dict(saved["sampler"])
+        for g, state in zip(self.rngs, saved["rngs"]):
+            g.bit_generator.state = copy.deepcopy(state)
+        nn_random.set_rng_state(copy.deepcopy(saved["nn_rng"]))
+        self.extra.clear()
+        self.extra.update(copy.deepcopy(saved["extra"]))
+
+
+class State(Replicated):
+    """Everything a DDP step changes, with ``commit()`` and ``rollback(step)`` in memory.
+
+    ``step`` counts the steps taken (the commit id is the ``step`` it was taken at).
+    """
+
+    def __init__(self, module, optimizer=None, scheduler=None, sampler=None, rngs=(), extra=None, keep=2):
+        super().__init__(sampler, rngs, extra, keep)
+        self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
+        self._commits = []
+        self._params = [p for _, p in module.named_parameters()]
+        self._buffers = [b for _, b in module.named_buffers()]
+
+    @property
+    def committed_step(self):
+        """The step of the latest commit (None before the first)."""
+        return self._commits[-1]["step"] if self._commits else None
+
+    committed_id = committed_step  # what the survivors agree on (Elastic.guard)
+
+    @property
+    def committed_steps(self):
+        return [c["step"] for c in self._commits]
+
+    def held_bytes(self):
+        """Bytes of the kept commits' parameter and optimizer arrays on this rank."""
+        return sum(sum(a.nbytes for a in c["params"]) + sum(v.nbytes for s in (c["optimizer"] or {}).get("state", {}).values()
+                                                            for v in s.values() if hasattr(v, "nbytes"))
+                   for c in self._commits)
+
+    def start(self, build, comm):
+        """Return the first wrapper, ``build(comm)`` (``Elastic.train`` calls this)."""
+        return build(comm)
+
+    def restore(self, failure, build, comm):
+        """Roll back to the agreed commit and build the wrapper over the survivors (``Elastic.train``)."""
+        self.rollback(failure.commit)
+        return build(comm)
+
+    def commit(self):
+        """Copy the state as it is now (after a completed step)."""
+        if self._commits and self._commits[-1]["step"] == self.step:
+            return
+        start = time.perf_counter()
+        # The commit about to be dropped lends its arrays (no fresh pages per commit on large models): ranks are
+        # at most one commit apart, so nobody can need it once this rank commits again.
+        spare = self._commits.pop(0) if len(self._commits) >= self.keep else None
+        snapshot = {
+            "step": self.step,
+            "params": [_copy(p.data, spare and spare["params"][i]) for i, p in enumerate(self._params)],
+            "versions": [p.version for p in self._params],
+            "optimizer": None if self.optimizer is None else _optimizer_copy(self.optimizer, spare and spare["optimizer"]),
+            "replicated": self._save_replicated(self.scheduler, self._buffers),
+        }
+        self._commits.append(snapshot)
+        self.stats["commits"] += 1
+        self.stats["commit_s"] += time.perf_counter() - start
+        self.stats["commit_bytes"] = self.held_bytes() // len(self._commits)
+
+    def rollback(self, step):
+        """Restore the commit of ``step`` in place (the optimizer keeps its parameters); drop later commits."""
+        where = [i for i, c in enumerate(self._commits) if c["step"] == step]
+        if not where:
+            raise RuntimeError(f"State.rollback: no commit of step {step} is held (held: {self.committed_steps}); "
+                               f"the ranks drifted further apart than keep={self.keep} commits")
+        snapshot = self._commits[where[0]]
+        del self._commits[where[0] + 1:]
+        for p, value, version in zip(self._params, snapshot["params"], snapshot["versions"]):
+            p.data[...] = value  # in place: the optimizer's flat views of the parameters stay valid
+            p.version = version
+            p.grad = None
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(snapshot["optimizer"])
+            self.optimizer.zero_grad()
+        self._load_replicated(snapshot["replicated"], self.scheduler, self._buffers)
+        self.step = step
+
+
+def _copy(array, into=None):
+    """A copy of ``array``, written into ``into`` when that has the same shape and dtype."""
+    if into is not None and getattr(into, "shape", None) == array.shape and into.dtype == array.dtype:
+        into[...] = array
+        return into
+    return array.copy()
+
+
+def _optimizer_copy(optimizer, spare=None):
+    """``optimizer.state_dict()``, its arrays copied into ``spare``'s (an earlier such dict) where they fit."""
+    old = (spare or {}).get("state", {})
+    state = {i: {k: (_copy(v, old.get(i, {}).get(k)) if hasattr(v, "shape") else v) for k, v in s.items()}
+             for i, s in optimizer.state.items()}
+    groups, at = [], 0
+    for group in optimizer.param_groups:
+        n = len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(at, at + n))})
+        at += n
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,104 @@
+"""Sharding groups: which ranks split a unit's flat parameter between them, and which hold copies of a chunk.
+
+Glossary:
+- shard group: ranks that together hold one copy of every flat parameter, each rank one chunk
+  (``shard_comm``): all ranks under FULL_SHARD and SHARD_GRAD_OP, ``shard_size`` consecutive ranks under the
+  hybrid strategies, none under NO_SHARD (every rank holds the whole).
+- replica group: ranks holding the same chunk in different shard groups (``replicate_comm``); their
+  gradients are averaged after each shard group's reduce-scatter. None under FULL_SHARD and SHARD_GRAD_OP,
+  all ranks under NO_SHARD.
+- shard index: which chunk a rank holds (its rank in ``shard_comm``; 0 under NO_SHARD).
+
+With ``shard_size=k`` rank ``r`` of ``comm`` is shard ``r % k`` of group ``r // k``: a shard group is a block of
+consecutive ranks (one node, where the all-gathers and reduce-scatters of every unit are cheap), and a
+replica group takes one rank per block (across nodes, where only one allreduce of 1/k of the gradient goes).
+"""
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+from ...comm import check_comm
+from ...comm.agree import raise_if_any
+
+__all__ = ["ShardGroups", "build_groups"]
+
+
+@dataclass(frozen=True, eq=False)
+class ShardGroups:
+    """This rank's shard and replica groups, and which chunk every rank of the world communicator holds."""
+
+    shard_comm: Any       # None under NO_SHARD
+    replicate_comm: Any   # None when each chunk has one copy
+    num_shards: int
+    num_replicas: int
+    shard_index: int
+    replica_index: int
+    shard_of: tuple       # the shard index of each rank of the world communicator, by rank
+
+    def holder_of(self, shard_index):
+        """Return the lowest rank of the world communicator holding chunk ``shard_index``."""
+        return self.shard_of.index(shard_index)
+
+
+def _check_shard_size(shard_size, size):
+    if isinstance(shard_size, bool) or not isinstance(shard_size, numbers.Integral) or shard_size < 1:
+        raise ValueError(f"FSDP: shard_size must be an int >= 1 (got {shard_size!r})")
+    if size % shard_size:
+        raise ValueError(f"FSDP: shard_size={shard_size} does not divide the {size} ranks of comm; hybrid sharding "
+                         f"needs equal shard groups: pick a divisor of {size} "
+                         f"({[k for k in range(1, size + 1) if size % k == 0]})")
+    return int(shard_size)
+
+
+def build_groups(comm, strategy, shard_size=None, shard_comm=None, replicate_comm=None):
+    """Return the ``ShardGroups`` of ``strategy`` over ``comm``; raise naming the sizes on a bad combination."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    given = [name for name, value in (("shard_size", shard_size), ("shard_comm", shard_comm),
+                                      ("replicate_comm", replicate_comm)) if value is not None]
+    if not strategy.hybrid:
+        if given:
+            raise ValueError(f"FSDP: {', '.join(given)} only apply to the hybrid strategies (strategy="
+                             f"{strategy.value!r} uses all {size} ranks); use strategy='hybrid_shard' or "
+                             f"'hybrid_shard_grad_op'")
+        if strategy.value == "no_shard":
+            return ShardGroups(None, comm, 1, size, 0, rank, (0,) * size)
+        return ShardGroups(comm, None, size, 1, rank, 0, tuple(range(size)))
+    if shard_size is not None and (shard_comm is not None or replicate_comm is not None):
+        raise ValueError(f"FSDP: pass either shard_size (got {shard_size!r}) or the pair shard_comm and "
+                         f"replicate_comm, not both")
+    if shard_size is not None:
+        k = _check_shard_size(shard_size, size)
+        shard_comm = comm.Split(color=rank // k, key=rank)
+        replicate_comm = comm.Split(color=rank % k, key=rank)
+    elif shard_comm is None or replicate_comm is None:
+        raise ValueError(f"FSDP: strategy={strategy.value!r} needs shard_size=k (groups of k consecutive ranks "
+                         f"shard, the {size} // k groups replicate) or both shard_comm and replicate_comm "
+                         f"(got {', '.join(given) or 'neither'})")
+    else:
+        check_comm("FSDP shard_comm", shard_comm)
+        check_comm("FSDP replicate_comm", replicate_comm)
+        _check_given_groups(comm, shard_comm, replicate_comm)
+    shard_of = tuple(comm.allgather(shard_comm.Get_rank()))
+    return ShardGroups(shard_comm, replicate_comm, shard_comm.Get_size(), replicate_comm.Get_size(),
+                       shard_comm.Get_rank(), replicate_comm.Get_rank(), shard_of)
+
+
+def _check_given_groups(comm, shard_comm, replicate_comm):
+    """Raise on every rank unless the given groups tile ``comm`` into shard groups x replica groups."""
+    size = comm.Get_size()
+    k, r = shard_comm.Get_size(), replicate_comm.Get_size()
+    problem = None
+    if k * r != size:
+        problem = (f"shard_comm ({k} ranks) x replicate_comm ({r} ranks) = {k * r} ranks, but comm has {size}: "
+                   f"the shard groups and replica groups must tile comm")
+    raise_if_any(comm, problem, "FSDP")
+    places = comm.allgather((shard_comm.Get_rank(), replicate_comm.Get_rank()))
+    twice = sorted({p for p in places if places.count(p) > 1})
+    raise_if_any(comm, f"ranks share a (shard index, replica index) place {twice}: shard_comm and replicate_comm "
+                       f"must split comm along different axes" if twice else None, "FSDP")
+    # The allreduce across replicas adds chunks: every member of a replica group must hold the same chunk.
+    chunks = replicate_comm.allgather(shard_comm.Get_rank())
+    raise_if_any(comm, f"replicate_comm joins ranks of shard indices {sorted(set(chunks))}; each replica group "
+                       f"must hold one chunk (the same rank in every shard group)" if len(set(chunks)) > 1 else None,
+                 "FSDP")

@@ -1,0 +1,259 @@
+"""Tensor-parallel layers: each built from the unsharded layer (same seed, same values), holding its slice.
+
+- ``ColumnParallelLinear``: the output features split over the TP ranks (weight rows); its input is the full
+  activation (``copy_to_tp``, or ``gather_sequence`` under sequence parallelism), its output a feature slice.
+- ``RowParallelLinear``: the input features split (weight columns); it adds the ranks' partial products
+  (``reduce_from_tp``, or ``scatter_sequence``) and then its bias, which is replicated.
+- ``ParallelAttention``: heads split over the ranks: the fused q/k/v projection column-parallel by heads, the
+  output projection row-parallel. ``ParallelMLP``: fc column-parallel, proj row-parallel.
+- ``VocabParallelEmbedding``: vocabulary rows split; each rank looks up the ids in its range and the ranks add.
+- ``vocab_parallel_cross_entropy``: the loss over vocabulary-sliced logits, reducing the row max, the sum of
+  exponentials and the target logit over the ranks; the full logits are never gathered.
+
+Sizes that do not divide by the TP size are padded where padding is exact: vocabulary rows (padded logits are
+masked out of the softmax) and MLP hidden units (zero rows and columns contribute nothing and get zero
+gradients, so they stay zero). Heads cannot be padded that way without changing the attention's shape, so a
+head count that does not divide is an error naming both sizes.
+
+Every parameter carries its placement (``mpidist.nn.placement``): Shard for slices, Replicate for norms,
+replicated biases and position embeddings.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mpidist import collectives
+from mpidist.nn import functional as F
+from mpidist.nn.autograd import Tensor, make_result
+from mpidist.nn.module import Module, Parameter
+from mpidist.nn.placement import Replicate, Shard, set_placement
+from mpidist.xp import get_array_module
+
+from .ops import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelAttention", "ParallelMLP", "VocabParallelEmbedding",
+           "ParallelLayerNorm", "vocab_parallel_cross_entropy", "padded_split"]
+
+
+def padded_split(n, size, what):
+    """Return the per-rank length ceil(n / size) (the last ranks hold padding when ``size`` does not divide)."""
+    if n < 1:
+        raise ValueError(f"{what}: size {n} cannot be split over {size} tensor-parallel ranks")
+    return -(-n // size)
+
+
+def _rows(array, start, length, axis=0):
+    """``array``'s rows ``start .. start + length`` along ``axis``, zero-padded past its end."""
+    xp = get_array_module(array)
+    shape = list(array.shape)
+    shape[axis] = length
+    out = xp.zeros(shape, dtype=array.dtype)
+    stop = min(start + length, array.shape[axis])
+    if stop > start:
+        src = [slice(None)] * array.ndim
+        dst = [slice(None)] * array.ndim
+        src[axis], dst[axis] = slice(start, stop), slice(0, stop - start)
+        out[tuple(dst)] = array[tuple(src)]
+    return out
+
+
+def _sharded(array, comm, dim, global_shape, start, pieces=None):
+    return set_placement(Parameter(array), Shard(dim, comm, tuple(global_shape), start, pieces))
+
+
+def _replicated(param, comm):
+    """The same Parameter, marked as replicated over ``comm``."""
+    return set_placement(param, Replicate(comm))
+
+
+class _TPModule(Module):
+    def __init__(self, comm, sequence_parallel):
+        super().__init__()
+        object.__setattr__(self, "comm", comm)
+        object.__setattr__(self, "sequence_parallel", bool(sequence_parallel))
+
+    def _enter(self, x):
+        """The full activation for a column-parallel layer."""
+        return gather_sequence(x, self.comm) if self.sequence_parallel else copy_to_tp(x, self.comm)
+
+    def _leave(self, partial):
+        """The sum of the row-parallel partial results (sequence parallel: this rank's sequence shard of it)."""
+        return scatter_sequence(partial, self.comm) if self.sequence_parallel else reduce_from_tp(partial, self.comm)
+
+    def _replicated(self, param):
+        """A replicated parameter as read on this rank: under sequence parallelism its gradient is partial."""
+        if param is None:
+            return None
+        return copy_to_tp(param, self.comm) if self.sequence_parallel else param
+
+
+class ColumnParallelLinear(_TPModule):
+    """``y[..., slice] = x @ W[slice].T + b[slice]``: this rank's rows of the weight (output features)."""
+
+    def __init__(self, linear, comm, sequence_parallel=False):
+        super().__init__(comm, sequence_parallel)
+        out, size, rank = linear.out_features, comm.Get_size(), comm.Get_rank()
+        self.local = padded_split(out, size, "ColumnParallelLinear (out_features)")
+        self.in_features, self.out_features = linear.in_features, out
+        start = rank * self.local
+        self.weight = _sharded(_rows(linear.weight.data, start, self.local), comm, 0, linear.weight.data.shape, start)
+        self.bias = (None if linear.bias is None else
+                     _sharded(_rows(linear.bias.data, start, self.local), comm, 0, linear.bias.data.shape, start))
+
+    def forward(self, x):
+        return F.linear(self._enter(x), self.weight, self.bias)
+
+
+class RowParallelLinear(_TPModule):
+    """``y = sum over ranks of x[..., slice] @ W[:, slice].T``, then ``+ b`` (replicated)."""
+
+    def __init__(self, linear, comm, sequence_parallel=False, local_in=None):
+        super().__init__(comm, sequence_parallel)
+        n_in, size, rank = linear.in_features, comm.Get_size(), comm.Get_rank()
+        self.local = local_in or padded_split(n_in, size, "RowParallelLinear (in_features)")
+        self.in_features, self.out_features = n_in, linear.out_features
+        start = rank * self.local
+        self.weight = _sharded(_rows(linear.weight.data, start, self.local, axis=1), comm, 1,
+                               linear.weight.data.shape, start)
+        self.bias = None if linear.bias is None else _replicated(linear.bias, comm)
+
+    def forward(self, x):
+        y = self._leave(F.linear(x, self.weight))
+        return y if self.bias is None else y + self._replicated(self.bias)
+
+
+class ParallelLayerNorm(_TPModule):
+    """A LayerNorm whose (replicated) gain and shift see a sequence shard under sequence parallelism."""
+
+    def __init__(self, norm, comm, sequence_parallel=False):
+        super().__init__(comm, sequence_parallel)
+        self.eps = norm.eps
+        self.weight = _replicated(norm.weight, comm)
+        self.bias = None if norm.bias is None else _replicated(norm.bias, comm)
+
+    def forward(self, x):
+        return F.layer_norm(x, self._replicated(self.weight), self._replicated(self.bias), self.eps)
+
+
+class ParallelAttention(_TPModule):
+    """Causal self-attention with this rank's heads; input and output as the block's residual stream."""
+
+    def __init__(self, attn, comm, sequence_parallel=False):
+        super().__init__(comm, sequence_parallel)
+        d, h, size, rank = attn.embed_dim, attn.num_heads, comm.Get_size(), comm.Get_rank()
+        if h % size:
+            raise ValueError(f"ParallelAttention: {h} heads do not split over {size} tensor-parallel ranks; "
+                             f"use a number of heads divisible by the TP size (or a TP size dividing {h})")
+        self.embed_dim, self.num_heads, self.causal, self.dropout = d, h, attn.causal, attn.dropout
+        self.local_heads, self.head_dim = h // size, d // h
+        width = self.local_heads * self.head_dim
+        start = rank * width
+        # The fused projection's rows are [q heads | k heads | v heads]: this rank takes its heads' rows of each.
+        pieces = tuple((which * d + start, which * width, width) for which in range(3))
+        w, b = attn.qkv.weight.data, None if attn.qkv.bias is None else attn.qkv.bias.data
+        xp = get_array_module(w)
+        take = np.concatenate([np.arange(g, g + n) for g, _, n in pieces])
+        self.qkv = Module()
+        self.qkv.weight = _sharded(xp.ascontiguousarray(w[take]), comm, 0, w.shape, start, pieces)
+        self.qkv.bias = None if b is None else _sharded(xp.ascontiguousarray(b[take]), comm, 0, b.shape, start, pieces)
+        self.proj = RowParallelLinear(attn.proj, comm, sequence_parallel, local_in=width)
+
+    def forward(self, x):
+        full = self._enter(x)
+        b, t, _ = full.shape
+        h, dh = self.local_heads, self.head_dim
+        qkv = F.permute(F.reshape(F.linear(full, self.qkv.weight, self.qkv.bias), (b, t, 3, h, dh)), (2, 0, 3, 1, 4))
+        q, k, v = (F.reshape(a, (b, h, t, dh)) for a in F.split(qkv, 3, axis=0))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=self.dropout,
+                                           training=self.training)
+        return self.proj(F.reshape(F.permute(y, (0, 2, 1, 3)), (b, t, h * dh)))
+
+
+class ParallelMLP(_TPModule):
+    """fc (column-parallel, hidden units padded to a multiple of the TP size), GELU, proj (row-parallel)."""
+
+    def __init__(self, mlp, comm, sequence_parallel=False):
+        super().__init__(comm, sequence_parallel)
+        self.fc = ColumnParallelLinear(mlp.fc, comm, sequence_parallel)
+        self.proj = RowParallelLinear(mlp.proj, comm, sequence_parallel, local_in=self.fc.local)
+        self.drop = mlp.drop
+
+    def forward(self, x):
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class VocabParallelEmbedding(_TPModule):
+    """Token embedding with vocabulary rows split: each rank looks up the ids in its range, the ranks add.
+
+    The output is the full embedding (plain TP) or this rank's sequence shard of it (sequence parallel).
+    """
+
+    def __init__(self, embedding, comm, sequence_parallel=False):
+        super().__init__(comm, sequence_parallel)
+        v, size, rank = embedding.num_embeddings, comm.Get_size(), comm.Get_rank()
+        self.num_embeddings, self.embedding_dim = v, embedding.embedding_dim
+        self.local = padded_split(v, size, "VocabParallelEmbedding (vocabulary)")
+        self.vocab_start = rank * self.local
+        self.weight = _sharded(_rows(embedding.weight.data, self.vocab_start, self.local), comm, 0,
+                               embedding.weight.data.shape, self.vocab_start)
+
+    def forward(self, ids):
+        ids = ids.data if isinstance(ids, Tensor) else ids
+        # Ids outside every rank's range would be masked to zero rows on all ranks: refuse them as Embedding does
+        # (every TP rank holds the same ids, so every rank raises).
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"VocabParallelEmbedding: token id out of range [0, {self.num_embeddings}) "
+                             f"(min: {int(ids.min())}, max: {int(ids.max())})")
+        xp = get_array_module(ids)
+        mine = (ids >= self.vocab_start) & (ids < self.vocab_start + self.local)
+        local = xp.where(mine, ids - self.vocab_start, 0)
+        rows = F.embedding(local, self.weight) * mine[..., None].astype(self.weight.data.dtype)
+        return self._leave(rows)
+
+
+def vocab_parallel_cross_entropy(logits, target, comm, vocab_start, vocab_size, ignore_index=-100):
+    """Mean next-token cross-entropy of logits sliced over the vocabulary (this rank: columns from
+    ``vocab_start``; columns at or past ``vocab_size`` are padding and masked out).
+
+    Two allreduces of one number per token (the row max; then the sum of exponentials with the target logit),
+    never the logits themselves. The gradient is this rank's slice of ``softmax - onehot``, with no
+    communication: the input gradient's sum over ranks happens where the logits' input entered the TP region.
+    """
+    z = logits.data if isinstance(logits, Tensor) else logits
+    xp = get_array_module(z)
+    t = xp.asarray(target).reshape(-1)
+    width = z.shape[-1]
+    z2 = z.reshape(-1, width)
+    if z2.shape[0] != t.shape[0]:
+        raise ValueError(f"vocab_parallel_cross_entropy: {z2.shape[0]} logit rows but {t.shape[0]} targets "
+                         f"(logits {tuple(z.shape)}, target {tuple(np.shape(target))})")
+    counted = t[t != ignore_index]
+    # Every TP rank holds the same targets, so every rank raises (a target outside the vocabulary would
+    # otherwise find no logit on any rank, or a masked padding column, and give a wrong or infinite loss).
+    if counted.size and (int(counted.min()) < 0 or int(counted.max()) >= vocab_size):
+        raise IndexError(f"vocab_parallel_cross_entropy: target out of range [0, {vocab_size}) (min: "
+                         f"{int(counted.min())}, max: {int(counted.max())}; ignore_index: {ignore_index})")
+    real = (vocab_start + xp.arange(width)) < vocab_size
+    if not bool(real.all()):
+        z2 = xp.where(real, z2, -xp.inf)
+    row_max = z2.max(axis=1) if width else xp.full(z2.shape[0], -xp.inf, dtype=z.dtype)
+    row_max = collectives.allreduce(xp.ascontiguousarray(row_max), comm, op="max")
+    e = xp.exp(z2 - row_max[:, None])
+    mine = (t >= vocab_start) & (t < vocab_start + width)
+    col = xp.clip(t - vocab_start, 0, max(width - 1, 0))
+    rows = xp.arange(t.shape[0])
+    sums = xp.stack([e.sum(axis=1), xp.where(mine, z2[rows, col], 0).astype(z.dtype)])
+    sums = collectives.allreduce(xp.ascontiguousarray(sums), comm, op="sum")
+    keep = t != ignore_index
+    count = max(int(keep.sum()), 1)
+    per_token = xp.log(sums[0]) + row_max - sums[1]
+    loss = xp.asarray((per_token * keep).sum() / count, dtype=z.dtype)
+
+    def backward(g, n):
+        p = e / sums[0][:, None]
+        p[rows[mine], col[mine]] -= 1
+        p *= (keep[:, None] * (g / count)).astype(p.dtype)
+        return (p.reshape(z.shape),)
+    return make_result("VocabParallelCrossEntropy", loss, (logits,), backward)

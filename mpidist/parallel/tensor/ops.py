@@ -1,0 +1,84 @@
+"""The communication steps of tensor and sequence parallelism, as autograd ops.
+
+Each op's backward is the conjugate of its forward (Megatron's f/g pairs), so a model written with them
+differentiates correctly without any hand-written gradient exchange:
+
+    copy_to_tp        forward: identity            backward: allreduce     (before a column-parallel layer)
+    reduce_from_tp    forward: allreduce           backward: identity      (after a row-parallel layer)
+    gather_sequence   forward: allgather along t   backward: reduce-scatter along t   (sequence parallel: into
+    scatter_sequence  forward: reduce-scatter      backward: allgather                 and out of a TP region)
+    gather_last       forward: allgather along the last axis     backward: this rank's slice (full logits)
+
+Sequence parallelism replaces each allreduce of plain tensor parallelism by a reduce-scatter plus an allgather
+of the same total bytes, and keeps the activations between blocks (norms, dropout, residuals) split along the
+sequence. A replicated parameter used on a sequence shard gets only its shard's share of the gradient, so it
+is read through ``copy_to_tp`` as well: its backward adds the shares.
+"""
+from __future__ import annotations
+
+from mpidist import collectives
+from mpidist.nn.autograd import Tensor, make_result
+from mpidist.xp import get_array_module
+
+__all__ = ["copy_to_tp", "reduce_from_tp", "gather_sequence", "scatter_sequence", "gather_last"]
+
+
+def _data(x):
+    return x.data if isinstance(x, Tensor) else x
+
+
+def _allreduce(a, comm):
+    xp = get_array_module(a)
+    return collectives.allreduce(xp.array(a, copy=True, order="C"), comm, op="sum")
+
+
+def _allgather_axis(a, comm, axis):
+    xp = get_array_module(a)
+    moved = xp.ascontiguousarray(xp.moveaxis(a, axis, 0))
+    return xp.ascontiguousarray(xp.moveaxis(collectives.allgather(moved, comm), 0, axis))
+
+
+def _reduce_scatter_axis(a, comm, axis, what):
+    size = comm.Get_size()
+    if a.shape[axis] % size:
+        raise ValueError(f"{what}: axis {axis} of length {a.shape[axis]} does not split evenly over {size} "
+                         f"tensor-parallel ranks (shape {tuple(a.shape)})")
+    xp = get_array_module(a)
+    moved = xp.ascontiguousarray(xp.moveaxis(a, axis, 0))
+    return xp.ascontiguousarray(xp.moveaxis(collectives.reduce_scatter(moved, comm), 0, axis))
+
+
+def _local_slice(a, comm, axis):
+    n = a.shape[axis] // comm.Get_size()
+    index = [slice(None)] * a.ndim
+    index[axis] = slice(comm.Get_rank() * n, (comm.Get_rank() + 1) * n)
+    return get_array_module(a).ascontiguousarray(a[tuple(index)])
+
+
+def copy_to_tp(x, comm):
+    """Identity forward; backward adds the gradient over ``comm`` (every TP rank used the same input)."""
+    return make_result("CopyToTP", _data(x), (x,), lambda g, n: (_allreduce(g, comm),))
+
+
+def reduce_from_tp(x, comm):
+    """Sum of every TP rank's partial result forward; the gradient passes through unchanged."""
+    return make_result("ReduceFromTP", _allreduce(_data(x), comm), (x,), lambda g, n: (g,))
+
+
+def gather_sequence(x, comm, axis=1):
+    """Concatenate the sequence shards along ``axis``; backward reduce-scatters (adds, then keeps this shard)."""
+    return make_result("GatherSequence", _allgather_axis(_data(x), comm, axis), (x,),
+                       lambda g, n: (_reduce_scatter_axis(g, comm, axis, "gather_sequence backward"),))
+
+
+def scatter_sequence(x, comm, axis=1):
+    """Add the partial results over ``comm`` and keep this rank's sequence shard; backward allgathers."""
+    out = _reduce_scatter_axis(_data(x), comm, axis, "scatter_sequence")
+    return make_result("ScatterSequence", out, (x,), lambda g, n: (_allgather_axis(g, comm, axis),))
+
+
+def gather_last(x, comm):
+    """Concatenate the TP ranks' slices along the last axis (e.g. full logits); backward keeps this slice."""
+    a = _data(x)
+    return make_result("GatherLast", _allgather_axis(a, comm, a.ndim - 1), (x,),
+                       lambda g, n: (_local_slice(g, comm, g.ndim - 1),))

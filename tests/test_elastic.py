@@ -1,0 +1,248 @@
+"""mpidist.elastic: refusal where MPI cannot survive a lost rank, fault specs, the sampler, commit/rollback, and
+(under Open MPI 5 with ULFM: ``make test-elastic``) jobs that lose ranks and still end with the parameters of a
+one-process reference trained on the same global batches.
+
+Under ``--with-ft`` Open MPI's mpiexec exits 0 even when ranks die or raise, so the launch tests judge the files
+every survivor writes, never the exit status alone.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import launcher
+from mpidist import elastic, nn, optim, simulate
+from mpidist.elastic import Fault, FaultToleranceUnavailable
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "elastic.py"
+LIBRARY = MPI.Get_library_version().replace("\0", "")  # Open MPI 4 ends it in the C string's NUL
+OPEN_MPI_5 = "Open MPI v" in LIBRARY and LIBRARY.split("Open MPI v", 1)[1][:1].isdigit() and int(LIBRARY.split("Open MPI v", 1)[1].split(".")[0]) >= 5
+needs_ulfm = pytest.mark.skipif(not OPEN_MPI_5, reason=f"needs Open MPI 5 with ULFM (this mpi4py runs "
+                                f"{LIBRARY.splitlines()[0].strip()!r}): run `make test-elastic`")
+
+
+# -- refusal -------------------------------------------------------------------------------------------
+def test_fault_tolerance_problems_name_the_library_and_the_missing_flag():
+    mpich = "MPICH Version:      4.3.0\nMPICH Release date: ..."
+    ompi4 = "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6, repo rev: v4.1.6, Sep 30, 2023\x00"  # Debian's, NUL included
+    ompi5 = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11"
+    ft = {"OMPI_MCA_mpi_ft_enable": "1"}
+    assert "MPICH Version:      4.3.0" in elastic.ft_problem(mpich, ft, 4)
+    assert "--with-ft ulfm" in elastic.ft_problem(mpich, ft, 4)
+    assert "Open MPI 5 or later" in elastic.ft_problem(ompi4, ft, 4)
+    assert "Sep 30, 2023'; ULFM" in elastic.ft_problem(ompi4, ft, 4)  # the version is quoted without its NUL
+    assert "add `--with-ft ulfm` to mpiexec" in elastic.ft_problem(ompi5, {}, 4)
+    assert "OMPI_MCA_mpi_ft_enable='0'" in elastic.ft_problem(ompi5, {"OMPI_MCA_mpi_ft_enable": "0"}, 4)
+    assert "1 process" in elastic.ft_problem(ompi5, ft, 1)
+    assert elastic.ft_problem(ompi5, ft, 4) is None
+
+
+def test_init_refuses_here_with_the_reason():
+    """This process was not started by `mpiexec --with-ft ulfm` (MPICH, or Open MPI without the flag): refused."""
+    if os.environ.get("OMPI_MCA_mpi_ft_enable") == "1" and OPEN_MPI_5 and MPI.COMM_WORLD.Get_size() > 1:
+        pytest.skip("this pytest runs under mpiexec --with-ft ulfm, where elastic mode is allowed")
+    expected = ("has no fault tolerance" if "Open MPI" not in LIBRARY else
+                "ULFM needs Open MPI 5 or later" if not OPEN_MPI_5 else  # Open MPI 4 (Debian's, say): make test MPI=system
+                "without fault tolerance" if os.environ.get("OMPI_MCA_mpi_ft_enable") != "1" else "1 process")
+    with pytest.raises(FaultToleranceUnavailable, match=expected):
+        elastic.init()
+
+    def simulated(comm):
+        with pytest.raises(FaultToleranceUnavailable, match="needs a real MPI communicator .got SimComm.: a simulated"):
+            elastic.init(comm)
+    simulate(2, simulated)
+
+
+# -- fault specs ---------------------------------------------------------------------------------------
+def test_fault_specs_parse_and_bad_ones_say_what_is_wrong():
+    assert elastic.parse_faults("rank=2,step=5") == (Fault(2, 5, "sigkill"),)
+    assert elastic.parse_faults(" rank=0, step=3, how=raise ;rank=1,step=7,how=exit") == (
+        Fault(0, 3, "raise"), Fault(1, 7, "exit"))
+    assert elastic.parse_faults("") == () and elastic.faults_from_env({}) == ()
+    for text, message in [("rank=2", "step missing"), ("rank=x,step=1", "rank must be an integer"),
+                          ("rank=1,step=1,how=segv", "how must be one of sigkill, exit, raise"),
+                          ("rank=1,step=-1", "step must be >= 0"), ("rank=1,step=2,rank=3", "each once"),
+                          ("rank=1,step=2;rank=1,step=2,how=raise", "given twice")]:
+        with pytest.raises(ValueError, match=message):
+            elastic.parse_faults(text)
+    Fault(1, 4).maybe_fail(world_rank=0, step=4)  # another rank's fault: nothing happens
+    with pytest.raises(elastic.InjectedFault, match="rank 1 fails at step 4"):
+        Fault(1, 4, "raise").maybe_fail(world_rank=1, step=4, stamp_path="")
+
+
+# -- the sampler ---------------------------------------------------------------------------------------
+def test_sampler_keeps_the_global_batch_and_loses_no_sample_when_ranks_are_lost():
+    n, batch = 100, 12
+    sampler = elastic.ElasticSampler(n, batch, seed=3)
+    taken, sizes = [], [4, 4, 4, 3, 3, 2, 3, 3]  # ranks alive at each step: 8 steps = one epoch
+    for size in sizes:
+        pieces = [sampler.shard(rank, size) for rank in range(size)]
+        ids = np.concatenate([p[0] for p in pieces])
+        # Each rank's weight times its share's mean is its share's sum * size / batch: DDP's mean over ranks of
+        # the weighted means is the mean over the global batch (a formula, checked on random per-sample values).
+        values = np.random.default_rng(len(taken)).standard_normal(n)
+        weighted = np.mean([w * values[i].mean() for i, w in pieces])
+        assert np.isclose(weighted, values[ids].mean())
+        assert max(len(i) for i, _ in pieces) - min(len(i) for i, _ in pieces) <= 1
+        taken.append(ids)
+        sampler.advance()
+    order = np.random.default_rng([3, 0]).permutation(n)
+    assert [list(t) for t in taken] == [list(order[k * batch:(k + 1) * batch]) for k in range(8)]
+    assert sampler.epoch == 1 and sampler.position == 0  # 100 // 12 = 8 steps; the last 4 samples dropped
+    with pytest.raises(ValueError, match="13 ranks cannot share a global batch of 12"):
+        sampler.shard(0, 13)
+
+
+# -- commit and rollback -------------------------------------------------------------------------------
+def _model():
+    rng = np.random.default_rng(0)
+    return nn.Sequential(nn.Linear(3, 5, rng=rng, dtype=np.float64), nn.Tanh(), nn.Linear(5, 2, rng=rng, dtype=np.float64))
+
+
+def _train(model, opt, sched, sampler, rng, steps, x, y):
+    crit = nn.CrossEntropyLoss()
+    for _ in range(steps):
+        ids = sampler.global_batch_indices()
+        opt.zero_grad()
+        crit(model(x[ids] + rng.standard_normal((len(ids), 3))), y[ids]).backward()
+        opt.step()
+        sched.step()
+        sampler.advance()
+
+
+def test_rollback_restores_every_part_of_the_state_bit_for_bit():
+    data = np.random.default_rng(1)
+    x, y = data.standard_normal((40, 3)), data.integers(0, 2, 40)
+    model = _model()
+    opt = optim.Adam(model.parameters(), lr=0.05)
+    sched = optim.StepLR(opt, step_size=2, gamma=0.5)
+    sampler, rng = elastic.ElasticSampler(40, 8, seed=1), np.random.default_rng(5)
+    state = elastic.State(model, opt, sched, sampler, rngs=[rng], extra={"log": [1]})
+    _train(model, opt, sched, sampler, rng, 3, x, y)
+    state.step = 3
+    state.commit()
+    _train(model, opt, sched, sampler, rng, 4, x, y)  # crosses the epoch end (5 steps per epoch)
+    first = [p.data.copy() for p in model.parameters()]
+    state.extra["log"].append(2)
+    state.step = 7
+    state.commit()
+    state.rollback(3)
+    assert state.step == 3 and state.extra == {"log": [1]} and state.committed_steps == [3]
+    _train(model, opt, sched, sampler, rng, 4, x, y)
+    for a, b in zip(first, model.parameters()):
+        assert np.array_equal(a, b.data)
+    with pytest.raises(RuntimeError, match=r"no commit of step 5 is held \(held: \[3\]\)"):
+        state.rollback(5)
+
+
+# -- jobs that lose ranks (Open MPI 5 + ULFM) ----------------------------------------------------------
+def _reference(steps, samples, batch, lr):
+    spec = importlib.util.spec_from_file_location("elastic_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.reference(steps, samples, batch, lr)
+
+
+STEPS, SAMPLES, BATCH, LR = 14, 120, 12, 0.1  # 10 steps per epoch: the run crosses an epoch end
+
+
+def _launch(tmp_path, faults, *args, ranks=4):
+    """Run the example on ``ranks`` ranks under ``mpiexec --with-ft ulfm`` with ``faults``; return (result, log)."""
+    out = tmp_path / "run"
+    command = [*launcher.mpiexec(ranks, sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--samples", str(SAMPLES),
+                                 "--batch", str(BATCH), "--lr", str(LR), "--out", str(out), *args)]
+    command.insert(1, "--with-ft")
+    command.insert(2, "ulfm")
+    env = launcher.env(MPIDIST_FAULT=faults, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                       OMP_NUM_THREADS="1", MPIDIST_FAULT_STAMP=str(tmp_path / "stamp"))
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150, cwd=ROOT)
+    return result, (result.stdout + result.stderr).replace("\0", "")
+
+
+def _check_survivors(tmp_path, result, log, lost, ranks=4):
+    """Every survivor wrote its file, holds the reference's parameters and took the reference's batches."""
+    survivors = sorted(set(range(ranks)) - set(lost))
+    written = sorted(int(p.stem.split("rank")[1]) for p in tmp_path.glob("run-rank*.npz"))
+    assert result.returncode == 0 and written == survivors, f"rc {result.returncode}, files of ranks {written}:\n{log[-4000:]}"
+    assert f"finished {STEPS} steps on {len(survivors)} of {ranks} ranks" in log, log[-4000:]
+    params, batches = _reference(STEPS, SAMPLES, BATCH, LR)
+    for rank in survivors:
+        run = np.load(tmp_path / f"run-rank{rank}.npz")
+        assert int(run["final_size"]) == len(survivors)
+        # Every committed step's global batch is exactly the reference's: none lost, none repeated.
+        assert [sorted(t) for t in run["taken"]] == [sorted(b) for b in batches]
+        for i, p in enumerate(params):
+            np.testing.assert_allclose(run[f"param{i}"], p, rtol=0, atol=1e-12, err_msg=f"rank {rank} param{i}\n{log[-3000:]}")
+    run = np.load(tmp_path / f"run-rank{survivors[0]}.npz")
+    assert run["lost"].tolist() == sorted(lost)
+    return run
+
+
+@needs_ulfm
+@launcher.needed
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("faults, lost", [
+    ("rank=2,step=5", [2]),                           # SIGKILL mid-epoch
+    ("rank=1,step=9,how=raise", [1]),                  # an uncaught exception: traceback once, then SIGKILL
+    ("rank=0,step=3;rank=3,step=11", [0, 3]),          # rank 0, then a second failure after the epoch end
+])
+def test_survivors_finish_with_the_parameters_of_a_one_process_reference(faults, lost, tmp_path):
+    result, log = _launch(tmp_path, faults)
+    run = _check_survivors(tmp_path, result, log, lost)
+    assert [int(f[0]) for f in run["failures"]] == lost  # one failure each, in this order
+    if "raise" in faults:
+        assert log.count("InjectedFault: MPIDIST_FAULT: rank 1 fails at step 9") == 1, log[-4000:]
+
+
+@needs_ulfm
+@launcher.needed
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("faults, lost, replicas", [
+    ("rank=2,step=5", [2], 2),                         # its shard comes back from its buddy, rank 3
+    ("rank=1,step=4;rank=2,step=6", [1, 2], 2),         # neighbours: the second needs the re-sharded buddy copy
+    ("rank=0,step=3;rank=1,step=3", [0, 1], 3),         # two at once (seen as one failure or two): 3 holders
+])
+def test_fsdp_survivors_restore_lost_shards_from_buddies_and_match_the_reference(faults, lost, replicas, tmp_path):
+    result, log = _launch(tmp_path, faults, "--wrapper", "fsdp", "--replicas", str(replicas))
+    _check_survivors(tmp_path, result, log, lost)
+    assert "from their buddies, re-sharded 4 -> " in log, log[-4000:]
+
+
+@needs_ulfm
+@launcher.needed
+@pytest.mark.mpi_skip
+def test_fsdp_without_a_buddy_names_the_lost_shard(tmp_path):
+    result, log = _launch(tmp_path, "rank=2,step=3", "--wrapper", "fsdp", "--replicas", "1")
+    assert "the shards of position 2 (world rank 2) are lost: all 1 holder(s), world ranks [2], failed; use more " \
+           "replicas" in log, log[-4000:]
+
+
+@needs_ulfm
+@launcher.needed
+@pytest.mark.mpi_skip
+def test_pipeline_mesh_rebuilds_a_lost_stage_from_its_data_parallel_replica(tmp_path):
+    """dp=2 x pp=2 on 4 ranks; world rank 2 (stage 0 of replica 1) dies: rank 0 still holds stage 0, and the
+    survivors go on as one pipeline of 3 stages (the 5 layers re-split), equal to the reference."""
+    result, log = _launch(tmp_path, "rank=2,step=5", "--wrapper", "pipeline", "--pp", "2")
+    _check_survivors(tmp_path, result, log, [2])
+    assert "lost stages from their data-parallel replicas, re-split over 3 ranks" in log, log[-4000:]
+
+
+@needs_ulfm
+@launcher.needed
+@pytest.mark.mpi_skip
+def test_pipeline_without_a_replica_falls_back_to_the_disk_checkpoint_at_the_new_layout(tmp_path):
+    """pp=3 without replicas; world rank 1 dies at step 6: its stage exists nowhere else, so the two survivors
+    load the step-4 checkpoint as a 2-stage pipeline, redo steps 4-5 and still equal the reference."""
+    result, log = _launch(tmp_path, "rank=1,step=6", "--wrapper", "pipeline", "--pp", "3", "--checkpoint",
+                          str(tmp_path / "ckpt"), "--checkpoint-every", "4", ranks=3)
+    _check_survivors(tmp_path, result, log, [1], ranks=3)
+    assert f"disk checkpoint of step 4 in {tmp_path / 'ckpt'} (no replica of 2 parameter(s) survived), loaded at " \
+           f"2 ranks" in log, log[-4000:]
