@@ -305,6 +305,8 @@ class Handle:
     def wait(self):
         """Block until the operation completes; return its result."""
         if not self._done:
+            if self._token is not None and _record.on_wait is not None:
+                _record.on_wait(self._token)
             for i, r in enumerate(self._requests):
                 r.Wait(self._status if i == 0 else None)
             self._complete()

@@ -169,6 +169,42 @@ def test_pipeline_bubble_from_the_trace_matches_the_formula(comm, tmp_path):
     assert abs(measured - formula) <= 0.1 * formula, (measured, formula)
 
 
+@pytest.mark.world_sizes(2)
+def test_a_nonblocking_collective_records_its_post_its_wait_and_its_end(comm, tmp_path):
+    """start <= posted <= wait() called <= end; the caller computed (slept) 20 ms between posting and waiting."""
+    directory = _shared_dir(comm, tmp_path)
+    trace.start(directory, comm)
+    x = np.full(1000, comm.Get_rank() + 1.0)
+    handle = collectives.iallreduce(x, comm)
+    time.sleep(0.02)
+    handle.wait()
+    merged = trace.stop()
+    np.testing.assert_array_equal(x, np.full(1000, 3.0))
+    if comm.Get_rank() != 0:
+        return
+    with open(merged) as f:
+        events = [e for e in _x_events(json.load(f)) if e["cat"] == "comm" and "allreduce" in e["name"]]
+    assert sorted(e["pid"] for e in events) == [0, 1]
+    for e in events:
+        args = e["args"]
+        assert e["tid"] == trace.IN_FLIGHT and args["bytes"] == 8000
+        assert 0 <= args["posted_us"] and args["posted_us"] + 20_000 <= args["wait_us"] <= e["dur"] + 1, args
+
+
+def test_a_wait_inside_a_forward_counts_as_exposed_communication_not_compute():
+    """FSDP waits for its prefetched gather inside a module's forward: that wait is not compute."""
+    from mpidist.trace.analysis import analyze
+    # forward 0-10 ms; an allgather posted at 2 ms (posting 0.5 ms), waited for from 6 ms, done at 9 ms.
+    events = [{"ph": "X", "pid": 0, "tid": 0, "cat": "forward", "name": "block", "ts": 0, "dur": 10_000,
+               "args": {"depth": 0}},
+              {"ph": "X", "pid": 0, "tid": 2, "cat": "comm", "name": "iallgather", "ts": 2_000, "dur": 7_000,
+               "args": {"comm": "world", "bytes": 8, "peer": -1, "seq": 0, "posted_us": 500, "wait_us": 4_000}}]
+    numbers = analyze({"traceEvents": events})["ranks"][0]
+    # compute = 10 - 0.5 (posting) - 3 (waiting) ms; communication 7 ms of which 3.5 ms exposed.
+    assert numbers["compute"] == pytest.approx(6.5e-3) and numbers["communication"] == pytest.approx(7e-3)
+    assert numbers["exposed"] == pytest.approx(3.5e-3) and numbers["overlap"] == pytest.approx(0.5)
+
+
 def _synthetic_trace():
     """Two ranks with hand-made timings (microseconds) whose summary numbers are known."""
     def x(pid, tid, cat, name, ts, dur, **args):

@@ -43,8 +43,10 @@ _entries = {}             # id(communicator) -> Entry (checked against a weak re
 _last = (None, None)      # (communicator, entry) of the last call: most calls use the one before's
 _ordinals = collections.Counter()
 # mpidist.trace's hooks while it records (None otherwise): ``on_hold(record)`` when a nonblocking call
-# returns its handle, ``on_leave(record)`` when a call completes. One global check on the hot path.
+# returns its handle, ``on_wait(record)`` when the caller starts waiting for it, ``on_leave(record)`` when a
+# call completes. One global check on the hot path.
 on_hold = None
+on_wait = None
 on_leave = None
 
 

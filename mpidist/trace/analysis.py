@@ -2,7 +2,8 @@
 
 Glossary (per rank, over the time from its first to its last event):
 - compute: time inside a compute event (module forward/backward, optimizer step, pipeline F/B/W, a user
-  span of category "compute") and not inside a blocking communication call (FSDP's gather in a forward).
+  span of category "compute") and not inside a blocking communication call (FSDP's gather in a forward)
+  nor inside a wait() for a nonblocking one (its ``wait_us`` onwards).
 - communication: time during which some call was in progress: a blocking call, or a nonblocking one
   from its start until it completed.
 - exposed communication: communication time that is not compute time, i.e. the rank waited for it.
@@ -71,6 +72,8 @@ def analyze(trace):
                 if "posted_us" in args:
                     flying.append((start, end))
                     blocking.append((start, start + args["posted_us"] * 1e-6))
+                    if "wait_us" in args:  # the caller blocked in wait() until it completed
+                        blocking.append((start + args["wait_us"] * 1e-6, end))
                 else:
                     blocking.append((start, end))
             elif e.get("cat") in COMPUTE_CATEGORIES:

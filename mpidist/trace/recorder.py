@@ -50,6 +50,7 @@ _depth = 1
 _limit = 1 << 20
 _handles = []               # hook handles to remove when the last rank stops
 _held = {}                  # id(flight record) -> time its nonblocking call returned a handle
+_waited = {}                # id(flight record) -> time its handle's wait() was called
 
 
 class Recorder:
@@ -156,8 +157,13 @@ def _on_hold(rec):
     _held[id(rec)] = _clock()
 
 
+def _on_wait(rec):
+    _waited[id(rec)] = _clock()
+
+
 def _on_leave(rec):
     posted = _held.pop(id(rec), None) if _held else None
+    waited = _waited.pop(id(rec), None) if _waited else None
     end = rec[_record.END]
     entry = rec[_record.COMM]
     args = {"comm": entry.name, "bytes": rec[_record.BYTES], "peer": rec[_record.PEER], "seq": rec[_record.SEQ]}
@@ -168,6 +174,8 @@ def _on_leave(rec):
     else:
         # A nonblocking call: the rank was busy in it until ``posted``; the rest was in flight.
         args["posted_us"] = round((posted - rec[_record.START]) * 1e6, 3)
+        if waited is not None:  # the caller blocked in wait() from here to the end: exposed communication
+            args["wait_us"] = round((waited - rec[_record.START]) * 1e6, 3)
         add(IN_FLIGHT, "comm", rec[_record.OP], rec[_record.START], end, args)
 
 
@@ -287,11 +295,12 @@ def install(depth, limit, rank=None):
             _depth, _limit = depth, limit
             _generation += 1
             _held.clear()
+            _waited.clear()
             _handles.extend([_module.register_module_forward_pre_hook(_forward_pre),
                              _module.register_module_forward_hook(_forward_post),
                              _optim.register_optimizer_step_pre_hook(_step_pre),
                              _optim.register_optimizer_step_post_hook(_step_post)])
-            _record.on_hold, _record.on_leave = _on_hold, _on_leave
+            _record.on_hold, _record.on_wait, _record.on_leave = _on_hold, _on_wait, _on_leave
             on = True
 
 
@@ -303,7 +312,7 @@ def take(rank):
         _started.discard(rank)
         if not _started and _handles:
             on = False
-            _record.on_hold = _record.on_leave = None
+            _record.on_hold = _record.on_wait = _record.on_leave = None
             for handle in _handles:
                 handle.remove()
             _handles.clear()
@@ -319,7 +328,7 @@ def take_all():
         _recorders.clear()
         _started.clear()
         on = False
-        _record.on_hold = _record.on_leave = None
+        _record.on_hold = _record.on_wait = _record.on_leave = None
         for handle in _handles:
             handle.remove()
         _handles.clear()
