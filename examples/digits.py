@@ -262,6 +262,8 @@ def main(argv=None):
     parser.add_argument("--fsdp-strategy", default="full_shard", choices=["full_shard", "shard_grad_op", "no_shard"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="directory to write result.json into")
+    parser.add_argument("--metrics", default=None, help="directory for per-step metrics (mpidist.metrics.Logger: "
+                        "metrics.jsonl and .csv, TensorBoard with tensorboardX, a tqdm bar on a terminal)")
     parser.add_argument("--no-check", action="store_true", help="skip the single-process comparison")
     parser.add_argument("--ckpt", default=None, help="checkpoint directory: save after every epoch, resume from the "
                         "newest checkpoint (also at another world size or strategy), and on SIGTERM/SIGUSR1/Ctrl-C save and exit "
@@ -297,6 +299,15 @@ def main(argv=None):
             log(f"resumed from checkpoint step {resumed} ({where}; saved on {was} ranks, now {size})")
         preemption = Preemption(comm).install()
     state["segments"] = state["segments"] + [[size, args.batch, state["epoch"], state["position"]]]
+    logger = None
+    if args.metrics:
+        from mpidist.metrics import Logger
+        n_params = sum(p.data.size for layer in build_layers(args.seed) for p in layer.parameters())
+        memory = trainer.model if hasattr(trainer.model, "memory_stats") else None
+        steps_per_epoch = -(-len(epoch_order(len(x_train), args.seed, 0, size)) // (args.batch * size))
+        # 6 flop per parameter and sample: 2 forward, 4 backward (float64: no MFU, no float32 peak applies)
+        logger = Logger(comm, args.metrics, flops_per_sample=6 * n_params, memory=memory,
+                        total_steps=steps_per_epoch * (args.epochs - state["epoch"]))
     start = time.perf_counter()
     acc = None
     for epoch in range(state["epoch"], args.epochs):
@@ -308,6 +319,8 @@ def main(argv=None):
             losses.append(trainer.step(x_train[mine], y_train[mine]))
             seen += sum(len(b) for b in batches)
             state["global_step"] += 1
+            if logger is not None:
+                logger.log(state["global_step"], losses[-1], samples=len(mine), epoch=epoch + 1)
             if preemption is not None and preemption.should_stop():
                 state.update(epoch=epoch, position=position)
                 checkpoint.save(args.ckpt, state, comm, step=state["global_step"])
@@ -327,6 +340,8 @@ def main(argv=None):
         if args.ckpt:
             checkpoint.save(args.ckpt, state, comm, step=state["global_step"])
     train_seconds = time.perf_counter() - start
+    if logger is not None:
+        logger.close()
     if acc is None:  # resumed from a checkpoint of the last epoch: nothing left to train
         acc = accuracy(trainer.predict, x_test, y_test)
 

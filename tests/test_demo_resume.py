@@ -110,3 +110,17 @@ def test_an_unwritable_ckpt_fails_before_the_first_epoch_naming_the_path(unwrita
     assert "epoch 1/2" not in proc.stdout and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     assert f"checkpoint directory '{unwritable}' is not writable" in proc.stdout, proc.stdout
     assert time.monotonic() - t0 < 60
+
+
+def test_metrics_rows_are_one_per_step_with_the_memory_fsdp_accounts(tmp_path):
+    """--metrics: mpidist.metrics.Logger writes one row per global step (ceil(train / (ranks x batch)) per epoch)."""
+    metrics = tmp_path / "metrics"
+    proc = demo(2, "--strategy", "fsdp", "--epochs", "2", "--metrics", str(metrics))
+    check_ok(proc)
+    n_train = int(re.search(r"digits: (\d+) train", proc.stdout).group(1))
+    per_epoch = -(-n_train // (2 * BATCH))
+    rows = [json.loads(line) for line in (metrics / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 2 * per_epoch + 1))
+    assert [r["epoch"] for r in rows] == [1] * per_epoch + [2] * per_epoch
+    assert all(r["memory_bytes_rank0"] > 0 and r["memory_bytes_rank1"] > 0 and r["samples_per_s"] > 0 for r in rows)
+    assert (metrics / "metrics.csv").read_text().count("\n") == len(rows) + 1  # a header and the rows
