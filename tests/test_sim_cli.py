@@ -7,6 +7,7 @@ own, so it is ``mpi_skip`` (under ``mpiexec pytest --with-mpi`` every rank would
 """
 
 import io
+import re
 import subprocess
 import sys
 import textwrap
@@ -82,10 +83,16 @@ def sim(capsys, monkeypatch, *args, stdin=""):
 
 
 def by_rank(text):
-    """Each rank's lines in order (the rank is the line's first word, before ':')."""
+    """Each rank's lines in order (the rank is the line's first word, before ':').
+
+    Unbuffered ranks under mpiexec write a print's text and its newline separately, so another rank's line
+    can land between them ("0: ...62: ..." and an empty line later): split before each "R: " (ranks 0-9).
+    """
     ranks = {}
     for line in text.splitlines():
-        ranks.setdefault(line.split(":")[0], []).append(line)
+        for part in re.split(r"(?=\d: )", line):
+            if part:
+                ranks.setdefault(part.split(":")[0], []).append(part)
     return ranks
 
 
