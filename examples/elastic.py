@@ -15,6 +15,7 @@ mpiexec exits 0 even when ranks died or raised.)
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -86,10 +87,15 @@ def main(argv=None):
                                              "no surviving replica")
     parser.add_argument("--checkpoint-every", type=int, default=4)
     parser.add_argument("--replicas", type=int, default=2, help="fsdp: ranks holding each shard (itself + buddies)")
+    parser.add_argument("--max-micro-batch", type=int, help="ddp, fsdp: at most this many samples per forward on a "
+                        "rank; a larger share (after a failure) is accumulated over micro-batches instead (default: "
+                        "the per-rank batch grows)")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower model)")
     parser.add_argument("--out", help="every survivor writes its final parameters and committed sample ids to "
                                       "OUT-rank{world rank}.npz, with the failures and their timings")
     args = parser.parse_args(argv)
+    if args.max_micro_batch is not None and args.wrapper == "pipeline":
+        parser.error("--max-micro-batch: ddp and fsdp only (the pipeline splits its batch into its own micro-batches)")
 
     job = elastic.init()
     world = job.comm.Get_size()
@@ -100,12 +106,12 @@ def main(argv=None):
         os.environ["MPIDIST_FAULT_STAMP"] = stamp
     x_all, y_all = make_data(args.samples)
     model = make_model()
-    sampler = elastic.ElasticSampler(args.samples, args.batch, seed=0)
+    sampler = elastic.ElasticSampler(args.samples, args.batch, seed=0, max_micro_batch=args.max_micro_batch)
     noise_rng = np.random.default_rng([0, 99])
     crit = nn.CrossEntropyLoss()
     if args.wrapper == "ddp":
         opt, sched = make_training(model, args.lr)
-        state = elastic.State(model, opt, sched, sampler, rngs=[noise_rng], extra={"taken": []})
+        state = elastic.State(model, opt, sched, sampler, rngs=[noise_rng], extra={"taken": [], "micro": []})
         build = lambda comm: DDP(model, comm)  # noqa: E731
     elif args.wrapper == "pipeline":
         loss_weight = [1.0]  # this replica's share of the global batch x replicas, set by each step
@@ -124,13 +130,13 @@ def main(argv=None):
 
         state = elastic.StageState(lambda params: optim.SGD(params, lr=args.lr, momentum=0.9),
                                    lambda opt: optim.StepLR(opt, step_size=5, gamma=0.7), sampler,
-                                   rngs=[noise_rng], extra={"taken": []}, checkpoint=args.checkpoint,
+                                   rngs=[noise_rng], extra={"taken": [], "micro": []}, checkpoint=args.checkpoint,
                                    checkpoint_every=args.checkpoint_every if args.checkpoint else None)
     else:
         # The optimizer and schedule are made over the FSDP's shards, again after each failure: factories.
         state = elastic.ShardedState(model, lambda params: optim.SGD(params, lr=args.lr, momentum=0.9),
                                      lambda opt: optim.StepLR(opt, step_size=5, gamma=0.7), sampler,
-                                     rngs=[noise_rng], extra={"taken": []}, replicas=args.replicas)
+                                     rngs=[noise_rng], extra={"taken": [], "micro": []}, replicas=args.replicas)
         build = lambda comm: FSDP(model, comm)  # noqa: E731
     step_times = []
     recovering = []  # failures whose first step on the survivors has not completed yet
@@ -140,14 +146,19 @@ def main(argv=None):
             return pipeline_step(wrapper, comm, state)
         start = time.perf_counter()
         rank, size = comm.Get_rank(), comm.Get_size()
-        ids, weight = sampler.shard(rank, size)
-        first = int(np.flatnonzero(sampler.global_batch_indices() == ids[0])[0])
+        ids, _ = sampler.shard(rank, size)
+        micro = sampler.micro_batches(rank, size)  # one unless --max-micro-batch caps the forward
+        order = sampler.global_batch_indices()
         noise = NOISE * noise_rng.standard_normal((args.batch, FEATURES))
-        x = x_all[ids] + noise[first:first + len(ids)]
         state.optimizer.zero_grad()
-        # weight: this rank's share of the global batch times the rank count, so the wrapper's mean over ranks
-        # is the mean over the global batch even when the pieces differ in size.
-        (crit(wrapper(x), y_all[ids]) * weight).backward()
+        for k, (part, weight) in enumerate(micro):
+            first = int(np.flatnonzero(order == part[0])[0])
+            x = x_all[part] + noise[first:first + len(part)]
+            # weight: this micro-batch's share of the global batch times the rank count, so the wrapper's mean
+            # over ranks of the accumulated gradients is the mean over the global batch, whatever the pieces.
+            with wrapper.no_sync() if k < len(micro) - 1 else contextlib.nullcontext():
+                (crit(wrapper(x), y_all[part]) * weight).backward()
+        state.extra["micro"].append(len(micro))
         state.optimizer.step()
         state.scheduler.step()
         # The ids every rank took at this step, as a committed record (checked against the reference).
@@ -223,6 +234,7 @@ def main(argv=None):
         else:
             arrays = {f"param{i}": p.data for i, (_, p) in enumerate(model.named_parameters())}
         np.savez(f"{args.out}-rank{job.world_rank}.npz", taken=np.stack(state.extra["taken"]), failures=failures,
+                 micro=np.array(state.extra["micro"], dtype=int),
                  final_size=comm.Get_size(), lost=np.array(sorted({w for f in job.failures for w in f.failed}), dtype=int),
                  **arrays)
     if stamp and os.path.exists(stamp) and comm.Get_rank() == 0:

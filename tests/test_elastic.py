@@ -69,12 +69,81 @@ def test_fault_specs_parse_and_bad_ones_say_what_is_wrong():
     for text, message in [("rank=2", "step missing"), ("rank=x,step=1", "rank must be an integer"),
                           ("rank=1,step=1,how=segv", "how must be one of sigkill, exit, raise"),
                           ("rank=1,step=-1", "step must be >= 0"), ("rank=1,step=2,rank=3", "each once"),
-                          ("rank=1,step=2;rank=1,step=2,how=raise", "given twice")]:
+                          ("rank=1,step=2;rank=1,step=2,how=raise", "given twice"),
+                          ("rank=1,step=4,at=load", "at must be one of step, save"),
+                          ("rank=1,step=4,at=save,how=raise", "how=raise cannot be combined with at=save"),
+                          ("rank=1,step=4,where=save",
+                           r"expected rank=R,step=S\[,how=sigkill\|exit\|raise\]\[,at=step\|save\]")]:
         with pytest.raises(ValueError, match=message):
             elastic.parse_faults(text)
+    # The same rank and step at another point is another fault.
+    assert elastic.parse_faults("rank=1,step=4;rank=1,step=4,at=save,how=exit") == (
+        Fault(1, 4, "sigkill", "step"), Fault(1, 4, "exit", "save"))
+    Fault(1, 4, "raise", "save").maybe_fail(world_rank=1, step=4)  # a save fault does not fire at the step's start
     Fault(1, 4).maybe_fail(world_rank=0, step=4)  # another rank's fault: nothing happens
     with pytest.raises(elastic.InjectedFault, match="rank 1 fails at step 4"):
         Fault(1, 4, "raise").maybe_fail(world_rank=1, step=4, stamp_path="")
+
+
+def _saved(model, comm, root, step):
+    from mpidist import checkpoint
+    checkpoint.save(root, {"model": model}, comm, step)
+
+
+@pytest.mark.mpi_skip  # simulated ranks only (the injection is per thread there)
+def test_a_rank_failing_inside_a_save_leaves_a_half_written_file_and_the_previous_checkpoint_loads(tmp_path):
+    """at=save, with how=raise so that it can run in-process: rank 1 fails while writing its rank file of step 4.
+    (Under ULFM the rank dies instead: make test-elastic below.)"""
+    from mpidist import checkpoint
+    root = str(tmp_path)
+    model = _model()
+    before = {k: v.copy() for k, v in model.state_dict().items()}
+    simulate(2, lambda comm: _saved(model, comm, root, 2))
+    for p in model.parameters():
+        p.data += 1.0
+    faults = (Fault(1, 4, "raise", "save"),)
+
+    def save_with_fault(comm):
+        with elastic.fault.failing_save(faults, comm.Get_rank(), 4):
+            _saved(model, comm, root, 4)
+
+    with pytest.raises(checkpoint.CheckpointError, match=r"rank 1: InjectedFault: MPIDIST_FAULT: rank 1 fails in the "
+                                                         r"checkpoint save of step 4"):
+        simulate(2, save_with_fault)
+    left = sorted(os.listdir(tmp_path / "step_00000004"))
+    assert "manifest.json" not in left and any(name.startswith("rank00001.bin.tmp.") for name in left), left
+    half = (tmp_path / "step_00000004" / next(n for n in left if n.startswith("rank00001.bin.tmp."))).stat().st_size
+    assert 0 < half < sum(v.nbytes for v in before.values()), (half, left)
+    # Not a checkpoint: the newest is still step 2, and it loads with the values saved then.
+    assert checkpoint.latest_step(root) == 2 and checkpoint.list_steps(root) == [2]
+    fresh = _model()
+    for p in fresh.parameters():
+        p.data[...] = 0.0
+    assert simulate(2, lambda comm: checkpoint.load(root, {"model": fresh}, comm)) == [2, 2]
+    for k, v in before.items():
+        np.testing.assert_array_equal(fresh.state_dict()[k], v, err_msg=k)
+    # Another step's save is untouched by the fault, and it clears what the failed one left.
+    def save_another_step(comm):
+        with elastic.fault.failing_save(faults, comm.Get_rank(), 6):
+            _saved(model, comm, root, 6)
+
+    simulate(2, save_another_step)
+    assert checkpoint.list_steps(root) == [2, 6] and not (tmp_path / "step_00000004").exists()
+
+
+def test_save_faults_that_could_never_fire_are_refused_before_training():
+    from mpidist.elastic.job import _check_save_faults
+    model = _model()
+    state = elastic.State(model, optim.SGD(model.parameters(), lr=0.1))
+    _check_save_faults((Fault(1, 3),), state, 10)  # at=step faults need no checkpoint
+    with pytest.raises(ValueError, match=r"at=save \(rank 1, step 4\) needs a state that saves disk checkpoints .*"
+                                         r"this State saves none"):
+        _check_save_faults((Fault(1, 4, at="save"),), state, 10)
+    stages = elastic.StageState(lambda params: optim.SGD(params, lr=0.1), checkpoint="unused", checkpoint_every=4)
+    _check_save_faults((Fault(1, 8, at="save"),), stages, 10)
+    with pytest.raises(ValueError, match=r"at step\(s\) \[6, 12\], but checkpoints are saved only after steps that are "
+                                         r"multiples of checkpoint_every=4, up to steps=10"):
+        _check_save_faults((Fault(1, 6, at="save"), Fault(2, 8, at="save"), Fault(0, 12, at="save")), stages, 10)
 
 
 # -- the sampler ---------------------------------------------------------------------------------------
@@ -98,6 +167,28 @@ def test_sampler_keeps_the_global_batch_and_loses_no_sample_when_ranks_are_lost(
     assert sampler.epoch == 1 and sampler.position == 0  # 100 // 12 = 8 steps; the last 4 samples dropped
     with pytest.raises(ValueError, match="13 ranks cannot share a global batch of 12"):
         sampler.shard(0, 13)
+
+
+def test_micro_batches_cap_the_forward_and_keep_the_global_batch_mean():
+    n, batch, cap = 100, 12, 3
+    sampler = elastic.ElasticSampler(n, batch, seed=3, max_micro_batch=cap)
+    values = np.random.default_rng(0).standard_normal(n)
+    for size, count in [(4, 1), (3, 2), (2, 2), (5, 1), (1, 4)]:
+        micro = [sampler.micro_batches(rank, size) for rank in range(size)]
+        assert {len(m) for m in micro} == {count}  # the same number on every rank (FSDP's collectives match)
+        for rank, parts in enumerate(micro):
+            assert list(np.concatenate([i for i, _ in parts])) == list(sampler.shard(rank, size)[0])
+            assert all(1 <= len(i) <= cap for i, _ in parts), (size, rank, [len(i) for i, _ in parts])
+        # DDP averages over ranks the gradient each rank accumulated (the weighted sum of its micro-batch means):
+        # the result is the mean over the global batch (a formula, on random per-sample values).
+        accumulated = [sum(w * values[i].mean() for i, w in parts) for parts in micro]
+        assert np.isclose(np.mean(accumulated), values[sampler.global_batch_indices()].mean())
+    plain = elastic.ElasticSampler(n, batch, seed=3)
+    assert [len(plain.micro_batches(r, 3)) for r in range(3)] == [1, 1, 1]
+    for bad in (1, 0, 2.5, True, "3"):
+        with pytest.raises(ValueError, match=f"max_micro_batch must be None .grow the per-rank batch. or an int >= 2 "
+                                             f".got {bad!r}."):
+            elastic.ElasticSampler(n, batch, max_micro_batch=bad)
 
 
 # -- commit and rollback -------------------------------------------------------------------------------
@@ -246,3 +337,58 @@ def test_pipeline_without_a_replica_falls_back_to_the_disk_checkpoint_at_the_new
     _check_survivors(tmp_path, result, log, [1], ranks=3)
     assert f"disk checkpoint of step 4 in {tmp_path / 'ckpt'} (no replica of 2 parameter(s) survived), loaded at " \
            f"2 ranks" in log, log[-4000:]
+
+
+@needs_ulfm
+@launcher.needed
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("faults, lost", [
+    ("rank=1,step=8,at=save", [1]),                    # a middle stage
+    ("rank=0,step=8,at=save", [0]),                    # rank 0: the manifest writer, and the one that logs
+])
+def test_a_rank_lost_inside_a_checkpoint_save_leaves_the_previous_checkpoint_to_load(faults, lost, tmp_path):
+    """pp=3 without replicas (3 ranks), a checkpoint every 4 steps; a rank dies half-way through writing its file of
+    the step-8 checkpoint. That stage exists nowhere else, so the survivors need the disk: they pass over the
+    step-8 directory (no manifest), load step 4 as a 2-stage pipeline, redo steps 4-7 (saving step 8 anew) and
+    end equal to the reference."""
+    from mpidist import checkpoint
+    ckpt = tmp_path / "ckpt"
+    result, log = _launch(tmp_path, faults, "--wrapper", "pipeline", "--pp", "3", "--checkpoint", str(ckpt),
+                          "--checkpoint-every", "4", ranks=3)
+    _check_survivors(tmp_path, result, log, lost, ranks=3)
+    assert f"[rank {lost[0]}] mpidist.elastic: MPIDIST_FAULT: failing in the checkpoint save of step 8 (sigkill)" \
+        in log, log[-4000:]
+    assert f"disk checkpoint of step 4 in {ckpt} (no replica of 2 parameter(s) survived), loaded at 2 ranks; " \
+           f"incomplete save(s) of step(s) [8] passed over" in log, log[-4000:]
+    assert checkpoint.list_steps(str(ckpt)) == [4, 8, 12]  # step 8 saved again by the survivors; 0 pruned
+
+
+@needs_ulfm
+@launcher.needed
+@pytest.mark.mpi_skip
+def test_a_rank_lost_inside_a_save_with_a_replica_left_continues_from_memory_and_saves_again(tmp_path):
+    """dp=2 x pp=2 with checkpoints every 4 steps; rank 0 dies writing the step-8 checkpoint. Its stage has a
+    replica, so the survivors restore the in-memory commit of step 8 (no disk), save step 8 again over 3 ranks
+    in place of the incomplete one, and end equal to the reference."""
+    from mpidist import checkpoint
+    ckpt = tmp_path / "ckpt"
+    result, log = _launch(tmp_path, "rank=0,step=8,at=save", "--wrapper", "pipeline", "--pp", "2", "--checkpoint",
+                          str(ckpt), "--checkpoint-every", "4")
+    _check_survivors(tmp_path, result, log, [0])
+    assert "back to the commit of step 8, restored and rebuilt in" in log and \
+        "lost stages from their data-parallel replicas, re-split over 3 ranks" in log, log[-4000:]
+    assert checkpoint.list_steps(str(ckpt)) == [4, 8, 12]
+    assert not any(".tmp." in name for step in (4, 8, 12) for name in os.listdir(ckpt / f"step_{step:08d}"))
+
+
+@needs_ulfm
+@launcher.needed
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_survivors_can_accumulate_micro_batches_instead_of_growing_the_per_rank_batch(wrapper, tmp_path):
+    """--max-micro-batch 3: the global batch of 12 is 3 per rank on 4 ranks (one forward); on 3 survivors each
+    share of 4 runs as two accumulated micro-batches of 2 (no_sync on the first), and the result is still the
+    one-process reference's."""
+    result, log = _launch(tmp_path, "rank=2,step=5", "--wrapper", wrapper, "--max-micro-batch", "3")
+    run = _check_survivors(tmp_path, result, log, [2])
+    assert run["micro"].tolist() == [1] * 5 + [2] * (STEPS - 5)

@@ -1,7 +1,16 @@
 """Fault injection (``MPIDIST_FAULT``) and the failing rank's side of a failure (end so the others are told).
 
-``MPIDIST_FAULT="rank=R,step=S[,how=sigkill|exit|raise]"`` makes rank R (of the world it started in) fail at
-the start of step S (several faults: separate them with ``;``, e.g. ``rank=1,step=3;rank=2,step=8``):
+``MPIDIST_FAULT="rank=R,step=S[,how=sigkill|exit|raise][,at=step|save]"`` makes rank R (of the world it started
+in) fail at step S (several faults: separate them with ``;``, e.g. ``rank=1,step=3;rank=2,step=8``):
+
+- ``at=step`` (default): at the start of step S.
+- ``at=save``: in the middle of the disk checkpoint save of step S, the one written once S steps are done
+  (``StageState(checkpoint=...)`` saves every ``checkpoint_every`` steps; ``Elastic.train`` refuses a step
+  with no save): the rank dies while writing its rank file, which it leaves half written under its temporary
+  name, so the save never commits (no manifest). Only ``sigkill`` and ``exit``: an exception inside a save is
+  not a lost rank, the checkpoint turns it into the same ``CheckpointError`` on every rank.
+
+How the rank fails:
 
 - ``sigkill`` (default): the process kills itself with SIGKILL, as a node or an OOM killer would.
 - ``exit``: ``os._exit(1)`` without a signal. Open MPI notices it only with its heartbeat detector
@@ -18,6 +27,7 @@ within milliseconds and survive.
 the survivors (same clock on one node) can report the detection time.
 """
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -26,9 +36,13 @@ import threading
 import time
 import traceback
 
-__all__ = ["Fault", "InjectedFault", "parse_fault", "parse_faults", "faults_from_env", "install_kill_on_error", "kill_self"]
+__all__ = ["Fault", "InjectedFault", "parse_fault", "parse_faults", "faults_from_env", "failing_save",
+           "install_kill_on_error", "kill_self"]
 
 HOWS = ("sigkill", "exit", "raise")
+ATS = ("step", "save")
+KEYS = ("rank", "step", "how", "at")
+SYNTAX = f"rank=R,step=S[,how={'|'.join(HOWS)}][,at={'|'.join(ATS)}]"
 
 
 class InjectedFault(RuntimeError):
@@ -37,31 +51,38 @@ class InjectedFault(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """Rank ``rank`` fails at the start of step ``step`` by ``how``."""
+    """Rank ``rank`` fails by ``how`` at the start of step ``step`` (``at="step"``) or in its checkpoint save."""
 
     rank: int
     step: int
     how: str = "sigkill"
+    at: str = "step"
 
-    def maybe_fail(self, world_rank, step, stamp_path=None):
-        """Fail now if this is the rank and the step; otherwise return."""
-        if world_rank != self.rank or step != self.step:
+    def maybe_fail(self, world_rank, step, stamp_path=None, at="step"):
+        """Fail now if this is the rank, the step and the point (``at``); otherwise return."""
+        if world_rank != self.rank or step != self.step or at != self.at:
             return
+        self.fail(stamp_path)
+
+    def fail(self, stamp_path=None):
+        """Fail now (stamp the time first), by ``how``."""
+        world_rank = self.rank
         stamp_path = os.environ.get("MPIDIST_FAULT_STAMP") if stamp_path is None else stamp_path
         if stamp_path:
             with open(stamp_path, "w") as f:
                 f.write(f"{time.time():.6f}\n")
-        sys.stderr.write(f"[rank {world_rank}] mpidist.elastic: MPIDIST_FAULT: failing at step {step} ({self.how})\n")
+        where = f"at step {self.step}" if self.at == "step" else f"in the checkpoint save of step {self.step}"
+        sys.stderr.write(f"[rank {world_rank}] mpidist.elastic: MPIDIST_FAULT: failing {where} ({self.how})\n")
         sys.stderr.flush()
         if self.how == "sigkill":
             kill_self()
         if self.how == "exit":
             os._exit(1)
-        raise InjectedFault(f"MPIDIST_FAULT: rank {self.rank} fails at step {self.step}")
+        raise InjectedFault(f"MPIDIST_FAULT: rank {self.rank} fails {where}")
 
 
 def parse_fault(text):
-    """Return the ``Fault`` that ``text`` ("rank=R,step=S[,how=...]") describes, or None for an empty text."""
+    """Return the ``Fault`` that ``text`` ("rank=R,step=S[,how=...][,at=...]") describes, or None for an empty text."""
     text = (text or "").strip()
     if not text:
         return None
@@ -69,13 +90,12 @@ def parse_fault(text):
     for part in text.split(","):
         key, sep, value = part.partition("=")
         key, value = key.strip(), value.strip()
-        if not sep or key not in ("rank", "step", "how") or key in fields:
-            raise ValueError(f"MPIDIST_FAULT: cannot read {part.strip()!r} in {text!r} "
-                             f"(expected rank=R,step=S[,how={'|'.join(HOWS)}], each once)")
+        if not sep or key not in KEYS or key in fields:
+            raise ValueError(f"MPIDIST_FAULT: cannot read {part.strip()!r} in {text!r} (expected {SYNTAX}, each once)")
         fields[key] = value
     missing = [k for k in ("rank", "step") if k not in fields]
     if missing:
-        raise ValueError(f"MPIDIST_FAULT: {' and '.join(missing)} missing in {text!r} (expected rank=R,step=S[,how=...])")
+        raise ValueError(f"MPIDIST_FAULT: {' and '.join(missing)} missing in {text!r} (expected {SYNTAX})")
     numbers = {}
     for key in ("rank", "step"):
         try:
@@ -87,15 +107,23 @@ def parse_fault(text):
     how = fields.get("how", "sigkill")
     if how not in HOWS:
         raise ValueError(f"MPIDIST_FAULT: how must be one of {', '.join(HOWS)} (got {how!r} in {text!r})")
-    return Fault(numbers["rank"], numbers["step"], how)
+    at = fields.get("at", "step")
+    if at not in ATS:
+        raise ValueError(f"MPIDIST_FAULT: at must be one of {', '.join(ATS)} (got {at!r} in {text!r})")
+    if at == "save" and how == "raise":
+        raise ValueError(f"MPIDIST_FAULT: how=raise cannot be combined with at=save (in {text!r}): an exception "
+                         f"inside a checkpoint save is not a lost rank, the save turns it into the same "
+                         f"CheckpointError on every rank; use how=sigkill or how=exit")
+    return Fault(numbers["rank"], numbers["step"], how, at)
 
 
 def parse_faults(text):
     """Return the tuple of ``Fault``s in ``text`` (faults separated by ``;``; empty for an empty text)."""
     faults = tuple(f for f in (parse_fault(part) for part in (text or "").split(";")) if f is not None)
-    clashes = {(f.rank, f.step) for f in faults if sum(g.rank == f.rank and g.step == f.step for g in faults) > 1}
+    clashes = {(f.rank, f.step, f.at) for f in faults
+               if sum((g.rank, g.step, g.at) == (f.rank, f.step, f.at) for g in faults) > 1}
     if clashes:
-        raise ValueError(f"MPIDIST_FAULT: rank and step given twice ({sorted(clashes)}) in {text!r}")
+        raise ValueError(f"MPIDIST_FAULT: rank, step and at given twice ({sorted(clashes)}) in {text!r}")
     return faults
 
 
@@ -103,6 +131,45 @@ def faults_from_env(environ=None):
     """Return the ``Fault``s of ``MPIDIST_FAULT`` (empty when unset or empty)."""
     env = os.environ if environ is None else environ
     return parse_faults(env.get("MPIDIST_FAULT", ""))
+
+
+@contextlib.contextmanager
+def failing_save(faults, world_rank, step):
+    """Around the checkpoint save of step ``step``: this rank's ``at=save`` fault for it fires inside the save.
+
+    The rank fails while writing its rank file: the first half of the file's bytes are written (and fsynced)
+    under the temporary name ``mpidist.checkpoint`` uses, as a rank killed mid-write leaves them, then
+    ``Fault.fail``. Only this thread is affected (in a SimComm world the other ranks are threads that write
+    as usual). Without a matching fault the block runs untouched.
+    """
+    fault = next((f for f in faults if f.at == "save" and f.rank == world_rank and f.step == step), None)
+    if fault is None:
+        yield
+        return
+    from .. import checkpoint as disk
+
+    real = getattr(disk, "_write_atomic", None)
+    if real is None:
+        raise RuntimeError("MPIDIST_FAULT at=save: mpidist.checkpoint has no _write_atomic any more; the injection "
+                           "must follow its writer")
+    me = threading.get_ident()
+
+    def dying(path, chunks):
+        if threading.get_ident() != me:
+            return real(path, chunks)
+        data = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
+        with open(f"{path}{disk.TMP_MARK}{os.getpid()}", "wb") as f:
+            f.write(data[:len(data) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+        fault.fail()
+        return real(path, [data])  # not reached: fail() does not return
+
+    disk._write_atomic = dying
+    try:
+        yield
+    finally:
+        disk._write_atomic = real
 
 
 def kill_self():

@@ -119,6 +119,8 @@ class Elastic:
         """
         if commit_every < 1:
             raise ValueError(f"Elastic.train: commit_every must be >= 1 (got {commit_every})")
+        _check_save_faults(self.faults, state, steps)
+        state.faults = self.faults  # at=save faults fire inside the state's checkpoint saves
         wrapper, failure = None, None
         while True:
             try:
@@ -157,6 +159,22 @@ class Elastic:
                     lost.failed = sorted(set(failure.failed) | set(lost.failed))
                     lost.old_size = failure.old_size
                 failure = lost
+
+
+def _check_save_faults(faults, state, steps):
+    """Refuse ``at=save`` faults that would never fire: the state saves no checkpoint, or none at that step."""
+    saving = [f for f in faults if f.at == "save"]
+    if not saving:
+        return
+    every = getattr(state, "checkpoint_every", None)
+    if every is None:
+        raise ValueError(f"MPIDIST_FAULT: at=save (rank {saving[0].rank}, step {saving[0].step}) needs a state that "
+                         f"saves disk checkpoints (StageState(checkpoint=DIR, checkpoint_every=N)); this "
+                         f"{type(state).__name__} saves none")
+    never = [f.step for f in saving if f.step % every or f.step > steps]
+    if never:
+        raise ValueError(f"MPIDIST_FAULT: at=save at step(s) {never}, but checkpoints are saved only after steps that "
+                         f"are multiples of checkpoint_every={every}, up to steps={steps}")
 
 
 def _release(wrapper):

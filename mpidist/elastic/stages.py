@@ -24,12 +24,14 @@ Tensor-parallel parameters (placements) are not handled here.
 """
 
 import base64
+import os
 import pickle
 import time
 
 from mpi4py import MPI
 
 from .. import checkpoint as disk
+from .fault import failing_save
 from .sharded import ID_SCALE, _param_groups, _world_ranks
 from .state import Replicated
 
@@ -131,7 +133,8 @@ class StageState(Replicated):
         self.stats["commit_s"] += time.perf_counter() - start
         self.stats["commit_bytes"] = self.held_bytes() // len(self._commits)
         if self.checkpoint is not None and self.step % self.checkpoint_every == 0 and self.step > self._saved_step:
-            disk.save(self.checkpoint, self._disk_state(), self.comm, self.step)
+            with failing_save(self.faults, MPI.COMM_WORLD.Get_rank(), self.step):
+                disk.save(self.checkpoint, self._disk_state(), self.comm, self.step)
             self._saved_step = self.step
 
     def _disk_state(self, replicated=None):
@@ -192,6 +195,9 @@ class StageState(Replicated):
                                f"(StageState(checkpoint=DIR, checkpoint_every=N))")
         wrapper = self._attach(build, comm)
         entries = self._disk_state()
+        # A save the failure interrupted left a step directory without a manifest: not a checkpoint, so the load
+        # below takes the newest committed one; named in the report so that it is seen to have been passed over.
+        incomplete = sorted(set(_step_directories(self.checkpoint)) - set(disk.list_steps(self.checkpoint)))
         step = disk.load(self.checkpoint, entries, comm, log=None)
         if step is None:
             raise RuntimeError(f"StageState: parameters {lost[:6]} had no live holder and {self.checkpoint!r} holds "
@@ -205,5 +211,17 @@ class StageState(Replicated):
         self._commits = []
         failure.restored_from = (f"disk checkpoint of step {self.step} in {self.checkpoint} (no replica of "
                                  f"{len(lost)} parameter(s) survived), loaded at {comm.Get_size()} ranks")
+        if incomplete:
+            failure.restored_from += f"; incomplete save(s) of step(s) {incomplete} passed over"
         self.commit()
         return wrapper
+
+
+def _step_directories(root):
+    """Return the steps of every ``step_*`` directory under ``root``, committed (with a manifest) or not."""
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return []
+    return [int(e[5:]) for e in entries
+            if e.startswith("step_") and e[5:].isdigit() and os.path.isdir(os.path.join(root, e))]

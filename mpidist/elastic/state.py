@@ -31,6 +31,7 @@ class Replicated:
         self.extra = {} if extra is None else extra
         self.keep = keep
         self.step = 0
+        self.faults = ()  # MPIDIST_FAULT's faults (Elastic.train sets them): at=save ones fire inside disk saves
         self.stats = {"commits": 0, "commit_s": 0.0, "commit_bytes": 0}
 
     def _save_replicated(self, scheduler, buffers):
