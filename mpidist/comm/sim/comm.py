@@ -341,7 +341,33 @@ class SimComm(Handles, PointToPoint, Collectives):
         rnd.done = True
 
     def _run(self, name, sig, payload, work):
-        return self._start(name, sig, payload, work).wait()
+        """Run collective ``name`` to completion and return this rank's result: ``_start(...).wait()``
+        without the request object, the path of every blocking collective."""
+        ctx = self._live(name)
+        u = ctx.universe
+        rank = self._rank
+        size = len(ctx.world_ranks)
+        with u.cond:
+            seq = self._seq
+            self._seq += 1
+            rnd = ctx.rounds.get(seq)
+            if rnd is None:
+                rnd = ctx.rounds[seq] = _Round(size)
+            rnd.calls[rank] = (name, sig, payload)
+            rnd.arrived += 1
+            if rnd.arrived == size:
+                self._finish_round(seq, rnd, work)
+                u.changed()
+            elif not rnd.done:
+                u.wait_until(ctx.world_ranks[rank], lambda: rnd.done, f"{_describe(name, sig)} #{seq} on {ctx.name}")
+            rnd.departed += 1
+            if rnd.departed == size:
+                ctx.rounds.pop(seq, None)
+            if rnd.error is not None:
+                if isinstance(rnd.error, BaseException):
+                    raise rnd.error
+                raise CollectiveMismatchError(rnd.error)
+            return rnd.results[rank]
 
     def _check_root(self, name, root):
         size = self.Get_size()

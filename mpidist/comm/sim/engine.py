@@ -83,34 +83,21 @@ class Universe:
                 waiter.gate.release()
             self._sleepers.clear()
 
-    def _sleep(self, world_rank, seconds):
-        """(lock held) Sleep until ``changed`` or ``seconds`` pass; the universe lock is released meanwhile."""
-        waiter = getattr(_local, "waiter", None)  # per thread: a rank's helper threads may wait too
-        if waiter is None:
-            waiter = _local.waiter = _Waiter()
-        waiter.armed = True
-        self._sleepers.append(waiter)
-        saved = self.cond._release_save()
-        try:
-            woken = waiter.gate.acquire(timeout=seconds)
-        finally:
-            self.cond._acquire_restore(saved)
-        if not woken and waiter.armed:  # timed out before anyone woke it
-            waiter.armed = False
-            self._sleepers.remove(waiter)
-        elif not woken:  # woken between the timeout and taking the lock back: consume that release
-            waiter.gate.acquire()
-
     def wait_until(self, world_rank, ready, what):
         """Block (lock held) until ``ready()``; raise if another rank failed, all ranks are stuck, or the watchdog fires."""
         if ready():
             return
-        started = time.monotonic()
+        started = time.monotonic() if self.timeout is not None else None
+        seconds = 5.0 if self.timeout is None else min(5.0, self.timeout / 4)
+        waiting = self.waiting
+        waiter = getattr(_local, "waiter", None)  # per thread: a rank's helper threads may wait too
+        if waiter is None:
+            waiter = _local.waiter = _Waiter()
         try:
-            while not ready():
-                if self.timeout is not None and time.monotonic() - started > self.timeout:
-                    busy = [r for r in range(self.size) if r not in self.waiting and r != world_rank]
-                    lines = "; ".join(f"rank {r} waits in {self.waiting[r][1]}" for r in sorted(self.waiting))
+            while True:
+                if started is not None and time.monotonic() - started > self.timeout:
+                    busy = [r for r in range(self.size) if r not in waiting and r != world_rank]
+                    lines = "; ".join(f"rank {r} waits in {waiting[r][1]}" for r in sorted(waiting))
                     raise WatchdogTimeout(f"watchdog: rank {world_rank} waited more than {self.timeout:g} s in {what}; "
                                           f"{lines}{'; ' if lines else ''}ranks not in a communication call: {busy}")
                 if self.failure is not None and self.failure[0] != world_rank:
@@ -118,16 +105,33 @@ class Universe:
                     raise RankFailedError(f"simulated rank {r} failed ({type(exc).__name__}: {exc}); rank {world_rank} was released from {what}")
                 if self.deadlock is not None:
                     raise DeadlockError(self.deadlock)
-                self.waiting[world_rank] = (self.epoch, what)
-                stuck = [r for r, (e, _) in self.waiting.items() if e == self.epoch]
-                if len(stuck) == self.alive:
-                    lines = "; ".join(f"rank {r} waits in {self.waiting[r][1]}" for r in sorted(stuck))
-                    self.deadlock = f"deadlock: every live simulated rank is blocked: {lines}"
-                    self.changed()
-                    raise DeadlockError(self.deadlock)
-                self._sleep(world_rank, 5.0 if self.timeout is None else min(5.0, self.timeout / 4))
+                epoch = self.epoch
+                waiting[world_rank] = (epoch, what)
+                if len(waiting) >= self.alive:  # else some rank is not waiting: no deadlock (the common case)
+                    stuck = [r for r, (e, _) in waiting.items() if e == epoch]
+                    if len(stuck) == self.alive:
+                        lines = "; ".join(f"rank {r} waits in {waiting[r][1]}" for r in sorted(stuck))
+                        self.deadlock = f"deadlock: every live simulated rank is blocked: {lines}"
+                        self.changed()
+                        raise DeadlockError(self.deadlock)
+                # Sleep until ``changed`` releases the gate or ``seconds`` pass, the universe lock released.
+                waiter.armed = True
+                self._sleepers.append(waiter)
+                saved = self.cond._release_save()
+                try:
+                    woken = waiter.gate.acquire(True, seconds)
+                finally:
+                    self.cond._acquire_restore(saved)
+                if not woken:
+                    if waiter.armed:  # timed out before anyone woke it
+                        waiter.armed = False
+                        self._sleepers.remove(waiter)
+                    else:  # woken between the timeout and taking the lock back: consume that release
+                        waiter.gate.acquire()
+                if ready():
+                    return
         finally:
-            self.waiting.pop(world_rank, None)
+            waiting.pop(world_rank, None)
 
 
 class Round:

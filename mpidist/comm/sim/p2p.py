@@ -39,6 +39,9 @@ class _Slot:
         self.source, self.tag, self.envelope = source, tag, None
 
 
+_RECV_WHAT = {}  # (source, tag, communicator name) -> what a blocked Recv waits in (the same few recur)
+
+
 def _as_bytes(payload):
     return payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, np.uint8)
 
@@ -96,6 +99,18 @@ class PointToPoint:
 
     def Send(self, buf, dest, tag=0):
         """Blocking send in standard mode."""
+        ctx = self._ctx
+        if (type(buf) is np.ndarray and ctx is not None and type(dest) is int and type(tag) is int
+                and 0 <= dest < len(ctx.world_ranks) and 0 <= tag <= _TAG_UB):
+            # Fast path (a numpy array to a rank): what _send_buffer(...).Wait() does, without the request.
+            data = spec.numpy_bytes(buf, True)
+            if data is not None:
+                u = ctx.universe
+                env = (self._rank, tag, data.copy(), "buf", None)
+                with u.cond:
+                    ctx.deliver(dest, env)
+                    u.changed()
+                return
         self._send_buffer("Send", buf, dest, tag).Wait()
 
     def Ibsend(self, buf, dest, tag=0):
@@ -232,7 +247,43 @@ class PointToPoint:
 
     def Recv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
         """Blocking receive into ``buf``; fill ``status`` (source, tag, count)."""
+        ctx = self._ctx
+        if (type(buf) is np.ndarray and ctx is not None and type(source) is int and type(tag) is int
+                and (0 <= source < len(ctx.world_ranks) or source == ANY_SOURCE)
+                and (0 <= tag <= _TAG_UB or tag == ANY_TAG) and ctx.universe.seed is None):
+            # Fast path (a numpy array from a rank, FIFO matching): what _receive(...).Wait() does, without
+            # the request and its closures.
+            data = spec.numpy_bytes(buf, False)
+            if data is not None:
+                self._recv_fast(ctx, data, buf, source, tag, status)
+                return
         self._receive("Recv", source, tag, self._buffer_deliver("Recv", buf, source)).Wait(status)
+
+    def _recv_fast(self, ctx, data, buf, source, tag, status):
+        u = ctx.universe
+        rank = self._rank
+        with u.cond:
+            env = ctx.take(rank, source, tag)
+            if env is None:
+                slot = _Slot(source, tag)
+                ctx.posted[rank].append(slot)
+                what = _RECV_WHAT.get((source, tag, ctx.name))
+                if what is None:
+                    what = f"Recv(source={_show(source)}, tag={_show(tag)}) on {ctx.name}"
+                    if len(_RECV_WHAT) < 4096:
+                        _RECV_WHAT[source, tag, ctx.name] = what
+                u.wait_until(ctx.world_ranks[rank], lambda: slot.envelope is not None, what)
+                env = slot.envelope
+            elif env[4] is not None:
+                env[4][0] = True  # a synchronous send completes once a receive has matched it
+                u.changed()
+            payload = env[2]
+            nbytes = len(payload)
+            if nbytes > data.size:  # truncation: the general path raises MPI's error with its message
+                spec.simple(buf, readonly=False).unpack(_as_bytes(payload), 0, "SimComm.Recv")
+            if nbytes:
+                data[:nbytes] = _as_bytes(payload)
+        fill_status(status, env[0], env[1], nbytes)
 
     @staticmethod
     def _object_deliver(env, capacity=None, name="recv"):

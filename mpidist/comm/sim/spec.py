@@ -398,6 +398,23 @@ def _numpy_msg(arr, readonly, blocks):
     return Msg(base, dt, [count] * nb, [i * step for i in range(nb)], False, tm)
 
 
+def numpy_bytes(arr, readonly):
+    """The uint8 view (one block) that ``simple`` would make of numpy array ``arr``, or None where ``simple``
+    must parse it (not C-contiguous, not a predefined type, read-only for a receive): the check of the
+    point-to-point fast paths, without building a ``Msg``."""
+    try:
+        dt = _NUMPY_TYPES[arr.dtype][0]
+    except KeyError:
+        _numpy_msg(arr, readonly, 0)  # fills the table
+        dt = _NUMPY_TYPES[arr.dtype][0]
+    if dt is None:
+        return None
+    flags = arr.flags
+    if not flags.c_contiguous or (not readonly and not flags.writeable):
+        return None
+    return np.frombuffer(arr, np.uint8) if arr.size else _EMPTY
+
+
 def simple(spec, readonly=True, blocks=0, null=False):
     """Parse a block-variant spec: ``blocks`` equal blocks (0 or 1: one block)."""
     if null:
