@@ -8,6 +8,9 @@ of ``simulate``), then on two MPI processes started with ``mpiexec -n 2`` of thi
 The two alternate for ``--rounds`` rounds (the machine may be shared) and each number is the median over
 rounds of the per-round median over repetitions. ``--suite`` also times ``pytest tests/test_collectives.py
 tests/test_ddp.py`` on SimComm (no mpiexec). The load average is printed with the numbers.
+Each SimComm round also times the floor under any thread-based simulator: a bare handoff between two Python
+threads (a ping-pong on two ``threading.Lock``s, halved), since a simulated message wakes the receiving
+rank thread, which must then take the GIL.
 Targets (issue 17): 8-byte one-way latency under 15 us, 1 MiB Allreduce within 2x of MPI.
 """
 
@@ -73,10 +76,37 @@ def measure(comm, reps):
     return rows
 
 
+def thread_handoff(reps, n=2000):
+    """One-way time (us) of a bare handoff between two Python threads: the median of ``reps`` ping-pongs
+    of ``n`` round trips on two locks, halved."""
+    import threading
+    times = []
+    for rep in range(reps + 1):
+        ping, pong = threading.Lock(), threading.Lock()
+        ping.acquire()
+        pong.acquire()
+
+        def peer():
+            for _ in range(n):
+                ping.acquire()
+                pong.release()
+        thread = threading.Thread(target=peer)
+        thread.start()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            ping.release()
+            pong.acquire()
+        if rep:
+            times.append((time.perf_counter() - t0) / n / 2 * 1e6)
+        thread.join()
+    return statistics.median(times)
+
+
 def sim_round(reps):
     sys.path.insert(0, ROOT)
     from mpidist.comm.sim import simulate
-    return simulate(2, measure, reps)[0]
+    handoff = thread_handoff(reps)
+    return simulate(2, measure, reps)[0], handoff
 
 
 def mpi_round(reps):
@@ -117,9 +147,11 @@ def main():
         worker(args.worker, args.reps)
         return 0
     load = [os.getloadavg()[0]]
-    sims, mpis = [], []
+    sims, mpis, handoffs = [], [], []
     for _ in range(args.rounds):
-        sims.append(sim_round(args.reps))
+        rows, handoff = sim_round(args.reps)
+        sims.append(rows)
+        handoffs.append(handoff)
         mpis.append(mpi_round(args.reps))
         load.append(os.getloadavg()[0])
     rows = []
@@ -137,11 +169,15 @@ def main():
             bw = f"{row['sim_MBps']:>12.1f} {row['mpi_MBps']:>9.1f}"
         rows.append(row)
         print(f"{row['what']:>16} {row['bytes']:>9} | {sim_us:>10.2f} {mpi_us:>9.2f} {row['ratio']:>6.2f} | {bw}")
+    handoff = statistics.median(handoffs)
     lat = next(r for r in rows if r["what"] == "one-way latency" and r["bytes"] == 8)
     big = next(r for r in rows if r["what"] == "Allreduce" and r["bytes"] == 1 << 20)
+    print(f"# bare thread handoff (floor of a simulated message): {handoff:.2f} us "
+          f"(rounds: {', '.join(f'{h:.1f}' for h in handoffs)}); 8-byte latency is {lat['sim_us'] / handoff:.2f}x it")
     print(f"# target 8-byte one-way latency < 15 us: {lat['sim_us']:.1f} us -> {'met' if lat['sim_us'] < 15 else 'MISSED'}")
     print(f"# target 1 MiB Allreduce <= 2x MPI: {big['ratio']:.2f}x -> {'met' if big['ratio'] <= 2 else 'MISSED'}")
     result = {"rows": rows, "rounds": args.rounds, "reps": args.reps, "load": load, "cores": os.cpu_count(),
+              "thread_handoff_us": handoff, "thread_handoff_rounds_us": handoffs,
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
     if args.suite:
         result["suite_s"] = time_suite()
