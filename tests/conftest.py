@@ -60,19 +60,25 @@ class MPIWorld:
 
 def _agreed(comm, call):
     """Call ``call()``; if it raised on any rank, raise on every rank (the original error where it happened)."""
-    error, result = None, None
+    error, skipped, result = None, None, None
     try:
         result = call()
-    except pytest.skip.Exception:
-        raise
+    except pytest.skip.Exception as exc:  # agreed too: a rank that skipped alone would leave the others waiting
+        skipped = exc
     except BaseException as exc:  # noqa: BLE001 - reported to the other ranks, then re-raised
         error = exc
-    messages = comm.allgather(None if error is None else f"{type(error).__name__}: {error}"[:2000])
+    outcomes = comm.allgather(("failed", f"{type(error).__name__}: {error}"[:2000]) if error is not None
+                              else ("skipped", str(skipped)) if skipped is not None else None)
     if error is not None:
         raise error
-    failed = [(r, m) for r, m in enumerate(messages) if m]
+    failed = [(r, o[1]) for r, o in enumerate(outcomes) if o and o[0] == "failed"]
     if failed:
         pytest.fail("; ".join(f"rank {r} failed: {m}" for r, m in failed), pytrace=False)
+    if skipped is not None:
+        raise skipped
+    skips = [(r, o[1]) for r, o in enumerate(outcomes) if o]
+    if skips:
+        pytest.skip("; ".join(f"rank {r} skipped: {m}" for r, m in skips))
     return result
 
 

@@ -15,7 +15,7 @@ from mpidist import simulate
 
 # The linked library, for skips that name it (Open MPI 4 ends its version string in the C string's NUL).
 LIBRARY = MPI.Get_library_version().replace("\0", "").strip().splitlines()[0]
-OPEN_MPI_BEFORE_5 = LIBRARY.startswith("Open MPI v") and int(LIBRARY[len("Open MPI v"):].split(".")[0]) < 5
+OPEN_MPI = LIBRARY.startswith("Open MPI")
 
 
 def _skip_unless_the_library_has_request_get_status_all(comm):
@@ -376,7 +376,8 @@ def test_graph_index_with_leading_zero_and_topology_maps(comm):
     finally:
         ring.Free()
     assert comm.Cart_map([n], True) == r
-    if isinstance(comm, MPI.Comm) and OPEN_MPI_BEFORE_5:
+    if isinstance(comm, MPI.Comm) and OPEN_MPI and r > 0:
+        # Seen with Open MPI 4.1.4 and 5.0.11; MPICH and the standard give MPI_UNDEFINED.
         pytest.skip(f"{LIBRARY!r}: Cart_map gives a process outside the grid its own rank, not MPI_UNDEFINED")
     assert comm.Cart_map([1], None) == (0 if r == 0 else MPI.UNDEFINED)
 
