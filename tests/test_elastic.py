@@ -392,3 +392,15 @@ def test_survivors_can_accumulate_micro_batches_instead_of_growing_the_per_rank_
     result, log = _launch(tmp_path, "rank=2,step=5", "--wrapper", wrapper, "--max-micro-batch", "3")
     run = _check_survivors(tmp_path, result, log, [2])
     assert run["micro"].tolist() == [1] * 5 + [2] * (STEPS - 5)
+
+
+def test_tensor_parallel_parameters_are_refused_naming_them():
+    """A tensor-parallel slice lost with its rank has no copy anywhere: State refuses such a model up front."""
+    from mpidist.nn.placement import Shard, set_placement
+    model = nn.Sequential(nn.Linear(4, 8, rng=np.random.default_rng(0)), nn.Linear(8, 2, rng=np.random.default_rng(1)))
+    elastic.State(model)  # ordinary parameters: accepted
+    set_placement(model[0].weight, Shard(dim=0, comm=MPI.COMM_SELF, global_shape=(16, 4), start=0))
+    with pytest.raises(NotImplementedError, match=r"State: tensor-parallel parameters are not supported in elastic "
+                                                  r"training yet \(1 split over a tensor-parallel communicator, "
+                                                  r"e.g. 0.weight\)"):
+        elastic.State(model)

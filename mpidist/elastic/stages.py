@@ -20,7 +20,7 @@ load the latest disk checkpoint (``checkpoint=DIR``, written every ``checkpoint_
 without one, every survivor raises the same ``RuntimeError`` naming the lost parameters. ``failure.restored_from``
 says which happened.
 
-Tensor-parallel parameters (placements) are not handled here.
+Tensor-parallel parameters (placements) are refused (``refuse_tensor_parallel``): a lost slice has no copy.
 """
 
 import base64
@@ -33,7 +33,7 @@ from mpi4py import MPI
 from .. import checkpoint as disk
 from .fault import failing_save
 from .sharded import ID_SCALE, _param_groups, _world_ranks
-from .state import Replicated
+from .state import Replicated, refuse_tensor_parallel
 
 __all__ = ["StageState"]
 
@@ -98,6 +98,7 @@ class StageState(Replicated):
         for prefix, module in wrapper.checkpoint_modules():
             for pname, p in module.named_parameters():
                 self._named[getattr(p, "checkpoint_key", None) or prefix + pname] = p
+        refuse_tensor_parallel(list(self._named.items()), "StageState")
         self._buffers = [b for _, module in wrapper.checkpoint_modules() for _, b in module.named_buffers()]
         everyone = comm.allgather(sorted(self._named))
         self._holders = {}

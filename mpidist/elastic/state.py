@@ -11,6 +11,7 @@ import copy
 import time
 
 from ..nn import random as nn_random
+from ..nn.placement import Shard, placement_of
 
 __all__ = ["State", "Replicated"]
 
@@ -58,6 +59,19 @@ class Replicated:
         self.extra.update(copy.deepcopy(saved["extra"]))
 
 
+def refuse_tensor_parallel(named, owner):
+    """Raise NotImplementedError naming the parameters split over a tensor-parallel communicator.
+
+    Recovery rebuilds the wrappers over the survivors from whole parameters; a tensor-parallel slice lost with
+    its rank has no copy anywhere, and the layout of the survivors' slices would have to change.
+    """
+    sharded = [name for name, p in named if isinstance(placement_of(p), Shard)]
+    if sharded:
+        raise NotImplementedError(f"{owner}: tensor-parallel parameters are not supported in elastic training yet "
+                                  f"({len(sharded)} split over a tensor-parallel communicator, e.g. "
+                                  f"{', '.join(sharded[:3])}); use DDP, FSDP or a pipeline without tensor parallelism")
+
+
 class State(Replicated):
     """Everything a DDP step changes, with ``commit()`` and ``rollback(step)`` in memory.
 
@@ -68,7 +82,9 @@ class State(Replicated):
         super().__init__(sampler, rngs, extra, keep)
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
         self._commits = []
-        self._params = [p for _, p in module.named_parameters()]
+        named = list(module.named_parameters())
+        refuse_tensor_parallel(named, "State")
+        self._params = [p for _, p in named]
         self._buffers = [b for _, b in module.named_buffers()]
 
     @property
