@@ -297,6 +297,15 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         np.savez(os.path.join(args.out, f"{args.backend}-{world}.npz"), **results)
     dist.destroy_process_group()
+    # Finalize MPI (Open MPI's launcher fails a job whose ranks skip it), then skip interpreter teardown: a gloo
+    # worker thread still holding tensors can abort the process there ("terminate called without an active
+    # exception", pytorch/pytorch#179291), which failed the gloo reference run once in about 20, after every
+    # scenario had finished and its results were written.
+    from mpi4py import MPI
+    MPI.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
