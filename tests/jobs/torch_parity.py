@@ -299,8 +299,8 @@ def main():
     dist.destroy_process_group()
     # Finalize MPI (Open MPI's launcher fails a job whose ranks skip it), then skip interpreter teardown: a gloo
     # worker thread still holding tensors can abort the process there ("terminate called without an active
-    # exception", pytorch/pytorch#179291), which failed the gloo reference run once in about 20, after every
-    # scenario had finished and its results were written.
+    # exception", pytorch/pytorch#179291): it failed the gloo reference run once in a fresh-clone make test,
+    # after every scenario had finished and its results were written (3 reruns did not reproduce it).
     from mpi4py import MPI
     MPI.Finalize()
     sys.stdout.flush()
