@@ -297,31 +297,36 @@ class SimComm(Handles, PointToPoint, Collectives):
         ctx = self._live(name)
         u = ctx.universe
         rank = self._rank
-        size = len(ctx.world_ranks)
         with u.cond:
-            seq = self._seq
-            self._seq += 1
-            rnd = ctx.rounds.get(seq)
-            if rnd is None:
-                rnd = ctx.rounds[seq] = _Round(size)
-            rnd.calls[rank] = (name, sig, payload)
-            rnd.arrived += 1
-            if rnd.arrived == size:
-                self._finish_round(seq, rnd, work)
-                u.changed()
-
-        def finish():
-            rnd.departed += 1
-            if rnd.departed == size:
-                ctx.rounds.pop(seq, None)
-            if rnd.error is not None:
-                if isinstance(rnd.error, BaseException):
-                    raise rnd.error
-                raise CollectiveMismatchError(rnd.error)
-            return rnd.results[rank], None
-
-        return SimRequest(u, ctx.world_ranks[rank], lambda: rnd.done, finish,
+            seq, rnd = self._arrive(ctx, name, sig, payload, work)
+        return SimRequest(u, ctx.world_ranks[rank], lambda: rnd.done, lambda: (self._depart(ctx, seq, rnd), None),
                           f"{_describe(name, sig)} #{seq} on {ctx.name}")
+
+    def _arrive(self, ctx, name, sig, payload, work):
+        """Enter this rank's part of the next round (the caller holds the universe's lock); return (seq, round)."""
+        size = len(ctx.world_ranks)
+        seq = self._seq
+        self._seq += 1
+        rnd = ctx.rounds.get(seq)
+        if rnd is None:
+            rnd = ctx.rounds[seq] = _Round(size)
+        rnd.calls[self._rank] = (name, sig, payload)
+        rnd.arrived += 1
+        if rnd.arrived == size:
+            self._finish_round(seq, rnd, work)
+            ctx.universe.changed()
+        return seq, rnd
+
+    def _depart(self, ctx, seq, rnd):
+        """Leave a completed round: the last rank out drops it; raise its error or return this rank's result."""
+        rnd.departed += 1
+        if rnd.departed == len(ctx.world_ranks):
+            ctx.rounds.pop(seq, None)
+        if rnd.error is not None:
+            if isinstance(rnd.error, BaseException):
+                raise rnd.error
+            raise CollectiveMismatchError(rnd.error)
+        return rnd.results[self._rank]
 
     def _finish_round(self, seq, rnd, work):
         first = rnd.calls[0]
@@ -345,29 +350,11 @@ class SimComm(Handles, PointToPoint, Collectives):
         without the request object, the path of every blocking collective."""
         ctx = self._live(name)
         u = ctx.universe
-        rank = self._rank
-        size = len(ctx.world_ranks)
         with u.cond:
-            seq = self._seq
-            self._seq += 1
-            rnd = ctx.rounds.get(seq)
-            if rnd is None:
-                rnd = ctx.rounds[seq] = _Round(size)
-            rnd.calls[rank] = (name, sig, payload)
-            rnd.arrived += 1
-            if rnd.arrived == size:
-                self._finish_round(seq, rnd, work)
-                u.changed()
-            elif not rnd.done:
-                u.wait_until(ctx.world_ranks[rank], lambda: rnd.done, f"{_describe(name, sig)} #{seq} on {ctx.name}")
-            rnd.departed += 1
-            if rnd.departed == size:
-                ctx.rounds.pop(seq, None)
-            if rnd.error is not None:
-                if isinstance(rnd.error, BaseException):
-                    raise rnd.error
-                raise CollectiveMismatchError(rnd.error)
-            return rnd.results[rank]
+            seq, rnd = self._arrive(ctx, name, sig, payload, work)
+            if not rnd.done:
+                u.wait_until(ctx.world_ranks[self._rank], lambda: rnd.done, f"{_describe(name, sig)} #{seq} on {ctx.name}")
+            return self._depart(ctx, seq, rnd)
 
     def _check_root(self, name, root):
         size = self.Get_size()
