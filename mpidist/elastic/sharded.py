@@ -86,18 +86,9 @@ class ShardedState(Replicated):
         self.optimizer = self.scheduler = self.wrapper = self.comm = None
         self._params = dict(module.named_parameters())
         self._buffers = [b for _, b in module.named_buffers()]
-        self._commits = []
         self._world = None  # world ranks of the current layout's positions
 
     # -- what the survivors agree on ------------------------------------------------------------------------
-    @property
-    def committed_id(self):
-        return self._commits[-1]["id"] if self._commits else None
-
-    @property
-    def committed_step(self):
-        return self._commits[-1]["step"] if self._commits else None
-
     def held_bytes(self):
         """Bytes of the kept commits' packets on this rank (own shards and buddy copies)."""
         return sum(r["own"].nbytes + sum(b.nbytes for b in r["buddies"].values()) for r in self._commits)

@@ -63,19 +63,10 @@ class StageState(Replicated):
         self._make_optimizer, self._make_scheduler = optimizer, scheduler
         self.checkpoint, self.checkpoint_every = checkpoint, checkpoint_every
         self.optimizer = self.scheduler = self.wrapper = self.comm = None
-        self._commits = []
         self._named = {}     # name -> this rank's Parameter
         self._holders = {}   # name -> world ranks holding it in this layout
         self._world = None
         self._saved_step = -1  # newest step saved to disk: a step restored or replayed is not saved again
-
-    @property
-    def committed_id(self):
-        return self._commits[-1]["id"] if self._commits else None
-
-    @property
-    def committed_step(self):
-        return self._commits[-1]["step"] if self._commits else None
 
     def held_bytes(self):
         """Bytes of the kept commits' parameter and optimizer arrays on this rank."""

@@ -34,6 +34,17 @@ class Replicated:
         self.step = 0
         self.faults = ()  # MPIDIST_FAULT's faults (Elastic.train sets them): at=save ones fire inside disk saves
         self.stats = {"commits": 0, "commit_s": 0.0, "commit_bytes": 0}
+        self._commits = []  # the kept commits, oldest first: dicts with at least "id" and "step"
+
+    @property
+    def committed_id(self):
+        """What the survivors agree on (Elastic.guard): the latest commit's id (None before the first)."""
+        return self._commits[-1]["id"] if self._commits else None
+
+    @property
+    def committed_step(self):
+        """The step of the latest commit (None before the first)."""
+        return self._commits[-1]["step"] if self._commits else None
 
     def _save_replicated(self, scheduler, buffers):
         return {
@@ -81,18 +92,12 @@ class State(Replicated):
     def __init__(self, module, optimizer=None, scheduler=None, sampler=None, rngs=(), extra=None, keep=2):
         super().__init__(sampler, rngs, extra, keep)
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
-        self._commits = []
         named = list(module.named_parameters())
         refuse_tensor_parallel(named, "State")
         self._params = [p for _, p in named]
         self._buffers = [b for _, b in module.named_buffers()]
 
-    @property
-    def committed_step(self):
-        """The step of the latest commit (None before the first)."""
-        return self._commits[-1]["step"] if self._commits else None
-
-    committed_id = committed_step  # what the survivors agree on (Elastic.guard)
+    committed_id = Replicated.committed_step  # a DDP commit is known by its step
 
     @property
     def committed_steps(self):
