@@ -50,7 +50,7 @@ def test_ranks_calling_different_ops_or_sizes_raise_desync_on_every_rank():
 
 
 def test_split_monitored_barrier_abort_and_shutdown():
-    scenarios = ("split", "monitor", "abort", "shutdown")
+    scenarios = ("split", "monitor", "abort", "abort_thread", "shutdown")
     proc = run(4, "torch_lifecycle.py", *scenarios, timeout=180, MPIDIST_TORCH_PROGRESS="poll")
     for scenario in scenarios:
         assert proc.stdout.count(f"{scenario} ok") == 4, proc.stdout

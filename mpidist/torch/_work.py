@@ -340,6 +340,11 @@ class Work(dist._Work):
             limit = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
             deadline = time.monotonic() + limit
             while not self.is_completed():
+                if self._abort is not None and self._abort.reason is not None:
+                    # abort may have found the lock held by is_completed's test (and left the work to the
+                    # thread holding it): this thread is the one, so it fails the work itself
+                    self._abandon()
+                    continue
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"mpidist {self.op}: not complete after {limit:g} s (timeout)")
                 time.sleep(0.0005)

@@ -1,6 +1,6 @@
 """split_group, monitored_barrier, abort and shutdown of the mpidist torch backend, against references.
 
-    mpiexec -n 4 python tests/jobs/torch_lifecycle.py SCENARIO [SCENARIO ...]   (split monitor abort shutdown)
+    mpiexec -n 4 python tests/jobs/torch_lifecycle.py SCENARIO [SCENARIO ...]   (split monitor abort abort_thread shutdown)
 
 - split: ``dist.split_group`` on a CPU-only job (our route) and through torch's own route (an accelerator
   faked, so torch's code calls the backend's split_group); every subgroup's allreduce equals the sum over
@@ -10,9 +10,11 @@
 - abort: a rank blocked in a collective a peer never joins (in ``wait()``, with a timeout under ``thread``,
   and in a future's wait) is released by ``_abort_process_group`` from another thread; a pending receive
   fails; later calls on the group raise; the default group's futures still complete.
+- abort_thread: the same in ``thread`` progress mode with MPIDIST_TORCH_ABORTABLE on: the progress thread,
+  blocked inside MPI on the aborted allreduce, is released and ends.
 - shutdown: destroy_process_group waits for a pending operation, and 1100 new_group/destroy cycles (2200
   communicators, more than MPICH's 2048 context ids) run: shutdown frees each group's communicators.
-split and monitor need 4 ranks, abort and shutdown 2 or more. Prints "<scenario> ok" on every rank; exits non-zero with the failed check otherwise.
+split and monitor need 4 ranks, abort, abort_thread and shutdown 2 or more. Prints "<scenario> ok" on every rank; exits non-zero with the failed check otherwise.
 """
 
 import sys
@@ -131,10 +133,19 @@ def monitor():
 
 def abort():
     # Waits that test between sleeps (poll; the job runs with MPIDIST_TORCH_PROGRESS=poll) are released by abort.
-    # A progress thread blocked inside MPI is not (MPIDIST_TORCH_ABORTABLE=1's Waitany did not release it at the
-    # last measurement: docs/torch.md lists it as not done), so thread mode is not exercised here.
     _work.PROGRESS = "poll"
     abort_one()
+
+
+def abort_thread():
+    # thread mode: the progress thread waits inside MPI; with MPIDIST_TORCH_ABORTABLE=1 abort ends that wait
+    # (and the thread), and a caller's wait with a timeout is released (a plain wait() inside MPI_Wait is not)
+    progress, abortable = _work.PROGRESS, _work.ABORTABLE
+    _work.PROGRESS, _work.ABORTABLE = "thread", True
+    try:
+        abort_one()
+    finally:
+        _work.PROGRESS, _work.ABORTABLE = progress, abortable
 
 
 def abort_one():
@@ -148,6 +159,7 @@ def abort_one():
     if rank == 0:  # rank 1 never joins these: without abort, both waits would block forever
         blocked = dist.all_reduce(torch.ones(1000), group=group, async_op=True)
         future = dist.all_reduce(torch.ones(8), group=group, async_op=True).get_future()
+        progress_thread = _work._progress._thread  # now blocked on that future's allreduce
         receive = dist.irecv(torch.empty(3), src=1, group=group)  # never sent: abort cancels it
         released = {}
 
@@ -187,6 +199,9 @@ def abort_one():
         else:
             raise AssertionError("an aborted group took a new operation")
         assert group not in c10d._world.pg_map
+        if _work.PROGRESS == "thread" and _work.ABORTABLE:  # released from MPI_Waitany, the old thread ended
+            progress_thread.join(5)
+            assert not progress_thread.is_alive(), "the progress thread stayed blocked in the aborted allreduce"
     elif rank == 1:
         c10d._abort_process_group(group)
     # futures of the default group still complete (in thread mode the progress thread that is stuck in
@@ -215,7 +230,7 @@ def shutdown():
 def main():
     dist.init_process_group("mpidist")
     for scenario in sys.argv[1:]:
-        {"split": split, "monitor": monitor, "abort": abort, "shutdown": shutdown}[scenario]()
+        {"split": split, "monitor": monitor, "abort": abort, "abort_thread": abort_thread, "shutdown": shutdown}[scenario]()
         dist.barrier()
         print(f"rank {dist.get_rank()}: {scenario} ok", flush=True)
     dist.destroy_process_group()
