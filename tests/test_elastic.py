@@ -233,6 +233,53 @@ def test_rollback_restores_every_part_of_the_state_bit_for_bit():
         state.rollback(5)
 
 
+@pytest.mark.parametrize("make", [lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: optim.AdamW(ps, lr=0.05)])
+def test_commits_hold_the_live_arrays_instead_of_copying_and_steps_write_elsewhere(make):
+    """Copy-on-write commits (SGD/Adam/AdamW): a commit keeps the live parameter and optimizer arrays themselves
+    (read-only), the next step writes new ones, training equals training without commits bit for bit, and
+    a commit still holds its step's values after later steps; an in-place write by other code fails loudly, and
+    load_state_dict moves a held parameter to a new array."""
+    data = np.random.default_rng(1)
+    x, y = data.standard_normal((40, 3)), data.integers(0, 2, 40)
+    runs = []
+    for committing in (False, True):
+        model = _model()
+        opt = make(model.parameters())
+        sched = optim.StepLR(opt, step_size=2, gamma=0.5)
+        sampler, rng = elastic.ElasticSampler(40, 8, seed=1), np.random.default_rng(5)
+        state = elastic.State(model, opt, sched, sampler, rngs=[rng])
+        values = {}
+        for step in range(1, 10):
+            # steps 4-6 commit by copying (an optimizer without copy-on-write): the copies must not reuse held arrays
+            opt.copy_on_write = not 4 <= step <= 6
+            _train(model, opt, sched, sampler, rng, 1, x, y)
+            if committing:
+                state.step = step
+                state.commit()
+                values[step] = [p.data.copy() for p in model.parameters()]
+                held = state._commits[-1]["params"]
+                assert all((a is p.data) == opt.copy_on_write and a.flags.writeable != opt.copy_on_write
+                           for a, p in zip(held, model.parameters()))
+                for c in state._commits:  # every kept commit still holds its step's values
+                    for a, v in zip(c["params"], values[c["step"]]):
+                        np.testing.assert_array_equal(a, v)
+        runs.append([p.data.copy() for p in model.parameters()])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    assert state.committed_steps == [8, 9]
+    first = next(iter(model.parameters()))
+    with pytest.raises(ValueError, match="read-only"):
+        first.data += 1
+    model.load_state_dict({k: v + 1 for k, v in model.state_dict().items()})
+    for a, v in zip(state._commits[1]["params"], values[9]):
+        np.testing.assert_array_equal(a, v)
+    np.testing.assert_array_equal(first.data, values[9][0] + 1)
+    state.rollback(8)
+    for p, v in zip(model.parameters(), values[8]):
+        np.testing.assert_array_equal(p.data, v)
+        assert p.data.flags.writeable
+
+
 # -- jobs that lose ranks (Open MPI 5 + ULFM) ----------------------------------------------------------
 def _reference(steps, samples, batch, lr):
     spec = importlib.util.spec_from_file_location("elastic_example", EXAMPLE)

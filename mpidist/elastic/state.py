@@ -1,15 +1,22 @@
 """The training state kept in memory at each commit, so that survivors roll back instead of restarting.
 
-A commit copies, on every rank (DDP: every rank holds the full state): parameters (values and ``version``,
+A commit keeps, on every rank (DDP: every rank holds the full state): parameters (values and ``version``,
 which DDP's step check compares), buffers, the optimizer's and the LR schedule's state, the sampler's
 position, the given numpy Generators and mpidist's default generator, and a user ``extra`` dict. The last
 ``keep`` commits are held (two by default): ranks can be one commit apart when a failure strikes, and the
 survivors roll back to the older one that all of them hold.
+
+Parameters and optimizer arrays are kept without a copy where the optimizer is ``copy_on_write`` (SGD, Adam,
+AdamW) and the arrays are numpy: the commit makes the live arrays read-only (``optim.hold``) and keeps them,
+and the next step writes its new values into other buffers (recycled from the commit dropped, see
+``Optimizer.recycle``). Anything else that writes into a parameter in place between commits then fails with
+numpy's "read-only" error instead of silently changing a commit. Other optimizers, and CuPy arrays, are copied.
 """
 
 import copy
 import time
 
+from .. import optim
 from ..nn import random as nn_random
 from ..nn.placement import Shard, placement_of
 
@@ -118,19 +125,32 @@ class State(Replicated):
         self.rollback(failure.commit)
         return build(comm)
 
+    def _holds(self):
+        """Whether commits hold the live arrays (copy-on-write, see the module's docstring) instead of copying."""
+        return ((self.optimizer is None or getattr(self.optimizer, "copy_on_write", False))
+                and all(optim.can_hold(p.data) for p in self._params))
+
     def commit(self):
-        """Copy the state as it is now (after a completed step)."""
+        """Keep the state as it is now (after a completed step)."""
         if self._commits and self._commits[-1]["step"] == self.step:
             return
         start = time.perf_counter()
         # The commit about to be dropped lends its arrays (no fresh pages per commit on large models): ranks are
         # at most one commit apart, so nobody can need it once this rank commits again.
         spare = self._commits.pop(0) if len(self._commits) >= self.keep else None
+        if self._holds():
+            params = [optim.hold(p.data) for p in self._params]
+            opt = None if self.optimizer is None else _optimizer_copy(self.optimizer, hold=True)
+            if spare is not None and self.optimizer is not None:
+                self.optimizer.recycle(_arrays(spare), [a for c in self._commits for a in _arrays(c)] + params)
+        else:
+            params = [_copy(p.data, spare and spare["params"][i]) for i, p in enumerate(self._params)]
+            opt = None if self.optimizer is None else _optimizer_copy(self.optimizer, spare and spare["optimizer"])
         snapshot = {
             "step": self.step,
-            "params": [_copy(p.data, spare and spare["params"][i]) for i, p in enumerate(self._params)],
+            "params": params,
             "versions": [p.version for p in self._params],
-            "optimizer": None if self.optimizer is None else _optimizer_copy(self.optimizer, spare and spare["optimizer"]),
+            "optimizer": opt,
             "replicated": self._save_replicated(self.scheduler, self._buffers),
         }
         self._commits.append(snapshot)
@@ -147,7 +167,10 @@ class State(Replicated):
         snapshot = self._commits[where[0]]
         del self._commits[where[0] + 1:]
         for p, value, version in zip(self._params, snapshot["params"], snapshot["versions"]):
-            p.data[...] = value  # in place: the optimizer's flat views of the parameters stay valid
+            if optim.can_hold(p.data) and not p.data.flags.writeable:
+                p.data = value.copy()  # held by a commit (copy-on-write): a fresh array, the commit stays as it is
+            else:
+                p.data[...] = value  # in place: the optimizer's flat views of the parameters stay valid
             p.version = version
             p.grad = None
         if self.optimizer is not None:
@@ -158,17 +181,27 @@ class State(Replicated):
 
 
 def _copy(array, into=None):
-    """A copy of ``array``, written into ``into`` when that has the same shape and dtype."""
-    if into is not None and getattr(into, "shape", None) == array.shape and into.dtype == array.dtype:
+    """A copy of ``array``, written into ``into`` when that has the same shape and dtype and is no held array
+    (an array a copy-on-write commit held may still be a live parameter)."""
+    if (into is not None and getattr(into, "shape", None) == array.shape and into.dtype == array.dtype
+            and (not optim.can_hold(into) or into.flags.writeable)):
         into[...] = array
         return into
     return array.copy()
 
 
-def _optimizer_copy(optimizer, spare=None):
-    """``optimizer.state_dict()``, its arrays copied into ``spare``'s (an earlier such dict) where they fit."""
+def _arrays(commit):
+    """The parameter and optimizer arrays of a commit."""
+    state = (commit["optimizer"] or {}).get("state", {})
+    return list(commit["params"]) + [v for s in state.values() for v in s.values() if hasattr(v, "shape")]
+
+
+def _optimizer_copy(optimizer, spare=None, hold=False):
+    """``optimizer.state_dict()``, its arrays copied into ``spare``'s (an earlier such dict) where they fit, or,
+    with ``hold``, the live arrays themselves made read-only (copy-on-write)."""
     old = (spare or {}).get("state", {})
-    state = {i: {k: (_copy(v, old.get(i, {}).get(k)) if hasattr(v, "shape") else v) for k, v in s.items()}
+    state = {i: {k: ((optim.hold(v) if hold else _copy(v, old.get(i, {}).get(k))) if hasattr(v, "shape") else v)
+                 for k, v in s.items()}
              for i, s in optimizer.state.items()}
     groups, at = [], 0
     for group in optimizer.param_groups:

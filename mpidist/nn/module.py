@@ -254,8 +254,13 @@ class Module:
             if name in state_dict and tuple(state_dict[name].shape) != tuple(dst.shape):
                 raise ValueError(f"{type(self).__name__}.load_state_dict: shape mismatch for '{name}' "
                                  f"(checkpoint: {tuple(state_dict[name].shape)}, model: {tuple(dst.shape)})")
+        params = dict(self.named_parameters())
         for name, dst in own.items():
             if name in state_dict:
+                p = params.get(name)
+                if p is not None and not getattr(getattr(dst, "flags", None), "writeable", True):
+                    # read-only: an elastic commit holds this array (copy-on-write); the parameter moves to a new one
+                    p.data = dst = dst.copy()
                 copy_into(dst, state_dict[name])
         return _IncompatibleKeys(missing, unexpected)
 
