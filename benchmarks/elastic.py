@@ -12,7 +12,8 @@ two jobs lose world rank 2 by SIGKILL at the start of step ``--kill-step``:
   commit's cost per step.
 - commit cost: a job without a failure (``--with-ft ulfm``, as elastic training runs) takes steps with no commit, with a commit every step that holds the
   live arrays (copy-on-write, the default with SGD/Adam) and with one that copies them, in rotation; reported:
-  the median step of each and the two overheads.
+  the median step of each and the two overheads; a second phase without commits in the same rotation shows
+  the noise.
 - restart: plain ``mpiexec`` with an ``mpidist.checkpoint`` save every ``--checkpoint-every`` steps; the launcher
   ends the job, and a new job on 3 ranks starts, loads the latest checkpoint (resharding nothing: DDP) and
   redoes the lost steps. Reported: kill -> the first job's end (seen by this driver), relaunch (start ->
@@ -76,14 +77,15 @@ def worker(args):
         comm = MPI.COMM_WORLD
         ddp = DDP(model, comm)
         state = elastic.State(model, opt, None, sampler)
-        phases = {"none": [], "hold": [], "copy": []}
+        # "again": a second phase without commits, whose difference from "none" shows the noise
+        phases = {"none": [], "hold": [], "again": [], "copy": []}
         for _ in range(args.cost_rounds):
             for mode, seen in phases.items():
                 opt.copy_on_write = mode != "copy"
                 for k in range(args.cost_steps):
                     start = time.perf_counter()
                     step(ddp, comm)
-                    if mode != "none":
+                    if mode in ("hold", "copy"):
                         state.step += 1
                         state.commit()
                     if k >= 2:  # the first steps of a phase still pay for the previous one's arrays
@@ -163,7 +165,7 @@ def measure(mb, args, venv):
     if not (tmp / "cost.json").exists():
         sys.exit(f"commit cost job of {mb} MB wrote no report")
     cost = json.loads((tmp / "cost.json").read_text())
-    for mode in ("hold", "copy"):
+    for mode in ("hold", "copy", "again"):
         cost[f"{mode}_overhead"] = cost[f"{mode}_step_s"] / cost["none_step_s"] - 1
     row["commit_cost"] = cost
     first = launch(venv, RANKS, ["--worker", "first", "--report", str(tmp / "first.json"), *common], env, ft=False)
@@ -215,12 +217,13 @@ def main():
               f"{r['job_end_s'] * 1e3:>7.0f} {r['relaunch_s'] * 1e3:>8.0f} {r['load_s'] * 1e3:>7.1f} "
               f"{r['redo_s'] * 1e3:>7.0f} {r['total_s'] * 1e3:>7.0f}  ({r['redone_steps']} step(s) redone)", flush=True)
     print(f"# commit cost: median step (ms) with no commit, with a commit every step that holds the arrays "
-          f"(copy-on-write) and one that copies them, {args.cost_rounds} rounds of {args.cost_steps} steps per "
-          f"phase, one job, no failure")
+          f"(copy-on-write) and one that copies them, and none again, {args.cost_rounds} rounds of {args.cost_steps} "
+          f"steps per phase, one job, no failure")
     for row in rows:
         c = row["commit_cost"]
         print(f"{row['model_mb']:>5g}  none {c['none_step_s'] * 1e3:7.1f}   hold {c['hold_step_s'] * 1e3:7.1f} "
-              f"({c['hold_overhead']:+.1%})   copy {c['copy_step_s'] * 1e3:7.1f} ({c['copy_overhead']:+.1%})")
+              f"({c['hold_overhead']:+.1%})   copy {c['copy_step_s'] * 1e3:7.1f} ({c['copy_overhead']:+.1%})   "
+              f"none again {c['again_step_s'] * 1e3:7.1f} ({c['again_overhead']:+.1%}: noise)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
