@@ -70,10 +70,11 @@ def test_fault_specs_parse_and_bad_ones_say_what_is_wrong():
                           ("rank=1,step=1,how=segv", "how must be one of sigkill, exit, raise"),
                           ("rank=1,step=-1", "step must be >= 0"), ("rank=1,step=2,rank=3", "each once"),
                           ("rank=1,step=2;rank=1,step=2,how=raise", "given twice"),
-                          ("rank=1,step=4,at=load", "at must be one of step, save"),
+                          ("rank=1,step=4,at=load", "at must be one of step, save, start"),
+                          ("rank=1,step=2,at=start", "at=start fails before the first step, so step must be 0"),
                           ("rank=1,step=4,at=save,how=raise", "how=raise cannot be combined with at=save"),
                           ("rank=1,step=4,where=save",
-                           r"expected rank=R,step=S\[,how=sigkill\|exit\|raise\]\[,at=step\|save\]")]:
+                           r"expected rank=R,step=S\[,how=sigkill\|exit\|raise\]\[,at=step\|save\|start\]")]:
         with pytest.raises(ValueError, match=message):
             elastic.parse_faults(text)
     # The same rank and step at another point is another fault.
@@ -330,6 +331,7 @@ def _check_survivors(tmp_path, result, log, lost, ranks=4):
     ("rank=2,step=5", [2]),                           # SIGKILL mid-epoch
     ("rank=1,step=9,how=raise", [1]),                  # an uncaught exception: traceback once, then SIGKILL
     ("rank=0,step=3;rank=3,step=11", [0, 3]),          # rank 0, then a second failure after the epoch end
+    ("rank=0,step=0,at=start", [0]),                   # before the first commit: the survivors start again
 ])
 def test_survivors_finish_with_the_parameters_of_a_one_process_reference(faults, lost, tmp_path):
     result, log = _launch(tmp_path, faults)
@@ -337,6 +339,8 @@ def test_survivors_finish_with_the_parameters_of_a_one_process_reference(faults,
     assert [int(f[0]) for f in run["failures"]] == lost  # one failure each, in this order
     if "raise" in faults:
         assert log.count("InjectedFault: MPIDIST_FAULT: rank 1 fails at step 9") == 1, log[-4000:]
+    if "at=start" in faults:
+        assert "lost before the first commit, started again" in log, log[-4000:]
 
 
 @needs_ulfm
@@ -360,6 +364,16 @@ def test_fsdp_without_a_buddy_names_the_lost_shard(tmp_path):
     result, log = _launch(tmp_path, "rank=2,step=3", "--wrapper", "fsdp", "--replicas", "1")
     assert "the shards of position 2 (world rank 2) are lost: all 1 holder(s), world ranks [2], failed; use more " \
            "replicas" in log, log[-4000:]
+
+
+@needs_ulfm
+@launcher.needed
+@pytest.mark.mpi_skip
+def test_fsdp_losing_a_rank_before_the_first_commit_says_why_it_cannot_start_again(tmp_path):
+    # DDP starts again over the survivors (test above); FSDP has taken the model apart by then
+    result, log = _launch(tmp_path, "rank=2,step=0,at=start", "--wrapper", "fsdp")
+    assert log.count("before the first commit completed, and ShardedState cannot start again over fewer ranks") == 3, \
+        log[-4000:]
 
 
 @needs_ulfm

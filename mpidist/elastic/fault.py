@@ -1,9 +1,11 @@
 """Fault injection (``MPIDIST_FAULT``) and the failing rank's side of a failure (end so the others are told).
 
-``MPIDIST_FAULT="rank=R,step=S[,how=sigkill|exit|raise][,at=step|save]"`` makes rank R (of the world it started
-in) fail at step S (several faults: separate them with ``;``, e.g. ``rank=1,step=3;rank=2,step=8``):
+``MPIDIST_FAULT="rank=R,step=S[,how=sigkill|exit|raise][,at=step|save|start]"`` makes rank R (of the world it
+started in) fail at step S (several faults: separate them with ``;``, e.g. ``rank=1,step=3;rank=2,step=8``):
 
 - ``at=step`` (default): at the start of step S.
+- ``at=start``: before the wrappers are first built (S must be 0): the others lose it while building them,
+  before the first commit.
 - ``at=save``: in the middle of the disk checkpoint save of step S, the one written once S steps are done
   (``StageState(checkpoint=...)`` saves every ``checkpoint_every`` steps; ``Elastic.train`` refuses a step
   with no save): the rank dies while writing its rank file, which it leaves half written under its temporary
@@ -40,7 +42,7 @@ __all__ = ["Fault", "InjectedFault", "parse_fault", "parse_faults", "faults_from
            "install_kill_on_error", "kill_self"]
 
 HOWS = ("sigkill", "exit", "raise")
-ATS = ("step", "save")
+ATS = ("step", "save", "start")
 KEYS = ("rank", "step", "how", "at")
 SYNTAX = f"rank=R,step=S[,how={'|'.join(HOWS)}][,at={'|'.join(ATS)}]"
 
@@ -71,7 +73,8 @@ class Fault:
         if stamp_path:
             with open(stamp_path, "w") as f:
                 f.write(f"{time.time():.6f}\n")
-        where = f"at step {self.step}" if self.at == "step" else f"in the checkpoint save of step {self.step}"
+        where = {"step": f"at step {self.step}", "save": f"in the checkpoint save of step {self.step}",
+                 "start": "before the wrappers are built"}[self.at]
         sys.stderr.write(f"[rank {world_rank}] mpidist.elastic: MPIDIST_FAULT: failing {where} ({self.how})\n")
         sys.stderr.flush()
         if self.how == "sigkill":
@@ -110,6 +113,9 @@ def parse_fault(text):
     at = fields.get("at", "step")
     if at not in ATS:
         raise ValueError(f"MPIDIST_FAULT: at must be one of {', '.join(ATS)} (got {at!r} in {text!r})")
+    if at == "start" and numbers["step"] != 0:
+        raise ValueError(f"MPIDIST_FAULT: at=start fails before the first step, so step must be 0 (got "
+                         f"{numbers['step']} in {text!r})")
     if at == "save" and how == "raise":
         raise ValueError(f"MPIDIST_FAULT: how=raise cannot be combined with at=save (in {text!r}): an exception "
                          f"inside a checkpoint save is not a lost rank, the save turns it into the same "

@@ -126,11 +126,18 @@ class Elastic:
             try:
                 with self.guard(lambda: state.committed_id):
                     if failure is None:
+                        for fault in self.faults:
+                            fault.maybe_fail(self.world_rank, 0, at="start")
                         wrapper = state.start(build, self.comm)
                         state.commit()
                     else:
                         started = time.perf_counter()
-                        wrapper = state.restore(failure, build, self.comm)
+                        if failure.commit is None:  # lost before the first commit: start again (see below)
+                            wrapper = state.start(build, self.comm)
+                            state.commit()
+                            failure.restored_from = "nothing to restore: lost before the first commit, started again"
+                        else:
+                            wrapper = state.restore(failure, build, self.comm)
                         failure.restore_s = time.perf_counter() - started
                         failure.step = state.step
                         self.say(f"lost world rank(s) {failure.failed} (MPI error class {failure.error_class}); "
@@ -153,8 +160,13 @@ class Elastic:
                 _release(wrapper)
                 wrapper = None
                 if lost.commit is None:
-                    raise RuntimeError(f"mpidist.elastic: {lost}, but before the first commit completed: there is "
-                                       f"no state to return to") from lost
+                    # Before the first commit nothing was trained: start again over the survivors, where the
+                    # state still has what it started from (commits some ranks took are dropped).
+                    why = state.cannot_start_again()
+                    if why is not None:
+                        raise RuntimeError(f"mpidist.elastic: {lost}, but before the first commit completed, and "
+                                           f"{why}") from lost
+                    state.forget_commits()
                 if failure is not None:  # lost during a restore: restore again, reporting both
                     lost.failed = sorted(set(failure.failed) | set(lost.failed))
                     lost.old_size = failure.old_size

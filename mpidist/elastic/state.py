@@ -53,6 +53,15 @@ class Replicated:
         """The step of the latest commit (None before the first)."""
         return self._commits[-1]["step"] if self._commits else None
 
+    def cannot_start_again(self):
+        """Why this state cannot be started again after a failure before its first commit (None: it can)."""
+        return (f"{type(self).__name__} cannot start again over fewer ranks: building its wrapper took the model "
+                f"apart (into shards or stages), so there is no state to return to")
+
+    def forget_commits(self):
+        """Drop every commit (a failure before the first commit completed on every rank: start again)."""
+        self._commits.clear()
+
     def _save_replicated(self, scheduler, buffers):
         return {
             "scheduler": None if scheduler is None else scheduler.state_dict(),
@@ -119,6 +128,16 @@ class State(Replicated):
     def start(self, build, comm):
         """Return the first wrapper, ``build(comm)`` (``Elastic.train`` calls this)."""
         return build(comm)
+
+    def cannot_start_again(self):
+        return None  # DDP leaves the module whole: building again over the survivors re-broadcasts it
+
+    def forget_commits(self):
+        """Drop every commit; parameters a commit held (read-only) move to writable copies of themselves."""
+        super().forget_commits()
+        for p in self._params:
+            if optim.can_hold(p.data) and not p.data.flags.writeable:
+                p.data = p.data.copy()
 
     def restore(self, failure, build, comm):
         """Roll back to the agreed commit and build the wrapper over the survivors (``Elastic.train``)."""
