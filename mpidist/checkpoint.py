@@ -810,6 +810,17 @@ def _check_keys(slots, manifest, directory):
                               f"(from another model?): {'; '.join(problems[:10])}{' ...' if len(problems) > 10 else ''}")
 
 
+def _check_writable(slots):
+    """Raise naming the model arrays that are read-only: an elastic commit holds them (copy-on-write)."""
+    held = [slot.segments[0].key for slot in slots
+            if slot.segments and not getattr(getattr(slot.array, "flags", None), "writeable", True)]
+    if held:
+        raise CheckpointError(f"checkpoint: cannot load into {len(held)} read-only array(s) of the model (e.g. "
+                              f"{', '.join(repr(k) for k in held[:3])}): an elastic commit holds them (copy-on-write "
+                              f"commits keep the live parameters read-only); load before Elastic.train starts, or "
+                              f"call model.load_state_dict, which moves held parameters to new arrays")
+
+
 def _restore_optimizer(name, opt, entry, registry):
     groups = entry["param_groups"]
     if len(groups) != len(opt.param_groups):
@@ -902,6 +913,7 @@ def _load(root, state, comm, step=None, verify=True, log=_print_now):
             if _is_model(obj) and not _is_optimizer(obj):
                 model_slots.extend(_model_slots(name, obj, registry))
         _check_keys(model_slots, manifest, directory)
+        _check_writable(model_slots)
         # Optimizer state arrays must exist before slots can point at them (undone below on failure).
         for name, opt in optimizers.items():
             if name not in manifest["json"]:

@@ -234,12 +234,13 @@ def test_rollback_restores_every_part_of_the_state_bit_for_bit():
         state.rollback(5)
 
 
+@pytest.mark.mpi_skip  # one process's arrays (the checkpoint part runs on a simulated rank)
 @pytest.mark.parametrize("make", [lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: optim.AdamW(ps, lr=0.05)])
-def test_commits_hold_the_live_arrays_instead_of_copying_and_steps_write_elsewhere(make):
+def test_commits_hold_the_live_arrays_instead_of_copying_and_steps_write_elsewhere(make, tmp_path):
     """Copy-on-write commits (SGD/Adam/AdamW): a commit keeps the live parameter and optimizer arrays themselves
     (read-only), the next step writes new ones, training equals training without commits bit for bit, and
-    a commit still holds its step's values after later steps; an in-place write by other code fails loudly, and
-    load_state_dict moves a held parameter to a new array."""
+    a commit still holds its step's values after later steps; an in-place write by other code fails loudly,
+    load_state_dict moves a held parameter to a new array, and checkpoint.load refuses held arrays, naming them."""
     data = np.random.default_rng(1)
     x, y = data.standard_normal((40, 3)), data.integers(0, 2, 40)
     runs = []
@@ -271,6 +272,11 @@ def test_commits_hold_the_live_arrays_instead_of_copying_and_steps_write_elsewhe
     first = next(iter(model.parameters()))
     with pytest.raises(ValueError, match="read-only"):
         first.data += 1
+    from mpidist import checkpoint
+    simulate(1, lambda comm: _saved(model, comm, str(tmp_path), 9))
+    with pytest.raises(checkpoint.CheckpointError, match=r"cannot load into 4 read-only array\(s\) of the model "
+                                                         r"\(e\.g\. 'model\.0\.weight'.*an elastic commit holds them"):
+        simulate(1, lambda comm: checkpoint.load(str(tmp_path), {"model": model}, comm))
     model.load_state_dict({k: v + 1 for k, v in model.state_dict().items()})
     for a, v in zip(state._commits[1]["params"], values[9]):
         np.testing.assert_array_equal(a, v)
