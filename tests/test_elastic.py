@@ -240,7 +240,8 @@ def test_commits_hold_the_live_arrays_instead_of_copying_and_steps_write_elsewhe
     """Copy-on-write commits (SGD/Adam/AdamW): a commit keeps the live parameter and optimizer arrays themselves
     (read-only), the next step writes new ones, training equals training without commits bit for bit, and
     a commit still holds its step's values after later steps; an in-place write by other code fails loudly,
-    load_state_dict moves a held parameter to a new array, and checkpoint.load refuses held arrays, naming them."""
+    load_state_dict and DDP's broadcasts move a held parameter to a new array, and checkpoint.load refuses held
+    arrays, naming them."""
     data = np.random.default_rng(1)
     x, y = data.standard_normal((40, 3)), data.integers(0, 2, 40)
     runs = []
@@ -277,6 +278,14 @@ def test_commits_hold_the_live_arrays_instead_of_copying_and_steps_write_elsewhe
     with pytest.raises(checkpoint.CheckpointError, match=r"cannot load into 4 read-only array\(s\) of the model "
                                                          r"\(e\.g\. 'model\.0\.weight'.*an elastic commit holds them"):
         simulate(1, lambda comm: checkpoint.load(str(tmp_path), {"model": model}, comm))
+    from mpidist import DDP
+    simulate(1, lambda comm: DDP(model, comm))  # broadcasts into the parameters: moves them off the held arrays
+    assert all(p.data.flags.writeable for p in model.parameters())
+    for c in state._commits:
+        assert not any(a.flags.writeable for a in c["params"])
+        for a, v in zip(c["params"], values[c["step"]]):
+            np.testing.assert_array_equal(a, v)
+    first.data[...] = values[9][0]  # writable now
     model.load_state_dict({k: v + 1 for k, v in model.state_dict().items()})
     for a, v in zip(state._commits[1]["params"], values[9]):
         np.testing.assert_array_equal(a, v)

@@ -136,8 +136,7 @@ class State(Replicated):
         """Drop every commit; parameters a commit held (read-only) move to writable copies of themselves."""
         super().forget_commits()
         for p in self._params:
-            if optim.can_hold(p.data) and not p.data.flags.writeable:
-                p.data = p.data.copy()
+            p.make_writable()
 
     def restore(self, failure, build, comm):
         """Roll back to the agreed commit and build the wrapper over the survivors (``Elastic.train``)."""

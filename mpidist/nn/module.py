@@ -38,6 +38,13 @@ class Parameter(Tensor):
         if requires_grad:
             self.requires_grad_(True)
 
+    def make_writable(self):
+        """Return ``data``, first moved to a writable copy if it is read-only (an elastic commit holds it:
+        copy-on-write), so that writing into it in place leaves the commit as it is."""
+        if not getattr(getattr(self.data, "flags", None), "writeable", True):
+            self.data = self.data.copy()
+        return self.data
+
     def register_post_accumulate_grad_hook(self, fn):
         """Call ``fn(param)`` when a backward has finished accumulating into ``grad``; return a handle."""
         return _add_hook(self, "_post_accumulate_grad_hooks", fn)
@@ -258,10 +265,7 @@ class Module:
         for name, dst in own.items():
             if name in state_dict:
                 p = params.get(name)
-                if p is not None and not getattr(getattr(dst, "flags", None), "writeable", True):
-                    # read-only: an elastic commit holds this array (copy-on-write); the parameter moves to a new one
-                    p.data = dst = dst.copy()
-                copy_into(dst, state_dict[name])
+                copy_into(dst if p is None else p.make_writable(), state_dict[name])
         return _IncompatibleKeys(missing, unexpected)
 
     # -- modes and grads --------------------------------------------------------------------------------

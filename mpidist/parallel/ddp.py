@@ -140,7 +140,7 @@ class DDP:
         # The step check reads the parameters' update counts every step: a list, not a walk of the module
         # tree (parameters() took 0.4 ms for 240 tensors, most of the check's cost on a narrow model).
         self._stamp_params = [p for _, p in named]
-        self._broadcast_state([p.data for _, p in named])
+        self._broadcast_state([p.make_writable() for _, p in named])  # in place, so never into a commit's arrays
         if broadcast_buffers:
             self._broadcast_state([b for _, b in module.named_buffers()])
         self.buckets = self._build_buckets(named, bucket_cap_mb * _MB, first_bucket_mb * _MB)
@@ -492,5 +492,5 @@ class _Join:
             return
         # Every rank leaves with the state of one rank that trained to the end.
         if optimizer is None:
-            ddp._broadcast_state([p.data for p in ddp.module.parameters()], root=self.last_active_rank)
+            ddp._broadcast_state([p.make_writable() for p in ddp.module.parameters()], root=self.last_active_rank)
         ddp._sync_buffers(self.last_active_rank)
