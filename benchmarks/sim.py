@@ -11,6 +11,9 @@ tests/test_ddp.py`` on SimComm (no mpiexec). The load average is printed with th
 Each SimComm round also times the floor under any thread-based simulator: a bare handoff between two Python
 threads (a ping-pong on two ``threading.Lock``s, halved), since a simulated message wakes the receiving
 rank thread, which must then take the GIL.
+Each round measures SimComm twice: rank threads free (the default) and bound to one core (``simulate(...,
+cpus=...)``, ``mpidist sim --cpus``, ``MPIDIST_SIM_CPUS``), where a handoff is a switch on that core instead
+of waking another.
 Targets (issue 17): 8-byte one-way latency under 15 us, 1 MiB Allreduce within 2x of MPI.
 """
 
@@ -76,10 +79,20 @@ def measure(comm, reps):
     return rows
 
 
-def thread_handoff(reps, n=2000):
+def thread_handoff(reps, n=2000, cpus=None):
     """One-way time (us) of a bare handoff between two Python threads: the median of ``reps`` ping-pongs
-    of ``n`` round trips on two locks, halved."""
+    of ``n`` round trips on two locks, halved. ``cpus``: both threads bound to these CPUs."""
     import threading
+    if cpus is not None:  # in a bound thread of its own (its peer inherits the binding); this one stays free
+        result = []
+
+        def bound():
+            os.sched_setaffinity(0, cpus)
+            result.append(thread_handoff(reps, n))
+        t = threading.Thread(target=bound)
+        t.start()
+        t.join()
+        return result[0]
     times = []
     for rep in range(reps + 1):
         ping, pong = threading.Lock(), threading.Lock()
@@ -102,11 +115,11 @@ def thread_handoff(reps, n=2000):
     return statistics.median(times)
 
 
-def sim_round(reps):
+def sim_round(reps, cpus=None):
     sys.path.insert(0, ROOT)
     from mpidist.comm.sim import simulate
-    handoff = thread_handoff(reps)
-    return simulate(2, measure, reps)[0], handoff
+    handoff = thread_handoff(reps, cpus=cpus)
+    return simulate(2, measure, reps, cpus=cpus)[0], handoff
 
 
 def mpi_round(reps):
@@ -147,37 +160,50 @@ def main():
         worker(args.worker, args.reps)
         return 0
     load = [os.getloadavg()[0]]
-    sims, mpis, handoffs = [], [], []
+    one_core = {min(os.sched_getaffinity(0))}
+    sims, mpis, handoffs, bound_sims, bound_handoffs = [], [], [], [], []
     for _ in range(args.rounds):
         rows, handoff = sim_round(args.reps)
         sims.append(rows)
         handoffs.append(handoff)
+        rows, handoff = sim_round(args.reps, cpus=one_core)  # MPIDIST_SIM_CPUS / mpidist sim --cpus
+        bound_sims.append(rows)
+        bound_handoffs.append(handoff)
         mpis.append(mpi_round(args.reps))
         load.append(os.getloadavg()[0])
     rows = []
     print(f"# 2 ranks, {args.rounds} alternating rounds x {args.reps} reps, medians; "
           f"load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores")
-    print(f"{'what':>16} {'bytes':>9} | {'SimComm us':>10} {'MPI us':>9} {'ratio':>6} | {'SimComm MB/s':>12} {'MPI MB/s':>9}")
+    print(f"# SimComm: rank threads free (the default); 1 core: bound to CPU {min(one_core)} (--cpus)")
+    print(f"{'what':>16} {'bytes':>9} | {'SimComm us':>10} {'1 core us':>9} {'MPI us':>9} {'ratio':>6} | "
+          f"{'SimComm MB/s':>12} {'MPI MB/s':>9}")
     for i, base in enumerate(sims[0]):
         sim_us = statistics.median(r[i]["us"] for r in sims)
+        bound_us = statistics.median(r[i]["us"] for r in bound_sims)
         mpi_us = statistics.median(r[i]["us"] for r in mpis)
-        row = {"what": base["what"], "bytes": base["bytes"], "sim_us": sim_us, "mpi_us": mpi_us,
-               "ratio": sim_us / mpi_us}
+        row = {"what": base["what"], "bytes": base["bytes"], "sim_us": sim_us, "sim_one_core_us": bound_us,
+               "mpi_us": mpi_us, "ratio": sim_us / mpi_us}
         bw = ""
         if base["what"] == "one-way latency":
             row["sim_MBps"], row["mpi_MBps"] = base["bytes"] / sim_us, base["bytes"] / mpi_us
             bw = f"{row['sim_MBps']:>12.1f} {row['mpi_MBps']:>9.1f}"
         rows.append(row)
-        print(f"{row['what']:>16} {row['bytes']:>9} | {sim_us:>10.2f} {mpi_us:>9.2f} {row['ratio']:>6.2f} | {bw}")
+        print(f"{row['what']:>16} {row['bytes']:>9} | {sim_us:>10.2f} {bound_us:>9.2f} {mpi_us:>9.2f} "
+              f"{row['ratio']:>6.2f} | {bw}")
     handoff = statistics.median(handoffs)
+    bound_handoff = statistics.median(bound_handoffs)
     lat = next(r for r in rows if r["what"] == "one-way latency" and r["bytes"] == 8)
     big = next(r for r in rows if r["what"] == "Allreduce" and r["bytes"] == 1 << 20)
     print(f"# bare thread handoff (floor of a simulated message): {handoff:.2f} us "
           f"(rounds: {', '.join(f'{h:.1f}' for h in handoffs)}); 8-byte latency is {lat['sim_us'] / handoff:.2f}x it")
-    print(f"# target 8-byte one-way latency < 15 us: {lat['sim_us']:.1f} us -> {'met' if lat['sim_us'] < 15 else 'MISSED'}")
+    print(f"# bound to one core: handoff {bound_handoff:.2f} us (rounds: {', '.join(f'{h:.1f}' for h in bound_handoffs)})")
+    print(f"# target 8-byte one-way latency < 15 us: {lat['sim_us']:.1f} us -> {'met' if lat['sim_us'] < 15 else 'MISSED'}"
+          f"; bound to one core: {lat['sim_one_core_us']:.1f} us -> {'met' if lat['sim_one_core_us'] < 15 else 'MISSED'}")
     print(f"# target 1 MiB Allreduce <= 2x MPI: {big['ratio']:.2f}x -> {'met' if big['ratio'] <= 2 else 'MISSED'}")
     result = {"rows": rows, "rounds": args.rounds, "reps": args.reps, "load": load, "cores": os.cpu_count(),
               "thread_handoff_us": handoff, "thread_handoff_rounds_us": handoffs,
+              "one_core_cpus": sorted(one_core), "thread_handoff_one_core_us": bound_handoff,
+              "thread_handoff_one_core_rounds_us": bound_handoffs,
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
     if args.suite:
         result["suite_s"] = time_suite()

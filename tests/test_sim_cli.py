@@ -7,6 +7,7 @@ own, so it is ``mpi_skip`` (under ``mpiexec pytest --with-mpi`` every rank would
 """
 
 import io
+import os
 import re
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import textwrap
 import pytest
 
 import launcher
+from mpidist import simulate
 from mpidist.cli import main
 
 pytestmark = pytest.mark.mpi_skip
@@ -222,6 +224,29 @@ def test_usage_errors_name_the_values(tmp_path, capsys):
     assert "no such program file" in capsys.readouterr().err
     assert main(["sim", "-n", "2", "--explore", "3", "--seed", "1", __file__]) == 2
     assert "--explore K needs K >= 1 and no --seed (got --explore 3, --seed 1)" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="binding threads to CPUs needs Linux")
+def test_cpus_binds_every_rank_thread_and_bad_lists_are_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MPIDIST_SIM_CPUS", raising=False)
+    one = min(os.sched_getaffinity(0))
+    prog = write(tmp_path, "where.py", """
+        import os
+        from mpi4py import MPI
+        print(f"{MPI.COMM_WORLD.Get_rank()}: {sorted(os.sched_getaffinity(0))}")
+        """)
+    status, out, err = sim(capsys, monkeypatch, "-n", "3", "--cpus", str(one), prog)
+    assert (status, err) == (0, "") and sorted(out.splitlines()) == [f"{r}: [{one}]" for r in range(3)], out
+    assert "MPIDIST_SIM_CPUS" not in os.environ  # the binding ended with the program
+    assert sorted(os.sched_getaffinity(0)) != [one] or os.cpu_count() == 1  # the caller's own thread stays free
+    allowed = sorted(os.sched_getaffinity(0))
+    bad = max(allowed) + 1
+    assert main(["sim", "-n", "2", "--cpus", f"{bad}", prog]) == 2
+    assert (f"--cpus: simulate: cpus [{bad}] (from '{bad}') must be a non-empty subset of the CPUs this process "
+            f"may use: {allowed}") in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"cpus must name CPUs like '0', '0,2' or '0-3' \(got 'a-b'\)"):
+        simulate(2, lambda comm: None, cpus="a-b")
+    assert simulate(2, lambda comm: sorted(os.sched_getaffinity(0)), cpus=[one]) == [[one], [one]]
 
 
 def test_python_dash_m_mpidist_sim_runs_a_program(tmp_path):
