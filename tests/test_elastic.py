@@ -296,6 +296,22 @@ def test_commits_hold_the_live_arrays_instead_of_copying_and_steps_write_elsewhe
         assert p.data.flags.writeable
 
 
+def test_without_a_copy_on_write_optimizer_commits_copy_and_parameters_stay_writable():
+    """A State without an optimizer (the step updates parameters by hand, in place) must not hold them."""
+    model = _model()
+    state = elastic.State(model)
+    start = [p.data.copy() for p in model.parameters()]
+    state.commit()
+    for p in model.parameters():
+        p.data -= 0.5  # a hand-written update, in place
+    state.step = 1
+    state.commit()
+    assert all(p.data.flags.writeable for p in model.parameters())
+    state.rollback(0)
+    for p, v in zip(model.parameters(), start):
+        np.testing.assert_array_equal(p.data, v)
+
+
 # -- jobs that lose ranks (Open MPI 5 + ULFM) ----------------------------------------------------------
 def _reference(steps, samples, batch, lr):
     spec = importlib.util.spec_from_file_location("elastic_example", EXAMPLE)

@@ -145,7 +145,8 @@ class State(Replicated):
 
     def _holds(self):
         """Whether commits hold the live arrays (copy-on-write, see the module's docstring) instead of copying."""
-        return ((self.optimizer is None or getattr(self.optimizer, "copy_on_write", False))
+        # Without a copy-on-write optimizer something else updates the parameters (in place, say): copy.
+        return (getattr(self.optimizer, "copy_on_write", False)
                 and all(optim.can_hold(p.data) for p in self._params))
 
     def commit(self):
