@@ -816,9 +816,9 @@ def _check_writable(slots):
             if slot.segments and not getattr(getattr(slot.array, "flags", None), "writeable", True)]
     if held:
         raise CheckpointError(f"checkpoint: cannot load into {len(held)} read-only array(s) of the model (e.g. "
-                              f"{', '.join(repr(k) for k in held[:3])}): an elastic commit holds them (copy-on-write "
-                              f"commits keep the live parameters read-only); load before Elastic.train starts, or "
-                              f"call model.load_state_dict, which moves held parameters to new arrays")
+                              f"{', '.join(repr(k) for k in held[:3])}); an elastic commit holds the live parameters "
+                              f"read-only (copy-on-write): load before Elastic.train starts, or call "
+                              f"model.load_state_dict, which moves held parameters to new arrays")
 
 
 def _restore_optimizer(name, opt, entry, registry):

@@ -125,18 +125,37 @@ def can_hold(array):
 
 
 class _Spares:
-    """Flat buffers of released snapshots (``Optimizer.recycle``) for copy-on-write updates to reuse."""
+    """Flat buffers of released snapshots (``Optimizer.recycle``) for copy-on-write updates to reuse.
+
+    Only buffers allocated here come back (``take`` remembers them): a parameter's own array may share its
+    memory with something else of the user's. ``keep`` bounds the pool to the sizes of the packs in use, so
+    buffers of packs that changed (parameters without a gradient some steps) are freed, not hoarded.
+    """
 
     def __init__(self):
         self._free = {}
+        self._mine = weakref.WeakValueDictionary()  # id -> buffer allocated by take
 
     def take(self, size, dtype, xp):
         free = self._free.get((size, str(dtype)))
-        return free.pop() if free else xp.empty(size, dtype=dtype)
+        if free:
+            return free.pop()
+        buffer = xp.empty(size, dtype=dtype)
+        self._mine[id(buffer)] = buffer
+        return buffer
 
     def give(self, buffer):
+        """Take ``buffer`` back if it was allocated here (else leave it to its owner); return whether it was."""
+        if self._mine.get(id(buffer)) is not buffer:
+            return False
         buffer.flags.writeable = True
         self._free.setdefault((buffer.size, str(buffer.dtype)), []).append(buffer)
+        return True
+
+    def keep(self, sizes):
+        """Free the spare buffers whose size no pack has now (``sizes``: {(size, dtype name)})."""
+        for key in [k for k in self._free if k not in sizes]:
+            del self._free[key]
 
 
 # Elements per block of a pack's update: 64K (256 KB of float32) keeps a block's operands in the L2
@@ -213,7 +232,8 @@ class _Pack:
         if flat is not None:
             return flat
         dtype = self.params[0].data.dtype
-        flat = self.xp.zeros(self.size, dtype=dtype) if init is None else init.astype(dtype, copy=True)
+        flat = self.spares.take(self.size, dtype, self.xp)
+        flat[...] = 0 if init is None else init
         for i, p, (a, b) in zip(self.indices, self.params, self.spans):
             view = flat[a:b].reshape(p.data.shape)
             old = opt.state[i].get(name)
@@ -313,6 +333,7 @@ class Optimizer:
         self.state = {}  # index into self.params -> dict of step and buffers
         self._packs = {}  # tuple of indices -> _Pack
         self._spares = _Spares()  # buffers for copy-on-write updates (see the module's docstring)
+        self._packed_state = self.state  # the state dict the packs' flat arrays were made from
 
     @property
     def lr(self):
@@ -336,11 +357,20 @@ class Optimizer:
     # and an elastic commit then copies instead of holding.
     copy_on_write = False
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "_update" in cls.__dict__ and "copy_on_write" not in cls.__dict__:
+            cls.copy_on_write = False  # its own update may write in place: it must say it does not
+
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_packs"] = {}  # scratch and views: rebuilt at the next step
-        state["_spares"] = _Spares()
+        state["_spares"] = None  # weak references do not pickle; a fresh pool below
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._spares = _Spares()
 
     def recycle(self, released, held):
         """Reuse the flat buffers under ``released`` arrays (a dropped snapshot) for later copy-on-write updates.
@@ -354,10 +384,10 @@ class Optimizer:
         given = set()
         for a in released:
             owner = _owner(a)
-            if (id(owner) not in busy and id(owner) not in given and getattr(owner, "ndim", 0) == 1
-                    and owner.flags.c_contiguous and owner.flags.owndata and can_hold(owner)):
+            if id(owner) not in busy and id(owner) not in given and can_hold(owner):
                 given.add(id(owner))
                 self._spares.give(owner)
+        self._spares.keep({(pack.size, str(pack.params[0].data.dtype)) for pack in self._packs.values()})
 
     def step(self):
         """Update every parameter that has a gradient, in place."""
@@ -371,6 +401,9 @@ class Optimizer:
             self._step()
 
     def _step(self):
+        if self.state is not self._packed_state:
+            # ``state`` was replaced (checkpoint.load, user code): the packs' flat state is stale
+            self._packs, self._packed_state = {}, self.state
         i = 0
         for group in self.param_groups:
             packs = {}
@@ -494,7 +527,11 @@ class SGD(Optimizer):
                     d[a:b] -= w
             return
         dtype = pack.params[0].data.dtype
-        if (momentum and "momentum_buffer" in self.state[pack.indices[0]]
+        # Blocks keep operands in the CPU's cache (numpy only; on a GPU they would be many small kernels). Their
+        # scratch has the parameters' dtype: bitwise the plain expressions only when the hyperparameters are
+        # Python numbers (a numpy float64 lr would promote the plain expressions to float64).
+        plain = all(type(group[k]) in (float, int) for k in ("lr", "momentum", "weight_decay", "dampening"))
+        if (momentum and plain and pack.xp.__name__ == "numpy" and "momentum_buffer" in self.state[pack.indices[0]]
                 and all(p.data.flags.c_contiguous and p.grad.flags.c_contiguous and p.grad.dtype == dtype
                         for p in pack.params)):
             self._momentum_blocks(pack, group)

@@ -276,7 +276,7 @@ def test_commits_hold_the_live_arrays_instead_of_copying_and_steps_write_elsewhe
     from mpidist import checkpoint
     simulate(1, lambda comm: _saved(model, comm, str(tmp_path), 9))
     with pytest.raises(checkpoint.CheckpointError, match=r"cannot load into 4 read-only array\(s\) of the model "
-                                                         r"\(e\.g\. 'model\.0\.weight'.*an elastic commit holds them"):
+                                                         r"\(e\.g\. 'model\.0\.weight'.*an elastic commit holds the live parameters"):
         simulate(1, lambda comm: checkpoint.load(str(tmp_path), {"model": model}, comm))
     from mpidist import DDP
     simulate(1, lambda comm: DDP(model, comm))  # broadcasts into the parameters: moves them off the held arrays
@@ -310,6 +310,33 @@ def test_without_a_copy_on_write_optimizer_commits_copy_and_parameters_stay_writ
     state.rollback(0)
     for p, v in zip(model.parameters(), start):
         np.testing.assert_array_equal(p.data, v)
+
+
+def test_starting_again_returns_to_the_first_commit_this_rank_took():
+    """A rank lost before the first commit completed everywhere: a survivor that had committed step 0 and
+    gone on into the step (parameters updated, sampler advanced) is back at that commit when it starts again;
+    parameters it held are writable again; a parameter the optimizer does not own is copied, not held."""
+    data = np.random.default_rng(1)
+    x, y = data.standard_normal((40, 3)), data.integers(0, 2, 40)
+    model = _model()
+    frozen = nn.Parameter(np.ones(3))
+    model.extra = frozen  # a parameter no optimizer updates (an EMA of weights, say)
+    params = [p for p in model.parameters() if p is not frozen]
+    opt = optim.SGD(params, lr=0.1, momentum=0.9)
+    sched = optim.StepLR(opt, step_size=2, gamma=0.5)
+    sampler, rng = elastic.ElasticSampler(40, 8, seed=1), np.random.default_rng(5)
+    state = elastic.State(model, opt, sched, sampler, rngs=[rng])
+    start = [p.data.copy() for p in model.parameters()]
+    state.commit()
+    assert frozen.data.flags.writeable  # not the optimizer's: copied
+    frozen.data += 1.0
+    _train(model, opt, sched, sampler, rng, 1, x, y)
+    state.forget_commits()
+    assert state.committed_steps == [] and state.step == 0 and sampler.state_dict() == \
+        elastic.ElasticSampler(40, 8, seed=1).state_dict()
+    for p, v in zip(model.parameters(), start):
+        np.testing.assert_array_equal(p.data, v)
+        assert p.data.flags.writeable
 
 
 # -- jobs that lose ranks (Open MPI 5 + ULFM) ----------------------------------------------------------

@@ -450,3 +450,93 @@ def test_sgd_momentum_update_is_bitwise_the_plain_expression(kwargs, dtype, bloc
             refs[i] -= d * lr
     for p, q in zip(params, refs):
         np.testing.assert_array_equal(p.data, q)
+
+
+def test_spare_buffers_stay_bounded_when_the_packs_keep_changing():
+    """Parameters without a gradient in random steps change the packs every step: buffers of released
+    snapshots must not pile up in the pool (only the sizes of packs in use are kept)."""
+    rng = np.random.default_rng(5)
+    params = [nn.Parameter(rng.standard_normal(500)) for _ in range(8)]
+    model_bytes = sum(p.data.nbytes for p in params)
+    for cls, kwargs in ((SGD, dict(lr=0.1, momentum=0.9)), (Adam, dict(lr=1e-2))):
+        opt = cls(params, **kwargs)
+        kept = []
+        for step in range(120):
+            for p in params:
+                p.grad = rng.standard_normal(500) if rng.random() < 0.5 else None
+            opt.step()
+            arrays = [optim.hold(p.data) for p in params]
+            arrays += [optim.hold(v) for s in opt.state.values() for v in s.values() if hasattr(v, "shape")]
+            kept.append(arrays)
+            if len(kept) > 2:
+                opt.recycle(kept.pop(0), [a for arrays in kept for a in arrays])
+        pooled = sum(b.nbytes for free in opt._spares._free.values() for b in free)
+        assert pooled <= 6 * model_bytes, (cls.__name__, pooled, model_bytes)
+        for p in params:
+            p.data = p.data.copy()  # writable again for the next optimizer
+
+
+def test_numpy_scalar_hyperparameters_round_like_the_plain_expressions():
+    """An lr that is a numpy float64 (a schedule written with np.minimum, say) promotes the plain expressions
+    to float64: the update must do the same (the blocked float32 path is for Python numbers only)."""
+    rng = np.random.default_rng(6)
+    p = nn.Parameter(rng.standard_normal(300).astype(np.float32))
+    ref, buf = p.data.copy(), None
+    lr, mom, wd = np.float64(0.03), np.float64(0.9), np.float64(0.01)
+    opt = SGD([p], lr=lr, momentum=mom, weight_decay=wd)
+    for t in range(4):
+        g = rng.standard_normal(300).astype(np.float32)
+        p.grad = g.copy()
+        opt.step()
+        d = g + wd * ref
+        if t == 0:
+            buf = d.astype(np.float32)
+        else:
+            buf *= mom
+            buf += (1 - 0.0) * d
+        ref -= buf * lr
+    np.testing.assert_array_equal(p.data, ref)
+
+
+def test_subclasses_with_their_own_update_are_not_copy_on_write():
+    class Mine(SGD):
+        def _update(self, pack, group):
+            for p in pack.params:
+                p.data -= group["lr"] * p.grad
+
+    class Declared(SGD):
+        copy_on_write = True
+
+        def _update(self, pack, group):
+            super()._update(pack, group)
+
+    assert SGD.copy_on_write and Adam.copy_on_write and AdamW.copy_on_write
+    assert not Mine.copy_on_write and Declared.copy_on_write
+
+
+def test_a_replaced_state_dict_is_used_by_the_next_step():
+    """Replacing ``opt.state`` (as checkpoint.load does) after steps must not leave the packs' cached flat
+    state in use: the continuation equals an optimizer built fresh from the same state."""
+    rng = np.random.default_rng(7)
+    start = rng.standard_normal(50)
+    grads = [rng.standard_normal(50) for _ in range(6)]
+    a, b = nn.Parameter(start.copy()), nn.Parameter(start.copy())
+    opt_a = SGD([a], lr=0.1, momentum=0.9)
+    for g in grads[:3]:
+        a.grad = g.copy()
+        opt_a.step()
+    saved = opt_a.state_dict()
+    saved_value = a.data.copy()
+    a.grad = grads[3].copy()
+    opt_a.step()  # moves on: its pack caches this step's momentum
+    a.data[...] = saved_value
+    opt_a.state = {int(i): {k: (v.copy() if hasattr(v, "copy") else v) for k, v in s.items()}
+                   for i, s in saved["state"].items()}
+    b.data[...] = saved_value
+    opt_b = SGD([b], lr=0.1, momentum=0.9)
+    opt_b.load_state_dict(saved)
+    for g in grads[3:]:
+        a.grad, b.grad = g.copy(), g.copy()
+        opt_a.step()
+        opt_b.step()
+    np.testing.assert_array_equal(a.data, b.data)

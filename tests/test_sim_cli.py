@@ -247,6 +247,7 @@ def test_cpus_binds_every_rank_thread_and_bad_lists_are_refused(tmp_path, capsys
     with pytest.raises(ValueError, match=r"cpus must name CPUs like '0', '0,2' or '0-3' \(got 'a-b'\)"):
         simulate(2, lambda comm: None, cpus="a-b")
     assert simulate(2, lambda comm: sorted(os.sched_getaffinity(0)), cpus=[one]) == [[one], [one]]
+    assert simulate(1, lambda comm: sorted(os.sched_getaffinity(0)), cpus=one) == [[one]]
 
 
 def test_python_dash_m_mpidist_sim_runs_a_program(tmp_path):

@@ -94,3 +94,41 @@ def test_unmodified_pytorch_matches_one_process_and_gloo(scenario, n, parity):
     assert _compare(got, ref) <= tol, f"{scenario} over mpidist differs from one process on the global batch"
     assert _compare(got, part(gloo, "got")) <= tol, f"{scenario} over mpidist differs from gloo"
     assert _compare(part(gloo, "got"), part(gloo, "ref")) <= tol  # the reference itself is right
+
+
+def test_a_timed_wait_on_an_aborted_work_ends_even_when_another_thread_holds_it():
+    """wait(timeout) after abort: if the work's lock is held elsewhere (a thread blocked inside MPI on it), the
+    wait raises the abort's error at once instead of spinning or waiting out its timeout."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    from mpidist.torch import _work
+
+    class Pending:  # a part that never completes
+        def test(self):
+            return False
+
+        def wait(self):
+            raise AssertionError("not reached")
+
+    work = _work.Work("allreduce", [Pending()], None)
+    work._abort = _work.Abort("g")
+    work._abort.reason = "mpidist: process group g was aborted"
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        with work._lock:
+            holding.set()
+            release.wait(10)
+    t = threading.Thread(target=hold)
+    t.start()
+    holding.wait(5)
+    start = time.monotonic()
+    try:
+        with pytest.raises(_work.AbortedError, match="process group g was aborted"):
+            work.wait(timedelta(seconds=30))
+        assert time.monotonic() - start < 5
+    finally:
+        release.set()
+        t.join(5)

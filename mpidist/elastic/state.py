@@ -133,7 +133,10 @@ class State(Replicated):
         return None  # DDP leaves the module whole: building again over the survivors re-broadcasts it
 
     def forget_commits(self):
-        """Drop every commit; parameters a commit held (read-only) move to writable copies of themselves."""
+        """Drop every commit, back to the first one if this rank took it (it may have gone on into step 0:
+        parameters, sampler and generators moved); parameters a commit held move to writable copies."""
+        if self._commits:
+            self.rollback(self._commits[0]["step"])
         super().forget_commits()
         for p in self._params:
             p.make_writable()
@@ -158,7 +161,10 @@ class State(Replicated):
         # at most one commit apart, so nobody can need it once this rank commits again.
         spare = self._commits.pop(0) if len(self._commits) >= self.keep else None
         if self._holds():
-            params = [optim.hold(p.data) for p in self._params]
+            # The optimizer's parameters are held; others (frozen, or updated by other code) are copied.
+            owned = {id(p) for p in self.optimizer.params}
+            params = [optim.hold(p.data) if id(p) in owned else _copy(p.data, spare and spare["params"][i])
+                      for i, p in enumerate(self._params)]
             opt = None if self.optimizer is None else _optimizer_copy(self.optimizer, hold=True)
             if spare is not None and self.optimizer is not None:
                 self.optimizer.recycle(_arrays(spare), [a for c in self._commits for a in _arrays(c)] + params)

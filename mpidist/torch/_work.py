@@ -342,8 +342,11 @@ class Work(dist._Work):
             while not self.is_completed():
                 if self._abort is not None and self._abort.reason is not None:
                     # abort may have found the lock held by is_completed's test (and left the work to the
-                    # thread holding it): this thread is the one, so it fails the work itself
+                    # thread holding it): this thread is the one, so it fails the work itself; if another
+                    # thread holds the lock (blocked inside MPI), this wait ends with the abort's error
                     self._abandon()
+                    if not self._done:
+                        raise AbortedError(self._abort.reason)
                     continue
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"mpidist {self.op}: not complete after {limit:g} s (timeout)")

@@ -31,6 +31,8 @@ def parse_cpus(cpus):
     """
     if cpus is None or cpus == "":
         return None
+    if isinstance(cpus, int) and not isinstance(cpus, bool):
+        cpus = [cpus]
     try:
         if isinstance(cpus, str):
             chosen = set()
@@ -73,12 +75,12 @@ def rank_threads(n, target, *, ranks_per_node=None, timeout=None, seed=None, nam
     errors = [None] * n
 
     def run(rank):
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)  # this thread only (Linux binds threads one by one)
         comm = SimComm(world, rank)
         self_comm = SimComm(Context(universe, [rank], "SIM_SELF"), 0)
         bind_rank((comm, self_comm))
         try:
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)  # this thread only (Linux binds threads one by one)
             results[rank] = target(rank, comm)
         except BaseException as exc:  # noqa: BLE001 - any failure must release the other ranks
             errors[rank] = exc
