@@ -6,8 +6,8 @@ position, the given numpy Generators and mpidist's default generator, and a user
 ``keep`` commits are held (two by default): ranks can be one commit apart when a failure strikes, and the
 survivors roll back to the older one that all of them hold.
 
-Parameters and optimizer arrays are kept without a copy where the optimizer is ``copy_on_write`` (SGD, Adam,
-AdamW) and the arrays are numpy: the commit makes the live arrays read-only (``optim.hold``) and keeps them,
+The optimizer's parameters and its state arrays are kept without a copy where the optimizer is ``copy_on_write``
+(SGD, Adam, AdamW; a subclass with its own update must declare it) and the arrays are numpy: the commit makes the live arrays read-only (``optim.hold``) and keeps them,
 and the next step writes its new values into other buffers (recycled from the commit dropped, see
 ``Optimizer.recycle``). Anything else that writes into a parameter in place between commits then fails with
 numpy's "read-only" error instead of silently changing a commit. Other optimizers, and CuPy arrays, are copied.
