@@ -69,6 +69,7 @@ from . import guard
 from .comm import check_comm
 from .comm.agree import agreed
 from .nn.placement import Replicate, Shard, placement_of
+from .optim import is_held
 from .xp import copy_into, to_numpy
 
 __all__ = ["save", "load", "latest_step", "list_steps", "check_writable", "CheckpointError"]
@@ -813,7 +814,7 @@ def _check_keys(slots, manifest, directory):
 def _check_writable(slots):
     """Raise naming the model arrays that are read-only: an elastic commit holds them (copy-on-write)."""
     held = [slot.segments[0].key for slot in slots
-            if slot.segments and not getattr(getattr(slot.array, "flags", None), "writeable", True)]
+            if slot.segments and is_held(slot.array)]
     if held:
         raise CheckpointError(f"checkpoint: cannot load into {len(held)} read-only array(s) of the model (e.g. "
                               f"{', '.join(repr(k) for k in held[:3])}); an elastic commit holds the live parameters "

@@ -95,10 +95,11 @@ def _flat_view(arrays):
     return base[offset: offset + sum(a.size for a in arrays)]
 
 
-def _writable(array):
-    """False for a numpy array someone made read-only (``hold``); CuPy arrays have no such flag."""
-    flags = getattr(array, "flags", None)
-    return getattr(flags, "writeable", True)
+def is_held(array):
+    """Whether ``array`` is read-only (``hold``: a copy-on-write snapshot keeps it), so it must not be written.
+
+    CuPy arrays have no such flag: never held."""
+    return not getattr(getattr(array, "flags", None), "writeable", True)
 
 
 def _owner(array):
@@ -111,10 +112,10 @@ def hold(array):
     A held parameter or optimizer state array keeps its values: a ``copy_on_write`` optimizer writes the next
     update elsewhere, and anything else that writes into it fails loudly ("assignment destination is read-only").
     """
-    if hasattr(getattr(array, "flags", None), "writeable"):
+    if can_hold(array):
         array.flags.writeable = False
         owner = _owner(array)
-        if owner is not array and hasattr(getattr(owner, "flags", None), "writeable"):
+        if owner is not array and can_hold(owner):
             owner.flags.writeable = False
     return array
 
@@ -247,7 +248,7 @@ class _Pack:
         """Return the flat state ``name`` to read and the one to write: the same array, unless it is held
         (read-only): then a spare one that every parameter's state view moves to (copy-on-write)."""
         flat = self.state(opt, name, init)
-        if _writable(flat):
+        if not is_held(flat):
             return flat, flat
         new = self.spares.take(self.size, flat.dtype, self.xp)
         for i, p, (a, b) in zip(self.indices, self.params, self.spans):
@@ -262,7 +263,7 @@ class _Pack:
         flat buffer that the parameters move to once every block is done (see the module's copy-on-write).
         Parameters and gradients must be C-contiguous."""
         arrays, grads = [p.data for p in self.params], [p.grad for p in self.params]
-        new = None if all(_writable(d) for d in arrays) else self.spares.take(self.size, arrays[0].dtype, self.xp)
+        new = None if not any(is_held(d) for d in arrays) else self.spares.take(self.size, arrays[0].dtype, self.xp)
         whole = _flat_view(arrays) if len(arrays) > 1 else arrays[0].reshape(-1)
         flat_grads = _flat_view(grads) if len(grads) > 1 else grads[0].reshape(-1)
         if whole is not None and flat_grads is not None:
@@ -293,7 +294,7 @@ class _Pack:
         """
         arrays = [p.data for p in self.params]
         flat = hasattr(operand, "shape") and operand.ndim == 1
-        if all(_writable(d) for d in arrays):
+        if not any(is_held(d) for d in arrays):
             whole = _flat_view(arrays) if len(arrays) > 1 else None
             if whole is not None:
                 ufunc(whole, operand, out=whole)
@@ -511,7 +512,7 @@ class SGD(Optimizer):
         for i in pack.indices:
             state = self.state[i]
             state["step"] = state.get("step", 0) + 1
-        if not momentum and not wd and all(_writable(p.data) for p in pack.params):
+        if not momentum and not wd and not any(is_held(p.data) for p in pack.params):
             # Plain SGD keeps no state, so no flat gradient either: p -= lr * g block by block in place.
             dtype = xp.result_type(pack.params[0].grad.dtype, lr)
             work = pack.scratch("work", dtype, min(_BLOCK, pack.size))

@@ -7,9 +7,9 @@ position, the given numpy Generators and mpidist's default generator, and a user
 survivors roll back to the older one that all of them hold.
 
 The optimizer's parameters and its state arrays are kept without a copy where the optimizer is ``copy_on_write``
-(SGD, Adam, AdamW; a subclass with its own update must declare it) and the arrays are numpy: the commit makes the live arrays read-only (``optim.hold``) and keeps them,
-and the next step writes its new values into other buffers (recycled from the commit dropped, see
-``Optimizer.recycle``). Anything else that writes into a parameter in place between commits then fails with
+(SGD, Adam, AdamW; a subclass with its own update must declare it) and the arrays are numpy: the commit makes
+the live arrays read-only (``optim.hold``) and keeps them, and the next step writes its new values into other
+buffers (recycled from the commit dropped, see ``Optimizer.recycle``). Anything else that writes into a parameter in place between commits then fails with
 numpy's "read-only" error instead of silently changing a commit. Other optimizers, and CuPy arrays, are copied.
 """
 
@@ -192,7 +192,7 @@ class State(Replicated):
         snapshot = self._commits[where[0]]
         del self._commits[where[0] + 1:]
         for p, value, version in zip(self._params, snapshot["params"], snapshot["versions"]):
-            if optim.can_hold(p.data) and not p.data.flags.writeable:
+            if optim.is_held(p.data):
                 p.data = value.copy()  # held by a commit (copy-on-write): a fresh array, the commit stays as it is
             else:
                 p.data[...] = value  # in place: the optimizer's flat views of the parameters stay valid
@@ -209,7 +209,7 @@ def _copy(array, into=None):
     """A copy of ``array``, written into ``into`` when that has the same shape and dtype and is no held array
     (an array a copy-on-write commit held may still be a live parameter)."""
     if (into is not None and getattr(into, "shape", None) == array.shape and into.dtype == array.dtype
-            and (not optim.can_hold(into) or into.flags.writeable)):
+            and not optim.is_held(into)):
         into[...] = array
         return into
     return array.copy()
