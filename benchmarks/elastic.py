@@ -10,10 +10,12 @@ two jobs lose world rank 2 by SIGKILL at the start of step ``--kill-step``:
   commit taken after every step, rebuild DDP and go on. Reported: detection (kill -> exception on the
   survivors), revoke + shrink + agree, rollback + DDP rebuild, kill -> first completed step on 3 ranks, and the
   commit's cost per step.
-- commit cost: a job without a failure (``--with-ft ulfm``, as elastic training runs) takes steps with no commit, with a commit every step that holds the
-  live arrays (copy-on-write, the default with SGD/Adam) and with one that copies them, in rotation; reported:
-  the median step of each and the two overheads; a second phase without commits in the same rotation shows
-  the noise.
+- elastic, roll_forward: the same with ``State(roll_forward=True)``, whose commits keep no arrays: the survivors
+  take the newest commit one of them holds unchanged, broadcast from it (``elastic_roll_forward``).
+- commit cost: a job without a failure (``--with-ft ulfm``, as elastic training runs) takes steps with no commit,
+  with a commit every step that holds the live arrays (copy-on-write, the default with SGD/Adam), with one that
+  copies them and with a roll_forward one (no arrays kept), in rotation; reported: the median step of each and
+  the overheads; a second phase without commits in the same rotation shows the noise.
 - restart: plain ``mpiexec`` with an ``mpidist.checkpoint`` save every ``--checkpoint-every`` steps; the launcher
   ends the job, and a new job on 3 ranks starts, loads the latest checkpoint (resharding nothing: DDP) and
   redoes the lost steps. Reported: kill -> the first job's end (seen by this driver), relaunch (start ->
@@ -77,8 +79,9 @@ def worker(args):
         comm = MPI.COMM_WORLD
         ddp = DDP(model, comm)
         state = elastic.State(model, opt, None, sampler)
+        forward = elastic.State(model, opt, None, sampler, roll_forward=True)
         # "again": a second phase without commits, whose difference from "none" shows the noise
-        phases = {"none": [], "hold": [], "again": [], "copy": []}
+        phases = {"none": [], "hold": [], "again": [], "copy": [], "forward": []}
         for _ in range(args.cost_rounds):
             for mode, seen in phases.items():
                 opt.copy_on_write = mode != "copy"
@@ -88,13 +91,16 @@ def worker(args):
                     if mode in ("hold", "copy"):
                         state.step += 1
                         state.commit()
+                    elif mode == "forward":
+                        forward.step += 1
+                        forward.commit()
                     if k >= 2:  # the first steps of a phase still pay for the previous one's arrays
                         seen.append(time.perf_counter() - start)
         if comm.Get_rank() == 0:
             report = {f"{mode}_step_s": float(np.median(seen)) for mode, seen in phases.items()}
     elif args.worker == "elastic":
         job = elastic.init(log=False)
-        state = elastic.State(model, opt, None, sampler)
+        state = elastic.State(model, opt, None, sampler, roll_forward=args.roll_forward)
         first_done = []
 
         def step_fn(ddp, comm, state):
@@ -159,13 +165,18 @@ def measure(mb, args, venv):
         sys.exit(f"elastic job of {mb} MB wrote no report:\n{(run.stdout + run.stderr)[-3000:]}")
     row = {"model_mb": mb, "width": width(mb), "ranks": RANKS,
            "elastic": json.loads((tmp / "elastic.json").read_text())}
+    run = launch(venv, RANKS, ["--worker", "elastic", "--roll-forward", "--report", str(tmp / "forward.json"), *common],
+                 env, ft=True)
+    if not (tmp / "forward.json").exists():
+        sys.exit(f"roll_forward elastic job of {mb} MB wrote no report:\n{(run.stdout + run.stderr)[-3000:]}")
+    row["elastic_roll_forward"] = json.loads((tmp / "forward.json").read_text())
     quiet = {k: v for k, v in env.items() if k != "MPIDIST_FAULT"}
     launch(venv, RANKS, ["--worker", "cost", "--report", str(tmp / "cost.json"), "--cost-steps", str(args.cost_steps),
                          "--cost-rounds", str(args.cost_rounds), *common], quiet, ft=True)
     if not (tmp / "cost.json").exists():
         sys.exit(f"commit cost job of {mb} MB wrote no report")
     cost = json.loads((tmp / "cost.json").read_text())
-    for mode in ("hold", "copy", "again"):
+    for mode in ("hold", "copy", "again", "forward"):
         cost[f"{mode}_overhead"] = cost[f"{mode}_step_s"] / cost["none_step_s"] - 1
     row["commit_cost"] = cost
     first = launch(venv, RANKS, ["--worker", "first", "--report", str(tmp / "first.json"), *common], env, ft=False)
@@ -200,22 +211,24 @@ def main():
     parser.add_argument("--report", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--launched", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--roll-forward", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
     rows = []
     print(f"# {RANKS} ranks (oversubscribed on {os.cpu_count()} cores), DDP + SGD momentum, float32, rank 2 killed "
           f"at step {args.kill_step}; restart: checkpoint every {args.checkpoint_every} steps, relaunch on 3 ranks")
-    print(f"{'MB':>5} {'step ms':>8} {'commit ms':>9} | {'detect':>7} {'shrink':>7} {'restore':>7} {'1st step':>8} | "
+    print(f"{'MB':>9} {'step ms':>8} {'commit ms':>9} | {'detect':>7} {'shrink':>7} {'restore':>7} {'1st step':>8} | "
           f"{'job end':>7} {'relaunch':>8} {'load':>7} {'redo':>7} {'total':>7}   (ms; elastic | restart)")
     for mb in [float(s) for s in args.sizes.split(",")]:
         row = measure(mb, args, args.venv)
         rows.append(row)
-        e, r = row["elastic"], row["restart"]
-        print(f"{mb:>5g} {e['step_s'] * 1e3:>8.1f} {e['commit_s'] * 1e3:>9.2f} | {e['detect_s'] * 1e3:>7.1f} "
-              f"{e['shrink_s'] * 1e3:>7.1f} {e['restore_s'] * 1e3:>7.1f} {e['first_step_s'] * 1e3:>8.1f} | "
-              f"{r['job_end_s'] * 1e3:>7.0f} {r['relaunch_s'] * 1e3:>8.0f} {r['load_s'] * 1e3:>7.1f} "
-              f"{r['redo_s'] * 1e3:>7.0f} {r['total_s'] * 1e3:>7.0f}  ({r['redone_steps']} step(s) redone)", flush=True)
+        r = row["restart"]
+        for label, e in (("", row["elastic"]), (" fwd", row["elastic_roll_forward"])):
+            print(f"{mb:>5g}{label:4} {e['step_s'] * 1e3:>8.1f} {e['commit_s'] * 1e3:>9.2f} | {e['detect_s'] * 1e3:>7.1f} "
+                  f"{e['shrink_s'] * 1e3:>7.1f} {e['restore_s'] * 1e3:>7.1f} {e['first_step_s'] * 1e3:>8.1f} | "
+                  f"{r['job_end_s'] * 1e3:>7.0f} {r['relaunch_s'] * 1e3:>8.0f} {r['load_s'] * 1e3:>7.1f} "
+                  f"{r['redo_s'] * 1e3:>7.0f} {r['total_s'] * 1e3:>7.0f}  ({r['redone_steps']} step(s) redone)", flush=True)
     print(f"# commit cost: median step (ms) with no commit, with a commit every step that holds the arrays "
           f"(copy-on-write) and one that copies them, and none again, {args.cost_rounds} rounds of {args.cost_steps} "
           f"steps per phase, one job, no failure")
@@ -223,6 +236,7 @@ def main():
         c = row["commit_cost"]
         print(f"{row['model_mb']:>5g}  none {c['none_step_s'] * 1e3:7.1f}   hold {c['hold_step_s'] * 1e3:7.1f} "
               f"({c['hold_overhead']:+.1%})   copy {c['copy_step_s'] * 1e3:7.1f} ({c['copy_overhead']:+.1%})   "
+              f"roll_forward {c['forward_step_s'] * 1e3:7.1f} ({c['forward_overhead']:+.1%})   "
               f"none again {c['again_step_s'] * 1e3:7.1f} ({c['again_overhead']:+.1%}: noise)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

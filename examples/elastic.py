@@ -90,10 +90,14 @@ def main(argv=None):
     parser.add_argument("--max-micro-batch", type=int, help="ddp, fsdp: at most this many samples per forward on a "
                         "rank; a larger share (after a failure) is accumulated over micro-batches instead (default: "
                         "the per-rank batch grows)")
+    parser.add_argument("--roll-forward", action="store_true", help="ddp: commits keep no copy of the parameters "
+                        "(elastic.State(roll_forward=True))")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower model)")
     parser.add_argument("--out", help="every survivor writes its final parameters and committed sample ids to "
                                       "OUT-rank{world rank}.npz, with the failures and their timings")
     args = parser.parse_args(argv)
+    if args.roll_forward and args.wrapper != "ddp":
+        parser.error("--roll-forward: ddp only (FSDP shards and pipeline stages are not replicated on every rank)")
     if args.max_micro_batch is not None and args.wrapper == "pipeline":
         parser.error("--max-micro-batch: ddp and fsdp only (the pipeline splits its batch into its own micro-batches)")
 
@@ -111,7 +115,8 @@ def main(argv=None):
     crit = nn.CrossEntropyLoss()
     if args.wrapper == "ddp":
         opt, sched = make_training(model, args.lr)
-        state = elastic.State(model, opt, sched, sampler, rngs=[noise_rng], extra={"taken": [], "micro": []})
+        state = elastic.State(model, opt, sched, sampler, rngs=[noise_rng], extra={"taken": [], "micro": []},
+                              roll_forward=args.roll_forward)
         build = lambda comm: DDP(model, comm)  # noqa: E731
     elif args.wrapper == "pipeline":
         loss_weight = [1.0]  # this replica's share of the global batch x replicas, set by each step

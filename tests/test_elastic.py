@@ -10,6 +10,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -70,11 +71,11 @@ def test_fault_specs_parse_and_bad_ones_say_what_is_wrong():
                           ("rank=1,step=1,how=segv", "how must be one of sigkill, exit, raise"),
                           ("rank=1,step=-1", "step must be >= 0"), ("rank=1,step=2,rank=3", "each once"),
                           ("rank=1,step=2;rank=1,step=2,how=raise", "given twice"),
-                          ("rank=1,step=4,at=load", "at must be one of step, save, start"),
+                          ("rank=1,step=4,at=load", "at must be one of step, update, save, start"),
                           ("rank=1,step=2,at=start", "at=start fails before the first step, so step must be 0"),
                           ("rank=1,step=4,at=save,how=raise", "how=raise cannot be combined with at=save"),
                           ("rank=1,step=4,where=save",
-                           r"expected rank=R,step=S\[,how=sigkill\|exit\|raise\]\[,at=step\|save\|start\]")]:
+                           r"expected rank=R,step=S\[,how=sigkill\|exit\|raise\]\[,at=step\|update\|save\|start\]")]:
         with pytest.raises(ValueError, match=message):
             elastic.parse_faults(text)
     # The same rank and step at another point is another fault.
@@ -339,6 +340,108 @@ def test_starting_again_returns_to_the_first_commit_this_rank_took():
         assert p.data.flags.writeable
 
 
+def _setup(roll_forward=True):
+    model = _model()
+    opt = optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = optim.StepLR(opt, step_size=2, gamma=0.5)
+    sampler, rng = elastic.ElasticSampler(40, 8, seed=1), np.random.default_rng(5)
+    state = elastic.State(model, opt, sched, sampler, rngs=[rng], roll_forward=roll_forward)
+    return model, opt, sched, sampler, rng, state
+
+
+def _state_after(steps, x, y):
+    """Parameters, momentum and sampler position of the one-process reference after ``steps`` steps."""
+    model, opt, sched, sampler, rng, _ = _setup(False)
+    _train(model, opt, sched, sampler, rng, steps, x, y)
+    return ([p.data.copy() for p in model.parameters()], [opt.state[i]["momentum_buffer"].copy() for i in range(4)],
+            sampler.state_dict(), opt.lr)
+
+
+def test_roll_forward_commits_keep_no_arrays_and_change_nothing():
+    """roll_forward: commits hold and copy nothing (parameters stay writable, updates in place), training equals
+    training without commits bit for bit, and a rollback is refused once parameters changed since the commit."""
+    data = np.random.default_rng(1)
+    x, y = data.standard_normal((40, 3)), data.integers(0, 2, 40)
+    model, opt, sched, sampler, rng, state = _setup()
+    first = next(iter(model.parameters())).data
+    for step in range(1, 7):
+        _train(model, opt, sched, sampler, rng, 1, x, y)
+        state.step = step
+        state.commit()
+        assert state.held_bytes() == 0 and state.unchanged_since_commit()
+    assert next(iter(model.parameters())).data is first and first.flags.writeable  # updated in place
+    params, momentum, position, lr = _state_after(6, x, y)
+    for p, v in zip(model.parameters(), params):
+        np.testing.assert_array_equal(p.data, v)
+    sampler.advance()  # into step 7, before its update: the commit of step 6 is still what the parameters hold
+    state.extra["seen"] = 1
+    state.rollback(6)
+    assert sampler.state_dict() == position and state.extra == {} and state.step == 6
+    _train(model, opt, sched, sampler, rng, 1, x, y)
+    assert not state.unchanged_since_commit()
+    with pytest.raises(RuntimeError, match=r"roll_forward commits keep no copy of the parameters, which changed since "
+                                           r"the commit of step 6 \(latest: 6\)"):
+        state.rollback(6)
+    with pytest.raises(ValueError, match=r"State\(roll_forward=True\) needs the optimizer"):
+        elastic.State(model, roll_forward=True)
+
+
+@pytest.mark.mpi_skip  # the survivors are simulated ranks
+@pytest.mark.parametrize("situations, expected", [
+    # (commit step, optimizer steps taken since) per survivor -> the step everyone continues from
+    ([(4, 0), (3, 1), (3, 0)], 4),   # one finished step 4: it carries the others forward, the stepped-past one too
+    ([(3, 1), (3, 1), (3, 0)], 3),   # two stepped past commit 3: the one that did not brings them back
+    ([(3, 0), (4, 0), (4, 0)], 4),
+])
+def test_roll_forward_survivors_continue_from_the_newest_commit_one_of_them_holds(situations, expected):
+    """Survivors in different places of a DDP step (committed a step further; took optimizer.step() past their
+    commit; fetched the next batch only) all end with the parameters, momentum, schedule and sampler position
+    of the one-process reference at the newest commit someone held unchanged, and train on equal to it."""
+    data = np.random.default_rng(1)
+    x, y = data.standard_normal((40, 3)), data.integers(0, 2, 40)
+
+    def survivor(comm):
+        commit, stepped = situations[comm.Get_rank()]
+        model, opt, sched, sampler, rng, state = _setup()
+        _train(model, opt, sched, sampler, rng, commit, x, y)
+        state.step = commit
+        state.commit()
+        _train(model, opt, sched, sampler, rng, stepped, x, y)  # replicas' updates are equal (DDP)
+        sampler.advance()  # every one had moved on into its next step
+        failure = types.SimpleNamespace(restored_from=None)
+        state.restore(failure, lambda comm: None, comm)
+        got = ([p.data.copy() for p in model.parameters()], [opt.state[i]["momentum_buffer"].copy() for i in range(4)],
+               sampler.state_dict(), opt.lr, state.step, failure.restored_from)
+        _train(model, opt, sched, sampler, rng, 2, x, y)
+        return got, [p.data.copy() for p in model.parameters()]
+
+    params, momentum, position, lr = _state_after(expected, x, y)
+    later = _state_after(expected + 2, x, y)[0]
+    for got, trained in simulate(len(situations), survivor):
+        assert got[2:5] == (position, lr, expected) and f"the commit of step {expected}" in got[5]
+        for a, b in zip(got[0] + got[1] + trained, params + momentum + later):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.mpi_skip
+def test_roll_forward_says_on_every_survivor_when_all_had_stepped_past_their_commit():
+    data = np.random.default_rng(1)
+    x, y = data.standard_normal((40, 3)), data.integers(0, 2, 40)
+
+    def survivor(comm):
+        model, opt, sched, sampler, rng, state = _setup()
+        state.commit()
+        _train(model, opt, sched, sampler, rng, 1, x, y)
+        try:
+            state.restore(types.SimpleNamespace(restored_from=None), lambda comm: None, comm)
+        except RuntimeError as exc:
+            return str(exc)
+
+    for message in simulate(3, survivor):
+        assert message is not None and "cannot recover: every survivor had taken optimizer.step() after its latest " \
+            "commit (steps [0, 0, 0])" in message and "issue the step's collectives before optimizer.step()" in message
+
+
 # -- jobs that lose ranks (Open MPI 5 + ULFM) ----------------------------------------------------------
 def _reference(steps, samples, batch, lr):
     spec = importlib.util.spec_from_file_location("elastic_example", EXAMPLE)
@@ -399,6 +502,44 @@ def test_survivors_finish_with_the_parameters_of_a_one_process_reference(faults,
         assert log.count("InjectedFault: MPIDIST_FAULT: rank 1 fails at step 9") == 1, log[-4000:]
     if "at=start" in faults:
         assert "lost before the first commit, started again" in log, log[-4000:]
+
+
+@needs_ulfm
+@launcher.needed
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("faults, lost", [
+    ("rank=2,step=5", [2]),
+    ("rank=0,step=3;rank=3,step=11", [0, 3]),
+    ("rank=0,step=0,at=start", [0]),
+])
+def test_roll_forward_survivors_finish_with_the_reference_parameters(faults, lost, tmp_path):
+    """Commits that keep no arrays (State(roll_forward=True)): the survivors take the newest commit one of them
+    holds unchanged from it and end with the one-process reference's parameters."""
+    result, log = _launch(tmp_path, faults, "--roll-forward")
+    run = _check_survivors(tmp_path, result, log, lost)
+    assert [int(f[0]) for f in run["failures"]] == lost
+    assert "lost before the first commit" in log if "at=start" in faults else "roll_forward: the commit of step" in log
+
+
+@needs_ulfm
+@launcher.needed
+@pytest.mark.mpi_skip
+def test_a_rank_lost_after_everyone_updated_rolls_back_to_the_held_commit(tmp_path):
+    """Rank 1 dies right after its optimizer step: the others update too and lose it in the step's later
+    allgather, past their latest commit; the default commits hold the state to roll back to, and the job ends
+    with the reference's parameters. With roll_forward no survivor holds a commit unchanged then, unless one
+    had not updated yet: every survivor either says so or matches the reference, never anything else."""
+    result, log = _launch(tmp_path, "rank=1,step=6,at=update")
+    assert "failing after its optimizer step in step 6" in log, log[-4000:]
+    _check_survivors(tmp_path, result, log, [1])
+    forward = tmp_path / "forward"
+    forward.mkdir()
+    result, log = _launch(forward, "rank=1,step=6,at=update", "--roll-forward")
+    if "cannot recover: every survivor had taken optimizer.step()" in log:
+        assert log.count("issue the step's collectives before optimizer.step()") >= 3, log[-4000:]
+        assert not list(forward.glob("run-rank*.npz")), log[-4000:]
+    else:
+        _check_survivors(forward, result, log, [1])
 
 
 @needs_ulfm

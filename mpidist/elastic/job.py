@@ -23,6 +23,7 @@ import time
 
 from mpi4py import MPI
 
+from .. import optim
 from .failure import RankFailure, process_failure, recover
 from .fault import faults_from_env, install_kill_on_error
 from .support import check_support
@@ -121,6 +122,17 @@ class Elastic:
             raise ValueError(f"Elastic.train: commit_every must be >= 1 (got {commit_every})")
         _check_save_faults(self.faults, state, steps)
         state.faults = self.faults  # at=save faults fire inside the state's checkpoint saves
+        after_update = None
+        if any(f.at == "update" for f in self.faults):
+            after_update = optim.register_optimizer_step_post_hook(
+                lambda opt, args, kwargs: [f.maybe_fail(self.world_rank, state.step, at="update") for f in self.faults])
+        try:
+            return self._train(state, build, step_fn, steps, commit_every, on_failure)
+        finally:
+            if after_update is not None:
+                after_update.remove()
+
+    def _train(self, state, build, step_fn, steps, commit_every, on_failure):
         wrapper, failure = None, None
         while True:
             try:

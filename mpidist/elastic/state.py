@@ -11,14 +11,27 @@ The optimizer's parameters and its state arrays are kept without a copy where th
 the live arrays read-only (``optim.hold``) and keeps them, and the next step writes its new values into other
 buffers (recycled from the commit dropped, see ``Optimizer.recycle``). Anything else that writes into a parameter in place between commits then fails with
 numpy's "read-only" error instead of silently changing a commit. Other optimizers, and CuPy arrays, are copied.
+
+``State(..., roll_forward=True)`` keeps no parameter or optimizer array at all: a commit records the small state
+and the parameters' ``version`` counters, and the optimizer updates in place. This relies on DDP's replicas being
+equal: after a failure every survivor says whether its parameters are still those of its latest commit (no
+``optimizer.step()`` since), the newest such commit wins, and its holder broadcasts it to the others (a survivor
+a step ahead carries the others forward; one that had stepped past its commit is brought back to a survivor's
+older one). It cannot recover when every survivor had taken ``optimizer.step()`` since its latest commit and
+then lost a rank before committing again, i.e. when the step has a collective after ``optimizer.step()`` that
+fails: it then says so on every survivor. Commits cost nothing but that small state; put the step's collectives
+(a metric's allreduce) before ``optimizer.step()``.
 """
 
 import copy
 import time
 
-from .. import optim
+import numpy as np
+
+from .. import collectives, optim
 from ..nn import random as nn_random
 from ..nn.placement import Shard, placement_of
+from ..xp import get_array_module
 
 __all__ = ["State", "Replicated"]
 
@@ -102,12 +115,20 @@ def refuse_tensor_parallel(named, owner):
 class State(Replicated):
     """Everything a DDP step changes, with ``commit()`` and ``rollback(step)`` in memory.
 
-    ``step`` counts the steps taken (the commit id is the ``step`` it was taken at).
+    ``step`` counts the steps taken (the commit id is the ``step`` it was taken at). ``roll_forward``: commits
+    keep no arrays; after a failure the survivors continue from the newest commit one of them still holds
+    unchanged (see the module's docstring for what that requires).
     """
 
-    def __init__(self, module, optimizer=None, scheduler=None, sampler=None, rngs=(), extra=None, keep=2):
+    def __init__(self, module, optimizer=None, scheduler=None, sampler=None, rngs=(), extra=None, keep=2,
+                 roll_forward=False):
         super().__init__(sampler, rngs, extra, keep)
+        if roll_forward and optimizer is None:
+            raise ValueError("State(roll_forward=True) needs the optimizer: it keeps no copy of the parameters, so "
+                             "the optimizer's step must be the only thing that changes them between commits")
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
+        self.roll_forward = bool(roll_forward)
+        self._receiving = False  # roll_forward: parameters half overwritten by a broadcast a failure cut short
         named = list(module.named_parameters())
         refuse_tensor_parallel(named, "State")
         self._params = [p for _, p in named]
@@ -121,7 +142,7 @@ class State(Replicated):
 
     def held_bytes(self):
         """Bytes of the kept commits' parameter and optimizer arrays on this rank."""
-        return sum(sum(a.nbytes for a in c["params"]) + sum(v.nbytes for s in (c["optimizer"] or {}).get("state", {}).values()
+        return sum(sum(a.nbytes for a in c["params"] or ()) + sum(v.nbytes for s in (c["optimizer"] or {}).get("state", {}).values()
                                                             for v in s.values() if hasattr(v, "nbytes"))
                    for c in self._commits)
 
@@ -142,9 +163,58 @@ class State(Replicated):
             p.make_writable()
 
     def restore(self, failure, build, comm):
-        """Roll back to the agreed commit and build the wrapper over the survivors (``Elastic.train``)."""
-        self.rollback(failure.commit)
+        """Roll back to the agreed commit (or, ``roll_forward``, take the newest commit a survivor holds
+        unchanged) and build the wrapper over the survivors (``Elastic.train``)."""
+        if self.roll_forward:
+            failure.restored_from = self._take_newest_commit(comm)
+        else:
+            self.rollback(failure.commit)
         return build(comm)
+
+    def unchanged_since_commit(self):
+        """Whether the parameters (and so the optimizer's state) are still those of the latest commit: no
+        ``optimizer.step()`` since, nor a broadcast into them cut short."""
+        return (bool(self._commits) and not self._receiving
+                and all(p.version == v for p, v in zip(self._params, self._commits[-1]["versions"])))
+
+    def _take_newest_commit(self, comm):
+        """roll_forward's restore, on every survivor: agree on the newest commit held unchanged; its holder
+        broadcasts its parameters, optimizer state and small state; return what happened (for the log)."""
+        mine = self._commits[-1]["step"] if self.unchanged_since_commit() else -1
+        held = comm.allgather(mine)
+        best = max(held)
+        if best < 0:
+            raise RuntimeError(
+                f"State(roll_forward=True) cannot recover: every survivor had taken optimizer.step() after its latest "
+                f"commit (steps {comm.allgather(self.committed_step)}) and none committed again before a rank was lost, "
+                f"so no one still holds a committed state (a collective after optimizer.step() failed, e.g. a metric's "
+                f"allreduce). With roll_forward, issue the step's collectives before optimizer.step(), or use the "
+                f"default commits, which keep what they roll back to")
+        root = held.index(best)
+        if comm.Get_rank() == root:
+            commit = self._commits[-1]
+            layout = _optimizer_layout(self.optimizer)
+            comm.bcast((commit["versions"], commit["replicated"], layout[0]), root=root)
+        else:
+            versions, replicated, meta = comm.bcast(None, root=root)
+            xp = get_array_module(self._params[0].data)
+            layout = (meta, [xp.empty(shape, dtype) for shape, dtype in _shapes(meta)])
+            self._receiving = True  # until every array arrived: a failure now leaves this rank unusable as a root
+        for p in self._params:
+            if not p.data.flags.c_contiguous:
+                p.data = get_array_module(p.data).ascontiguousarray(p.data)
+            collectives.broadcast(p.make_writable(), comm, root=root)
+        for array in layout[1]:
+            collectives.broadcast(array, comm, root=root)
+        if comm.Get_rank() != root:
+            self.optimizer.load_state_dict(_optimizer_state(*layout))
+            self._commits = [{"step": best, "params": None, "versions": versions, "optimizer": None,
+                              "replicated": replicated}]
+            for p, version in zip(self._params, versions):
+                p.version = version
+            self._receiving = False
+        self.rollback(best)  # the small state (sampler, generators, schedule, extras, buffers) of that commit
+        return f"roll_forward: the commit of step {best}, sent by survivor {root} (survivors held {held}, -1: stepped past)"
 
     def _holds(self):
         """Whether commits hold the live arrays (copy-on-write, see the module's docstring) instead of copying."""
@@ -160,7 +230,9 @@ class State(Replicated):
         # The commit about to be dropped lends its arrays (no fresh pages per commit on large models): ranks are
         # at most one commit apart, so nobody can need it once this rank commits again.
         spare = self._commits.pop(0) if len(self._commits) >= self.keep else None
-        if self._holds():
+        if self.roll_forward:
+            params = opt = None  # nothing kept: the survivors take the newest commit one of them holds unchanged
+        elif self._holds():
             # The optimizer's parameters are held; others (frozen, or updated by other code) are copied.
             owned = {id(p) for p in self.optimizer.params}
             params = [optim.hold(p.data) if id(p) in owned else _copy(p.data, spare and spare["params"][i])
@@ -190,6 +262,17 @@ class State(Replicated):
             raise RuntimeError(f"State.rollback: no commit of step {step} is held (held: {self.committed_steps}); "
                                f"the ranks drifted further apart than keep={self.keep} commits")
         snapshot = self._commits[where[0]]
+        if snapshot["params"] is None:  # roll_forward: only the latest commit, while nothing changed since
+            if where[0] != len(self._commits) - 1 or not self.unchanged_since_commit():
+                raise RuntimeError(f"State.rollback: roll_forward commits keep no copy of the parameters, which "
+                                   f"changed since the commit of step {step} (latest: {self.committed_step}); "
+                                   f"only the survivors' restore can bring them back")
+            for p in self._params:
+                p.grad = None
+            self.optimizer.zero_grad()
+            self._load_replicated(snapshot["replicated"], self.scheduler, self._buffers)
+            self.step = step
+            return
         del self._commits[where[0] + 1:]
         for p, value, version in zip(self._params, snapshot["params"], snapshot["versions"]):
             if optim.is_held(p.data):
@@ -213,6 +296,39 @@ def _copy(array, into=None):
         into[...] = array
         return into
     return array.copy()
+
+
+def _optimizer_layout(optimizer):
+    """``(meta, arrays)``: the optimizer's state with each array replaced by ``(shape, dtype)`` (pickled, small)
+    and the live arrays themselves in the same order (sent as buffers)."""
+    arrays = []
+    state = {}
+    for i, s in optimizer.state.items():
+        state[i] = {}
+        for k, v in s.items():
+            if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
+                arrays.append(get_array_module(v).ascontiguousarray(v))
+                v = ("array", tuple(v.shape), str(v.dtype))
+            state[i][k] = v
+    groups, at = [], 0
+    for group in optimizer.param_groups:
+        n = len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(at, at + n))})
+        at += n
+    return {"state": state, "param_groups": groups}, arrays
+
+
+def _shapes(meta):
+    return [(v[1], np.dtype(v[2])) for s in meta["state"].values() for v in s.values()
+            if isinstance(v, tuple) and len(v) == 3 and v[0] == "array"]
+
+
+def _optimizer_state(meta, arrays):
+    """The state dict of ``_optimizer_layout``'s meta with its arrays put back in order."""
+    it = iter(arrays)
+    state = {i: {k: next(it) if isinstance(v, tuple) and len(v) == 3 and v[0] == "array" else v
+                 for k, v in s.items()} for i, s in meta["state"].items()}
+    return {"state": state, "param_groups": meta["param_groups"]}
 
 
 def _arrays(commit):
