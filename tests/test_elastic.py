@@ -384,6 +384,11 @@ def test_roll_forward_commits_keep_no_arrays_and_change_nothing():
         state.rollback(6)
     with pytest.raises(ValueError, match=r"State\(roll_forward=True\) needs the optimizer"):
         elastic.State(model, roll_forward=True)
+    job = object.__new__(elastic.Elastic)  # train's argument checks come before anything touches MPI
+    job.faults = ()
+    with pytest.raises(ValueError, match=r"commit_every=2 with State\(roll_forward=True\).*needs a commit after "
+                                         r"every step \(commit_every=1\)"):
+        job.train(state, None, None, 10, commit_every=2)
 
 
 @pytest.mark.mpi_skip  # the survivors are simulated ranks

@@ -120,6 +120,10 @@ class Elastic:
         """
         if commit_every < 1:
             raise ValueError(f"Elastic.train: commit_every must be >= 1 (got {commit_every})")
+        if commit_every != 1 and getattr(state, "roll_forward", False):
+            raise ValueError(f"Elastic.train: commit_every={commit_every} with State(roll_forward=True): its commits "
+                             f"keep no arrays, so a failure between commits would find every survivor past its "
+                             f"latest commit; roll_forward needs a commit after every step (commit_every=1)")
         _check_save_faults(self.faults, state, steps)
         state.faults = self.faults  # at=save faults fire inside the state's checkpoint saves
         after_update = None

@@ -117,7 +117,7 @@ class State(Replicated):
 
     ``step`` counts the steps taken (the commit id is the ``step`` it was taken at). ``roll_forward``: commits
     keep no arrays; after a failure the survivors continue from the newest commit one of them still holds
-    unchanged (see the module's docstring for what that requires).
+    unchanged (see the module's docstring for what that requires; a commit after every step).
     """
 
     def __init__(self, module, optimizer=None, scheduler=None, sampler=None, rngs=(), extra=None, keep=2,
