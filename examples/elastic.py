@@ -164,10 +164,12 @@ def main(argv=None):
             with wrapper.no_sync() if k < len(micro) - 1 else contextlib.nullcontext():
                 (crit(wrapper(x), y_all[part]) * weight).backward()
         state.extra["micro"].append(len(micro))
+        # The ids every rank took at this step, as a committed record (checked against the reference). With
+        # roll_forward no collective may follow optimizer.step() (docs/elastic.md); the default commits allow it.
+        taken = np.concatenate(comm.allgather(ids)) if args.roll_forward else None
         state.optimizer.step()
         state.scheduler.step()
-        # The ids every rank took at this step, as a committed record (checked against the reference).
-        state.extra["taken"].append(np.concatenate(comm.allgather(ids)))
+        state.extra["taken"].append(np.concatenate(comm.allgather(ids)) if taken is None else taken)
         sampler.advance()
         if args.step_time:
             time.sleep(args.step_time)

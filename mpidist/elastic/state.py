@@ -159,6 +159,7 @@ class State(Replicated):
         if self._commits:
             self.rollback(self._commits[0]["step"])
         super().forget_commits()
+        self._receiving = False
         for p in self._params:
             p.make_writable()
 
@@ -191,15 +192,21 @@ class State(Replicated):
                 f"allreduce). With roll_forward, issue the step's collectives before optimizer.step(), or use the "
                 f"default commits, which keep what they roll back to")
         root = held.index(best)
+        if min(held) == best:  # every survivor holds that commit unchanged (replicas are equal): nothing to send
+            self.rollback(best)
+            return f"roll_forward: the commit of step {best}, which every survivor held unchanged"
         if comm.Get_rank() == root:
             commit = self._commits[-1]
             layout = _optimizer_layout(self.optimizer)
+            layout[0]["param_groups"] = commit["optimizer"]["param_groups"]  # the commit's, not lr set since
             comm.bcast((commit["versions"], commit["replicated"], layout[0]), root=root)
         else:
             versions, replicated, meta = comm.bcast(None, root=root)
             xp = get_array_module(self._params[0].data)
             layout = (meta, [xp.empty(shape, dtype) for shape, dtype in _shapes(meta)])
-            self._receiving = True  # until every array arrived: a failure now leaves this rank unusable as a root
+            # Until every array arrived a failure leaves this rank unusable as a root, unless it already held
+            # that commit (equal replicas: the bytes it receives are its own).
+            self._receiving = mine != best
         for p in self._params:
             if not p.data.flags.c_contiguous:
                 p.data = get_array_module(p.data).ascontiguousarray(p.data)
@@ -208,8 +215,8 @@ class State(Replicated):
             collectives.broadcast(array, comm, root=root)
         if comm.Get_rank() != root:
             self.optimizer.load_state_dict(_optimizer_state(*layout))
-            self._commits = [{"step": best, "params": None, "versions": versions, "optimizer": None,
-                              "replicated": replicated}]
+            self._commits = [{"step": best, "params": None, "versions": versions,
+                              "optimizer": {"param_groups": meta["param_groups"]}, "replicated": replicated}]
             for p, version in zip(self._params, versions):
                 p.version = version
             self._receiving = False
@@ -231,7 +238,8 @@ class State(Replicated):
         # at most one commit apart, so nobody can need it once this rank commits again.
         spare = self._commits.pop(0) if len(self._commits) >= self.keep else None
         if self.roll_forward:
-            params = opt = None  # nothing kept: the survivors take the newest commit one of them holds unchanged
+            # Nothing kept but the hyperparameters: the survivors take the newest commit one of them holds unchanged.
+            params, opt = None, {"param_groups": copy.deepcopy(_param_groups(self.optimizer))}
         elif self._holds():
             # The optimizer's parameters are held; others (frozen, or updated by other code) are copied.
             owned = {id(p) for p in self.optimizer.params}
@@ -270,6 +278,8 @@ class State(Replicated):
             for p in self._params:
                 p.grad = None
             self.optimizer.zero_grad()
+            for group, saved in zip(self.optimizer.param_groups, snapshot["optimizer"]["param_groups"]):
+                group.update(copy.deepcopy({k: v for k, v in saved.items() if k != "params"}))  # lr set by hand
             self._load_replicated(snapshot["replicated"], self.scheduler, self._buffers)
             self.step = step
             return
@@ -298,11 +308,20 @@ def _copy(array, into=None):
     return array.copy()
 
 
+def _param_groups(optimizer):
+    """The optimizer's groups as ``state_dict()`` has them: hyperparameters, and parameter indices."""
+    groups, at = [], 0
+    for group in optimizer.param_groups:
+        n = len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(at, at + n))})
+        at += n
+    return groups
+
+
 def _optimizer_layout(optimizer):
     """``(meta, arrays)``: the optimizer's state with each array replaced by ``(shape, dtype)`` (pickled, small)
     and the live arrays themselves in the same order (sent as buffers)."""
-    arrays = []
-    state = {}
+    state, arrays = {}, []
     for i, s in optimizer.state.items():
         state[i] = {}
         for k, v in s.items():
@@ -310,12 +329,7 @@ def _optimizer_layout(optimizer):
                 arrays.append(get_array_module(v).ascontiguousarray(v))
                 v = ("array", tuple(v.shape), str(v.dtype))
             state[i][k] = v
-    groups, at = [], 0
-    for group in optimizer.param_groups:
-        n = len(group["params"])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(at, at + n))})
-        at += n
-    return {"state": state, "param_groups": groups}, arrays
+    return {"state": state, "param_groups": _param_groups(optimizer)}, arrays
 
 
 def _shapes(meta):
@@ -344,9 +358,4 @@ def _optimizer_copy(optimizer, spare=None, hold=False):
     state = {i: {k: ((optim.hold(v) if hold else _copy(v, old.get(i, {}).get(k))) if hasattr(v, "shape") else v)
                  for k, v in s.items()}
              for i, s in optimizer.state.items()}
-    groups, at = [], 0
-    for group in optimizer.param_groups:
-        n = len(group["params"])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(at, at + n))})
-        at += n
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": _param_groups(optimizer)}
