@@ -36,7 +36,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .state import Replicated
+from .state import Replicated, _param_groups
 
 __all__ = ["ShardedState", "ID_SCALE"]
 
@@ -257,16 +257,6 @@ class ShardedState(Replicated):
         self.stats["commits"] += 1
         self.stats["commit_s"] += time.perf_counter() - start
         self.stats["commit_bytes"] = layout.nbytes * replicas
-
-
-def _param_groups(optimizer):
-    """The optimizer's hyperparameters as ``state_dict()`` gives them, without copying its state arrays."""
-    groups, at = [], 0
-    for group in optimizer.param_groups:
-        n = len(group["params"])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(at, at + n))})
-        at += n
-    return groups
 
 
 def _cut(full, shard_numel, index):

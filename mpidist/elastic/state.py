@@ -309,7 +309,8 @@ def _copy(array, into=None):
 
 
 def _param_groups(optimizer):
-    """The optimizer's groups as ``state_dict()`` has them: hyperparameters, and parameter indices."""
+    """The optimizer's groups as ``state_dict()`` has them (hyperparameters and parameter indices), without
+    copying its state arrays; ``ShardedState`` uses it too."""
     groups, at = [], 0
     for group in optimizer.param_groups:
         n = len(group["params"])
