@@ -522,6 +522,45 @@ def test_roll_forward_says_on_every_survivor_when_all_had_stepped_past_their_com
             "commit (steps [0, 0, 0])" in message and "issue the step's collectives before optimizer.step()" in message
 
 
+@pytest.mark.mpi_skip  # one process (ShardedState maps ranks through MPI's world group: no simulated ranks)
+def test_sharded_state_starts_again_from_the_module_s_starting_values_and_drops_them_at_the_second_commit():
+    """ShardedState keeps the module's own arrays from before FSDP took it apart until the second commit (then
+    every rank holds the first); forget_commits puts them back, so FSDP can be built again over fewer ranks."""
+    from mpidist import FSDP
+    data = np.random.default_rng(1)
+    x, y = data.standard_normal((40, 3)), data.integers(0, 2, 40)
+
+    def rank(comm):
+        model = _model()
+        start = {n: p.data.copy() for n, p in model.named_parameters()}
+        sampler = elastic.ElasticSampler(40, 8, seed=1)
+        state = elastic.ShardedState(model, lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9), sampler=sampler)
+        fsdp = state.start(lambda c: FSDP(model, c), comm)
+        state.commit()
+        kept = state.cannot_start_again() is None
+        _train(fsdp, state.optimizer, types.SimpleNamespace(step=lambda: None), sampler, np.random.default_rng(5), 1,
+               x, y)
+        fsdp.remove_hooks()
+        state.forget_commits()  # as after a failure that found some survivor without the first commit
+        restored = all(np.array_equal(p.data, start[n]) for n, p in model.named_parameters())
+        back = sampler.state_dict() == elastic.ElasticSampler(40, 8, seed=1).state_dict() and state.step == 0
+        fsdp = state.start(lambda c: FSDP(model, c), comm)
+        state.commit()
+        _train(fsdp, state.optimizer, types.SimpleNamespace(step=lambda: None), sampler, np.random.default_rng(5), 1,
+               x, y)
+        state.step = 1
+        state.commit()
+        return kept, restored, back, state.cannot_start_again()
+
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        kept, restored, back, why = rank(comm)
+    finally:
+        comm.Free()
+    assert kept and restored and back
+    assert "no longer holds the module's starting values (dropped at the second commit" in why
+
+
 # -- jobs that lose ranks (Open MPI 5 + ULFM) ----------------------------------------------------------
 def _reference(steps, samples, batch, lr):
     spec = importlib.util.spec_from_file_location("elastic_example", EXAMPLE)
@@ -644,11 +683,18 @@ def test_fsdp_without_a_buddy_names_the_lost_shard(tmp_path):
 @needs_ulfm
 @launcher.needed
 @pytest.mark.mpi_skip
-def test_fsdp_losing_a_rank_before_the_first_commit_says_why_it_cannot_start_again(tmp_path):
-    # DDP starts again over the survivors (test above); FSDP has taken the model apart by then
-    result, log = _launch(tmp_path, "rank=2,step=0,at=start", "--wrapper", "fsdp")
-    assert log.count("before the first commit completed, and ShardedState cannot start again over fewer ranks") == 3, \
-        log[-4000:]
+@pytest.mark.parametrize("wrapper, faults, lost", [
+    ("fsdp", "rank=2,step=0,at=start", [2]),   # the others are inside FSDP's construction (its broadcast)
+    ("fsdp", "rank=0,step=0,at=start", [0]),   # the rank every FSDP unit broadcasts its starting values from
+    ("pipeline", "rank=1,step=0,at=start", [1]),
+])
+def test_fsdp_and_pipelines_losing_a_rank_before_the_first_commit_start_again(wrapper, faults, lost, tmp_path):
+    """Lost before the first commit completed everywhere: FSDP takes the module apart while it is built, so the
+    survivors start again from the module's starting values (kept until the second commit); a pipeline's stages
+    are built anew. Both end with the reference's parameters on 3 ranks."""
+    result, log = _launch(tmp_path, faults, "--wrapper", wrapper)
+    _check_survivors(tmp_path, result, log, lost)
+    assert "lost before the first commit, started again" in log, log[-4000:]
 
 
 @needs_ulfm

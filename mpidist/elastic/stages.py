@@ -78,6 +78,18 @@ class StageState(Replicated):
         """Build the pipeline over ``comm`` and make the optimizer and schedule over its stages."""
         return self._attach(build, comm)
 
+    def cannot_start_again(self):
+        return None  # build(comm) makes new stages from the start each time: build them again over the survivors
+
+    def forget_commits(self):
+        """Back to where training started (a rank lost before the first commit completed everywhere): this
+        rank's small state returns to its first commit if it took one; the stages are built anew."""
+        if self._commits:
+            self._load_replicated(self._commits[0]["replicated"], None, [])  # buffers: the new stages' own
+        super().forget_commits()
+        self.wrapper = self.optimizer = self.scheduler = None
+        self.step = 0
+
     def _attach(self, build, comm):
         wrapper = build(comm)
         if wrapper.comm.Get_size() * (1 if wrapper.dp_comm is None else wrapper.dp_comm.Get_size()) != comm.Get_size():
