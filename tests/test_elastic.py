@@ -71,11 +71,11 @@ def test_fault_specs_parse_and_bad_ones_say_what_is_wrong():
                           ("rank=1,step=1,how=segv", "how must be one of sigkill, exit, raise"),
                           ("rank=1,step=-1", "step must be >= 0"), ("rank=1,step=2,rank=3", "each once"),
                           ("rank=1,step=2;rank=1,step=2,how=raise", "given twice"),
-                          ("rank=1,step=4,at=load", "at must be one of step, update, save, start"),
+                          ("rank=1,step=4,at=load", "at must be one of step, update, commit, save, start"),
                           ("rank=1,step=2,at=start", "at=start fails before the first step, so step must be 0"),
                           ("rank=1,step=4,at=save,how=raise", "how=raise cannot be combined with at=save"),
                           ("rank=1,step=4,where=save",
-                           r"expected rank=R,step=S\[,how=sigkill\|exit\|raise\]\[,at=step\|update\|save\|start\]")]:
+                           r"expected rank=R,step=S\[,how=sigkill\|exit\|raise\]\[,at=step\|update\|commit\|save\|start\]")]:
         with pytest.raises(ValueError, match=message):
             elastic.parse_faults(text)
     # The same rank and step at another point is another fault.
@@ -146,6 +146,15 @@ def test_save_faults_that_could_never_fire_are_refused_before_training():
     with pytest.raises(ValueError, match=r"at step\(s\) \[6, 12\], but checkpoints are saved only after steps that are "
                                          r"multiples of checkpoint_every=4, up to steps=10"):
         _check_save_faults((Fault(1, 6, at="save"), Fault(2, 8, at="save"), Fault(0, 12, at="save")), stages, 10)
+    with pytest.raises(ValueError, match=r"at=commit \(rank 1, step 0\) fails between the first and second buddy "
+                                         r"exchanges of a ShardedState commit, which need replicas >= 3 \(this State "
+                                         r"has no buddies\)"):
+        _check_save_faults((Fault(1, 0, at="commit"),), state, 10)
+    sharded = elastic.ShardedState(model, lambda params: optim.SGD(params, lr=0.1), replicas=2)
+    with pytest.raises(ValueError, match=r"need replicas >= 3 \(this ShardedState has 2\)"):
+        _check_save_faults((Fault(1, 0, at="commit"),), sharded, 10)
+    _check_save_faults((Fault(1, 0, at="commit"),), elastic.ShardedState(model, lambda ps: optim.SGD(ps, lr=0.1),
+                                                                         replicas=3), 10)
 
 
 # -- the sampler ---------------------------------------------------------------------------------------
@@ -523,42 +532,38 @@ def test_roll_forward_says_on_every_survivor_when_all_had_stepped_past_their_com
 
 
 @pytest.mark.mpi_skip  # one process (ShardedState maps ranks through MPI's world group: no simulated ranks)
-def test_sharded_state_starts_again_from_the_module_s_starting_values_and_drops_them_at_the_second_commit():
-    """ShardedState keeps the module's own arrays from before FSDP took it apart until the second commit (then
-    every rank holds the first); forget_commits puts them back, so FSDP can be built again over fewer ranks."""
+def test_sharded_state_starts_again_from_the_module_s_starting_values_until_the_first_commit_is_everyone_s():
+    """ShardedState keeps the module's own arrays (and the small state) from before FSDP took it apart until a
+    barrier after the first commit shows that every rank holds it; forget_commits puts them back, as often as
+    needed, so that FSDP can be built again over fewer ranks."""
     from mpidist import FSDP
-    data = np.random.default_rng(1)
-    x, y = data.standard_normal((40, 3)), data.integers(0, 2, 40)
 
-    def rank(comm):
+    def run(comm):
         model = _model()
         start = {n: p.data.copy() for n, p in model.named_parameters()}
         sampler = elastic.ElasticSampler(40, 8, seed=1)
         state = elastic.ShardedState(model, lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9), sampler=sampler)
-        fsdp = state.start(lambda c: FSDP(model, c), comm)
+        results = []
+        for attempt in range(2):  # a failure while FSDP is built (twice): no rank has committed
+            fsdp = state.start(lambda c: FSDP(model, c), comm)
+            sampler.advance()
+            assert all(p.data.size == 0 for p in model.parameters())  # sharded: placeholders
+            fsdp.remove_hooks()
+            assert state.cannot_start_again() is None
+            state.forget_commits()
+            results.append(all(np.array_equal(p.data, start[n]) for n, p in model.named_parameters())
+                           and sampler.state_dict() == elastic.ElasticSampler(40, 8, seed=1).state_dict())
+        state.start(lambda c: FSDP(model, c), comm)
         state.commit()
-        kept = state.cannot_start_again() is None
-        _train(fsdp, state.optimizer, types.SimpleNamespace(step=lambda: None), sampler, np.random.default_rng(5), 1,
-               x, y)
-        fsdp.remove_hooks()
-        state.forget_commits()  # as after a failure that found some survivor without the first commit
-        restored = all(np.array_equal(p.data, start[n]) for n, p in model.named_parameters())
-        back = sampler.state_dict() == elastic.ElasticSampler(40, 8, seed=1).state_dict() and state.step == 0
-        fsdp = state.start(lambda c: FSDP(model, c), comm)
-        state.commit()
-        _train(fsdp, state.optimizer, types.SimpleNamespace(step=lambda: None), sampler, np.random.default_rng(5), 1,
-               x, y)
-        state.step = 1
-        state.commit()
-        return kept, restored, back, state.cannot_start_again()
+        return results, state.cannot_start_again()
 
     comm = MPI.COMM_WORLD.Dup()
     try:
-        kept, restored, back, why = rank(comm)
+        results, why = run(comm)
     finally:
         comm.Free()
-    assert kept and restored and back
-    assert "no longer holds the module's starting values (dropped at the second commit" in why
+    assert results == [True, True]
+    assert "no longer holds the module's starting values (dropped once every rank held the first commit)" in why
 
 
 # -- jobs that lose ranks (Open MPI 5 + ULFM) ----------------------------------------------------------
@@ -683,16 +688,17 @@ def test_fsdp_without_a_buddy_names_the_lost_shard(tmp_path):
 @needs_ulfm
 @launcher.needed
 @pytest.mark.mpi_skip
-@pytest.mark.parametrize("wrapper, faults, lost", [
-    ("fsdp", "rank=2,step=0,at=start", [2]),   # the others are inside FSDP's construction (its broadcast)
-    ("fsdp", "rank=0,step=0,at=start", [0]),   # the rank every FSDP unit broadcasts its starting values from
-    ("pipeline", "rank=1,step=0,at=start", [1]),
+@pytest.mark.parametrize("faults, args, lost", [
+    # between the first commit's buddy exchanges: FSDP has sharded the module, some survivors hold that commit
+    ("rank=1,step=0,at=commit", ("--wrapper", "fsdp", "--replicas", "3"), [1]),
+    ("rank=0,step=0,at=start", ("--wrapper", "fsdp"), [0]),  # FSDP's broadcasts come from rank 0
+    ("rank=1,step=0,at=start", ("--wrapper", "pipeline"), [1]),
 ])
-def test_fsdp_and_pipelines_losing_a_rank_before_the_first_commit_start_again(wrapper, faults, lost, tmp_path):
+def test_fsdp_and_pipelines_losing_a_rank_before_the_first_commit_start_again(faults, args, lost, tmp_path):
     """Lost before the first commit completed everywhere: FSDP takes the module apart while it is built, so the
-    survivors start again from the module's starting values (kept until the second commit); a pipeline's stages
-    are built anew. Both end with the reference's parameters on 3 ranks."""
-    result, log = _launch(tmp_path, faults, "--wrapper", wrapper)
+    survivors start again from the module's starting values (kept until every rank held the first commit); a
+    pipeline's stages are built anew. Both end with the reference's parameters on 3 ranks."""
+    result, log = _launch(tmp_path, faults, *args)
     _check_survivors(tmp_path, result, log, lost)
     assert "lost before the first commit, started again" in log, log[-4000:]
 

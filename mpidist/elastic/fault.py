@@ -1,12 +1,15 @@
 """Fault injection (``MPIDIST_FAULT``) and the failing rank's side of a failure (end so the others are told).
 
-``MPIDIST_FAULT="rank=R,step=S[,how=sigkill|exit|raise][,at=step|update|save|start]"`` makes rank R (of the world it
+``MPIDIST_FAULT="rank=R,step=S[,how=sigkill|exit|raise][,at=step|update|commit|save|start]"`` makes rank R (of the world it
 started in) fail at step S (several faults: separate them with ``;``, e.g. ``rank=1,step=3;rank=2,step=8``):
 
 - ``at=step`` (default): at the start of step S.
 - ``at=update``: in step S right after this rank's ``optimizer.step()`` (``Elastic.train`` hooks every
   optimizer's step): the others lose it after their own updates, in a collective later in the step (the
   example's allgather of sample ids), so they all stepped past their latest commit.
+- ``at=commit``: in the middle of the commit taken once S steps are done, between the first and second buddy
+  exchanges of a ``ShardedState`` (``replicas >= 3``): some ranks complete that commit, others do not (S = 0: the
+  first commit, after FSDP took the module apart, so the survivors start again).
 - ``at=start``: before the wrappers are first built (S must be 0): the others lose it while building them,
   before the first commit.
 - ``at=save``: in the middle of the disk checkpoint save of step S, the one written once S steps are done
@@ -45,7 +48,7 @@ __all__ = ["Fault", "InjectedFault", "parse_fault", "parse_faults", "faults_from
            "install_kill_on_error", "kill_self"]
 
 HOWS = ("sigkill", "exit", "raise")
-ATS = ("step", "update", "save", "start")
+ATS = ("step", "update", "commit", "save", "start")
 KEYS = ("rank", "step", "how", "at")
 SYNTAX = f"rank=R,step=S[,how={'|'.join(HOWS)}][,at={'|'.join(ATS)}]"
 
@@ -77,6 +80,7 @@ class Fault:
             with open(stamp_path, "w") as f:
                 f.write(f"{time.time():.6f}\n")
         where = {"step": f"at step {self.step}", "update": f"after its optimizer step in step {self.step}",
+                 "commit": f"in the commit after step {self.step}",
                  "save": f"in the checkpoint save of step {self.step}",
                  "start": "before the wrappers are built"}[self.at]
         sys.stderr.write(f"[rank {world_rank}] mpidist.elastic: MPIDIST_FAULT: failing {where} ({self.how})\n")

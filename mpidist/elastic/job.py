@@ -183,14 +183,21 @@ class Elastic:
                         raise RuntimeError(f"mpidist.elastic: {lost}, but before the first commit completed, and "
                                            f"{why}") from lost
                     state.forget_commits()
-                if failure is not None:  # lost during a restore: restore again, reporting both
+                if failure is not None:  # lost during a restore: restore again, reporting both as one failure
                     lost.failed = sorted(set(failure.failed) | set(lost.failed))
                     lost.old_size = failure.old_size
+                    self.failures.remove(failure)  # never restored from: no timings of its own
                 failure = lost
 
 
 def _check_save_faults(faults, state, steps):
-    """Refuse ``at=save`` faults that would never fire: the state saves no checkpoint, or none at that step."""
+    """Refuse ``at=save`` faults that would never fire: the state saves no checkpoint, or none at that step;
+    and ``at=commit`` ones: only ``ShardedState`` with two buddies or more exchanges packets twice in a commit."""
+    committing = [f for f in faults if f.at == "commit"]
+    if committing and getattr(state, "replicas", 1) < 3:
+        raise ValueError(f"MPIDIST_FAULT: at=commit (rank {committing[0].rank}, step {committing[0].step}) fails "
+                         f"between the first and second buddy exchanges of a ShardedState commit, which need "
+                         f"replicas >= 3 (this {type(state).__name__} has {getattr(state, 'replicas', 'no buddies')})")
     saving = [f for f in faults if f.at == "save"]
     if not saving:
         return

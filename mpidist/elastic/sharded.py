@@ -29,8 +29,10 @@ Memory: a commit holds, per kept commit (two), this rank's packet and ``R-1`` bu
 ``keep * R`` times the persistent per-rank bytes of parameter and optimizer shards (``FSDP.memory_stats``);
 ``stats["commit_bytes"]`` reports one commit's. Buffers are reused from the oldest kept commit, so steady
 state allocates nothing. A restore holds the full model and optimizer state on every survivor for a moment.
-Until the second commit every rank also keeps the module's own arrays from before FSDP sharded it, so that a
-rank lost before the first commit completed everywhere lets the survivors start again (``forget_commits``).
+Until its first commit is known to be held by every rank (a barrier ends that commit) every rank also keeps the
+module's own arrays from before FSDP sharded it, so that a rank lost before then lets the survivors start again
+(``forget_commits``). ``build(comm)`` must end with the FSDP's construction (no collective after it): a failure
+after it but before ``build`` returns would leave that FSDP attached to the module.
 """
 
 import time
@@ -90,9 +92,9 @@ class ShardedState(Replicated):
         self._buffers = [b for _, b in module.named_buffers()]
         self._world = None  # world ranks of the current layout's positions
         # The module's own arrays before the first FSDP took it apart (FSDP copies out of them and never writes
-        # them): a rank lost before the first commit completed everywhere leaves the survivors nothing else to
-        # start again from. Dropped at the second commit, once every rank is known to hold the first.
-        self._start_values = None
+        # them) and the small state then: a rank lost before the first commit completed everywhere leaves the
+        # survivors nothing else to start again from. Dropped once every rank is known to hold the first commit.
+        self._start_values = self._start_replicated = None
 
     # -- what the survivors agree on ------------------------------------------------------------------------
     def held_bytes(self):
@@ -107,20 +109,20 @@ class ShardedState(Replicated):
         """Wrap the module (``build(comm)``, an FSDP) and make the optimizer and schedule over its shards."""
         if self._start_values is None and not self._commits:
             self._start_values = {name: p.data for name, p in self._params.items()}
+            self._start_replicated = self._save_replicated(None, self._buffers)
         return self._attach(build, comm)
 
     def cannot_start_again(self):
         if self._start_values is None:
-            return ("ShardedState no longer holds the module's starting values (dropped at the second commit, which "
-                    "needs every rank past the first)")
+            return ("ShardedState no longer holds the module's starting values (dropped once every rank held the "
+                    "first commit)")
         return None
 
     def forget_commits(self):
         """Back to where training started, to start again over the survivors: the module's parameters get their
-        starting values back (a failure may have cut the first FSDP's construction short), and this rank's small
-        state (sampler, generators, extras, buffers) returns to its first commit if it took one."""
-        if self._commits:
-            self._load_replicated(self._commits[0]["replicated"], None, self._buffers)
+        starting values back (a failure may have cut the first FSDP's construction short), and so does the small
+        state (sampler, generators, extras, buffers), on every survivor alike."""
+        self._load_replicated(self._start_replicated, None, self._buffers)
         super().forget_commits()
         for name, p in self._params.items():
             p.data = self._start_values[name].copy()  # a copy: the starting values stay for another start
@@ -170,6 +172,9 @@ class ShardedState(Replicated):
         comm, position, size = self.comm, self.comm.Get_rank(), self.comm.Get_size()
         buddies = {}
         for d in range(1, replicas):
+            if d == 2:  # MPIDIST_FAULT at=commit: after the first exchange, so that some ranks hold this commit
+                for fault in self.faults:
+                    fault.maybe_fail(MPI.COMM_WORLD.Get_rank(), self.step, at="commit")
             source = (position - d) % size
             received = _buffer(spare, ("buddy", d), layout.nbytes)
             status = MPI.Status()
@@ -180,8 +185,11 @@ class ShardedState(Replicated):
                                    f"bytes, this rank's {layout.nbytes}: the ranks' optimizer states differ")
             buddies[source] = received
         self._commits.append(self._record(layout, own, buddies, replicas))
-        if len(self._commits) > 1:
-            self._start_values = None  # the steps since the first commit needed every rank: all hold it
+        if self._start_values is not None:
+            # Completes only once every rank entered it, i.e. took its first commit: from then on no failure can
+            # find a survivor without one, and the unsharded starting values need not stay alive any longer.
+            comm.Barrier()
+            self._start_values = self._start_replicated = None
         self.stats["commits"] += 1
         self.stats["commit_s"] += time.perf_counter() - start
         self.stats["commit_bytes"] = layout.nbytes * replicas

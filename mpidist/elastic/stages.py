@@ -67,6 +67,7 @@ class StageState(Replicated):
         self._holders = {}   # name -> world ranks holding it in this layout
         self._world = None
         self._saved_step = -1  # newest step saved to disk: a step restored or replayed is not saved again
+        self._start_replicated = None  # the small state before the first build (forget_commits)
 
     def held_bytes(self):
         """Bytes of the kept commits' parameter and optimizer arrays on this rank."""
@@ -76,16 +77,20 @@ class StageState(Replicated):
     # -- building -------------------------------------------------------------------------------------------
     def start(self, build, comm):
         """Build the pipeline over ``comm`` and make the optimizer and schedule over its stages."""
+        if self._start_replicated is None and not self._commits:
+            # Before the first build: mpidist's default generator then is what layers built without an rng draw
+            # their first values from, so building again from it makes the same stages on every survivor.
+            self._start_replicated = self._save_replicated(None, [])
         return self._attach(build, comm)
 
     def cannot_start_again(self):
         return None  # build(comm) makes new stages from the start each time: build them again over the survivors
 
     def forget_commits(self):
-        """Back to where training started (a rank lost before the first commit completed everywhere): this
-        rank's small state returns to its first commit if it took one; the stages are built anew."""
-        if self._commits:
-            self._load_replicated(self._commits[0]["replicated"], None, [])  # buffers: the new stages' own
+        """Back to where training started (a rank lost before the first commit completed everywhere): the small
+        state (sampler, generators, extras) returns to what it was before the first build, on every survivor
+        alike; the stages are built anew."""
+        self._load_replicated(self._start_replicated, None, [])  # buffers: the new stages' own
         super().forget_commits()
         self.wrapper = self.optimizer = self.scheduler = None
         self.step = 0
