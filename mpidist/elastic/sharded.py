@@ -238,6 +238,9 @@ class ShardedState(Replicated):
             self.scheduler.load_state_dict(record["replicated"]["scheduler"])
         self.step = record["step"]
         failure.restored_from = how
+        # Every survivor holds a commit from here on, and the first commit's barrier may have completed on some
+        # ranks only: drop the starting values everywhere alike, so that no later commit waits in that barrier.
+        self._start_values = self._start_replicated = None
         self._commit_from_full(full)
         return wrapper
 
