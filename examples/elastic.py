@@ -87,6 +87,8 @@ def main(argv=None):
                                              "no surviving replica")
     parser.add_argument("--checkpoint-every", type=int, default=4)
     parser.add_argument("--replicas", type=int, default=2, help="fsdp: ranks holding each shard (itself + buddies)")
+    parser.add_argument("--hsdp", type=int, help="fsdp: hybrid sharding in groups of this many ranks, replicated "
+                        "across the groups, while the ranks divide (full sharding otherwise)")
     parser.add_argument("--max-micro-batch", type=int, help="ddp, fsdp: at most this many samples per forward on a "
                         "rank; a larger share (after a failure) is accumulated over micro-batches instead (default: "
                         "the per-rank batch grows)")
@@ -96,6 +98,8 @@ def main(argv=None):
     parser.add_argument("--out", help="every survivor writes its final parameters and committed sample ids to "
                                       "OUT-rank{world rank}.npz, with the failures and their timings")
     args = parser.parse_args(argv)
+    if args.hsdp is not None and args.wrapper != "fsdp":
+        parser.error("--hsdp: fsdp only")
     if args.roll_forward and args.wrapper != "ddp":
         parser.error("--roll-forward: ddp only (FSDP shards and pipeline stages are not replicated on every rank)")
     if args.max_micro_batch is not None and args.wrapper == "pipeline":
@@ -142,7 +146,11 @@ def main(argv=None):
         state = elastic.ShardedState(model, lambda params: optim.SGD(params, lr=args.lr, momentum=0.9),
                                      lambda opt: optim.StepLR(opt, step_size=5, gamma=0.7), sampler,
                                      rngs=[noise_rng], extra={"taken": [], "micro": []}, replicas=args.replicas)
-        build = lambda comm: FSDP(model, comm)  # noqa: E731
+        def build(comm):
+            size = comm.Get_size()
+            if args.hsdp and size % args.hsdp == 0 and size > args.hsdp:
+                return FSDP(model, comm, strategy="hybrid_shard", shard_size=args.hsdp)
+            return FSDP(model, comm)
     step_times = []
     recovering = []  # failures whose first step on the survivors has not completed yet
 

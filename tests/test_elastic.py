@@ -679,6 +679,31 @@ def test_fsdp_survivors_restore_lost_shards_from_buddies_and_match_the_reference
 @needs_ulfm
 @launcher.needed
 @pytest.mark.mpi_skip
+@pytest.mark.parametrize("faults, lost, replicas", [
+    ("rank=2,step=5", [2], 1),                 # no buddies: its chunk comes from its replica in the other group
+    ("rank=1,step=4;rank=2,step=7", [1, 2], 2),  # then fully sharded over 3 ranks, with buddies
+])
+def test_hybrid_fsdp_survivors_restore_lost_chunks_from_replicas_and_match_the_reference(faults, lost, replicas,
+                                                                                          tmp_path):
+    """HSDP, 2 shard groups of 2 ranks: each chunk already lives on two ranks, so a lost rank's chunk comes from
+    its replica even without buddies; the survivors re-shard (3 ranks: fully sharded) and equal the reference."""
+    result, log = _launch(tmp_path, faults, "--wrapper", "fsdp", "--hsdp", "2", "--replicas", str(replicas))
+    _check_survivors(tmp_path, result, log, lost)
+    assert "re-sharded 4 -> 3 (2 chunks x 2 replicas before)" in log, log[-4000:]
+
+
+@needs_ulfm
+@launcher.needed
+@pytest.mark.mpi_skip
+def test_hybrid_fsdp_losing_every_holder_of_a_chunk_names_it(tmp_path):
+    """Both replicas of chunk 0 (world ranks 0 and 2) lost at once, no buddies: every survivor says which."""
+    result, log = _launch(tmp_path, "rank=0,step=3;rank=2,step=3", "--wrapper", "fsdp", "--hsdp", "2", "--replicas", "1")
+    assert log.count("are lost: all") >= 2 and "use more replicas" in log, log[-4000:]
+
+
+@needs_ulfm
+@launcher.needed
+@pytest.mark.mpi_skip
 def test_fsdp_without_a_buddy_names_the_lost_shard(tmp_path):
     result, log = _launch(tmp_path, "rank=2,step=3", "--wrapper", "fsdp", "--replicas", "1")
     assert "the shards of position 2 (world rank 2) are lost: all 1 holder(s), world ranks [2], failed; use more " \

@@ -220,3 +220,12 @@ def test_given_comms_that_do_not_tile_the_world_are_refused_on_every_rank(comm):
     replicate_comm = comm.Split(color=rank // 2, key=rank)
     with pytest.raises(ValueError, match=r"replicate_comm joins ranks of shard indices \[0, 1\]"):
         FSDP(make_model(), comm, strategy="hybrid_shard", shard_comm=shard_comm, replicate_comm=replicate_comm)
+
+
+def test_communicators_are_the_shard_and_replica_groups_and_none_when_fully_sharded(comm):
+    """What mpidist.elastic revokes after a failure: the groups a hybrid FSDP split off, none for full_shard."""
+    fsdp = FSDP(make_model(), comm, strategy="hybrid_shard", shard_size=2)
+    shard, replicate = fsdp.communicators()
+    assert (shard.Get_size(), replicate.Get_size()) == (2, 2)
+    assert shard.Get_rank() == comm.Get_rank() % 2 and fsdp.groups.shard_of == (0, 1, 0, 1)
+    assert FSDP(make_model(), comm).communicators() == ()

@@ -80,6 +80,13 @@ class Elastic:
                 self._tracked.append(c)
         return comms[0] if len(comms) == 1 else comms
 
+    def _track_wrapper(self, wrapper):
+        """Track the communicators the wrapper made for itself (``communicators()``: hybrid FSDP's groups)."""
+        communicators = getattr(wrapper, "communicators", None)
+        if communicators is not None:
+            self.track(*communicators())
+        return wrapper
+
     @contextlib.contextmanager
     def guard(self, commit):
         """Turn a process failure raised inside the block into ``RankFailure`` on this rank (all survivors do).
@@ -144,16 +151,16 @@ class Elastic:
                     if failure is None:
                         for fault in self.faults:
                             fault.maybe_fail(self.world_rank, 0, at="start")
-                        wrapper = state.start(build, self.comm)
+                        wrapper = self._track_wrapper(state.start(build, self.comm))
                         state.commit()
                     else:
                         started = time.perf_counter()
                         if failure.commit is None:  # lost before the first commit: start again (see below)
-                            wrapper = state.start(build, self.comm)
+                            wrapper = self._track_wrapper(state.start(build, self.comm))
                             state.commit()
                             failure.restored_from = "nothing to restore: lost before the first commit, started again"
                         else:
-                            wrapper = state.restore(failure, build, self.comm)
+                            wrapper = self._track_wrapper(state.restore(failure, build, self.comm))
                         failure.restore_s = time.perf_counter() - started
                         failure.step = state.step
                         self.say(f"lost world rank(s) {failure.failed} (MPI error class {failure.error_class}); "

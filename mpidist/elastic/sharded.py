@@ -2,9 +2,10 @@
 
 Words used here:
 
-- *position*: a rank's place in the communicator a commit was taken over (its shard index: FSDP over the
-  whole communicator, ``full_shard`` or ``shard_grad_op``). A commit remembers the world ranks of every
-  position, so it can be read whatever failed since.
+- *position*: a rank's place in the communicator a commit was taken over. A commit remembers the world ranks
+  of every position, so it can be read whatever failed since, and the chunk (shard index) each position holds:
+  its position under ``full_shard``/``shard_grad_op``; under hybrid sharding the replicas of a chunk (one per
+  shard group) hold equal packets, so each is a holder of that chunk besides the buddies.
 - *packet*: one position's committed shards as bytes, unit after unit: the flat parameter shard, then each
   per-parameter optimizer array (Adam's ``exp_avg``...) shaped like it, in sorted key order. Every position's
   packet has the same layout and size (FSDP's shards are equal-sized).
@@ -72,9 +73,9 @@ class ShardedState(Replicated):
     ``module``: the model FSDP wraps (built alike on every rank). ``optimizer(params)`` and
     ``scheduler(optimizer)`` (optional) are factories: the optimizer is made over the FSDP's shard parameters
     at the start and again after each failure (the shards change size); use ``state.optimizer`` and
-    ``state.scheduler`` in the step. The FSDP must shard over the whole communicator (``full_shard`` or
-    ``shard_grad_op``). ``replicas``: how many ranks hold each shard (2: itself and one buddy), capped at
-    the number of live ranks.
+    ``state.scheduler`` in the step. The FSDP shards every unit alike over the whole communicator: fully, or
+    hybrid (shard groups replicated across groups). ``replicas``: how many ranks hold each position's packet
+    (2: itself and one buddy), capped at the number of live ranks.
     """
 
     def __init__(self, module, optimizer, scheduler=None, sampler=None, rngs=(), extra=None, replicas=2, keep=2):
@@ -133,13 +134,17 @@ class ShardedState(Replicated):
     def _attach(self, build, comm):
         wrapper = build(comm)
         layout = wrapper.shard_layout()
-        wrong = [(s.label, s.num_shards, s.num_replicas) for s in layout
-                 if s.num_shards != comm.Get_size() or s.num_replicas != 1]
-        if wrong:
-            raise ValueError(f"ShardedState: the FSDP must shard every unit over all {comm.Get_size()} ranks "
-                             f"(full_shard or shard_grad_op); units (label, shards, replicas): {wrong}")
+        size = comm.Get_size()
+        kinds = {(s.num_shards, s.num_replicas) for s in layout}
+        if len(kinds) != 1 or any(k * r != size for k, r in kinds):
+            raise ValueError(f"ShardedState: every unit of the FSDP must be sharded alike over all {size} ranks "
+                             f"(shards x replicas = {size}: full_shard, shard_grad_op or a hybrid strategy); units "
+                             f"(label, shards, replicas): {[(s.label, s.num_shards, s.num_replicas) for s in layout]}")
         self.wrapper, self.comm = wrapper, comm
         self._world = _world_ranks(comm)
+        # Which chunk each position holds: under hybrid sharding the replicas of a chunk are natural holders.
+        groups = getattr(wrapper, "groups", None)
+        self._shard_of = list(groups.shard_of) if groups is not None else list(range(size))
         self.optimizer = self._make_optimizer(list(wrapper.parameters()))
         shards = [s.parameter for s in layout]
         if len(self.optimizer.params) != len(shards) or any(a is not b for a, b in zip(self.optimizer.params, shards)):
@@ -197,7 +202,8 @@ class ShardedState(Replicated):
     def _record(self, layout, own, buddies, replicas):
         scalars = {i: {k: v for k, v in s.items() if not hasattr(v, "shape")} for i, s in self.optimizer.state.items()}
         return {"id": self._id(self.step), "step": self.step, "world": list(self._world), "replicas": replicas,
-                "position": self.comm.Get_rank(), "layout": layout, "own": own, "buddies": buddies,
+                "shard_of": list(self._shard_of), "position": self.comm.Get_rank(), "layout": layout, "own": own,
+                "buddies": buddies,
                 "optimizer": {"scalars": scalars, "param_groups": _param_groups(self.optimizer)},
                 "replicated": self._save_replicated(self.scheduler, self._buffers)}
 
@@ -246,36 +252,41 @@ class ShardedState(Replicated):
 
     def _gather_full(self, record, comm):
         """Return ``({(unit, key): full flat array}, description)`` of ``record``, gathered over ``comm``."""
-        world, replicas, layout = record["world"], record["replicas"], record["layout"]
+        world, replicas, layout, shard_of = record["world"], record["replicas"], record["layout"], record["shard_of"]
         alive = _world_ranks(comm)
         where = {w: r for r, w in enumerate(alive)}
         n = len(world)
-        provider = []  # per old position: the comm rank that sends its packet
-        for i in range(n):
-            holders = [world[(i + d) % n] for d in range(replicas)]
-            live = [w for w in holders if w in where]
+        chunks = max(shard_of) + 1
+        provider = []  # per chunk: (the comm rank that sends it, the old position whose packet it sends)
+        for j in range(chunks):
+            positions = [i for i in range(n) if shard_of[i] == j]  # one, or the replicas of a hybrid FSDP
+            # Position i's packet is held by itself and its buddies, the next replicas - 1 positions.
+            holders = [(world[(i + d) % n], i) for i in positions for d in range(replicas)]
+            live = [(where[w], i) for w, i in holders if w in where]
             if not live:
-                raise RuntimeError(f"ShardedState: the shards of position {i} (world rank {world[i]}) are lost: all "
-                                   f"{replicas} holder(s), world ranks {holders}, failed; use more replicas")
-            provider.append(where[live[0]])
+                what = (f"position {positions[0]} (world rank {world[positions[0]]})" if len(positions) == 1 else
+                        f"chunk {j} (positions {positions}, world ranks {[world[i] for i in positions]})")
+                raise RuntimeError(f"ShardedState: the shards of {what} are lost: all {len(holders)} holder(s), world "
+                                   f"ranks {[w for w, _ in holders]}, failed; use more replicas")
+            provider.append(live[0])
         me = comm.Get_rank()
-        mine = [i for i in range(n) if provider[i] == me]
+        mine = [j for j in range(chunks) if provider[j][0] == me]
         packets = {record["position"]: record["own"], **record["buddies"]}
-        send = np.concatenate([packets[i] for i in mine]) if mine else np.empty(0, np.uint8)
-        counts = [sum(1 for p in provider if p == r) * layout.nbytes for r in range(comm.Get_size())]
-        order = [i for r in range(comm.Get_size()) for i in range(n) if provider[i] == r]
-        received = np.empty(n * layout.nbytes, np.uint8)
+        send = np.concatenate([packets[provider[j][1]] for j in mine]) if mine else np.empty(0, np.uint8)
+        counts = [sum(1 for p, _ in provider if p == r) * layout.nbytes for r in range(comm.Get_size())]
+        order = [j for r in range(comm.Get_size()) for j in range(chunks) if provider[j][0] == r]
+        received = np.empty(chunks * layout.nbytes, np.uint8)
         comm.Allgatherv([send, MPI.BYTE], [received, (counts, None), MPI.BYTE])
         full = {}
         for u, key, offset, count, dtype in layout.fields:
-            flat = np.empty(n * count, dtype)
+            flat = np.empty(chunks * count, dtype)
             for slot, i in enumerate(order):
                 at = slot * layout.nbytes + offset
                 flat[i * count:(i + 1) * count] = received[at:at + count * dtype.itemsize].view(dtype)
             full[(u, key)] = flat[:layout.units[u][2]]
         from_buddies = sorted(world[i] for i in range(n) if world[i] not in where)
         how = (f"in-memory commit; shards of world rank(s) {from_buddies} from their buddies, re-sharded "
-               f"{n} -> {comm.Get_size()}")
+               f"{n} -> {comm.Get_size()}" + (f" ({chunks} chunks x {n // chunks} replicas before)" if chunks < n else ""))
         return full, how
 
     def _commit_from_full(self, full):
@@ -285,10 +296,10 @@ class ShardedState(Replicated):
         size, position = len(self._world), self.comm.Get_rank()
         replicas = min(self.replicas, size)
 
-        def packet(i):
+        def packet(i):  # position i's: the chunk it holds
             out = np.empty(layout.nbytes, np.uint8)
             for (u, key), view in layout.views(out).items():
-                view[...] = _cut(full[(u, key)], layout.units[u][3], i)
+                view[...] = _cut(full[(u, key)], layout.units[u][3], self._shard_of[i])
             return out
 
         buddies = {(position - d) % size: packet((position - d) % size) for d in range(1, replicas)}

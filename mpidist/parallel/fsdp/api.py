@@ -259,6 +259,18 @@ class FSDP:
         return tuple(UnitInfo(u.label, tuple(u.names), u.numel, u.shard_numel,
                               tuple(self._units[i].label for i in u.used)) for u in self._units)
 
+    @property
+    def groups(self):
+        """This rank's ``ShardGroups``: shard and replica communicators, and which chunk every rank holds."""
+        return self._ctx.groups
+
+    def communicators(self):
+        """The communicators this FSDP works over besides ``comm`` (hybrid: its shard and replica groups), e.g.
+        for ``mpidist.elastic`` to revoke after a failure: a rank blocked in one of them with live members is
+        told of a failure only through them."""
+        return tuple(c for c in (self.groups.shard_comm, self.groups.replicate_comm)
+                     if c is not None and c is not self.comm)
+
     def shard_layout(self):
         """Return a ``UnitShard`` per unit with parameters: its flat layout and this rank's shard Parameter."""
         return tuple(u.layout() for u in self._param_units)
