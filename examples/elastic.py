@@ -223,7 +223,7 @@ def main(argv=None):
             lines.append(f"[elastic] memory per rank: FSDP shards {persistent['persistent_bytes'] / 1e3:.1f} kB (params "
                          f"{persistent['param_shard_bytes'] / 1e3:.1f}, grads {persistent['grad_shard_bytes'] / 1e3:.1f}, "
                          f"optimizer {persistent['optimizer_state_bytes'] / 1e3:.1f}); kept commits "
-                         f"{state.held_bytes() / 1e3:.1f} kB ({state.keep} commits x {args.replicas} copies)")
+                         f"{state.held_bytes() / 1e3:.1f} kB ({state.keep} commits of {state.stats['commit_bytes'] / 1e3:.1f} kB)")
         for f in job.failures:
             killed_at = getattr(f, "killed_at", None)
             detect = f"{(f.detected_at - killed_at) * 1e3:.1f} ms after the kill" if killed_at else "(kill time unknown)"

@@ -689,7 +689,18 @@ def test_hybrid_fsdp_survivors_restore_lost_chunks_from_replicas_and_match_the_r
     its replica even without buddies; the survivors re-shard (3 ranks: fully sharded) and equal the reference."""
     result, log = _launch(tmp_path, faults, "--wrapper", "fsdp", "--hsdp", "2", "--replicas", str(replicas))
     _check_survivors(tmp_path, result, log, lost)
-    assert "re-sharded 4 -> 3 (2 chunks x 2 replicas before)" in log, log[-4000:]
+    assert "from their replicas or buddies, re-sharded 4 -> 3 (2 chunks x 2 replicas before)" in log, log[-4000:]
+
+
+def test_hybrid_sharding_needs_no_buddies_where_its_replicas_already_hold_enough_copies():
+    """Buddy packets only where the layout keeps fewer copies of each chunk than ``replicas`` asks for."""
+    state = elastic.ShardedState(_model(), lambda ps: optim.SGD(ps, lr=0.1), replicas=2)
+    for world, copies, replicas in [(4, 2, 1), (4, 1, 2), (4, 4, 1), (1, 1, 1)]:  # HSDP 2x2, full, no_shard, alone
+        state._world, state._copies = list(range(world)), copies
+        assert state._replicas() == replicas, (world, copies)
+    state.replicas = 3
+    state._world, state._copies = list(range(4)), 2
+    assert state._replicas() == 3  # 2 copies are fewer than asked: buddies on top
 
 
 @needs_ulfm
@@ -698,7 +709,8 @@ def test_hybrid_fsdp_survivors_restore_lost_chunks_from_replicas_and_match_the_r
 def test_hybrid_fsdp_losing_every_holder_of_a_chunk_names_it(tmp_path):
     """Both replicas of chunk 0 (world ranks 0 and 2) lost at once, no buddies: every survivor says which."""
     result, log = _launch(tmp_path, "rank=0,step=3;rank=2,step=3", "--wrapper", "fsdp", "--hsdp", "2", "--replicas", "1")
-    assert log.count("are lost: all") >= 2 and "use more replicas" in log, log[-4000:]
+    assert log.count("the shards of chunk 0 (positions [0, 2], world ranks [0, 2]) are lost: all 2 holder(s), world "
+                     "ranks [0, 2], failed; use more replicas") == 2, log[-4000:]
 
 
 @needs_ulfm

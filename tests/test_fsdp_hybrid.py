@@ -229,3 +229,4 @@ def test_communicators_are_the_shard_and_replica_groups_and_none_when_fully_shar
     assert (shard.Get_size(), replicate.Get_size()) == (2, 2)
     assert shard.Get_rank() == comm.Get_rank() % 2 and fsdp.groups.shard_of == (0, 1, 0, 1)
     assert FSDP(make_model(), comm).communicators() == ()
+    assert FSDP(make_model(), comm, strategy="no_shard").communicators() == ()  # replicas over comm itself

@@ -81,10 +81,13 @@ class Elastic:
         return comms[0] if len(comms) == 1 else comms
 
     def _track_wrapper(self, wrapper):
-        """Track the communicators the wrapper made for itself (``communicators()``: hybrid FSDP's groups)."""
+        """Track the communicators the wrapper made for itself (``communicators()``: hybrid FSDP's groups), then
+        wait for every rank to have done so: a rank that went on into one of them while another was lost before
+        tracking it would wait there, told by nobody."""
         communicators = getattr(wrapper, "communicators", None)
-        if communicators is not None:
+        if communicators is not None and communicators():
             self.track(*communicators())
+            self.comm.Barrier()
         return wrapper
 
     @contextlib.contextmanager

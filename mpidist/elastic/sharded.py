@@ -16,9 +16,9 @@ Words used here:
   which is the oldest step any of them may need and, for equal steps, the older layout (see ``restore``).
 
 A failure: the survivors agree on a commit that all of them hold (ranks are at most one commit apart, and
-two are kept). For every position of that commit's layout, the first live rank among its holders (itself,
-then its buddies) provides its packet; one ``Allgatherv`` over the survivors gives every survivor every
-packet, from which it rebuilds each unit's full flat parameter and optimizer arrays. The old FSDP lets go of
+two are kept). For every chunk of that commit's layout, the first live rank among its holders (the positions
+holding it, then their buddies) provides its packet; one ``Allgatherv`` over the survivors gives every survivor
+every chunk, from which it rebuilds each unit's full flat parameter and optimizer arrays. The old FSDP lets go of
 the module (``FSDP.remove_hooks``), the module's parameters get their full values, ``build(comm)`` wraps it
 again over the survivors (a new FSDP, its shards cut for the new size), and the optimizer and schedule are
 made anew by the given factories and loaded with the re-cut arrays. The survivors then commit at once in the
@@ -102,6 +102,12 @@ class ShardedState(Replicated):
         """Bytes of the kept commits' packets on this rank (own shards and buddy copies)."""
         return sum(r["own"].nbytes + sum(b.nbytes for b in r["buddies"].values()) for r in self._commits)
 
+    def _replicas(self):
+        """Holders per packet this layout needs: ``replicas`` (capped at the ranks), or 1 (no buddies) where
+        hybrid sharding (or no_shard) already keeps that many copies of every chunk."""
+        replicas = min(self.replicas, len(self._world))
+        return 1 if self._copies >= replicas else replicas
+
     def _id(self, step):
         return step * ID_SCALE + (MPI.COMM_WORLD.Get_size() - len(self._world))
 
@@ -145,6 +151,7 @@ class ShardedState(Replicated):
         # Which chunk each position holds: under hybrid sharding the replicas of a chunk are natural holders.
         groups = getattr(wrapper, "groups", None)
         self._shard_of = list(groups.shard_of) if groups is not None else list(range(size))
+        self._copies = size // (max(self._shard_of) + 1)  # ranks holding each chunk without any buddy
         self.optimizer = self._make_optimizer(list(wrapper.parameters()))
         shards = [s.parameter for s in layout]
         if len(self.optimizer.params) != len(shards) or any(a is not b for a, b in zip(self.optimizer.params, shards)):
@@ -167,7 +174,7 @@ class ShardedState(Replicated):
             return
         start = time.perf_counter()
         layout = self._layout()
-        replicas = min(self.replicas, len(self._world))
+        replicas = self._replicas()
         spare = self._commits.pop(0) if len(self._commits) >= self.keep else None  # its buffers are reused
         own = _buffer(spare, "own", layout.nbytes)
         views = layout.views(own)
@@ -285,8 +292,9 @@ class ShardedState(Replicated):
                 flat[i * count:(i + 1) * count] = received[at:at + count * dtype.itemsize].view(dtype)
             full[(u, key)] = flat[:layout.units[u][2]]
         from_buddies = sorted(world[i] for i in range(n) if world[i] not in where)
-        how = (f"in-memory commit; shards of world rank(s) {from_buddies} from their buddies, re-sharded "
-               f"{n} -> {comm.Get_size()}" + (f" ({chunks} chunks x {n // chunks} replicas before)" if chunks < n else ""))
+        how = (f"in-memory commit; shards of world rank(s) {from_buddies} from their "
+               f"{'replicas or buddies' if chunks < n else 'buddies'}, re-sharded {n} -> {comm.Get_size()}"
+               + (f" ({chunks} chunks x {n // chunks} replicas before)" if chunks < n else ""))
         return full, how
 
     def _commit_from_full(self, full):
@@ -294,7 +302,7 @@ class ShardedState(Replicated):
         start = time.perf_counter()
         layout = self._layout()
         size, position = len(self._world), self.comm.Get_rank()
-        replicas = min(self.replicas, size)
+        replicas = self._replicas()
 
         def packet(i):  # position i's: the chunk it holds
             out = np.empty(layout.nbytes, np.uint8)
