@@ -84,9 +84,9 @@ class Elastic:
         """Track the communicators the wrapper made for itself (``communicators()``: hybrid FSDP's groups), then
         wait for every rank to have done so: a rank that went on into one of them while another was lost before
         tracking it would wait there, told by nobody."""
-        communicators = getattr(wrapper, "communicators", None)
-        if communicators is not None and communicators():
-            self.track(*communicators())
+        own = getattr(wrapper, "communicators", tuple)()
+        if own:
+            self.track(*own)
             self.comm.Barrier()
         return wrapper
 

@@ -95,7 +95,7 @@ class ShardedState(Replicated):
         # The module's own arrays before the first FSDP took it apart (FSDP copies out of them and never writes
         # them) and the small state then: a rank lost before the first commit completed everywhere leaves the
         # survivors nothing else to start again from. Dropped once every rank is known to hold the first commit.
-        self._start_values = self._start_replicated = None
+        self._start_values = None
 
     # -- what the survivors agree on ------------------------------------------------------------------------
     def held_bytes(self):
@@ -116,7 +116,7 @@ class ShardedState(Replicated):
         """Wrap the module (``build(comm)``, an FSDP) and make the optimizer and schedule over its shards."""
         if self._start_values is None and not self._commits:
             self._start_values = {name: p.data for name, p in self._params.items()}
-            self._start_replicated = self._save_replicated(None, self._buffers)
+        self._remember_start(self._buffers)
         return self._attach(build, comm)
 
     def cannot_start_again(self):
@@ -129,13 +129,11 @@ class ShardedState(Replicated):
         """Back to where training started, to start again over the survivors: the module's parameters get their
         starting values back (a failure may have cut the first FSDP's construction short), and so does the small
         state (sampler, generators, extras, buffers), on every survivor alike."""
-        self._load_replicated(self._start_replicated, None, self._buffers)
-        super().forget_commits()
+        self._back_to_start(self._buffers)
         for name, p in self._params.items():
             p.data = self._start_values[name].copy()  # a copy: the starting values stay for another start
             p.grad = None
         self.wrapper = self.optimizer = self.scheduler = None
-        self.step = 0
 
     def _attach(self, build, comm):
         wrapper = build(comm)

@@ -67,7 +67,6 @@ class StageState(Replicated):
         self._holders = {}   # name -> world ranks holding it in this layout
         self._world = None
         self._saved_step = -1  # newest step saved to disk: a step restored or replayed is not saved again
-        self._start_replicated = None  # the small state before the first build (forget_commits)
 
     def held_bytes(self):
         """Bytes of the kept commits' parameter and optimizer arrays on this rank."""
@@ -77,10 +76,7 @@ class StageState(Replicated):
     # -- building -------------------------------------------------------------------------------------------
     def start(self, build, comm):
         """Build the pipeline over ``comm`` and make the optimizer and schedule over its stages."""
-        if self._start_replicated is None and not self._commits:
-            # Before the first build: mpidist's default generator then is what layers built without an rng draw
-            # their first values from, so building again from it makes the same stages on every survivor.
-            self._start_replicated = self._save_replicated(None, [])
+        self._remember_start([])  # building again from it makes the same stages on every survivor
         return self._attach(build, comm)
 
     def cannot_start_again(self):
@@ -90,10 +86,8 @@ class StageState(Replicated):
         """Back to where training started (a rank lost before the first commit completed everywhere): the small
         state (sampler, generators, extras) returns to what it was before the first build, on every survivor
         alike; the stages are built anew."""
-        self._load_replicated(self._start_replicated, None, [])  # buffers: the new stages' own
-        super().forget_commits()
+        self._back_to_start([])  # buffers: the new stages' own
         self.wrapper = self.optimizer = self.scheduler = None
-        self.step = 0
 
     def _attach(self, build, comm):
         wrapper = build(comm)

@@ -23,6 +23,7 @@ fails: it then says so on every survivor. Commits cost nothing but that small st
 (a metric's allreduce) before ``optimizer.step()``.
 """
 
+import collections
 import copy
 import time
 
@@ -55,6 +56,7 @@ class Replicated:
         self.faults = ()  # MPIDIST_FAULT's faults (Elastic.train sets them): at=save ones fire inside disk saves
         self.stats = {"commits": 0, "commit_s": 0.0, "commit_bytes": 0}
         self._commits = []  # the kept commits, oldest first: dicts with at least "id" and "step"
+        self._start_replicated = None  # the small state before the first build (states that start again from it)
 
     @property
     def committed_id(self):
@@ -74,6 +76,19 @@ class Replicated:
     def forget_commits(self):
         """Drop every commit (a failure before the first commit completed on every rank: start again)."""
         self._commits.clear()
+
+    def _remember_start(self, buffers):
+        """Keep the small state as it is before the first build (mpidist's default generator included, which
+        layers built without an rng draw from), for ``_back_to_start``."""
+        if self._start_replicated is None and not self._commits:
+            self._start_replicated = self._save_replicated(None, buffers)
+
+    def _back_to_start(self, buffers):
+        """Start again over the survivors: the small state of before the first build, on every survivor alike
+        (ranks that took the first commit and ranks that did not), no commits, step 0."""
+        self._load_replicated(self._start_replicated, None, buffers)
+        Replicated.forget_commits(self)
+        self.step = 0
 
     def _save_replicated(self, scheduler, buffers):
         return {
@@ -328,21 +343,25 @@ def _optimizer_layout(optimizer):
         for k, v in s.items():
             if hasattr(v, "shape") and getattr(v, "ndim", 0) > 0:
                 arrays.append(get_array_module(v).ascontiguousarray(v))
-                v = ("array", tuple(v.shape), str(v.dtype))
+                v = _ArraySlot(tuple(v.shape), str(v.dtype))
             state[i][k] = v
     return {"state": state, "param_groups": _param_groups(optimizer)}, arrays
 
 
+class _ArraySlot(collections.namedtuple("_ArraySlot", "shape dtype")):
+    """Where ``_optimizer_layout`` took an array out of the optimizer's state (sent apart, as a buffer)."""
+
+
 def _shapes(meta):
-    return [(v[1], np.dtype(v[2])) for s in meta["state"].values() for v in s.values()
-            if isinstance(v, tuple) and len(v) == 3 and v[0] == "array"]
+    return [(v.shape, np.dtype(v.dtype)) for s in meta["state"].values() for v in s.values()
+            if isinstance(v, _ArraySlot)]
 
 
 def _optimizer_state(meta, arrays):
     """The state dict of ``_optimizer_layout``'s meta with its arrays put back in order."""
     it = iter(arrays)
-    state = {i: {k: next(it) if isinstance(v, tuple) and len(v) == 3 and v[0] == "array" else v
-                 for k, v in s.items()} for i, s in meta["state"].items()}
+    state = {i: {k: next(it) if isinstance(v, _ArraySlot) else v for k, v in s.items()}
+             for i, s in meta["state"].items()}
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
