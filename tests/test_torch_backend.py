@@ -27,10 +27,11 @@ JOBS = os.path.join(ROOT, "tests", "jobs")
 pytestmark = [pytest.mark.mpi_skip, launcher.needed]
 
 
-def run(n, script, *args, timeout=240, **env):
+def run(n, script, *args, timeout=240, finished=None, **env):
+    """Run ``script`` on ``n`` ranks; it must exit 0, or, with ``finished(proc)``, have finished its work by then."""
     proc = subprocess.run(launcher.mpiexec(n, sys.executable, os.path.join(JOBS, script), *args), capture_output=True,
                           text=True, timeout=timeout, env=launcher.env(OMP_NUM_THREADS="1", **env))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0 or (finished is not None and finished(proc)), (proc.stdout + proc.stderr)[-4000:]
     return proc
 
 
@@ -69,7 +70,15 @@ def parity(tmp_path_factory):
 
     def get(backend, n):
         if (backend, n) not in cache:
-            run(n, "torch_parity.py", "--backend", backend, "--out", str(out))
+            # gloo only gives the reference numbers; a process of its run can die in teardown after every scenario
+            # finished and the results were written (pytorch#179291; seen twice in fresh-clone runs, the second
+            # time as a SIGKILL of one rank after all had printed their last scenario). mpidist's runs must exit 0.
+            written = out / f"{backend}-{n}.npz"
+            finished = (lambda proc: written.exists() and proc.stdout.count(f"{SCENARIOS[-1]} done") == n) \
+                if backend == "gloo" else None
+            if written.exists():
+                written.unlink()
+            run(n, "torch_parity.py", "--backend", backend, "--out", str(out), finished=finished)
             with np.load(out / f"{backend}-{n}.npz") as data:
                 cache[backend, n] = {k: data[k].copy() for k in data.files}
         return cache[backend, n]
