@@ -7,8 +7,8 @@ Run (on a GPU machine; ranks may share one GPU):
 Rows: {"path", "ranks", "bytes", "us", "busbw_gbs"}; path "host" is numpy arrays through the same
 MPI in the same run. busbw = bytes / time * 2(n-1)/n (nccl-tests). Time per call: median over
 repetitions of the slowest rank. Targets (64 MiB float32, 2 ranks on one H100): staged >= 0.8x host,
-ipc >= 100 GB/s. Without cupy or a GPU it says so and exits with status 0. No numbers exist yet
-(no GPU machine was available when it was written; see docs/gpu.md).
+ipc >= 100 GB/s (met on an H100 only with NVIDIA MPS running: docs/gpu.md has the numbers). Without cupy or a
+GPU it says so and exits with status 0.
 """
 
 import argparse

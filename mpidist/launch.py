@@ -180,7 +180,9 @@ def select_device(local, local_rank):
         peers = [r for r in sharing if keys[r] == key]
         warnings.warn(f"mpidist.init: local ranks {', '.join(map(str, peers))} share GPU {key} (device {device} of {count} "
                       f"visible): NCCL cannot be used; collectives use CUDA IPC or host staging. "
-                      f"Start at most one rank per GPU for full speed", RuntimeWarning, stacklevel=3)
+                      f"Start at most one rank per GPU for full speed, or start NVIDIA MPS (nvidia-cuda-mps-control -d) "
+                      f"before the job: without it the GPU time-slices between the ranks' processes (docs/gpu.md)",
+                      RuntimeWarning, stacklevel=3)
     return device
 
 

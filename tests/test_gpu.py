@@ -3,7 +3,7 @@ pipeline training on CuPy arrays against CPU runs, and the nn ops (forward and b
 
 Skipped unless cupy imports *and* ``cupy.is_available()`` (``import cupy`` succeeds on machines
 without a GPU). Meant for ``mpiexec -n 1/2/4 [--oversubscribe] python -m pytest --with-mpi -m gpu
-tests/test_gpu.py`` on a GPU machine (docs/gpu.md). These tests have NOT been run on a GPU yet.
+tests/test_gpu.py`` on a GPU machine (docs/gpu.md; first passed on an H100 on 2026-11-27).
 """
 
 import numpy as np

@@ -468,7 +468,7 @@ def test_init_selects_local_rank_modulo_gpus(monkeypatch, gpus, per_node, shared
     messages = [str(w.message) for w in caught if "share GPU" in str(w.message)]
     assert bool(messages) == shared, messages
     if shared:
-        assert "NCCL cannot be used" in messages[0]
+        assert "NCCL cannot be used" in messages[0] and "nvidia-cuda-mps-control -d" in messages[0]
     assert str(infos[0]).endswith(f" gpu {infos[0].device}")
 
 
@@ -476,3 +476,71 @@ def test_init_without_gpu_selects_nothing(monkeypatch):
     monkeypatch.setattr(mpidist.xp, "gpu_count", lambda: 0)
     infos = mpidist.simulate(2, lambda comm: mpidist.init(comm, abort_on_error=False)[1])
     assert [i.device for i in infos] == [None, None] and "gpu" not in str(infos[0])
+
+
+class _StubRuntime:
+    """cupy.cuda.runtime's IPC calls, counting what CUDA would map (it refuses one handle twice per process)."""
+
+    def __init__(self):
+        self.mapped, self.opens, self.closes = {}, 0, 0
+
+    def ipcOpenMemHandle(self, handle):  # noqa: N802 - CUDA's name
+        if handle in self.mapped.values():
+            raise RuntimeError("cudaErrorAlreadyMapped: resource already mapped")
+        self.opens += 1
+        pointer = 0x1000 * self.opens
+        self.mapped[pointer] = handle
+        return pointer
+
+    def ipcCloseMemHandle(self, pointer):  # noqa: N802
+        self.closes += 1
+        del self.mapped[pointer]
+
+
+def test_ipc_mappings_open_a_handle_once_per_process_and_close_on_the_last_release():
+    from mpidist.gpu.device import _IpcMappings
+
+    rt, maps = _StubRuntime(), _IpcMappings()
+    a, b = maps.open(rt, b"peer-arena"), maps.open(rt, b"peer-arena")  # two communicators, one peer arena
+    other = maps.open(rt, b"other-arena")
+    assert a == b != other and rt.opens == 2
+    maps.close(rt, a)
+    assert rt.closes == 0 and a in rt.mapped  # still used by the second path
+    maps.close(rt, b)
+    maps.close(rt, other)
+    assert rt.closes == 2 and rt.mapped == {}
+    with pytest.raises(ValueError, match="not an open IPC mapping"):
+        maps.close(rt, a)
+    assert maps.open(rt, b"peer-arena") != 0 and rt.opens == 3  # a closed handle can be opened again
+
+
+def test_ipc_arenas_are_whole_granules():
+    """Arenas never share a 2 MiB granule (CUDA maps IPC memory per granule; a shared one failed on an H100)."""
+    from mpidist.gpu import device as device_module
+
+    allocated = []
+
+    class StubCupy:
+        class cuda:
+            runtime = None
+
+            class Memory:
+                def __init__(self, nbytes):
+                    allocated.append(nbytes)
+
+            @staticmethod
+            def MemoryPointer(mem, offset):  # noqa: N802
+                return (mem, offset)
+
+        @staticmethod
+        def ndarray(shape, dtype, memptr):
+            return (shape, np.dtype(dtype))
+
+    dev = object.__new__(device_module.CupyDevice)
+    dev.cp, dev.rt = StubCupy, None
+    granule = device_module.IPC_GRANULE_BYTES
+    assert granule == 2 << 20
+    for n, dtype in ((1, np.float32), (granule // 8, np.float64), (granule // 8 + 1, np.float64), (0, np.int8)):
+        assert dev.ipc_alloc(n, dtype) == ((max(n, 0),), np.dtype(dtype))
+        expected = -(-max(1, n) * np.dtype(dtype).itemsize // granule) * granule
+        assert allocated[-1] == expected

@@ -13,11 +13,18 @@ Glossary:
 - pinned buffer: a numpy array in page-locked host memory, so copies to and from it are async.
 """
 
+import threading
+
 import numpy as np
 
 from .. import xp as _xp
 
 __all__ = ["DeviceAPI", "CupyDevice", "NcclComm"]
+
+# CUDA maps IPC memory per process in 2 MiB granules, and the driver may place small cudaMallocs side by side
+# in one granule; a process that opens two such handles of one peer gets cudaErrorAlreadyMapped (seen on an
+# H100 with 4 ranks, 2026-11-27). Every arena is therefore a whole number of granules.
+IPC_GRANULE_BYTES = 2 << 20
 
 # Device reductions by MPI op name (mpidist's collectives map bool sum/max to LOR, prod/min to LAND).
 REDUCE_UFUNCS = {"SUM": "add", "PROD": "multiply", "MIN": "minimum", "MAX": "maximum",
@@ -160,7 +167,7 @@ class NcclComm:
 
 # ---------------------------------------------------------------------------------------------------
 class CupyDevice(DeviceAPI):
-    """The device API on CuPy's current device. Not run on a GPU yet (see docs/gpu.md)."""
+    """The device API on CuPy's current device (run on an H100 on 2026-11-27; see docs/gpu.md)."""
 
     name = "cupy"
 
@@ -240,7 +247,8 @@ class CupyDevice(DeviceAPI):
 
     def ipc_alloc(self, n, dtype):
         dtype = np.dtype(dtype)
-        mem = self.cp.cuda.Memory(max(1, int(n)) * dtype.itemsize)  # cudaMalloc: its own allocation
+        nbytes = -(-max(1, int(n)) * dtype.itemsize // IPC_GRANULE_BYTES) * IPC_GRANULE_BYTES
+        mem = self.cp.cuda.Memory(nbytes)  # cudaMalloc: its own allocation, whole granules
         return self.cp.ndarray((int(n),), dtype, self.cp.cuda.MemoryPointer(mem, 0))
 
     def ipc_handle(self, arr):
@@ -248,12 +256,12 @@ class CupyDevice(DeviceAPI):
 
     def ipc_open(self, handle, n, dtype):
         dtype = np.dtype(dtype)
-        ptr = self.rt.ipcOpenMemHandle(bytes(handle))
+        ptr = _ipc_mappings.open(self.rt, bytes(handle))
         mem = self.cp.cuda.UnownedMemory(ptr, max(1, int(n)) * dtype.itemsize, self)
         return self.cp.ndarray((int(n),), dtype, self.cp.cuda.MemoryPointer(mem, 0))
 
     def ipc_close(self, arr):
-        self.rt.ipcCloseMemHandle(arr.data.ptr)
+        _ipc_mappings.close(self.rt, arr.data.ptr)
 
     def mpi_buffer(self, x):
         return x  # mpi4py passes __cuda_array_interface__'s pointer through
@@ -269,6 +277,42 @@ class CupyDevice(DeviceAPI):
 
     def nccl_comm(self, comm, unique_id):
         return _CupyNcclComm(self, comm.Get_size(), unique_id, comm.Get_rank())
+
+
+class _IpcMappings:
+    """This process's open IPC mappings, counted: CUDA refuses to open one handle twice in a process.
+
+    Two paths (two communicators) of one process may map the same peer arena's handle; the second open
+    reuses the first mapping and the last close unmaps it.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_handle = {}  # handle -> [pointer, count]
+        self._by_pointer = {}  # pointer -> handle
+
+    def open(self, rt, handle):
+        with self._lock:
+            entry = self._by_handle.get(handle)
+            if entry is None:
+                entry = self._by_handle[handle] = [rt.ipcOpenMemHandle(handle), 0]
+                self._by_pointer[entry[0]] = handle
+            entry[1] += 1
+            return entry[0]
+
+    def close(self, rt, pointer):
+        with self._lock:
+            handle = self._by_pointer.get(pointer)
+            if handle is None:
+                raise ValueError(f"mpidist.gpu: pointer {pointer:#x} is not an open IPC mapping of this process")
+            entry = self._by_handle[handle]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._by_handle[handle], self._by_pointer[pointer]
+                rt.ipcCloseMemHandle(pointer)
+
+
+_ipc_mappings = _IpcMappings()
 
 
 _NCCL_TYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "uint32": "NCCL_UINT32",
