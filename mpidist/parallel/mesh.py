@@ -1,10 +1,14 @@
 """A process mesh of data-parallel replicas x pipeline stages x tensor-parallel ranks.
 
-World rank w sits at ``w = (dp_rank * pp + pp_rank) * tp + tp_rank``: tensor parallelism is innermost, so a
-tensor-parallel group is ``tp`` consecutive ranks (one node, where its per-layer collectives are cheapest), a
-pipeline is a block of ``pp * tp`` consecutive ranks (neighbouring stages on neighbouring nodes), and each
-data-parallel group joins one (pipeline, tensor) position across replicas. With tp = 1 this is the 2-D
-dp x pp layout, pipeline position w % pp of replica w // pp.
+Ranks are first put in node-major order (node by node, nodes numbered by their lowest rank, ranks by number
+within a node: ``mpidist.comm.nodes``); the rank at position p of that order sits at
+``p = (dp_rank * pp + pp_rank) * tp + tp_rank``. Tensor parallelism is innermost, so a tensor-parallel group is
+``tp`` consecutive positions, always within one node (where its per-layer collectives are cheapest; a layout
+where a node cannot hold whole groups is refused), a pipeline is a block of ``pp * tp`` positions (neighbouring
+stages on the same or neighbouring nodes), and each data-parallel group joins one (pipeline, tensor) position
+across replicas, i.e. across nodes. Under block placement (mpiexec's default, ``srun -m block``) the position
+is the rank; under round-robin placement (``-hosts a,b``, ``srun -m cyclic``) the node order still keeps
+tensor-parallel groups inside nodes. With tp = 1 this is the 2-D dp x pp layout.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpidist.comm import check_comm
+from mpidist.comm.nodes import node_major_order, node_of_ranks, ranks_per_node
 
 __all__ = ["Mesh", "mesh"]
 
@@ -46,9 +51,10 @@ class Mesh:
 
 
 def mesh(comm, dp: int = None, pp: int = 1, tp: int = 1) -> Mesh:
-    """Split ``comm`` into tensor-parallel groups (innermost), pipelines and data-parallel groups.
+    """Split ``comm`` into tensor-parallel groups (innermost, within a node), pipelines and data-parallel groups.
 
-    ``dp=None`` takes what the world leaves: ``size // (pp * tp)``. Collective over ``comm``.
+    ``dp=None`` takes what the world leaves: ``size // (pp * tp)``. Collective over ``comm``. Raises on every
+    rank when a node's rank count is not a multiple of ``tp`` (a tensor-parallel group would span nodes).
     """
     check_comm("mesh", comm)
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -63,7 +69,14 @@ def mesh(comm, dp: int = None, pp: int = 1, tp: int = 1) -> Mesh:
     if dp * pp * tp != size:
         raise ValueError(f"mesh: dp * pp * tp must equal the number of ranks (dp={dp}, pp={pp}, tp={tp}, "
                          f"dp*pp*tp={dp * pp * tp}, ranks={size})")
-    rest, tp_rank = divmod(rank, tp)
+    nodes = node_of_ranks(comm)  # the same list on every rank: any error below is raised on all of them
+    per_node = ranks_per_node(nodes)
+    if any(count % tp for count in per_node):
+        raise ValueError(f"mesh: tp={tp} tensor-parallel ranks do not fit within nodes: every node's rank count "
+                         f"must be a multiple of tp so that no tensor-parallel group spans two nodes "
+                         f"(ranks per node: {per_node}); pick tp dividing {per_node} or place ranks evenly")
+    position = node_major_order(nodes).index(rank)
+    rest, tp_rank = divmod(position, tp)
     dp_rank, pp_rank = divmod(rest, pp)
     tp_comm = comm.Split(color=dp_rank * pp + pp_rank, key=tp_rank)
     pp_comm = comm.Split(color=dp_rank * tp + tp_rank, key=pp_rank)

@@ -9,9 +9,12 @@ Glossary:
   all ranks under NO_SHARD.
 - shard index: which chunk a rank holds (its rank in ``shard_comm``; 0 under NO_SHARD).
 
-With ``shard_size=k`` rank ``r`` of ``comm`` is shard ``r % k`` of group ``r // k``: a shard group is a block of
-consecutive ranks (one node, where the all-gathers and reduce-scatters of every unit are cheap), and a
-replica group takes one rank per block (across nodes, where only one allreduce of 1/k of the gradient goes).
+Ranks are first put in node-major order (``mpidist.comm.nodes``: node by node, by rank within a node). With
+``shard_size=k`` the rank at position p of that order is shard ``p % k`` of group ``p // k``: a shard group is a
+block of k consecutive positions (within one node when k divides the node's rank count, where the all-gathers
+and reduce-scatters of every unit are cheap), and a replica group takes one rank per block (across nodes, where
+only one allreduce of 1/k of the gradient goes). Without ``shard_size`` or groups, k is the ranks per node:
+shard within each node, replicate across nodes. Under block placement the position is the rank.
 """
 
 import numbers
@@ -20,6 +23,7 @@ from typing import Any
 
 from ...comm import check_comm
 from ...comm.agree import raise_if_any
+from ...comm.nodes import node_major_order, node_of_ranks, ranks_per_node
 
 __all__ = ["ShardGroups", "build_groups"]
 
@@ -67,14 +71,23 @@ def build_groups(comm, strategy, shard_size=None, shard_comm=None, replicate_com
     if shard_size is not None and (shard_comm is not None or replicate_comm is not None):
         raise ValueError(f"FSDP: pass either shard_size (got {shard_size!r}) or the pair shard_comm and "
                          f"replicate_comm, not both")
-    if shard_size is not None:
+    if shard_comm is None and replicate_comm is None:
+        nodes = node_of_ranks(comm)  # the same list on every rank: any error below is raised on all of them
+        if shard_size is None:
+            per_node = ranks_per_node(nodes)
+            if len(set(per_node)) > 1:
+                raise ValueError(f"FSDP: strategy={strategy.value!r} without shard_size shards within each node, "
+                                 f"which needs the same number of ranks on every node (ranks per node: "
+                                 f"{per_node}); pass shard_size=k or shard_comm and replicate_comm")
+            shard_size = per_node[0]
         k = _check_shard_size(shard_size, size)
-        shard_comm = comm.Split(color=rank // k, key=rank)
-        replicate_comm = comm.Split(color=rank % k, key=rank)
+        position = node_major_order(nodes).index(rank)
+        shard_comm = comm.Split(color=position // k, key=position)
+        replicate_comm = comm.Split(color=position % k, key=position)
     elif shard_comm is None or replicate_comm is None:
-        raise ValueError(f"FSDP: strategy={strategy.value!r} needs shard_size=k (groups of k consecutive ranks "
-                         f"shard, the {size} // k groups replicate) or both shard_comm and replicate_comm "
-                         f"(got {', '.join(given) or 'neither'})")
+        raise ValueError(f"FSDP: strategy={strategy.value!r} needs shard_size=k (groups of k ranks of a node "
+                         f"shard, the {size} // k groups replicate), or both shard_comm and replicate_comm, or "
+                         f"neither (shard within each node, replicate across nodes) (got {', '.join(given)})")
     else:
         check_comm("FSDP shard_comm", shard_comm)
         check_comm("FSDP replicate_comm", replicate_comm)
