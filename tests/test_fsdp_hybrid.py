@@ -191,7 +191,6 @@ def test_hybrid_strategies_parse_and_name_their_zero_stage(comm):
     ({"strategy": "hybrid_shard", "shard_size": 3},
      r"shard_size=3 does not divide the 4 ranks of comm; .*pick a divisor of 4 \(\[1, 2, 4\]\)"),
     ({"strategy": "hybrid_shard", "shard_size": 0}, r"shard_size must be an int >= 1 \(got 0\)"),
-    ({"strategy": "hybrid_shard_grad_op"}, r"needs shard_size=k .* \(got neither\)"),
     ({"strategy": "full_shard", "shard_size": 2}, r"shard_size only apply to the hybrid strategies \(strategy="
                                                   r"'full_shard' uses all 4 ranks\)"),
     ({"strategy": "no_shard", "shard_size": 4}, r"shard_size only apply to the hybrid strategies"),

@@ -118,8 +118,10 @@ class FSDP:
         comm: an mpi4py intracommunicator or a SimComm: all data-parallel ranks.
         strategy: a ``ShardingStrategy`` or its name ("full_shard", "shard_grad_op", "no_shard",
             "hybrid_shard", "hybrid_shard_grad_op").
-        shard_size: for the hybrid strategies: shard within groups of this many consecutive ranks of
-            ``comm`` and replicate across the ``size // shard_size`` groups (it must divide the size).
+        shard_size: for the hybrid strategies: shard within groups of this many ranks (consecutive in
+            node-major order, so within a node when it divides the node's ranks) and replicate across the
+            ``size // shard_size`` groups (it must divide the size). Default: the ranks per node (shard
+            within each node, replicate across nodes).
         shard_comm, replicate_comm: for the hybrid strategies, instead of ``shard_size``: the shard group
             and the replica group of this rank (e.g. from a mesh), which must tile ``comm``.
         units: None (one unit per child of a Sequential), an int N (consecutive Sequential children grouped
