@@ -41,6 +41,20 @@ def test_linear_grads_with_leading_dims():
     check_module_grads(nn.Linear(4, 3, rng=rng, dtype=F64), rng.standard_normal((2, 3, 4)))
 
 
+@pytest.mark.parametrize("features,batch", [((3, 0), (2,)), ((0, 3), (2,)), ((0, 0), (2,)), ((3, 0), (2, 5)),
+                                            ((0, 3), (2, 5)), ((3, 4), (2, 0))],
+                         ids=["no-outputs", "no-inputs", "neither", "no-outputs-3d", "no-inputs-3d", "no-rows-3d"])
+def test_linear_with_an_empty_dimension_has_gradients_of_every_shape(features, batch):
+    """Linear(n, 0), Linear(0, n) and empty batches: gradients of the parameters' and input's shapes (finite
+    differences where there are elements; the bias of Linear(0, n) gets the output gradient's row sums)."""
+    rng = np.random.default_rng(0)
+    lin = nn.Linear(*features, rng=rng, dtype=F64)
+    x = rng.standard_normal(batch + (features[0],))
+    grads = gradcheck(lin, x, module=lin)
+    assert grads[0].shape == x.shape
+    assert grads["weight"].shape == (features[1], features[0]) and grads["bias"].shape == (features[1],)
+
+
 def test_linear_without_bias_grads():
     rng = np.random.default_rng(0)
     lin = nn.Linear(4, 3, bias=False, rng=rng, dtype=F64)

@@ -142,14 +142,16 @@ def linear(x, weight, bias=None):
                          f"(input: {dx.shape}, weight: {w.shape})")
     # As one 2-D product: numpy runs a (batch, seq, in) @ (in, out) product as a loop over the batch, about
     # 20% slower than the same work as one (batch * seq, in) @ (in, out) BLAS call.
-    out = (dx.reshape(-1, dx.shape[-1]) @ w.T).reshape(dx.shape[:-1] + (w.shape[0],)) if dx.ndim > 2 else dx @ w.T
+    # Rows counted, not reshape(-1, ...): -1 is ambiguous when a layer has no inputs or outputs (Linear(n, 0)).
+    rows = math.prod(dx.shape[:-1])
+    out = (dx.reshape(rows, dx.shape[-1]) @ w.T).reshape(dx.shape[:-1] + (w.shape[0],)) if dx.ndim > 2 else dx @ w.T
     if bias is not None:
         out += _d(bias)
 
     def backward(g, n):
-        g2 = g.reshape(-1, g.shape[-1])
+        g2 = g.reshape(rows, g.shape[-1])
         gx = (g2 @ _d(weight)).reshape(g.shape[:-1] + (_d(weight).shape[1],)) if n[0] else None
-        gw = g2.T @ _d(x).reshape(-1, _d(x).shape[-1]) if n[1] else None
+        gw = g2.T @ _d(x).reshape(rows, _d(x).shape[-1]) if n[1] else None
         gb = g2.sum(axis=0) if bias is not None and n[2] else None
         return gx, gw, gb
     return make_result("Linear", out, (x, weight, bias), backward)
