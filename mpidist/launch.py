@@ -16,7 +16,7 @@ import traceback
 import warnings
 
 from . import guard
-from .comm import check_comm
+from .comm import SimComm, check_comm
 
 __all__ = ["LaunchInfo", "LaunchError", "init", "detect_launcher", "expected_world_size", "install_abort_on_error",
            "select_device"]
@@ -204,7 +204,10 @@ def init(comm=None, *, abort_on_error=True, collective_timeout=None, checkpoint_
 
     comm = MPI.COMM_WORLD if comm is None else check_comm("init", comm)
     size, rank = comm.Get_size(), comm.Get_rank()
-    if isinstance(comm, MPI.Comm):
+    # Under `mpidist sim`, mpi4py.MPI is the simulated namespace (its Comm is SimComm): the simulator itself ends
+    # every rank on an uncaught exception and times waits out, and the hooks and watchdog below are per process.
+    real = isinstance(comm, MPI.Comm) and not isinstance(comm, SimComm)
+    if real:
         # The launcher counts processes in the world, whatever communicator the caller hands in.
         _check_world(MPI.COMM_WORLD.Get_size())
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
@@ -216,10 +219,10 @@ def init(comm=None, *, abort_on_error=True, collective_timeout=None, checkpoint_
     library = (MPI.Get_library_version().replace("\0", "").strip().splitlines() or ["unknown"])[0] if hasattr(MPI, "Get_library_version") else "unknown"
     version = "%d.%d" % MPI.Get_version()
     info = LaunchInfo(rank, size, local_rank, local_size, nodes, detect_launcher(), library, version, device)
-    if abort_on_error and size > 1 and isinstance(comm, MPI.Comm):
+    if abort_on_error and size > 1 and real:
         install_abort_on_error(comm)
     guard.configure(collective_timeout=watchdog_timeout if collective_timeout is None else collective_timeout,
                     checkpoint_timeout=checkpoint_timeout)
-    if size > 1 and isinstance(comm, MPI.Comm):
+    if size > 1 and real:
         guard.start_watchdog(comm)
     return comm, info

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -255,3 +256,27 @@ def test_python_dash_m_mpidist_sim_runs_a_program(tmp_path):
     done = subprocess.run([sys.executable, "-m", "mpidist", "sim", "-n", "3", prog], capture_output=True, text=True,
                           timeout=120)
     assert (done.returncode, done.stdout) == (0, "3\n3\n3\n"), done.stderr
+
+
+# The README's pattern: mpidist.init() on the world the launcher (here: the simulator) gives.
+INIT_PROGRAM = """
+import numpy as np
+import mpidist
+
+comm, info = mpidist.init()
+total = mpidist.allreduce(np.array([comm.Get_rank() + 1.0]), comm)[0]
+print(f"{info.rank}: size {info.size} local {info.local_rank}/{info.local_size} nodes {info.nodes} total {total:g}")
+"""
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_program_calling_init_runs_on_the_simulated_world(tmp_path, capsys, monkeypatch, n):
+    prog = write(tmp_path, "init.py", INIT_PROGRAM)
+    hooks = sys.excepthook, threading.excepthook
+    status, out, err = sim(capsys, monkeypatch, "-n", str(n), prog)
+    assert (status, err) == (0, "")
+    # One simulated node holds every rank; the allreduce sums 1..n.
+    assert sorted(out.splitlines()) == [f"{r}: size {n} local {r}/{n} nodes 1 total {n * (n + 1) // 2}"
+                                        for r in range(n)]
+    # The simulator ends the ranks itself: init() must not leave its per-process abort hooks in this process.
+    assert (sys.excepthook, threading.excepthook) == hooks
