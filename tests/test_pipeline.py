@@ -448,6 +448,23 @@ def test_constructor_errors(comm):
         Pipeline(chunks[0], comm, 2)
 
 
+@pytest.mark.world_sizes(1, 2, 4)
+def test_a_stage_that_is_not_a_module_raises_on_every_rank(comm):
+    """Pipeline(None, ...) is refused at construction on every rank (it used to fail later, on rank 0 alone,
+    while the others waited in a receive)."""
+    last = comm.Get_size() - 1
+    chunks, _ = split_model(comm, "interleaved")
+    loss = CrossEntropyLoss()
+    everyone = "rank 0" if last == 0 else f"ranks {','.join(map(str, range(last + 1)))}"
+    with pytest.raises(TypeError, match=rf"^Pipeline: {everyone}: stage must be a module, called as stage\(\*inputs\) "
+                                        rf"and with parameters\(\) \(got NoneType\)$"):
+        Pipeline(None, comm, 2, loss_fn=loss)
+    with pytest.raises(TypeError, match=rf"^Pipeline: rank {last}: stage must be a module, .*\(got int\)$"):
+        Pipeline(3 if comm.Get_rank() == last else chunks[0], comm, 2, loss_fn=loss)
+    with pytest.raises(TypeError, match=rf"^Pipeline: {everyone}: stage module 1 must be a module, .*\(got NoneType\)$"):
+        Pipeline([chunks[0], None], comm, 2, schedule="interleaved", loss_fn=loss)
+
+
 @pytest.mark.world_sizes(2, 4)
 def test_step_errors_raise_on_every_rank(comm):
     p, rank = comm.Get_size(), comm.Get_rank()

@@ -117,7 +117,7 @@ class GPTHead(Module):
         twin = GPTHead.__new__(GPTHead)
         Module.__init__(twin)
         twin.ln_f = self.ln_f
-        twin.weight = Parameter(self.weight.data.copy())
+        twin.weight = Parameter(self.weight.data.copy(), requires_grad=self.weight.requires_grad)  # frozen alike
         return twin
 
 

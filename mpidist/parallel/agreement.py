@@ -1,9 +1,14 @@
 """What the ranks of a parallel wrapper must agree on, checked where it costs (almost) nothing.
 
 Glossary:
-- structure: a model's parameters as ``(name, shape, dtype)`` in ``named_parameters()`` order. Every
-  data-parallel rank must hold the same structure; at construction a digest is compared (one small
-  object allgather) and a difference raises on every rank naming the first differing parameter.
+- structure: a model's parameters as ``(name, shape, dtype)`` in ``named_parameters()`` order, and which of
+  them are frozen (``requires_grad=False``). Every data-parallel rank must hold the same structure; at
+  construction digests are compared (small object allgathers) and a difference raises on every rank naming
+  the first differing parameter and which ranks hold which value. A parameter frozen on some ranks only
+  would train there with the others' gradients, or keep a gradient slot the others lack.
+- frozen at construction: wrappers decide at construction which parameters get gradient storage,
+  communication and optimizer updates (the trainable ones); changing ``requires_grad`` afterwards is an
+  error the next backward reports (``TrainableAtBuild``), never silently half-applied.
 - step stamp: ``(training forwards, backwards, synchronizing backwards, optimizer updates)`` of this
   rank at a check point. Forwards count calls of the wrapper in training mode since construction,
   backwards its backward calls (and those outside ``no_sync``); optimizer updates count how often an mpidist optimizer updated the wrapper's parameters
@@ -26,7 +31,8 @@ from .. import collectives
 from ..comm.agree import check_same
 from ..guard import DesyncError
 
-__all__ = ["check_same_structure", "check_same_shards", "structure", "StepStamp"]
+__all__ = ["check_same_structure", "check_same_shards", "structure", "frozen_flags", "TrainableAtBuild",
+           "StepStamp"]
 
 
 def check_same_shards(comm, named, who):
@@ -53,10 +59,47 @@ def structure(named_parameters):
     return [(name, tuple(p.data.shape), str(p.data.dtype)) for name, p in named_parameters]
 
 
+def frozen_flags(named_parameters):
+    """Return ``[(name, "frozen" or "trainable")]`` of ``(name, Parameter)`` pairs, in their order."""
+    return [(name, "trainable" if p.requires_grad else "frozen") for name, p in named_parameters]
+
+
 def check_same_structure(comm, named_parameters, context):
-    """Raise ValueError on every rank unless all ranks hold parameters of the same names, shapes and dtypes."""
-    check_same(comm, structure(named_parameters), f"{context}: ranks hold different models (parameter name, "
+    """Raise ValueError on every rank unless all ranks hold parameters of the same names, shapes and dtypes,
+    frozen (``requires_grad=False``) alike."""
+    named = list(named_parameters)
+    check_same(comm, structure(named), f"{context}: ranks hold different models (parameter name, "
                f"shape, dtype)", what="parameter")
+    check_same(comm, frozen_flags(named), f"{context}: a parameter is frozen (requires_grad=False) on some ranks "
+               f"only; freeze the same parameters on every rank before wrapping", what="parameter")
+
+
+class TrainableAtBuild:
+    """Which parameters required grad when a wrapper was built; ``check()`` raises if that changed since.
+
+    A wrapper gives gradient storage, communication and optimizer updates to the parameters trainable at
+    construction only: a parameter frozen later would keep a gradient slot (and move under weight decay), one
+    unfrozen later would train on this rank's gradient alone. ``check()`` costs one attribute read per parameter.
+    """
+
+    def __init__(self, named_parameters, owner):
+        named = list(named_parameters)
+        self.owner = owner
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        self.trainable = [bool(p.requires_grad) for p in self.params]
+
+    def check(self):
+        """Raise RuntimeError on this rank naming every parameter whose ``requires_grad`` changed."""
+        now = [bool(p.requires_grad) for p in self.params]
+        if now == self.trainable:
+            return
+        changed = [f"{name!r} ({'trainable' if was else 'frozen'} -> {'trainable' if is_ else 'frozen'})"
+                   for name, was, is_ in zip(self.names, self.trainable, now) if was != is_]
+        raise RuntimeError(f"{self.owner}: requires_grad changed after the wrapper was built: {', '.join(changed)}; "
+                           f"the wrapper decides at construction which parameters get gradients, communication and "
+                           f"optimizer updates. Set requires_grad (alike on every rank) before wrapping, or build "
+                           f"the wrapper again")
 
 
 def _updates(params):

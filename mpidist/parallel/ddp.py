@@ -17,6 +17,9 @@ Glossary:
 - launch order: buckets are launched strictly in index order on every rank, because MPI matches
   nonblocking collectives on a communicator by the order they are started.
 - join: ranks that run out of data keep matching the collectives of ranks that still have data.
+- frozen parameter: one with ``requires_grad=False`` at construction. It is broadcast with the others at
+  construction (replicas start equal) and never again: no bucket slot, no hook, no gradient, so an
+  optimizer given it (weight decay included) leaves it as it is, as without a wrapper.
 
 Nothing here replaces a method of the wrapped module: DDP reads gradients through
 ``Parameter.register_post_accumulate_grad_hook`` and ``queue_callback``, and runs the module by calling it.
@@ -32,7 +35,7 @@ from ..comm import check_comm
 from ..nn import is_grad_enabled, queue_callback
 from ..nn.utils import clip_grad_norm_
 from ..xp import get_array_module, to_numpy
-from .agreement import StepStamp, check_same_shards, check_same_structure
+from .agreement import StepStamp, TrainableAtBuild, check_same_shards, check_same_structure
 
 __all__ = ["DDP", "GradientBucket"]
 
@@ -110,7 +113,9 @@ class DDP:
 
     Every rank holds a full replica; at construction parameters and buffers are broadcast from rank 0.
     Train as with the module itself: ``loss = crit(ddp(x), y); loss.backward()``; when backward
-    returns, every ``param.grad`` holds the mean gradient over ranks.
+    returns, every ``param.grad`` holds the mean gradient over ranks. Parameters frozen
+    (``requires_grad=False``) at construction get no gradient and no communication; set ``requires_grad``
+    before wrapping, alike on every rank (a difference raises on every rank, a later change at the next backward).
     """
 
     def __init__(self, module, comm, bucket_cap_mb=25, first_bucket_mb=1, overlap=True, broadcast_buffers=True,
@@ -143,20 +148,25 @@ class DDP:
         self._broadcast_state([p.make_writable() for _, p in named])  # in place, so never into a commit's arrays
         if broadcast_buffers:
             self._broadcast_state([b for _, b in module.named_buffers()])
-        self.buckets = self._build_buckets(named, bucket_cap_mb * _MB, first_bucket_mb * _MB)
+        self._trainable = TrainableAtBuild(named, "DDP")
+        trainable = [(name, p) for name, p in named if p.requires_grad]
+        self.buckets = self._build_buckets(trainable, bucket_cap_mb * _MB, first_bucket_mb * _MB)
         # The step check rides in the last bucket's allreduce (launched last, so every count is final by
         # then): no message of its own. Where the bucket's dtype cannot hold the sums exactly (float16 on
-        # many ranks), it falls back to a small nonblocking allreduce of its own.
-        last = self.buckets[-1]
-        self._stamp_mod = StepStamp.modulus(last.flat.dtype, comm.Get_size())
-        if self._stamp_mod is not None:
-            self.buckets[-1] = GradientBucket(last.index, last.params, last.names, extra=StepStamp.SLOTS)
+        # many ranks), or every parameter is frozen (no bucket), it falls back to a small nonblocking
+        # allreduce of its own.
+        self._stamp_mod = None
+        if self.buckets:
+            last = self.buckets[-1]
+            self._stamp_mod = StepStamp.modulus(last.flat.dtype, comm.Get_size())
+            if self._stamp_mod is not None:
+                self.buckets[-1] = GradientBucket(last.index, last.params, last.names, extra=StepStamp.SLOTS)
         self._stamp_pending = False
         self._bucket_of = {}
         for bucket in self.buckets:
             for p in bucket.params:
                 self._bucket_of[id(p)] = bucket
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in named]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in trainable]
         self._next_launch = 0
         self._forward_sync = None  # False if a training forward since the last backward ran under no_sync
         self._backward = None  # (sync mode, start time) while a backward runs
@@ -292,6 +302,7 @@ class DDP:
 
     def _begin_backward(self):
         """The first gradient of a backward: count it, start the step check, and queue the finalize."""
+        self._trainable.check()
         sync = self._sync_enabled and self._forward_sync is not False
         self._backward = (sync, time.perf_counter())
         self._stamp.count_backward(sync)
@@ -375,7 +386,7 @@ class DDP:
             self._stamp.check_sums(to_numpy(self.buckets[-1].stamp_view), where)
         elif self._stamp_mod is None:
             self._stamp.finish(where)
-        if self.unused_parameters == "error":
+        if self.unused_parameters == "error" and self.buckets:
             self._check_unused(unused)
         if self.check_finite:
             self._raise_if_nonfinite()

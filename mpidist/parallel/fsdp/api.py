@@ -17,7 +17,11 @@ How FSDP attaches (never replacing a method of the user's modules):
 - gradient hook on a unit's outputs, first firing per pass: gather the unit again, point ``param.grad`` at
   views of a flat gradient buffer, prefetch the previous unit. Autograd runs nodes in reverse creation order,
   so every session that ran its forward later has finished its backward by then: their holds are released.
-- post-accumulate-grad hook on each parameter: count; when all of a unit's trainable parameters are final,
+- frozen unit: one whose parameters are all frozen (``requires_grad=False`` at construction; a unit mixing both
+  has its frozen ones split off into a frozen part, see selection.py). Its shard Parameter is frozen too: it is
+  gathered for forward and backward like any unit, but gets no gradient buffer, no reduction and no shard grad,
+  so an optimizer given it (weight decay included) leaves it as it is.
+- post-accumulate-grad hook on each trainable parameter: count; when all of a unit's parameters are final,
   finish the reduction in flight (the unit before it in backward order) and start a nonblocking
   reduce-scatter of this unit's flat gradient into its shard, then free the unit. So a unit's reduce-scatter
   runs while the next unit's backward computes, as in PyTorch's FSDP; one is in flight at a time (two
@@ -50,7 +54,7 @@ from ...nn.autograd import Tensor, is_grad_enabled, queue_callback, queue_weight
 from ...nn.module import Module
 from ...nn.placement import placement_of
 from ...nn.utils import clip_grad_norm_
-from ..agreement import StepStamp, check_same_shards, check_same_structure
+from ..agreement import StepStamp, TrainableAtBuild, check_same_shards, check_same_structure
 from . import state_dict as _state
 from .groups import build_groups
 from .lifecycle import GradState, ParamState, Unit
@@ -137,7 +141,9 @@ class FSDP:
 
     At construction every rank takes rank 0's parameter values. Build the optimizer on
     ``fsdp.parameters()`` (one flat shard Parameter per unit). Train as usual:
-    ``loss = crit(fsdp(x), y); loss.backward(); opt.step()``.
+    ``loss = crit(fsdp(x), y); loss.backward(); opt.step()``. Parameters frozen (``requires_grad=False``)
+    at construction live in frozen shard Parameters (a unit's frozen part, labelled "<unit> (frozen)", when
+    the unit also holds trainable ones) that never get a gradient; freeze alike on every rank, before wrapping.
     """
 
     def __init__(self, module, comm, strategy="full_shard", units=None, prefetch=True, backward_prefetch="pre",
@@ -178,9 +184,9 @@ class FSDP:
         check_same_structure(comm, module.named_parameters(), "FSDP")
         check_same_shards(comm, module.named_parameters(), "FSDP")
         self._stamp = StepStamp(comm, "FSDP")
-        assigned = assign_parameters(module, unit_groups)
+        self._trainable = TrainableAtBuild(module.named_parameters(), "FSDP")
         self._units = [Unit(i, label, mods, params, used, self._ctx)
-                       for i, ((label, mods), (params, used)) in enumerate(zip(unit_groups, assigned))]
+                       for i, (label, mods, params, used) in enumerate(assign_parameters(module, unit_groups))]
         self._param_units = [u for u in self._units if u.params]
         for u in self._param_units:
             u.shard_from_rank0()
@@ -194,7 +200,7 @@ class FSDP:
                         lambda mod, args, u=u: self._pre_forward(u, mod)))
                     self._handles.append(m.register_forward_hook(
                         lambda mod, args, out, u=u: self._post_forward(u, mod, out)))
-            for i, p in enumerate(u.params):
+            for i, p in enumerate(u.params if not u.frozen else ()):
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     lambda param, u=u, i=i: self._on_grad_final(u, i, param)))
         # Registered last: the root's pre-hook runs first (prepend), its hook after the units' hooks.
@@ -207,11 +213,12 @@ class FSDP:
 
     # -- construction helpers ---------------------------------------------------------------------------
     def _param_neighbours(self):
-        """Return ``{unit index: (previous, next) unit with parameters}`` in unit order (prefetch targets)."""
+        """Return ``{unit index: (previous, next) unit with parameters and modules}`` in unit order (prefetch
+        targets; a frozen part has no modules: it is gathered with its unit)."""
         out = {}
         for u in self._units:
-            before = [v for v in self._units[: u.index] if v.params]
-            after = [v for v in self._units[u.index + 1:] if v.params]
+            before = [v for v in self._units[: u.index] if v.params and v.modules]
+            after = [v for v in self._units[u.index + 1:] if v.params and v.modules]
             out[u.index] = (before[-1] if before else None, after[0] if after else None)
         return out
 
@@ -488,10 +495,14 @@ class FSDP:
 
     # -- gathering helpers -----------------------------------------------------------------------------------
     def _prefetch(self, unit, step):
-        """Start the all-gather of the next unit with parameters (``step`` +1: forward order, -1: backward)."""
+        """Start the all-gather of the next unit with parameters (``step`` +1: forward order, -1: backward), and
+        of its frozen part."""
         target = self._neighbours[unit.index][0 if step < 0 else 1]
         if target is not None:
             target.start_gather()
+            for i in target.used:
+                if not self._units[i].modules:  # its frozen part: gathered with it whenever it runs
+                    self._units[i].start_gather()
 
     def _progress(self):
         # MPI libraries without an asynchronous progress thread only advance nonblocking collectives
@@ -594,6 +605,7 @@ class FSDP:
 
     # -- backward hooks --------------------------------------------------------------------------------------
     def _begin_backward(self):
+        self._trainable.check()
         deferring = weights_deferred()
         sync = self._sync and not deferring  # input gradients only: nothing to reduce in this pass
         self._stamp.count_backward(sync)
@@ -607,7 +619,7 @@ class FSDP:
         self._deferring = deferring
         for u in self._param_units:
             u.final = 0
-            u.expected = u.trainable()
+            u.expected = 0 if u.frozen else len(u.params)
         queue_callback(self._end_backward)
         if deferring:
             self._weights_for = []
@@ -626,7 +638,7 @@ class FSDP:
             session.pass_id = self._pass
             self._take(session)
             self._active.append(session)
-            if unit.params:
+            if unit.params and not unit.frozen:
                 self._install_grads(unit)
 
     def _install_grads(self, unit):
@@ -655,7 +667,7 @@ class FSDP:
         unit = session.unit
         if self._deferring:
             self._weights_for.append(unit)  # its parameter gradients come in the weight pass
-        elif unit.params:
+        elif unit.params and not unit.frozen:
             self._install_grads(unit)
         if self.settings.prefetch and self.settings.backward_prefetch is BackwardPrefetch.PRE:
             self._prefetch(unit, -1)
@@ -676,10 +688,9 @@ class FSDP:
         if self._sync:
             self._start_reduce(unit)
         # Every node that reads a trainable parameter has run once its gradient is final; a frozen one may
-        # still be read, so a unit with frozen parameters stays gathered until its session finishes.
-        if unit.expected == len(unit.params):
-            for s in [s for s in self._active if s.unit is unit]:
-                self._release(s, own_only=True)
+        # still be read, so the unit's frozen part (a used unit) stays gathered until its session finishes.
+        for s in [s for s in self._active if s.unit is unit]:
+            self._release(s, own_only=True)
         if self.settings.prefetch and self.settings.backward_prefetch is BackwardPrefetch.POST:
             self._prefetch(unit, -1)
 

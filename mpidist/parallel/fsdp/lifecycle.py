@@ -72,6 +72,8 @@ class Unit:
         self.sizes = [int(p.data.size) for p in self.params]
         self.offsets = [0, *itertools.accumulate(self.sizes)][:-1]
         self.numel = sum(self.sizes)
+        # All frozen (selection.py puts a unit's frozen parameters in a unit of their own): no gradient storage.
+        self.frozen = bool(self.params) and not any(p.requires_grad for p in self.params)
         num_shards = ctx.settings.num_shards
         self.shard_numel = -(-self.numel // num_shards)
         self.padded = self.shard_numel * num_shards
@@ -85,8 +87,8 @@ class Unit:
         self.unsharded_grad = None
         self.grad_views = None
         self.session = None        # the forward of this unit running now (api._Session)
-        self.expected = 0          # trainable parameters at the start of this backward
-        self.final = 0             # trainable parameters whose gradient is final in this backward
+        self.expected = 0          # parameters expecting a gradient in this backward (0 for a frozen unit)
+        self.final = 0             # parameters whose gradient is final in this backward
         self.reduction = None      # the gradient reduction in flight (_Reduction), see start_reduce
 
     @property
@@ -96,10 +98,6 @@ class Unit:
     def views(self, flat):
         """Return one view of ``flat`` per parameter, shaped like it."""
         return [flat[o: o + n].reshape(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
-
-    def trainable(self):
-        """Return how many of the unit's parameters require grad (their hooks make the unit final)."""
-        return sum(1 for p in self.params if p.requires_grad)
 
     def layout(self):
         """Return the public ``UnitShard`` of this unit on this rank."""
@@ -122,13 +120,14 @@ class Unit:
             p.grad = None
         if self.no_shard:
             # The one shard is the whole flat parameter: the module's params stay views into it for good.
-            self.shard = Parameter(flat)
+            self.shard = Parameter(flat, requires_grad=not self.frozen)
             self.gathered, self.param_state = flat, ParamState.GATHERED
             for p, view in zip(self.params, self.views(flat)):
                 p.data = view
             return
         index = self.ctx.groups.shard_index
-        self.shard = Parameter(flat[index * self.shard_numel: (index + 1) * self.shard_numel].copy())
+        self.shard = Parameter(flat[index * self.shard_numel: (index + 1) * self.shard_numel].copy(),
+                               requires_grad=not self.frozen)
         for p in self.params:
             p.data = self.placeholder
 

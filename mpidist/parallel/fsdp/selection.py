@@ -3,9 +3,13 @@
 A parameter belongs to the first unit (in the order given) whose modules hold it. A parameter that
 modules of several units hold (tied weights: an embedding reused by the output head) is owned there
 and *used* by the others: a unit gathers the units it uses together with itself.
-"""
 
-from collections import OrderedDict
+A unit's flat parameter is one optimizer Parameter, so it is all trainable or all frozen
+(``requires_grad=False``): a frozen parameter inside a trainable flat parameter would get gradient storage,
+take part in the reduce-scatter and move under weight decay. A unit whose modules hold both keeps the
+trainable ones and uses a *frozen part*, a unit of their own labelled ``"<label> (frozen)"`` with no modules
+of its own (gathered with the unit, as a tied weight's unit is).
+"""
 
 import numpy as np
 
@@ -81,12 +85,14 @@ def resolve_units(module, units):
 
 
 def assign_parameters(module, groups):
-    """Return, per group, ``(owned [(name, param)], used group indices)``; raise if a parameter is in no unit.
+    """Return ``[(label, modules, owned [(name, param)], used unit indices)]``, one entry per unit.
 
-    Owned parameters keep the wrapped module's ``named_parameters()`` order; ``used`` lists the other
-    units whose parameters this unit's modules hold (tied weights).
+    Owned parameters keep the wrapped module's ``named_parameters()`` order; ``used`` lists the other units
+    whose parameters this unit's modules hold (tied weights, its frozen part). A group holding both trainable
+    and frozen parameters becomes two units, the trainable one first (see the module's docstring). Raise if a
+    parameter is in no unit, or a unit mixes dtypes or devices.
     """
-    names = OrderedDict((id(p), n) for n, p in module.named_parameters())
+    named = list(module.named_parameters())
     owner = {}
     held = []
     for index, (_, mods) in enumerate(groups):
@@ -96,19 +102,32 @@ def assign_parameters(module, groups):
                 owner.setdefault(id(p), index)
                 ids.append(id(p))
         held.append(ids)
-    uncovered = [n for pid, n in names.items() if pid not in owner]
+    uncovered = [n for n, p in named if id(p) not in owner]
     if uncovered:
         raise ValueError(f"FSDP: units do not cover parameters {uncovered}; add their modules to a unit "
                          f"(units: {[label for label, _ in groups]})")
-    out = []
     for index, (label, _) in enumerate(groups):
-        params = [(n, p) for n, p in module.named_parameters() if owner[id(p)] == index]
-        dtypes = sorted({str(p.data.dtype) for _, p in params})
+        params = [p for _, p in named if owner[id(p)] == index]
+        dtypes = sorted({str(p.data.dtype) for p in params})
         if len(dtypes) > 1:
             raise ValueError(f"FSDP: unit {index} ({label!r}) mixes dtypes {dtypes}; a flat parameter has one dtype, "
                              f"so put parameters of different dtypes in different units")
-        if len({get_array_module(p.data).__name__ for _, p in params}) > 1:
+        if len({get_array_module(p.data).__name__ for p in params}) > 1:
             raise ValueError(f"FSDP: unit {index} ({label!r}) mixes numpy and device arrays")
-        used = sorted({owner[pid] for pid in held[index]} - {index})
-        out.append((params, used))
+    # Each group's parameters, trainable first, then frozen: one unit per non-empty part (a group owning
+    # nothing stays one unit: it may use others' parameters).
+    parts = []
+    for index, (label, mods) in enumerate(groups):
+        params = [(n, p) for n, p in named if owner[id(p)] == index]
+        trainable = [(n, p) for n, p in params if p.requires_grad]
+        frozen = [(n, p) for n, p in params if not p.requires_grad]
+        if trainable and frozen:
+            parts += [(index, label, mods, trainable), (index, f"{label} (frozen)", (), frozen)]
+        else:
+            parts.append((index, label, mods, params))
+    unit_of = {id(p): u for u, (_, _, _, params) in enumerate(parts) for _, p in params}
+    out = []
+    for u, (index, label, mods, params) in enumerate(parts):
+        used = sorted({unit_of[pid] for pid in held[index]} - {u}) if mods else []
+        out.append((label, mods, params, used))
     return out

@@ -107,9 +107,9 @@ class Pipeline:
         self.stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
         self.loss_fn = loss_fn
         self.m = num_microbatches
-        error = self._check_arguments(schedule)
         # Agree before anything else: a rank that raised alone would leave the others blocked in a receive.
-        raise_if_any(comm, error, "Pipeline")
+        raise_if_any(comm, self._check_stages(), "Pipeline", TypeError)
+        raise_if_any(comm, self._check_arguments(schedule), "Pipeline")
         # Ranks with different settings would exchange messages meant for other micro-batches or stages.
         tied = self._tied_groups(tied_parameters)
         check_same(comm, self._settings(schedule, dp_comm) + [("tied parameters", sorted(tied))],
@@ -134,6 +134,15 @@ class Pipeline:
         self._step_number = 0  # steps started; every boundary message is stamped (step, micro-batch)
 
     # -- construction ------------------------------------------------------------------------------------------
+
+    def _check_stages(self) -> Optional[str]:
+        """Return this rank's first stage module that is not a module (called, with parameters()), or None."""
+        for i, module in enumerate(self.stages):
+            if not callable(module) or not callable(getattr(module, "parameters", None)):
+                which = f"stage module {i}" if len(self.stages) > 1 else "stage"
+                return (f"Pipeline: {which} must be a module, called as stage(*inputs) and with parameters() (got "
+                        f"{type(module).__name__})")
+        return None
 
     def _check_arguments(self, schedule) -> Optional[str]:
         """Return this rank's first problem with the constructor arguments as a message, or None."""

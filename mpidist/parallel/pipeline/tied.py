@@ -3,7 +3,8 @@
 A GPT with a tied head reads the token embedding's weight in its first stage (the look-up) and its last stage
 (the vocabulary projection). Each of those ranks holds its own copy; the true gradient of the one shared weight
 is the sum of both copies' gradients, so after every step the holders add their gradients over a communicator
-of their own, and equal copies with equal gradients stay equal under any optimizer.
+of their own, and equal copies with equal gradients stay equal under any optimizer. Copies are frozen
+(``requires_grad=False``) all alike or not at all; a frozen weight's copies exchange nothing.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist import collectives
-from mpidist.comm.agree import check_same, raise_if_any
+from mpidist.comm.agree import describe_ranks, raise_if_any
 
 __all__ = ["TiedParameters"]
 
@@ -19,25 +20,29 @@ __all__ = ["TiedParameters"]
 class TiedParameters:
     """This rank's copies (maybe none) of one shared weight; ``allreduce_grads()`` makes their gradient the total.
 
-    Collective over ``comm`` (the pipeline comm) at construction: the holders get a communicator of their own,
-    check their copies have one shape and dtype, and take the first holder's values.
+    Collective over ``comm`` (the pipeline comm) at construction: the ranks check the copies have one shape, dtype
+    and ``requires_grad`` (raising on every rank otherwise), the holders get a communicator of their own and take
+    the first holder's values.
     """
 
     def __init__(self, comm, params, name="tied"):
         self.name = name
         self.params = list(params)
-        shapes = {(tuple(p.data.shape), str(p.data.dtype)) for p in self.params}
+        shapes = {(tuple(p.data.shape), str(p.data.dtype), "trainable" if p.requires_grad else "frozen")
+                  for p in self.params}
         error = None
         if len(shapes) > 1:
             error = f"Pipeline: the copies of tied parameter {name!r} on rank {comm.Get_rank()} differ: {sorted(shapes)}"
         raise_if_any(comm, error, "Pipeline")
         rank = self.rank = comm.Get_rank()
-        holders = comm.allgather(rank if self.params else None)
-        self.holders = [r for r in holders if r is not None]
+        # Every rank learns every holder's copies, so a difference raises on every rank, holders or not.
+        copies = comm.allgather(sorted(shapes)[0] if self.params else None)
+        self.holders = [r for r, c in enumerate(copies) if c is not None]
+        if len({c for c in copies if c is not None}) > 1:
+            raise ValueError(f"Pipeline: the copies of tied parameter {name!r} differ between ranks (shape, dtype, "
+                             f"requires_grad): {describe_ranks(copies)}")
         self.group = comm.Split(0 if self.params else MPI.UNDEFINED, rank)
         if self.params:
-            check_same(self.group, sorted(shapes)[0], f"Pipeline: the copies of tied parameter {name!r} differ "
-                       f"between ranks {self.holders}", what="shape and dtype")
             first = self.params[0].data
             if self.group.Get_size() > 1:
                 first[...] = collectives.broadcast(first.copy(), self.group, root=0)
@@ -49,9 +54,16 @@ class TiedParameters:
         """The copies whose gradient a global norm counts: the first holder's first copy, the others are equal."""
         return self.params[:1] if self.holders and self.holders[0] == self.rank else []
 
+    @property
+    def frozen(self):
+        """Whether the shared weight is frozen (``requires_grad=False``, alike on every copy: checked at construction)."""
+        return bool(self.params) and not self.params[0].requires_grad
+
     def allreduce_grads(self):
-        """Set every copy's gradient to the sum of all copies' gradients on all holders (None counts as zero)."""
-        if not self.params:
+        """Set every copy's gradient to the sum of all copies' gradients on all holders (None counts as zero).
+
+        A frozen weight has no gradient: nothing is sent and every copy's gradient stays None."""
+        if not self.params or self.frozen:
             return
         like = self.params[0].data
         total = None

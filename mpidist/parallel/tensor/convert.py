@@ -18,11 +18,12 @@ from mpidist.comm.agree import raise_if_any
 from mpidist.nn import functional as F
 from mpidist.nn.autograd import Tensor
 from mpidist.nn.module import Module, ModuleList, Parameter
-from mpidist.nn.placement import Shard, placement_of, set_placement
+from mpidist.nn.placement import placement_of, set_placement
+from mpidist.parallel.agreement import check_same_structure
 from mpidist.xp import asarray_like
 
 from .layers import (ParallelAttention, ParallelLayerNorm, ParallelMLP, VocabParallelEmbedding, _replicated, _rows,
-                     _TPModule, vocab_parallel_cross_entropy)
+                     _sharded, _TPModule, vocab_parallel_cross_entropy)
 from .ops import gather_last
 
 __all__ = ["tensor_parallel", "ParallelBlock", "ParallelGPTEmbedding", "ParallelGPTHead"]
@@ -105,15 +106,17 @@ class ParallelGPTHead(_TPModule):
         _TPModule.__init__(twin, self.comm, self.sequence_parallel)
         twin.vocab_size, twin.vocab_start = self.vocab_size, self.vocab_start
         twin.ln_f = self.ln_f
-        twin.weight = set_placement(Parameter(self.weight.data.copy()), placement_of(self.weight))
+        twin.weight = set_placement(Parameter(self.weight.data.copy(), requires_grad=self.weight.requires_grad),
+                                    placement_of(self.weight))
         return twin
 
 
 def tensor_parallel(model, tp_comm, sequence_parallel=True):
     """Convert ``model`` (a ``mpidist.models.GPT``) in place to this rank's tensor-parallel slice; return it.
 
-    Collective over ``tp_comm`` (a size mismatch raises on every rank). Parameter names stay those of the
-    unsharded model; each parameter's ``placement`` says whether it is a slice or replicated.
+    Collective over ``tp_comm`` (a size mismatch, or models differing between the ranks in a parameter's shape,
+    dtype or ``requires_grad``, raises on every rank). Parameter names stay those of the unsharded model; each
+    parameter's ``placement`` says whether it is a slice or replicated; a slice of a frozen parameter is frozen.
     """
     from mpidist.models.gpt import GPT  # models sit above nn; the conversion knows the GPT's layout
     check_comm("tensor_parallel", tp_comm)
@@ -130,6 +133,8 @@ def tensor_parallel(model, tp_comm, sequence_parallel=True):
         problem = (f"sequence parallelism splits the context over the TP ranks: block_size {c.block_size} is not "
                    f"divisible by {size} (use sequence_parallel=False or another block_size)")
     raise_if_any(tp_comm, problem, "tensor_parallel", ValueError)
+    # Every TP rank slices the same model: a parameter frozen on some ranks only would train in some slices.
+    check_same_structure(tp_comm, model.named_parameters(), "tensor_parallel")
     embed = ParallelGPTEmbedding(model.embed, tp_comm, sequence_parallel)
     blocks = ModuleList([ParallelBlock(b, tp_comm, sequence_parallel) for b in model.blocks])
     if c.tie_weights:
@@ -138,7 +143,7 @@ def tensor_parallel(model, tp_comm, sequence_parallel=True):
         full = model.head.weight.data
         local = embed.wte.local
         start = tp_comm.Get_rank() * local
-        weight = set_placement(Parameter(_rows(full, start, local)), Shard(0, tp_comm, full.shape, start))
+        weight = _sharded(model.head.weight, _rows(full, start, local), tp_comm, 0, start)
     head = ParallelGPTHead(model.head, tp_comm, sequence_parallel, c.vocab_size, embed.wte.vocab_start, weight)
     model.embed, model.blocks, model.head = embed, blocks, head
     object.__setattr__(model, "tp_comm", tp_comm)

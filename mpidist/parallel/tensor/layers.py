@@ -59,8 +59,10 @@ def _rows(array, start, length, axis=0):
     return out
 
 
-def _sharded(array, comm, dim, global_shape, start, pieces=None):
-    return set_placement(Parameter(array), Shard(dim, comm, tuple(global_shape), start, pieces))
+def _sharded(source, array, comm, dim, start, pieces=None):
+    """This rank's slice ``array`` of the unsharded Parameter ``source`` as a Parameter: frozen if ``source`` is."""
+    return set_placement(Parameter(array, requires_grad=source.requires_grad),
+                         Shard(dim, comm, tuple(source.data.shape), start, pieces))
 
 
 def _replicated(param, comm):
@@ -98,9 +100,9 @@ class ColumnParallelLinear(_TPModule):
         self.local = padded_split(out, size, "ColumnParallelLinear (out_features)")
         self.in_features, self.out_features = linear.in_features, out
         start = rank * self.local
-        self.weight = _sharded(_rows(linear.weight.data, start, self.local), comm, 0, linear.weight.data.shape, start)
+        self.weight = _sharded(linear.weight, _rows(linear.weight.data, start, self.local), comm, 0, start)
         self.bias = (None if linear.bias is None else
-                     _sharded(_rows(linear.bias.data, start, self.local), comm, 0, linear.bias.data.shape, start))
+                     _sharded(linear.bias, _rows(linear.bias.data, start, self.local), comm, 0, start))
 
     def forward(self, x):
         return F.linear(self._enter(x), self.weight, self.bias)
@@ -115,8 +117,7 @@ class RowParallelLinear(_TPModule):
         self.local = local_in or padded_split(n_in, size, "RowParallelLinear (in_features)")
         self.in_features, self.out_features = n_in, linear.out_features
         start = rank * self.local
-        self.weight = _sharded(_rows(linear.weight.data, start, self.local, axis=1), comm, 1,
-                               linear.weight.data.shape, start)
+        self.weight = _sharded(linear.weight, _rows(linear.weight.data, start, self.local, axis=1), comm, 1, start)
         self.bias = None if linear.bias is None else _replicated(linear.bias, comm)
 
     def forward(self, x):
@@ -152,12 +153,12 @@ class ParallelAttention(_TPModule):
         start = rank * width
         # The fused projection's rows are [q heads | k heads | v heads]: this rank takes its heads' rows of each.
         pieces = tuple((which * d + start, which * width, width) for which in range(3))
-        w, b = attn.qkv.weight.data, None if attn.qkv.bias is None else attn.qkv.bias.data
-        xp = get_array_module(w)
+        w, b = attn.qkv.weight, attn.qkv.bias
+        xp = get_array_module(w.data)
         take = np.concatenate([np.arange(g, g + n) for g, _, n in pieces])
         self.qkv = Module()
-        self.qkv.weight = _sharded(xp.ascontiguousarray(w[take]), comm, 0, w.shape, start, pieces)
-        self.qkv.bias = None if b is None else _sharded(xp.ascontiguousarray(b[take]), comm, 0, b.shape, start, pieces)
+        self.qkv.weight = _sharded(w, xp.ascontiguousarray(w.data[take]), comm, 0, start, pieces)
+        self.qkv.bias = None if b is None else _sharded(b, xp.ascontiguousarray(b.data[take]), comm, 0, start, pieces)
         self.proj = RowParallelLinear(attn.proj, comm, sequence_parallel, local_in=width)
 
     def forward(self, x):
@@ -196,8 +197,8 @@ class VocabParallelEmbedding(_TPModule):
         self.num_embeddings, self.embedding_dim = v, embedding.embedding_dim
         self.local = padded_split(v, size, "VocabParallelEmbedding (vocabulary)")
         self.vocab_start = rank * self.local
-        self.weight = _sharded(_rows(embedding.weight.data, self.vocab_start, self.local), comm, 0,
-                               embedding.weight.data.shape, self.vocab_start)
+        self.weight = _sharded(embedding.weight, _rows(embedding.weight.data, self.vocab_start, self.local), comm, 0,
+                               self.vocab_start)
 
     def forward(self, ids):
         ids = ids.data if isinstance(ids, Tensor) else ids
