@@ -18,11 +18,16 @@ Glossary:
   boxes that are each contiguous in it, so any segment, cut to the block's real (unpadded) region and
   shifted to the block's place, becomes chunks; FSDP over tensor-parallel blocks works the same way.
 - slot: a local array and the segments it holds.
-- commit point: ``manifest.json``. Rank files are written to temporary names, fsynced and renamed;
-  rank 0 writes the manifest last, the same way. A checkpoint without a manifest does not exist,
-  so a crash at any moment leaves the previous checkpoint loadable. What a failed save leaves is
-  removed: its temporary files at once, and (a killed process cannot clean up) temporary files and
-  never-committed step directories when the next save starts.
+- commit point: ``manifest.json``. Every checkpoint file goes through one writer (temporary name, fsync,
+  rename, fsync of the directory), and rank 0 writes the manifest last: a checkpoint without a manifest
+  does not exist. Rank files are named after their commit (``rank00003.commit7.bin``), so saving a step
+  again writes beside the files its manifest lists, and the new manifest replaces the old in one rename.
+  A file is removed only once no manifest lists it: a step saved again loses its previous files after its
+  new manifest is in place, and a pruned step is renamed out of the ``step_*`` names before it is deleted.
+  So whenever the process dies, the newest complete checkpoint stays loadable (``file_operation_hook``
+  lets a test stop a save after any file operation). What a failed save leaves is removed: its temporary
+  files at once, and (a killed process cannot clean up) temporary files, never-committed step directories,
+  pruned steps not yet deleted and files no manifest lists when the next save starts.
 - commit number: each manifest records one more than the newest committed before it; "latest" and
   pruning follow it, never file times.
 
@@ -36,18 +41,22 @@ the bytes each rank writes (ties to the lower rank), so a replicated tensor is w
 Load: each rank works out the boxes its own blocks need (from its placements, FSDP layout and pipeline
 position) and copies in the overlapping parts of the stored chunks, whatever layout wrote them.
 
-Format ``mpidist-checkpoint-2``: ``ROOT/step_00000006/rank00000.bin`` (raw little-endian bytes of this
-rank's chunks, read back lazily with ``numpy.memmap``, so resharding reads only what it needs) and
+Format ``mpidist-checkpoint-2``: ``ROOT/step_00000006/rank00000.commit3.bin`` (raw little-endian bytes of
+this rank's chunks, read back lazily with ``numpy.memmap``, so resharding reads only what it needs) and
 ``manifest.json``::
 
     {"format": "mpidist-checkpoint-2", "step": 6, "commit": 3, "world_size": 4, "created": <time>,
-     "files": {"rank00000.bin": {"bytes": 4096, "crc32": 123}, ...},
+     "files": {"rank00000.commit3.bin": {"bytes": 4096, "crc32": 123}, ...},
      "tensors": {"model.0.weight": {"shape": [11, 7], "dtype": "<f8",
-                 "chunks": [{"file": "rank00001.bin", "offset": 0, "offsets": [0, 0], "sizes": [11, 4]}, ...]}},
+                 "chunks": [{"file": "rank00001.commit3.bin", "offset": 0, "offsets": [0, 0], "sizes": [11, 4]},
+                            ...]}},
      "json": {...}, "json_per_rank": [...]}
 
-``json`` holds the JSON-able state: sampler, RNG, optimizer hyperparameters and per-parameter scalars,
-learning-rate schedules (anything whose ``state_dict()`` is JSON-able), user extras; ``json_per_rank``
+(files of earlier saves are named ``rank00000.bin``: a manifest names its files, whatever their names.)
+``json`` holds the JSON-able state: sampler, RNG, learning-rate schedules (anything whose ``state_dict()``
+is JSON-able), user extras, and per optimizer its ``type``, ``param_groups`` (hyperparameters),
+``group_keys`` (the keys of each group's parameters) and ``params`` (per-parameter scalars and the names of
+its arrays); older checkpoints lack ``type`` and ``group_keys``. ``json_per_rank``
 appears when those differ by rank. Checkpoints of the previous format ``mpidist-checkpoint-1`` (flat
 ``pieces``: ``start``/``count`` ranges of the flattened tensor) still load: each piece is read as the
 boxes of its flat range. The format needs nothing beyond numpy: safetensors would give the same lazy
@@ -55,9 +64,10 @@ slice reads, but the global layout has to live in a manifest anyway, and one fil
 write path a single sequential stream.
 """
 
+import contextlib
 import json
 import os
-import shutil
+import threading
 import time
 import zlib
 from dataclasses import dataclass, replace
@@ -67,12 +77,13 @@ import numpy as np
 
 from . import guard
 from .comm import check_comm
-from .comm.agree import agreed
+from .comm.agree import agreed, describe_ranks
 from .nn.placement import Replicate, Shard, placement_of
 from .optim import is_held
 from .xp import copy_into, to_numpy
 
-__all__ = ["save", "load", "latest_step", "list_steps", "check_writable", "CheckpointError"]
+__all__ = ["save", "load", "latest_step", "list_steps", "check_writable", "file_operation_hook", "FILE_OPERATIONS",
+           "CheckpointError"]
 
 FORMAT = "mpidist-checkpoint-2"
 FLAT_FORMAT = "mpidist-checkpoint-1"  # flat ranges; still loaded
@@ -322,22 +333,41 @@ def _is_optimizer(obj):
     return hasattr(obj, "param_groups") and hasattr(obj, "state") and hasattr(obj, "params")
 
 
+def _is_array(obj):
+    return not _is_model(obj) and not _is_optimizer(obj) and hasattr(obj, "shape") and hasattr(obj, "dtype")
+
+
+def _registered(name, i, p, registry):
+    """Return (keys, segments) of parameter ``i`` of optimizer ``name``; raise if no model in the state holds it."""
+    if id(p) not in registry.by_param:
+        raise CheckpointError(f"checkpoint: optimizer {name!r} holds a parameter (index {i}, shape {tuple(p.data.shape)}) "
+                              f"that belongs to no model in the state; put the model in the same save() or load() call")
+    return registry.by_param[id(p)]
+
+
+def _state_slots(name, segments, arrays):
+    """Return the slots of one parameter's optimizer arrays (``{array name: array}``), placed like the parameter."""
+    return [_Slot(array, [replace(seg, key=f"{name}.{seg.key}.{k}") for seg in segments]) for k, array in arrays.items()]
+
+
 def _optimizer_plan(name, opt, registry):
-    """Return (slots, json) for an optimizer; its per-parameter arrays are keyed by the parameter's key."""
+    """Return (slots, json) for an optimizer; its per-parameter arrays are keyed by the parameter's key.
+
+    The JSON records the optimizer's type and which parameters each group holds, so that a load into
+    another type or another grouping is refused instead of restoring state that does not belong there.
+    """
     slots, params_json = [], {}
     for i, p in enumerate(opt.params):
-        if id(p) not in registry.by_param:
-            raise CheckpointError(f"checkpoint: optimizer {name!r} holds a parameter (index {i}, shape {tuple(p.data.shape)}) "
-                                  f"that belongs to no model in the state; put the model in the same save() call")
-        pkeys, segments = registry.by_param[id(p)]
+        pkeys, segments = _registered(name, i, p, registry)
         state = opt.state.get(i, {})
         arrays = sorted(k for k, v in state.items() if hasattr(v, "shape"))
         for pkey in pkeys:  # per parameter, so the checkpoint does not depend on how parameters were sharded
             params_json[pkey] = {"scalars": {k: v for k, v in state.items() if not hasattr(v, "shape")}, "arrays": arrays}
-        for k in arrays:
-            slots.append(_Slot(state[k], [replace(seg, key=f"{name}.{seg.key}.{k}") for seg in segments]))
+        slots.extend(_state_slots(name, segments, {k: state[k] for k in arrays}))
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return slots, {"param_groups": groups, "params": params_json}
+    group_keys = [sorted({key for p in g["params"] for key in registry.by_param[id(p)][0]}) for g in opt.param_groups]
+    return slots, {"type": type(opt).__qualname__, "param_groups": groups, "group_keys": group_keys,
+                   "params": params_json}
 
 
 def _json_value(name, obj):
@@ -372,7 +402,7 @@ def _plan(state):
             slots.extend(opt_slots)
         elif _is_model(obj):
             continue
-        elif hasattr(obj, "shape") and hasattr(obj, "dtype"):
+        elif _is_array(obj):
             slots.append(_full_slot(name, obj))
         else:
             entries[name] = _json_value(name, obj)
@@ -390,7 +420,45 @@ def _agree(comm, what, fn):
         raise CheckpointError(str(exc)) from exc
 
 
+# -- file operations: the one writer, removals, and the hook that can stop a save between any two --------
+FILE_OPERATIONS = ("mkdir", "create", "write", "fsync", "rename", "fsync_dir", "remove", "rmdir")
+_this_thread = threading.local()  # .hook: the installed hook; .crashed: it raised (a simulated crash)
+
+
+@contextlib.contextmanager
+def file_operation_hook(hook):
+    """Call ``hook(operation, path)`` after each file operation of this thread's saves, inside the ``with`` block.
+
+    ``operation`` is one of ``FILE_OPERATIONS`` and ``path`` the file or directory it acted on (for ``rename``,
+    the new name; for ``write``, the temporary file a part of the data was just flushed to). A hook that
+    raises (or ends the process) stops the save at that instant, as a crash would: nothing after it runs,
+    not even the removal of the temporary file being written (the next save removes it). Fault-injection
+    tests and ``MPIDIST_FAULT=...,at=save`` stop saves this way. Only the calling thread is affected (a
+    ``SimComm`` rank is a thread: install the hook inside the rank's function); an inner hook replaces an
+    outer one until its block ends.
+    """
+    outer = getattr(_this_thread, "hook", None), getattr(_this_thread, "crashed", False)
+    _this_thread.hook, _this_thread.crashed = hook, False
+    try:
+        yield
+    finally:
+        _this_thread.hook, _this_thread.crashed = outer
+
+
+def _did(operation, path):
+    """Tell this thread's file-operation hook (if any) that ``operation`` on ``path`` is done."""
+    hook = getattr(_this_thread, "hook", None)
+    if hook is None:
+        return
+    try:
+        hook(operation, path)
+    except BaseException:
+        _this_thread.crashed = True  # what runs after this instant (clean-ups) would not run after a crash
+        raise
+
+
 def _fsync_dir(path):
+    """Make the entries of directory ``path`` (files created, renamed or removed in it) durable."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -399,32 +467,73 @@ def _fsync_dir(path):
         os.fsync(fd)
     finally:
         os.close(fd)
+    _did("fsync_dir", path)
 
 
 def _write_atomic(path, chunks):
-    """Write byte chunks to ``path`` through a temporary name, fsync, rename; return (bytes, crc32).
+    """Write byte chunks to ``path``: to a temporary name, fsync it, rename it over ``path``, fsync the directory.
 
+    Return (bytes, crc32). The one writer of checkpoint files: at every instant ``path`` holds either its
+    old content (or nothing) or all of the new, and once this returns the new content survives a power cut.
     On failure the temporary file is removed (a full disk must not fill up further with each retry).
     """
     tmp = f"{path}{TMP_MARK}{os.getpid()}"
     crc, total = 0, 0
     try:
         with open(tmp, "wb") as f:
+            _did("create", tmp)
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")
                 f.write(view)
+                f.flush()  # in the file, not in this process, when the hook hears of it
+                _did("write", tmp)
                 crc = zlib.crc32(view, crc)
                 total += view.nbytes
-            f.flush()
             os.fsync(f.fileno())
+            _did("fsync", tmp)
         os.replace(tmp, path)
+        _did("rename", path)
     except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
+        if not getattr(_this_thread, "crashed", False):
+            _remove_quietly(tmp)
         raise
+    _fsync_dir(os.path.dirname(path) or ".")
     return total, crc
+
+
+def _make_dir(path):
+    """Create directory ``path`` and its parents if needed."""
+    if not os.path.isdir(path):
+        os.makedirs(path, exist_ok=True)
+        _did("mkdir", path)
+
+
+def _remove_quietly(path):
+    """Remove file ``path``; a file already gone or that cannot be removed is left to the next save's clean-up."""
+    try:
+        os.remove(path)
+    except OSError:
+        return
+    _did("remove", path)
+
+
+def _remove_tree(path):
+    """Remove directory ``path`` and what it holds, file by file (what is left on an error is left for later)."""
+    try:
+        entries = sorted(os.listdir(path))
+    except OSError:
+        return
+    for entry in entries:
+        inner = os.path.join(path, entry)
+        if os.path.isdir(inner) and not os.path.islink(inner):
+            _remove_tree(inner)
+        else:
+            _remove_quietly(inner)
+    try:
+        os.rmdir(path)
+    except OSError:
+        return
+    _did("rmdir", path)
 
 
 def _step_dir(root, step):
@@ -475,18 +584,63 @@ def latest_step(root):
     return found[-1][1] if found else None
 
 
+def _rank_file(rank, commit):
+    """Return the name of rank ``rank``'s file in the save that becomes commit ``commit``.
+
+    A new name per commit: saving a step again writes beside the files its manifest lists, never over them.
+    """
+    return f"rank{rank:05d}.commit{commit}.bin"
+
+
+def _is_rank_file(name):
+    return name.startswith("rank") and name.endswith(".bin")
+
+
 def _remove_leftovers(root):
-    """Remove what failed or killed saves left under ``root``: temporary files, and step directories never committed."""
+    """Remove what failed, killed or superseded saves left under ``root``.
+
+    That is temporary files; step directories never committed (no manifest); pruned steps not yet deleted
+    (see ``_prune``); and rank files no manifest lists (a step saved again leaves its previous files until
+    its new manifest has replaced the old one). A step whose manifest cannot be read loses only its temporary files.
+    """
+    if not os.path.isdir(root):
+        return
+    for entry in sorted(os.listdir(root)):
+        if entry.startswith("step_") and TMP_MARK in entry:
+            _remove_tree(os.path.join(root, entry))
     for directory in _step_dirs(root).values():
-        if not os.path.exists(os.path.join(directory, MANIFEST)):
-            shutil.rmtree(directory, ignore_errors=True)
+        if not os.path.lexists(os.path.join(directory, MANIFEST)):
+            _remove_tree(directory)
             continue
-        for entry in os.listdir(directory):
-            if TMP_MARK in entry:
-                try:
-                    os.remove(os.path.join(directory, entry))
-                except OSError:
-                    pass
+        try:
+            with open(os.path.join(directory, MANIFEST)) as f:
+                listed = set(json.load(f)["files"])
+        except (OSError, ValueError, KeyError, TypeError):
+            listed = None
+        try:
+            entries = sorted(os.listdir(directory))
+        except OSError:
+            continue
+        for entry in entries:
+            if TMP_MARK in entry or (listed is not None and _is_rank_file(entry) and entry not in listed):
+                _remove_quietly(os.path.join(directory, entry))
+
+
+def _prune(root, step):
+    """Remove committed step ``step``: renamed out of the ``step_*`` names first, then deleted file by file.
+
+    The rename is one atomic step, so a crash never leaves a listed checkpoint with some of its files gone.
+    """
+    directory = _step_dir(root, step)
+    doomed = f"{directory}{TMP_MARK}{os.getpid()}"
+    _remove_tree(doomed)  # left by an earlier prune of this process
+    try:
+        os.rename(directory, doomed)
+    except OSError:
+        return  # already gone, or cannot be moved: the checkpoint stays whole
+    _did("rename", doomed)
+    _fsync_dir(root)
+    _remove_tree(doomed)
 
 
 def check_writable(root, comm):
@@ -621,14 +775,31 @@ def _write_rank_file(path, pieces):
     return {"bytes": nbytes, "crc32": crc}, records
 
 
+def _check_step(where, step):
+    """Raise CheckpointError unless ``step`` is an int >= 0 (a bool or a float would name another step)."""
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise CheckpointError(f"{where}: step must be an int >= 0 (got {step!r})")
+
+
+def _check_keep_last(keep_last):
+    if keep_last is not None and (isinstance(keep_last, (bool, np.bool_)) or not isinstance(keep_last, (int, np.integer))
+                                  or keep_last < 1):
+        raise CheckpointError(f"checkpoint.save: keep_last must be an int >= 1, or None to keep every checkpoint "
+                              f"(got {keep_last!r})")
+
+
 @guard.phase("checkpoint")  # its own time limit: writing a large checkpoint takes long
 def save(root, state, comm, step, keep_last=3):
     """Write ``state`` as checkpoint ``step`` under ``root``; every rank writes its own file.
 
     Traced (``mpidist.trace``) as one "checkpoint save" event per rank, category "io".
 
-    Returns the checkpoint directory. Keeps the newest ``keep_last`` checkpoints (None keeps all).
-    Raises CheckpointError on every rank when ranks hold different values under one key with no
+    Returns the checkpoint directory. Keeps the newest ``keep_last`` checkpoints (an int >= 1; None keeps
+    all). ``step`` is an int >= 0; saving a step that exists replaces it. Whenever the process dies, the
+    newest complete checkpoint stays loadable: the new one's files get names of their own, its manifest
+    (renamed into place) commits it, and only then are the files it replaces and pruned steps removed.
+    Raises CheckpointError on every rank, before anything is written, for a bad ``step`` or ``keep_last``
+    or ranks passing different ones, and when ranks hold different values under one key with no
     placement saying they are shards (naming the key and the ranks).
     """
     with _io_span("checkpoint save", step):
@@ -638,42 +809,44 @@ def save(root, state, comm, step, keep_last=3):
 def _save(root, state, comm, step, keep_last=3):
     check_comm("checkpoint.save", comm)
     rank, size = comm.Get_rank(), comm.Get_size()
-    directory = _step_dir(root, step)
     _name_pipeline_layers(state)
 
     def declare():
+        _check_step("checkpoint.save", step)
+        _check_keep_last(keep_last)
         slots, entries = _plan(state)
         return _held_chunks(slots), entries
 
     held, entries = _agree(comm, f"save of step {step} (collecting state)", declare)
+    directory = _step_dir(root, step)
     # A CRC32 per chunk lets rank 0 tell replicas that agree from ranks that hold different values under one key.
-    declarations = comm.gather([(h.key, h.shape, h.dtype, h.offsets, h.sizes, h.data.nbytes,
-                                 zlib.crc32(memoryview(h.data).cast("B"))) for h in held], root=0)
+    declarations = comm.gather(((int(step), keep_last), [(h.key, h.shape, h.dtype, h.offsets, h.sizes, h.data.nbytes,
+                                zlib.crc32(memoryview(h.data).cast("B"))) for h in held]), root=0)
 
     def assign():
         if rank != 0:
             return None
-        assignment = _assign_writers(_check_declarations(declarations), size)
-        # Saving a step that already exists: withdraw its manifest before any rank file is replaced,
-        # so a crash in between leaves no manifest pointing at half-new files (older steps stay valid).
-        existing = os.path.join(directory, MANIFEST)
-        if os.path.exists(existing):
-            os.remove(existing)
-            _fsync_dir(directory)
-        _remove_leftovers(root)  # of failed or killed saves; no rank of this job writes until the scatter
-        return assignment
+        arguments = [f"step {s}, keep_last {k}" for (s, k), _ in declarations]
+        if len(set(arguments)) > 1:
+            raise CheckpointError(f"checkpoint.save: ranks disagree on step and keep_last ({describe_ranks(arguments)}); "
+                                  f"every rank must pass the same")
+        assignment = _assign_writers(_check_declarations([d for _, d in declarations]), size)
+        _remove_leftovers(root)  # of failed, killed or superseded saves; no rank of this job writes until the scatter
+        commit = 1 + max((number for number, _ in _committed(root)), default=0)
+        return [(boxes, commit) for boxes in assignment]
 
     assignment = _agree(comm, f"save of step {step} (assigning chunks)", assign)
-    mine = set(comm.scatter(assignment, root=0))  # no rank writes before rank 0 got here
+    mine, commit_number = comm.scatter(assignment, root=0)  # no rank writes before rank 0 got here
+    mine = set(mine)
 
     def write():
-        os.makedirs(directory, exist_ok=True)
+        _make_dir(directory)
         pieces = {}
         for h in held:
             if h.box in mine:
                 pieces.setdefault(h.box, h)  # once, if this rank holds the same chunk twice
         pieces = list(pieces.values())
-        fname = f"rank{rank:05d}.bin"
+        fname = _rank_file(rank, commit_number)
         file_record, records = _write_rank_file(os.path.join(directory, fname), pieces)
         tensors = {}
         for piece, rec in zip(pieces, records):
@@ -700,19 +873,24 @@ def _save(root, state, comm, step, keep_last=3):
             if isinstance(entry, dict) and "param_groups" in entry and "params" in entry:
                 # Per-parameter optimizer state from every rank: pipeline stages each hold their own.
                 for other in per_rank:
-                    entry["params"].update(other.get(name, {}).get("params", {}))
-        commit_number = 1 + max((number for number, _ in _committed(root)), default=0)
+                    theirs = other.get(name, {})
+                    entry["params"].update(theirs.get("params", {}))
+                    for keys, more in zip(entry["group_keys"], theirs.get("group_keys", ())):
+                        keys[:] = sorted(set(keys) | set(more))
         manifest = {"format": FORMAT, "step": int(step), "commit": commit_number, "world_size": size,
                     "created": time.time(), "files": files, "tensors": dict(sorted(tensors.items())), "json": entries}
         if any(e != entries for e in per_rank):
             # Per-rank values (e.g. each rank's RNG): restored rank by rank when loaded at the same size.
             manifest["json_per_rank"] = per_rank
+        # The commit point: renamed over the manifest of the same step saved before, if there is one.
         _write_atomic(os.path.join(directory, MANIFEST), [json.dumps(manifest, indent=1).encode()])
-        _fsync_dir(directory)
-        _fsync_dir(root)
-        if keep_last:
+        _fsync_dir(root)  # the step directory's own entry
+        for entry in sorted(os.listdir(directory)):  # the files of the same step saved before
+            if _is_rank_file(entry) and entry not in files:
+                _remove_quietly(os.path.join(directory, entry))
+        if keep_last is not None:
             for _, old in _committed(root)[:-keep_last]:  # the least recently committed go first
-                shutil.rmtree(_step_dir(root, old), ignore_errors=True)
+                _prune(root, old)
         return directory
 
     _agree(comm, f"save of step {step} (commit)", commit)
@@ -878,7 +1056,7 @@ def load(root, state, comm, step=None, verify=True, log=_print_now):
     replace entries of ``state``. Values that differed by rank at save time (a per-rank RNG) are
     restored per rank when loading at the same world size, and from rank 0 otherwise.
     When ``root`` holds no checkpoint, rank 0 says so through ``log`` (one line; None: silent), so that a
-    mistyped path is not a silent restart.
+    mistyped path is not a silent restart. ``step``: an int >= 0.
     """
     with _io_span("checkpoint load", step):
         return _load(root, state, comm, step, verify, log)
@@ -887,6 +1065,8 @@ def load(root, state, comm, step=None, verify=True, log=_print_now):
 def _load(root, state, comm, step=None, verify=True, log=_print_now):
     check_comm("checkpoint.load", comm)
     _name_pipeline_layers(state)
+    if step is not None:
+        _agree(comm, "load (arguments)", lambda: _check_step("checkpoint.load", step))
     if step is None:
         def newest():
             if comm.Get_rank() != 0:

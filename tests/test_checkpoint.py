@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -169,28 +170,26 @@ def test_fsdp_optimizer_state_reshards_bitwise(tmp_path, load_size):
 
 
 @pytest.mark.mpi_skip
-def test_failure_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+def test_failure_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
     root = str(tmp_path)
     model = make_model()
     mpidist.simulate(3, lambda comm: checkpoint.save(root, {"model": model}, comm, step=2))
-    real_write = checkpoint._write_rank_file
 
-    def flaky(path, pieces):
-        if path.endswith("rank00001.bin"):
-            with open(path + ".tmp.partial", "wb") as f:
-                f.write(b"half a file")
+    def disk_full(operation, path):
+        if operation == "write":  # after the first part of rank 1's file reached its temporary name
             raise OSError("disk full (injected)")
-        return real_write(path, pieces)
 
-    monkeypatch.setattr(checkpoint, "_write_rank_file", flaky)
+    def save_failing_on_rank_1(comm):
+        with checkpoint.file_operation_hook(disk_full if comm.Get_rank() == 1 else None):
+            checkpoint.save(root, {"model": model}, comm, step=4)
+
     with pytest.raises(CheckpointError, match=r"rank 1: OSError: disk full \(injected\)"):
-        mpidist.simulate(3, lambda comm: checkpoint.save(root, {"model": model}, comm, step=4))
+        mpidist.simulate(3, save_failing_on_rank_1)
     assert checkpoint.list_steps(root) == [2]
     fresh = make_model(seed=3)
     assert mpidist.simulate(2, lambda comm: checkpoint.load(root, {"model": fresh}, comm)) == [2, 2]
     for k, v in model.state_dict().items():
         np.testing.assert_array_equal(fresh.state_dict()[k], v)
-    monkeypatch.setattr(checkpoint, "_write_rank_file", real_write)
     mpidist.simulate(3, lambda comm: checkpoint.save(root, {"model": model}, comm, step=4))
     assert checkpoint.list_steps(root) == [2, 4]
 
@@ -210,19 +209,20 @@ def test_clear_errors(tmp_path):
     with pytest.raises(CheckpointError, match=r"does not match this state.*'model.0.weight' has shape \(11, 7\) in the checkpoint, \(5, 7\) in the model"):
         load_into(other)
     # checksum mismatch
-    path = os.path.join(directory, "rank00001.bin")
+    rank1 = next(f for f in json.load(open(os.path.join(directory, "manifest.json")))["files"] if f.startswith("rank00001."))
+    path = os.path.join(directory, rank1)
     raw = bytearray(open(path, "rb").read())
     raw[3] ^= 0xFF
     open(path, "wb").write(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"checksum mismatch in .*rank00001.bin"):
+    with pytest.raises(CheckpointError, match=rf"checksum mismatch in .*{re.escape(rank1)}"):
         load_into(make_model())
     # truncated file
     open(path, "wb").write(bytes(raw[:-8]))
-    with pytest.raises(CheckpointError, match=r"rank00001.bin is truncated or altered: \d+ bytes on disk, manifest says \d+"):
+    with pytest.raises(CheckpointError, match=rf"{re.escape(rank1)} is truncated or altered: \d+ bytes on disk, manifest says \d+"):
         load_into(make_model())
     # missing shard
     os.remove(path)
-    with pytest.raises(CheckpointError, match=r"missing shard file .*rank00001.bin"):
+    with pytest.raises(CheckpointError, match=rf"missing shard file .*{re.escape(rank1)}"):
         load_into(make_model())
     # not a checkpoint
     with pytest.raises(CheckpointError, match=r"no manifest at"):
@@ -263,30 +263,38 @@ def test_fsdp_saved_at_4_resharded_to_n_keeps_optimizer_state_bitwise(tmp_path, 
 
 
 @pytest.mark.mpi_skip
-def test_resaving_a_step_that_crashes_before_commit_leaves_no_broken_checkpoint(tmp_path, monkeypatch):
+def test_resaving_a_step_that_crashes_before_commit_keeps_its_previous_save(tmp_path):
     root = str(tmp_path)
     model = make_model()
     for step in (4, 6):
         mpidist.simulate(2, lambda comm, s=step: checkpoint.save(root, {"model": model}, comm, step=s))
-    saved4 = {k: v.copy() for k, v in model.state_dict().items()}
+    saved6 = {k: v.copy() for k, v in model.state_dict().items()}
     for p in model.parameters():
         p.data += 1.0
-    real = checkpoint._write_atomic
 
-    def crash_at_commit(path, chunks):
-        if path.endswith("manifest.json"):
+    def power_cut_at_commit(operation, path):
+        if operation == "create" and path.startswith(os.path.join(root, "step_00000006", "manifest.json")):
             raise OSError("power cut (injected)")
-        return real(path, chunks)
 
-    monkeypatch.setattr(checkpoint, "_write_atomic", crash_at_commit)
+    def save_again(comm):
+        with checkpoint.file_operation_hook(power_cut_at_commit):
+            checkpoint.save(root, {"model": model}, comm, step=6)
+
     with pytest.raises(CheckpointError, match="power cut"):
-        mpidist.simulate(2, lambda comm: checkpoint.save(root, {"model": model}, comm, step=6))
-    monkeypatch.setattr(checkpoint, "_write_atomic", real)
-    assert checkpoint.list_steps(root) == [4]  # step 6 was withdrawn, not left half-rewritten
+        mpidist.simulate(2, save_again)
+    # Both ranks' new files are complete; until a manifest lists them, step 6 is the one saved before.
+    assert checkpoint.list_steps(root) == [4, 6]
     fresh = make_model(seed=3)
-    assert mpidist.simulate(2, lambda comm: checkpoint.load(root, {"model": fresh}, comm)) == [4, 4]
-    for k, v in saved4.items():
+    assert mpidist.simulate(2, lambda comm: checkpoint.load(root, {"model": fresh}, comm)) == [6, 6]
+    for k, v in saved6.items():
         np.testing.assert_array_equal(fresh.state_dict()[k], v)
+    mpidist.simulate(2, lambda comm: checkpoint.save(root, {"model": model}, comm, step=6))  # and then saved whole
+    assert mpidist.simulate(1, lambda comm: checkpoint.load(root, {"model": fresh}, comm)) == [6]
+    for k, v in model.state_dict().items():
+        np.testing.assert_array_equal(fresh.state_dict()[k], v)
+    # Only the third commit's files are left (steps 4 and 6 were commits 1 and 2; the failed save committed nothing).
+    assert sorted(os.listdir(os.path.join(root, "step_00000006"))) == ["manifest.json", "rank00000.commit3.bin",
+                                                                        "rank00001.commit3.bin"]
 
 
 @pytest.mark.mpi_skip
@@ -357,7 +365,7 @@ def test_a_failed_save_leaves_no_temporary_files_and_the_next_save_clears_older_
     real_write = checkpoint._write_rank_file
 
     def disk_full_midway(path, pieces):
-        if path.endswith(("rank00001.bin", "rank00002.bin")):
+        if os.path.basename(path).startswith(("rank00001.", "rank00002.")):
             def chunks():
                 yield b"half a file"
                 raise OSError(28, "No space left on device (injected)")
@@ -644,3 +652,43 @@ def test_checkpoint_reads_fsdp_only_through_its_public_layout(comm, tmp_path):
     assert list(got) == list(expected)
     for k, v in expected.items():
         np.testing.assert_array_equal(got[k], v)
+
+
+# -- arguments: step and keep_last are checked before anything is written ----------------------------------
+BAD_STEPS = [-1, 2.5, 3.0, np.float64(3.0), True, "3", None]
+BAD_KEEP_LAST = [0, -1, 1.5, True, "2"]
+
+
+def test_a_bad_step_or_keep_last_is_refused_on_every_rank_before_anything_is_written(comm, tmp_path):
+    root = shared_dir(comm, tmp_path)
+    model = make_model()
+    checkpoint.save(root, {"model": model}, comm, step=2, keep_last=None)
+    for step in BAD_STEPS:
+        with pytest.raises(CheckpointError, match=rf"checkpoint.save: step must be an int >= 0 \(got {re.escape(repr(step))}\)"):
+            checkpoint.save(root, {"model": model}, comm, step=step)
+    for keep_last in BAD_KEEP_LAST:
+        with pytest.raises(CheckpointError, match=rf"checkpoint.save: keep_last must be an int >= 1, or None to keep "
+                                                  rf"every checkpoint \(got {re.escape(repr(keep_last))}\)"):
+            checkpoint.save(root, {"model": model}, comm, step=4, keep_last=keep_last)
+    for step in BAD_STEPS[:-1]:  # (None: the newest)
+        with pytest.raises(CheckpointError, match=rf"checkpoint.load: step must be an int >= 0 \(got {re.escape(repr(step))}\)"):
+            checkpoint.load(root, {"model": model}, comm, step=step)
+    comm.barrier()
+    assert sorted(os.listdir(root)) == ["step_00000002"] and checkpoint.list_steps(root) == [2]
+    assert checkpoint.save(root, {"model": model}, comm, step=np.int64(4), keep_last=np.int64(1)).endswith("step_00000004")
+    assert checkpoint.list_steps(root) == [4]
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_step_and_keep_last_must_be_the_same_on_every_rank(comm, tmp_path):
+    root = shared_dir(comm, tmp_path)
+    model, last = make_model(), comm.Get_size() - 1
+    with pytest.raises(CheckpointError, match=rf"rank {last}: CheckpointError: checkpoint.save: step must be an int "
+                                              rf">= 0 \(got -4\)"):
+        checkpoint.save(root, {"model": model}, comm, step=-4 if comm.Get_rank() == last else 4)
+    with pytest.raises(CheckpointError, match=rf"ranks disagree on step and keep_last \(ranks? [\d,]+: step 4, keep_last "
+                                              rf"3; rank {last}: step 5, keep_last 3\)"):
+        checkpoint.save(root, {"model": model}, comm, step=5 if comm.Get_rank() == last else 4)
+    comm.barrier()
+    assert os.listdir(root) == []
+

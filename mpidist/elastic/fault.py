@@ -14,9 +14,9 @@ started in) fail at step S (several faults: separate them with ``;``, e.g. ``ran
   before the first commit.
 - ``at=save``: in the middle of the disk checkpoint save of step S, the one written once S steps are done
   (``StageState(checkpoint=...)`` saves every ``checkpoint_every`` steps; ``Elastic.train`` refuses a step
-  with no save): the rank dies while writing its rank file, which it leaves half written under its temporary
-  name, so the save never commits (no manifest). Only ``sigkill`` and ``exit``: an exception inside a save is
-  not a lost rank, the checkpoint turns it into the same ``CheckpointError`` on every rank.
+  with no save): the rank dies while writing its rank file, which it leaves partly written under its
+  temporary name, so the save never commits (no manifest). Only ``sigkill`` and ``exit``: an exception
+  inside a save is not a lost rank, the checkpoint turns it into the same ``CheckpointError`` on every rank.
 
 How the rank fails:
 
@@ -43,6 +43,8 @@ import sys
 import threading
 import time
 import traceback
+
+from .. import checkpoint
 
 __all__ = ["Fault", "InjectedFault", "parse_fault", "parse_faults", "faults_from_env", "failing_save",
            "install_kill_on_error", "kill_self"]
@@ -151,39 +153,24 @@ def faults_from_env(environ=None):
 def failing_save(faults, world_rank, step):
     """Around the checkpoint save of step ``step``: this rank's ``at=save`` fault for it fires inside the save.
 
-    The rank fails while writing its rank file: the first half of the file's bytes are written (and fsynced)
-    under the temporary name ``mpidist.checkpoint`` uses, as a rank killed mid-write leaves them, then
-    ``Fault.fail``. Only this thread is affected (in a SimComm world the other ranks are threads that write
+    The rank fails while writing its rank file (through ``checkpoint.file_operation_hook``): once the first
+    part of the file's bytes is in its temporary name, as a rank killed mid-write leaves it (a rank with
+    nothing to write fails once its empty file is in place); either way before the manifest, so the save
+    never commits. Only this thread is affected (in a SimComm world the other ranks are threads that write
     as usual). Without a matching fault the block runs untouched.
     """
     fault = next((f for f in faults if f.at == "save" and f.rank == world_rank and f.step == step), None)
     if fault is None:
         yield
         return
-    from .. import checkpoint as disk
 
-    real = getattr(disk, "_write_atomic", None)
-    if real is None:
-        raise RuntimeError("MPIDIST_FAULT at=save: mpidist.checkpoint has no _write_atomic any more; the injection "
-                           "must follow its writer")
-    me = threading.get_ident()
+    def fail_in_rank_file(operation, path):
+        # A save's first write (or rename, for an empty file) is this rank's own file: the manifest comes later.
+        if operation in ("write", "rename"):
+            fault.fail()
 
-    def dying(path, chunks):
-        if threading.get_ident() != me:
-            return real(path, chunks)
-        data = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
-        with open(f"{path}{disk.TMP_MARK}{os.getpid()}", "wb") as f:
-            f.write(data[:len(data) // 2])
-            f.flush()
-            os.fsync(f.fileno())
-        fault.fail()
-        return real(path, [data])  # not reached: fail() does not return
-
-    disk._write_atomic = dying
-    try:
+    with checkpoint.file_operation_hook(fail_in_rank_file):
         yield
-    finally:
-        disk._write_atomic = real
 
 
 def kill_self():
