@@ -75,7 +75,7 @@ endif
 LAUNCH_TESTS = $(shell grep -l '^import launcher' tests/test_*.py)
 
 .PHONY: venv test test-sim test-mpi test-launch demo demo-digits bench clean test-slurm bench-plot test-mpi4py \
-        test-elastic demo-elastic
+        test-elastic demo-elastic test-cluster
 
 $(MARKER): setup.cfg pyproject.toml
 ifeq ($(MPI),system)
@@ -142,6 +142,14 @@ bench: venv
 # A private single-node Slurm on loopback runs slurm/*.sbatch for real (installs Debian's Slurm if missing; root).
 test-slurm: venv
 	$(PY) tests/slurm/run_slurm_checks.py
+
+# A virtual cluster on this machine (root): 2 nodes made of network namespaces, links shaped to CLUSTER_RATE
+# (tests/cluster/vcluster.py, docs/cluster.md): multi-node launches, node-aware layouts, the parity suites with
+# 2 ranks on each node. Clusters left by a killed run are reaped first; without root it skips in one line.
+CLUSTER_RATE ?= 1gbit
+test-cluster: venv
+	$(PY) tests/cluster/vcluster.py --reap
+	MPIDIST_TEST_CLUSTER=1 MPIDIST_CLUSTER_RATE=$(CLUSTER_RATE) $(PY) $(PYTEST) -rs tests/test_cluster.py
 
 # The table and plot of docs/cluster.md (installs the plot extra, matplotlib, first). Written to out/ so that a
 # trial run leaves the committed figures alone: `make bench-plot BENCH_OUT=docs` replaces them deliberately.

@@ -261,15 +261,21 @@ class VirtualCluster:
         raise ValueError(f"VirtualCluster: placement must be 'block' or 'cyclic' (got {placement!r})")
 
     def mpiexec_flags(self, ppn=None, placement="block", mpi="mpich"):
-        """Return the launcher flags that start ranks on the nodes through the ssh stand-in."""
+        """Return the launcher flags that start ranks on the nodes through the ssh stand-in.
+
+        With ``ppn`` they name the hosts too (``ppn`` ranks on each); without, add your own host list.
+        """
         if mpi == "mpich":
             flags = ["-launcher", "ssh", "-launcher-exec", self.rsh, "-iface", NODE_IFACE]
-            return flags + (["-hosts", self.hostlist(ppn, placement)] if ppn else ["-hosts", ",".join(self.hosts)])
+            return flags + (["-hosts", self.hostlist(ppn, placement)] if ppn else [])
         if mpi == "openmpi":
             slots = ",".join(f"{h}:{ppn or 1}" for h in self.hosts)
             flags = ["--mca", "plm_rsh_agent", self.rsh, "--host", slots, "--mca", "btl_tcp_if_include", NODE_IFACE,
                      "--mca", "oob_tcp_if_include", NODE_IFACE]
-            return flags + (["--map-by", "node"] if placement == "cyclic" else [])
+            if placement != "block":
+                raise ValueError(f"VirtualCluster: Open MPI launches here place ranks in node blocks only "
+                                 f"(got placement={placement!r})")
+            return flags + (["--map-by", f"ppr:{ppn}:node"] if ppn else [])
         raise ValueError(f"VirtualCluster: mpi must be 'mpich' or 'openmpi' (got {mpi!r})")
 
     def mpiexec(self, argv, ppn, placement="block", mpiexec=None, mpi="mpich", extra=()):
@@ -380,12 +386,12 @@ def main(argv=None):
     parser.add_argument("--reap", action="store_true", help="remove clusters whose owner died, then exit")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND run on the head node")
     args = parser.parse_args(argv)
-    if args.reap:
-        print(f"vcluster: reaped {reap() or 'nothing'}", flush=True)
-        return 0
     why = unavailable()
     if why:
         print(why, flush=True)
+        return 0
+    if args.reap:
+        print(f"vcluster: reaped {reap() or 'nothing'}", flush=True)
         return 0
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
