@@ -18,11 +18,13 @@ Runs on SimComm worlds and under ``mpiexec -n 2 / -n 4 pytest --with-mpi``.
 """
 import functools
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from mpidist import simulate
+from mpidist.guard import record
 from mpidist.models import GPT, GPTConfig, lm_loss
 from mpidist.optim import SGD, AdamW
 from mpidist.parallel import DDP, FSDP, Pipeline, mesh, tensor_parallel
@@ -34,13 +36,16 @@ VOCAB, T, D, HEADS = 64, 8, 16, 4
 BATCH = 12  # splits over 1, 2, 3 and 4 data-parallel ranks
 
 
-def make_model(n_layer=2, frozen=True):
-    """The same initial weights everywhere (one seeded generator); embeddings and the first block frozen."""
+FROZEN = ("embed", "blocks.0")  # the embeddings (a tied head's weight is the token embedding's) and the first block
+
+
+def make_model(n_layer=2, frozen=FROZEN, tie=True):
+    """The same initial weights everywhere (one seeded generator), the modules named in ``frozen`` frozen."""
     model = GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=n_layer, n_head=HEADS, n_embd=D, dropout=0.0,
-                          dtype="float64"), rng=np.random.default_rng(0))
-    if frozen:
-        model.embed.requires_grad_(False)  # the tied head's weight too: it is the token embedding's Parameter
-        model.blocks[0].requires_grad_(False)
+                          dtype="float64", tie_weights=tie), rng=np.random.default_rng(0))
+    modules = dict(model.named_modules())
+    for path in frozen:
+        modules[path].requires_grad_(False)
     return model
 
 
@@ -68,8 +73,8 @@ _reference_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(n_layer, kind):
-    model = make_model(n_layer)
+def _reference(n_layer, kind, frozen_modules, tie):
+    model = make_model(n_layer, frozen_modules, tie)
     start = {name: p.data.copy() for name, p in model.named_parameters()}
     opt = optimizer(model.parameters(), kind)
     losses = []
@@ -85,17 +90,17 @@ def _reference(n_layer, kind):
         a.setflags(write=False)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     # Premises: the reference trains what is trainable and leaves the frozen parameters exactly as they were.
-    assert frozen == {"embed.wte.weight", "embed.wpe.weight"} | {n for n in start if n.startswith("blocks.0.")}
+    assert frozen == {n for n in start if any(n.startswith(f"{path}.") for path in frozen_modules)}
     assert len(frozen) < len(start)
     assert all(np.array_equal(state[n], start[n]) for n in frozen)
     assert all(not np.array_equal(state[n], start[n]) for n in start if n not in frozen)
     return state, losses, frozen
 
 
-def reference(n_layer=2, kind="adamw"):
+def reference(n_layer=2, kind="adamw", frozen=FROZEN, tie=True):
     """(state_dict, losses, names of the frozen parameters) of single-process fine-tuning on the global batches."""
     with _reference_lock:  # simulated ranks are threads: compute once, share the read-only result
-        return _reference(n_layer, kind)
+        return _reference(n_layer, kind, frozen, tie)
 
 
 def assert_frozen_untouched(named, start, what):
@@ -108,6 +113,12 @@ def assert_frozen_untouched(named, start, what):
 
 
 # -- data parallel: DDP and FSDP ---------------------------------------------------------------------------------
+def reduce_scatters(comm, since):
+    """How many reduce-scatters on ``comm`` started after ``since`` the flight recorder holds."""
+    return sum(1 for r in record.snapshot() if r[record.OP] == "ireduce_scatter" and r[record.COMM].owner() is comm
+               and r[record.START] >= since)
+
+
 def data_parallel_train(comm, wrapper, model, kind):
     """Train on this rank's slice of each global batch; return the losses (mean over ranks)."""
     opt = optimizer(wrapper.parameters(), kind)
@@ -116,11 +127,14 @@ def data_parallel_train(comm, wrapper, model, kind):
     for step in range(STEPS):
         x, y = (rows(a, comm.Get_rank(), comm.Get_size()) for a in global_batch(step))
         opt.zero_grad()
+        since = time.monotonic()
         loss = lm_loss(wrapper(x), y)
         loss.backward()
         assert all(p.grad is None for p in wrapper.parameters() if not p.requires_grad), "a frozen shard got a grad"
         if isinstance(wrapper, DDP):
             assert all(p.grad is not None for p in trainable)
+        elif wrapper.shard_comm is not None:  # one reduce-scatter per trainable unit, none for a frozen one
+            assert reduce_scatters(wrapper.shard_comm, since) == sum(p.requires_grad for p in wrapper.parameters())
         losses.append(float(np.mean(comm.allgather(float(loss)))))  # equal slices: the mean of means
         opt.step()
     return losses
@@ -274,7 +288,7 @@ def test_mesh_of_8_fine_tuning_matches_one_process():
 # -- every rank agrees on what is frozen -----------------------------------------------------------------------
 def frozen_on_last_rank(comm, name):
     """A model that every rank builds alike, except that the last rank froze parameter ``name``."""
-    model = make_model(frozen=False)
+    model = make_model(frozen=())
     if comm.Get_rank() == comm.Get_size() - 1:
         dict(model.named_parameters())[name].requires_grad_(False)
     return model
@@ -318,7 +332,7 @@ def test_a_parameter_frozen_on_some_tensor_parallel_ranks_only_raises_on_every_r
 @pytest.mark.world_sizes(2, 3, 4)
 def test_tied_copies_frozen_on_one_holder_only_raise_on_every_rank(comm):
     p, r = comm.Get_size(), comm.Get_rank()
-    stage = make_model(frozen=False).pipeline_stages(p)[r]
+    stage = make_model(frozen=()).pipeline_stages(p)[r]
     if r == 0:
         stage.tied[0].requires_grad_(False)  # the embedding's copy, not the head's on the last rank
     shape = rf"\(\({VOCAB}, {D}\), 'float64', '{{}}'\)"
@@ -357,3 +371,38 @@ def test_changing_requires_grad_after_wrapping_raises_at_the_next_backward(comm,
     with pytest.raises(RuntimeError, match=rf"^{wrapper}: requires_grad changed after the wrapper was built: "
                                            rf"'{name}' \({before} -> {after}\); "):
         lm_loss(wrapped(x), y).backward()
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_fsdp_stages_under_zero_bubble_fine_tune_like_one_process(comm):
+    """FSDP-wrapped pipeline stages (zb_h1: B now, W later): the first stage is all frozen, the second one unit
+    mixing frozen attention with trainable layers; B and W give frozen parameters nothing."""
+    frozen_modules = FROZEN + ("blocks.1.attn",)
+    ref_state, ref_losses, frozen = reference(frozen=frozen_modules, tie=False)
+    grid = mesh(comm, pp=2)
+    model = make_model(frozen=frozen_modules, tie=False)
+    stage = model.pipeline_stages(2)[grid.pp_rank]
+    names = [(f"{prefix}{name}", p) for prefix, layer in zip(stage.layer_prefixes, stage)
+             for name, p in layer.named_parameters()]
+    start = {name: p.data.copy() for name, p in names}
+    fsdp = FSDP(stage, grid.dp_comm, units=[stage])
+    assert [u.label for u in fsdp.units] == (["<root>"] if grid.pp_rank == 0 else ["<root>", "<root> (frozen)"])
+    pipe = Pipeline(fsdp, grid.pp_comm, 2, "zb_h1", loss_fn=lm_loss)
+    opt = optimizer(fsdp.parameters())
+    losses = []
+    for step in range(STEPS):
+        x, y = (rows(a, grid.dp_rank, grid.dp) for a in global_batch(step))
+        opt.zero_grad()
+        loss = pipe.step(x, y, broadcast_loss=True)
+        assert pipe.stats.peak_pending_w > 0 or grid.pp_rank == 0  # the second stage's W ran after its B
+        assert all(p.grad is None for p in fsdp.parameters() if not p.requires_grad)
+        losses.append(float(np.mean(grid.dp_comm.allgather(loss))))
+        opt.step()
+    np.testing.assert_allclose(losses, ref_losses, rtol=TOL, atol=0, err_msg="losses")
+    with fsdp.summon_full_params():
+        for name, p in names:
+            np.testing.assert_allclose(p.data, ref_state[name], rtol=TOL, atol=TOL, err_msg=name)
+            if name in frozen:
+                np.testing.assert_array_equal(p.data, start[name], err_msg=f"frozen {name} moved")
+                assert p.grad is None, f"frozen {name} has a gradient"
+    grid.free()
