@@ -65,17 +65,22 @@ write path a single sequential stream.
 """
 
 import contextlib
+import copy
 import json
+import math
+import numbers
 import os
+import stat
 import threading
 import time
+import warnings
 import zlib
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import numpy as np
 
-from . import guard
+from . import guard, standard_json
 from .comm import check_comm
 from .comm.agree import agreed, describe_ranks
 from .nn.placement import Replicate, Shard, placement_of
@@ -549,11 +554,14 @@ def _step_dirs(root):
 
 
 def _commit_number(manifest_path):
-    """Return the commit number a manifest records (-1 if it records none or cannot be read: those sort first, by step)."""
+    """Return the commit number a manifest records (-1 if it records none or cannot be read: those sort first, by step).
+
+    A commit that is no int >= 0 (a float, a string, 1e999) makes the manifest unreadable, never a bare
+    OverflowError in every later save and load of the directory.
+    """
     try:
-        with open(manifest_path) as f:
-            return int(json.load(f).get("commit", -1))
-    except (OSError, ValueError, TypeError, AttributeError):
+        return _manifest_commit(os.path.dirname(manifest_path))
+    except CheckpointError:
         return -1
 
 
@@ -883,7 +891,7 @@ def _save(root, state, comm, step, keep_last=3):
             # Per-rank values (e.g. each rank's RNG): restored rank by rank when loaded at the same size.
             manifest["json_per_rank"] = per_rank
         # The commit point: renamed over the manifest of the same step saved before, if there is one.
-        _write_atomic(os.path.join(directory, MANIFEST), [json.dumps(manifest, indent=1).encode()])
+        _write_atomic(os.path.join(directory, MANIFEST), [standard_json.dumps(manifest, indent=1).encode()])
         _fsync_dir(root)  # the step directory's own entry
         for entry in sorted(os.listdir(directory)):  # the files of the same step saved before
             if _is_rank_file(entry) and entry not in files:
@@ -898,30 +906,277 @@ def _save(root, state, comm, step, keep_last=3):
 
 
 # -- load ------------------------------------------------------------------------------------------
+# A checkpoint is untrusted input: it travels between users, clusters and object stores. Rank 0 reads the
+# manifest and checks all of it before any rank reads an array or changes the state: every field's type and
+# range, every chunk inside its tensor and its file, the chunks of each tensor tiling it once, every file a
+# plain name whose real path (symlinks followed) is in the step directory, a regular file of the size the
+# manifest gives. Each rank checks a file again when it opens it. A problem is a CheckpointError naming the
+# manifest or shard file and the field ("tensors['model.0.weight'].chunks[1].offset").
+_MAX_INDEX = 1 << 63  # element offsets, sizes and byte counts beyond it are corruption, not a big model
+
+
+def _show(value):
+    """Return a short repr of a manifest value for an error message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _field_error(path, field, problem):
+    return CheckpointError(f"checkpoint: {path}: {field} {problem}")
+
+
+def _int_field(value, path, field, low=0, high=_MAX_INDEX):
+    """Return ``value`` if it is an int (not a bool) in ``[low, high)`` (``high`` None: no bound)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value >= high):
+        bound = f"an int >= {low}" if high is None else f"an int >= {low} and < {high:,}".replace(",", "_")
+        raise _field_error(path, field, f"must be {bound} (got {_show(value)})")
+    return value
+
+
+def _int_list(value, path, field, length):
+    if not isinstance(value, list) or len(value) != length:
+        raise _field_error(path, field, f"must be a list of {length} ints, one per dimension (got {_show(value)})")
+    return tuple(_int_field(v, path, f"{field}[{i}]") for i, v in enumerate(value))
+
+
+def _record(value, path, field, keys):
+    """Return ``value`` if it is an object with exactly the fields ``keys``."""
+    if not isinstance(value, dict):
+        raise _field_error(path, field, f"must be an object (got {_show(value)})")
+    if set(value) != set(keys):
+        missing, unknown = sorted(set(keys) - set(value)), sorted(set(value) - set(keys))
+        raise _field_error(path, field, f"must have the fields {sorted(keys)} (missing: {missing}, unknown: {unknown})")
+    return value
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _inside(directory, name, path, field):
+    """Return the real path of file ``name`` of ``directory``: a plain file name, which (symlinks followed) stays in it."""
+    separators = [s for s in (os.sep, os.altsep, "/") if s]
+    if (not isinstance(name, str) or name in ("", ".", "..", MANIFEST) or "\0" in name
+            or any(s in name for s in separators)):
+        raise _field_error(path, field, f"must be the plain name of a file in the checkpoint's directory, with no "
+                                        f"directory part (got {_show(name)})")
+    home = os.path.realpath(directory)
+    real = os.path.realpath(os.path.join(directory, name))
+    if real == home or os.path.commonpath([home, real]) != home:
+        raise _field_error(path, field, f"names {os.path.join(directory, name)}, a link to {real}, outside the "
+                                        f"checkpoint's directory {home}")
+    return real
+
+
+def _check_shard_file(directory, fname, record, manifest_path):
+    """Return the real path of shard file ``fname`` after checking it: inside ``directory``, regular, of its size."""
+    field = f"files[{fname!r}]"
+    real = _inside(directory, fname, manifest_path, field)
+    path = os.path.join(directory, fname)
+    try:
+        info = os.stat(real)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint: missing shard file {path} (the manifest lists {record['bytes']} bytes: "
+                              f"{manifest_path}: {field})") from None
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint: cannot read shard file {path} ({exc.strerror or exc}; {manifest_path}: "
+                              f"{field})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(f"checkpoint: shard file {path} is not a regular file ({manifest_path}: {field})")
+    if info.st_size != record["bytes"]:
+        raise CheckpointError(f"checkpoint: {path} is truncated or altered: {info.st_size} bytes on disk, manifest says "
+                              f"{record['bytes']} ({manifest_path}: {field}.bytes)")
+    return real
+
+
+def _check_files(files, path, directory):
+    if not isinstance(files, dict):
+        raise _field_error(path, "files", f"must be an object of file name -> record (got {_show(files)})")
+    for fname, record in files.items():
+        _inside(directory, fname, path, f"files[{fname!r}]")
+        _record(record, path, f"files[{fname!r}]", ("bytes", "crc32"))
+        _int_field(record["bytes"], path, f"files[{fname!r}].bytes")
+        _int_field(record["crc32"], path, f"files[{fname!r}].crc32", high=1 << 32)
+
+
+def _chunks_of_pieces(key, shape, itemsize, pieces, path):
+    """Return the chunks of a ``mpidist-checkpoint-1`` tensor's flat pieces (checked first): each piece's boxes."""
+    where = f"tensors[{key!r}].pieces"
+    if not isinstance(pieces, list):
+        raise _field_error(path, where, f"must be a list (got {_show(pieces)})")
+    chunks = []
+    for i, piece in enumerate(pieces):
+        at = f"{where}[{i}]"
+        _record(piece, path, at, ("file", "offset", "start", "count"))
+        start, count = (_int_field(piece[k], path, f"{at}.{k}") for k in ("start", "count"))
+        if start + count > math.prod(shape):
+            raise _field_error(path, at, f"covers elements [{start}, {start + count}) of a tensor of {math.prod(shape)}")
+        offset = _int_field(piece["offset"], path, f"{at}.offset")
+        chunks += [{"file": piece["file"], "offsets": list(lo), "sizes": list(sizes),
+                    "offset": offset + (_flat_index(lo, shape) - start) * itemsize}
+                   for lo, sizes in _flat_boxes(start, count, shape)]
+    return chunks
+
+
+def _check_chunks(key, shape, itemsize, chunks, files, path):
+    """Check that the chunks of ``key`` lie inside the tensor and their files, and tile the tensor exactly once."""
+    where = f"tensors[{key!r}].chunks"
+    if not isinstance(chunks, list):
+        raise _field_error(path, where, f"must be a list (got {_show(chunks)})")
+    boxes = []
+    for i, chunk in enumerate(chunks):
+        at = f"{where}[{i}]"
+        _record(chunk, path, at, ("file", "offset", "offsets", "sizes"))
+        if not isinstance(chunk["file"], str) or chunk["file"] not in files:
+            raise _field_error(path, f"{at}.file", f"names {_show(chunk['file'])}, which the manifest's files do not list")
+        offset = _int_field(chunk["offset"], path, f"{at}.offset")
+        offsets = _int_list(chunk["offsets"], path, f"{at}.offsets", len(shape))
+        sizes = _int_list(chunk["sizes"], path, f"{at}.sizes", len(shape))
+        if any(o + n > s for o, n, s in zip(offsets, sizes, shape)):
+            raise _field_error(path, at, f"lies outside the tensor: offsets {offsets} + sizes {sizes} exceed its shape "
+                                         f"{shape}")
+        end, available = offset + math.prod(sizes) * itemsize, files[chunk["file"]]["bytes"]
+        if end > available:
+            raise _field_error(path, f"{at}.offset", f"{offset} + {math.prod(sizes)} elements of {itemsize} bytes reach "
+                                                     f"byte {end} of {chunk['file']}, which has {available}")
+        boxes.append((offsets, sizes, i))
+    boxes.sort()
+    for n, (offsets, sizes, i) in enumerate(boxes):
+        for other_offsets, other_sizes, j in boxes[n + 1:]:
+            if shape and other_offsets[0] >= offsets[0] + sizes[0]:
+                break  # sorted by the first offset: no later chunk reaches back into this one
+            if _intersect(offsets, sizes, other_offsets, other_sizes) is not None:
+                raise _field_error(path, f"{where}[{i}]", f"overlaps chunks[{j}] (offsets {offsets} sizes {sizes}, "
+                                                          f"offsets {other_offsets} sizes {other_sizes}): a duplicated "
+                                                          f"or foreign chunk")
+    covered, total = sum(math.prod(sizes) for _, sizes, _ in boxes), math.prod(shape)
+    if covered != total:
+        raise _field_error(path, where, f"cover {covered} of the {total} elements of shape {shape}")
+
+
+def _check_tensors(tensors, flat, files, path):
+    """Check every tensor entry; return them with their chunks (a ``mpidist-checkpoint-1`` tensor's pieces converted)."""
+    if not isinstance(tensors, dict):
+        raise _field_error(path, "tensors", f"must be an object of key -> tensor (got {_show(tensors)})")
+    checked = {}
+    for key, entry in tensors.items():
+        at = f"tensors[{key!r}]"
+        _record(entry, path, at, ("shape", "dtype", "pieces" if flat else "chunks"))
+        shape = entry["shape"]
+        if not isinstance(shape, list):
+            raise _field_error(path, f"{at}.shape", f"must be a list of ints (got {_show(shape)})")
+        shape = tuple(_int_field(n, path, f"{at}.shape[{d}]") for d, n in enumerate(shape))
+        if math.prod(shape) >= _MAX_INDEX:
+            raise _field_error(path, f"{at}.shape", f"{shape} has more than 2**63 elements")
+        try:
+            itemsize = standard_json.check_dtype(entry["dtype"]).itemsize
+        except ValueError as exc:
+            raise _field_error(path, f"{at}.dtype", str(exc)) from None
+        chunks = (_chunks_of_pieces(key, shape, itemsize, entry["pieces"], path) if flat else entry["chunks"])
+        _check_chunks(key, shape, itemsize, chunks, files, path)
+        checked[key] = {"shape": list(shape), "dtype": entry["dtype"], "chunks": chunks}
+    return checked
+
+
+def _decoded(value, path, field):
+    try:
+        return standard_json.decode(value, field)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint: {path}: {exc}") from None
+
+
+def _manifest_json(directory):
+    """Return (path, parsed JSON) of the manifest in ``directory``: a regular file in it, no key twice in an object."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.lexists(path):
+        raise CheckpointError(f"checkpoint: no manifest at {path} (not a committed checkpoint)")
+    real, home = os.path.realpath(path), os.path.realpath(directory)
+    if real == home or os.path.commonpath([home, real]) != home:
+        raise CheckpointError(f"checkpoint: manifest {path} is a link to {real}, outside its directory")
+    try:
+        if not stat.S_ISREG(os.stat(real).st_mode):
+            raise CheckpointError(f"checkpoint: manifest {path} is not a regular file")
+        with open(real, "rb") as f:
+            return path, standard_json.loads(f.read())
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint: cannot read manifest {path} ({exc.strerror or exc})") from None
+    except RecursionError:
+        raise CheckpointError(f"checkpoint: manifest {path} is not valid JSON (nested deeper than Python reads)") from None
+    except ValueError as exc:  # not JSON, not UTF-8, a key twice
+        raise CheckpointError(f"checkpoint: manifest {path} is not valid JSON ({exc})") from None
+
+
+def _commit_of(manifest, path):
+    """Return the commit number of a parsed manifest (-1 for manifests written before there were any)."""
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"checkpoint: manifest {path} must hold a JSON object (got {type(manifest).__name__})")
+    return _int_field(manifest["commit"], path, "commit", high=None) if "commit" in manifest else -1
+
+
+def _manifest_commit(directory):
+    """Return the commit number of the manifest in ``directory``; raise CheckpointError if it cannot be read."""
+    path, manifest = _manifest_json(directory)
+    return _commit_of(manifest, path)
+
+
+def _read_manifest(directory, step=None):
+    """Return the manifest of ``directory`` after checking all of it (see above), its JSON entries decoded.
+
+    ``step``: the step the directory is named after, which the manifest must record.
+    """
+    path, manifest = _manifest_json(directory)
+    _commit_of(manifest, path)
+    fmt = manifest.get("format")
+    if fmt not in (FORMAT, FLAT_FORMAT):
+        raise CheckpointError(f"checkpoint: {path} has format {_show(fmt)}, expected {FORMAT!r} (or the older "
+                              f"{FLAT_FORMAT!r})")
+    recorded = _int_field(manifest.get("step"), path, "step")
+    if step is not None and recorded != int(step):
+        raise _field_error(path, "step", f"is {recorded} in the directory of step {int(step)} (a manifest copied from "
+                                         f"another checkpoint?)")
+    world_size = _int_field(manifest.get("world_size"), path, "world_size", low=1, high=1 << 31)
+    created = manifest.get("created", 0.0)
+    if not _is_number(created) or not math.isfinite(created):
+        raise _field_error(path, "created", f"must be a finite number of seconds (got {_show(created)})")
+    files = manifest.get("files")
+    _check_files(files, path, directory)
+    manifest["tensors"] = _check_tensors(manifest.get("tensors"), fmt == FLAT_FORMAT, files, path)
+    if not isinstance(manifest.get("json"), dict):
+        raise _field_error(path, "json", f"must be an object (got {_show(manifest.get('json'))})")
+    manifest["json"] = _decoded(manifest["json"], path, "json")
+    if "json_per_rank" in manifest:
+        per_rank = manifest["json_per_rank"]
+        if not isinstance(per_rank, list) or len(per_rank) != world_size or not all(isinstance(e, dict) for e in per_rank):
+            raise _field_error(path, "json_per_rank", f"must be a list of {world_size} objects, one per rank of "
+                                                      f"world_size (got {_show(per_rank)})")
+        manifest["json_per_rank"] = _decoded(per_rank, path, "json_per_rank")
+    for fname, record in files.items():  # last: the cheap checks above fail first on a bad manifest
+        _check_shard_file(directory, fname, record, path)
+    manifest["format"] = FORMAT  # its pieces are chunks now
+    return manifest
+
+
 class _Reader:
-    """Reads key ranges from a committed checkpoint, verifying each file the first time it is opened."""
+    """Reads key ranges from a committed, checked checkpoint, verifying each file the first time it is opened."""
 
     def __init__(self, directory, manifest, verify):
         self.directory, self.manifest, self.verify = directory, manifest, verify
+        self.manifest_path = os.path.join(directory, MANIFEST)
         self._maps = {}
 
     def _open(self, fname):
         if fname in self._maps:
             return self._maps[fname]
-        path = os.path.join(self.directory, fname)
-        record = self.manifest["files"].get(fname)
-        if record is None:
-            raise CheckpointError(f"checkpoint: {path} is referenced by a tensor but not listed in the manifest")
-        if not os.path.exists(path):
-            raise CheckpointError(f"checkpoint: missing shard file {path} (the manifest lists {record['bytes']} bytes)")
-        actual = os.path.getsize(path)
-        if actual != record["bytes"]:
-            raise CheckpointError(f"checkpoint: {path} is truncated or altered: {actual} bytes on disk, manifest says {record['bytes']}")
-        data = np.memmap(path, dtype=np.uint8, mode="r") if actual else np.zeros(0, dtype=np.uint8)
+        record = self.manifest["files"][fname]
+        # Again on this rank: the file may have changed (or be another file) since rank 0 checked it.
+        real = _check_shard_file(self.directory, fname, record, self.manifest_path)
+        data = np.memmap(real, dtype=np.uint8, mode="r") if record["bytes"] else np.zeros(0, dtype=np.uint8)
         if self.verify:
-            crc = zlib.crc32(data) if actual else 0
+            crc = zlib.crc32(data) if record["bytes"] else 0
             if crc != record["crc32"]:
-                raise CheckpointError(f"checkpoint: checksum mismatch in {path} (crc32 {crc:#010x}, manifest {record['crc32']:#010x})")
+                raise CheckpointError(f"checkpoint: checksum mismatch in {os.path.join(self.directory, fname)} (crc32 "
+                                      f"{crc:#010x}, manifest {record['crc32']:#010x}: {self.manifest_path}: "
+                                      f"files[{fname!r}].crc32)")
         self._maps[fname] = data
         return data
 
@@ -942,34 +1197,6 @@ class _Reader:
         if copied != _numel(sizes):
             raise CheckpointError(f"checkpoint: the manifest's chunks of {key!r} hold {copied} of the {_numel(sizes)} "
                                   f"elements of {_describe_box(entry['shape'], offsets, sizes)}")
-
-
-def _flat_pieces_as_chunks(manifest):
-    """Rewrite a ``mpidist-checkpoint-1`` manifest's flat pieces as the chunks of their flat ranges (in place)."""
-    for entry in manifest["tensors"].values():
-        shape, itemsize = tuple(entry["shape"]), np.dtype(entry["dtype"]).itemsize
-        entry["chunks"] = [
-            {"file": piece["file"], "offsets": list(lo), "sizes": list(sizes),
-             "offset": piece["offset"] + (_flat_index(lo, shape) - piece["start"]) * itemsize}
-            for piece in entry.pop("pieces") for lo, sizes in _flat_boxes(piece["start"], piece["count"], shape)]
-    return manifest
-
-
-def _read_manifest(directory):
-    path = os.path.join(directory, MANIFEST)
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint: no manifest at {path} (not a committed checkpoint)") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"checkpoint: manifest {path} is not valid JSON ({exc})") from None
-    if manifest.get("format") == FLAT_FORMAT:
-        return _flat_pieces_as_chunks(manifest)
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint: {path} has format {manifest.get('format')!r}, expected {FORMAT!r} "
-                              f"(or the older {FLAT_FORMAT!r})")
-    return manifest
 
 
 def _check_keys(slots, manifest, directory):
@@ -1021,6 +1248,95 @@ def _restore_optimizer(name, opt, entry, registry):
         opt.state[i] = state
 
 
+_ANY = object()  # a hyperparameter the optimizer lacks: what it may be is not known here
+
+
+def _hyperparameter_problem(value, reference):
+    """Return why ``value`` cannot replace the optimizer's hyperparameter ``reference`` (None: it can).
+
+    Checked at load, so that a checkpoint saying ``lr: "fast"`` fails there and not at the next ``step()``.
+    """
+    if isinstance(reference, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or len(value) != len(reference):
+            return f"must be a list of {len(reference)} like the optimizer's {_show(reference)}"
+        for i, (v, r) in enumerate(zip(value, reference)):
+            problem = _hyperparameter_problem(v, r)
+            if problem:
+                return f"[{i}] {problem}"
+        return None
+    if isinstance(reference, (bool, np.bool_)):
+        return None if isinstance(value, bool) else "must be true or false"
+    if isinstance(reference, numbers.Real):
+        if not _is_number(value):
+            return "must be a number"
+        if not math.isfinite(value):
+            return "must be finite"
+        return "must be >= 0" if value < 0 <= reference else None
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be finite"
+    return None
+
+
+def _check_hyperparameters(groups, references, path, field):
+    """Raise naming the first hyperparameter of ``groups`` that cannot replace the one in ``references``."""
+    for i, (group, reference) in enumerate(zip(groups, references)):
+        if not isinstance(group, dict):
+            raise _field_error(path, f"{field}[{i}]", f"must be an object of hyperparameters (got {_show(group)})")
+        for k, v in group.items():
+            problem = None if k == "params" else _hyperparameter_problem(v, reference.get(k, _ANY))
+            if problem:
+                raise _field_error(path, f"{field}[{i}].{k}", f"{problem} (got {_show(v)}; the optimizer has "
+                                                              f"{_show(reference.get(k))})")
+
+
+def _check_optimizer_entry(name, opt, entry, path):
+    """Check the structure, hyperparameters and per-parameter scalars of optimizer ``name``'s saved entry."""
+    at = f"json[{name!r}]"
+    if not isinstance(entry, dict) or not {"param_groups", "params"} <= set(entry):
+        raise _field_error(path, at, f"must be an optimizer's object with param_groups and params (got {_show(entry)})")
+    if not isinstance(entry["param_groups"], list):
+        raise _field_error(path, f"{at}.param_groups", f"must be a list (got {_show(entry['param_groups'])})")
+    _check_hyperparameters(entry["param_groups"], opt.param_groups, path, f"{at}.param_groups")
+    if not isinstance(entry["params"], dict):
+        raise _field_error(path, f"{at}.params", f"must be an object of key -> state (got {_show(entry['params'])})")
+    for key, saved in entry["params"].items():
+        where = f"{at}.params[{key!r}]"
+        _record(saved, path, where, ("scalars", "arrays"))
+        if not isinstance(saved["scalars"], dict):
+            raise _field_error(path, f"{where}.scalars", f"must be an object (got {_show(saved['scalars'])})")
+        for k, v in saved["scalars"].items():
+            if k == "step":
+                _int_field(v, path, f"{where}.scalars.step")
+            elif not (v is None or isinstance(v, (bool, str)) or (_is_number(v) and math.isfinite(v))):
+                raise _field_error(path, f"{where}.scalars.{k}", f"must be a finite number, a string, true, false or "
+                                                                 f"null (got {_show(v)})")
+        arrays = saved["arrays"]
+        if (not isinstance(arrays, list) or not all(isinstance(a, str) and a for a in arrays)
+                or len(set(arrays)) != len(arrays)):
+            raise _field_error(path, f"{where}.arrays", f"must be a list of distinct names (got {_show(arrays)})")
+
+
+def _undo_entry(name, state):
+    """Return a function that puts ``state[name]`` back as it is now (a failed load changes nothing)."""
+    obj = state[name]
+    if isinstance(obj, np.random.Generator):
+        saved = copy.deepcopy(obj.bit_generator.state)
+        put_back = lambda: setattr(obj.bit_generator, "state", saved)  # noqa: E731
+    elif hasattr(obj, "set_epoch") and hasattr(obj, "epoch"):
+        epoch = obj.epoch
+        put_back = lambda: obj.set_epoch(epoch)  # noqa: E731
+    elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+        saved = copy.deepcopy(obj.state_dict())
+        put_back = lambda: obj.load_state_dict(saved)  # noqa: E731
+    else:
+        put_back = lambda: None  # noqa: E731
+
+    def undo():
+        state[name] = obj
+        put_back()
+    return undo
+
+
 def _nothing_to_resume(root):
     """Return what rank 0 says when ``root`` holds no committed checkpoint; raise if ``root`` is one step of one."""
     where = os.path.abspath(root)
@@ -1045,7 +1361,7 @@ def _print_now(line):
 
 
 @guard.phase("checkpoint")
-def load(root, state, comm, step=None, verify=True, log=_print_now):
+def load(root, state, comm, step=None, verify=True, log=_print_now, fallback=False):
     """Load checkpoint ``step`` (default: the newest) from ``root`` into ``state``; return the step, or None if there is none.
 
     Traced (``mpidist.trace``) as one "checkpoint load" event per rank, category "io".
@@ -1057,31 +1373,83 @@ def load(root, state, comm, step=None, verify=True, log=_print_now):
     restored per rank when loading at the same world size, and from rank 0 otherwise.
     When ``root`` holds no checkpoint, rank 0 says so through ``log`` (one line; None: silent), so that a
     mistyped path is not a silent restart. ``step``: an int >= 0.
+
+    The checkpoint is untrusted input: the whole manifest is checked before anything in ``state`` changes,
+    every file it names must lie in the step's own directory, and nothing in it is executed. A problem raises
+    CheckpointError on every rank naming the file and the field, and leaves ``state`` as it was. When the
+    newest checkpoint is damaged (or a manifest so damaged that its commit order is unknown), that is an error:
+    ``fallback=True`` instead loads the newest checkpoint that is intact, with a warning naming what was passed
+    over (``step`` given: that step or an error, whatever ``fallback``).
     """
     with _io_span("checkpoint load", step):
-        return _load(root, state, comm, step, verify, log)
+        return _load(root, state, comm, step, verify, log, fallback)
 
 
-def _load(root, state, comm, step=None, verify=True, log=_print_now):
+def _newest(root, fallback):
+    """Return rank 0's choice: (steps to try, newest commit first; unreadable manifests; message if there are none)."""
+    ordered, unreadable = [], []
+    for step, directory in sorted(_step_dirs(root).items()):
+        if not os.path.lexists(os.path.join(directory, MANIFEST)):
+            continue  # a save that never finished: not a checkpoint
+        try:
+            ordered.append((_manifest_commit(directory), step))
+        except CheckpointError as exc:
+            unreadable.append(str(exc))
+    steps = [step for _, step in sorted(ordered, reverse=True)]
+    if unreadable and not (fallback and steps):
+        how = ("remove or repair it, or pass fallback=True to load the newest readable checkpoint with a warning"
+               if not fallback else "and no other checkpoint is readable")
+        raise CheckpointError(f"checkpoint: cannot tell which checkpoint under {os.path.abspath(root)} is the newest: "
+                              f"{len(unreadable)} manifest(s) cannot be read ({'; '.join(unreadable[:3])}); {how}")
+    return (steps if fallback else steps[:1]), unreadable, None if steps else _nothing_to_resume(root)
+
+
+def _load(root, state, comm, step=None, verify=True, log=_print_now, fallback=False):
     check_comm("checkpoint.load", comm)
+    if not isinstance(fallback, bool):
+        raise TypeError(f"checkpoint.load: fallback must be True or False (got {fallback!r})")
     _name_pipeline_layers(state)
     if step is not None:
         _agree(comm, "load (arguments)", lambda: _check_step("checkpoint.load", step))
-    if step is None:
-        def newest():
-            if comm.Get_rank() != 0:
-                return None
-            found = latest_step(root)
-            return (found, None) if found is not None else (None, _nothing_to_resume(root))
-        step, message = comm.bcast(_agree(comm, "load (finding the newest checkpoint)", newest), root=0)
-        if step is None:
-            if log is not None and comm.Get_rank() == 0:
-                log(message)
-            return None
+        return _load_step(root, state, comm, step, verify)
+    rank = comm.Get_rank()
+    steps, unreadable, message = comm.bcast(
+        _agree(comm, "load (finding the newest checkpoint)", lambda: _newest(root, fallback) if rank == 0 else None),
+        root=0)
+    if not steps:
+        if log is not None and rank == 0:
+            log(message)
+        return None
+    if unreadable and rank == 0:
+        warnings.warn(f"checkpoint: passing over {len(unreadable)} unreadable manifest(s) (fallback=True): "
+                      f"{'; '.join(unreadable)}", RuntimeWarning, stacklevel=4)
+    for i, candidate in enumerate(steps):
+        try:
+            return _load_step(root, state, comm, candidate, verify, newest=not fallback)
+        except CheckpointError as exc:
+            if i + 1 == len(steps):
+                raise
+            if rank == 0:
+                warnings.warn(f"checkpoint: falling back from step {candidate} to step {steps[i + 1]} (fallback=True), "
+                              f"which is older: {exc}", RuntimeWarning, stacklevel=4)
+
+
+def _load_step(root, state, comm, step, verify, newest=False):
+    """Load checkpoint ``step``, or raise CheckpointError on every rank with ``state`` as it was.
+
+    ``newest``: it was chosen as the newest, and a damaged manifest says how to fall back to an older one.
+    """
     directory = _step_dir(root, step)
-    manifest = _agree(comm, f"load of step {step} (manifest)",
-                      lambda: _read_manifest(directory) if comm.Get_rank() == 0 else None)
+    try:
+        manifest = _agree(comm, f"load of step {step} (manifest)",
+                          lambda: _read_manifest(directory, step) if comm.Get_rank() == 0 else None)
+    except CheckpointError as exc:
+        if not newest:
+            raise
+        raise CheckpointError(f"{exc}\nThis is the newest checkpoint: checkpoint.load(..., fallback=True) loads the "
+                              f"newest intact one instead, with a warning") from exc
     manifest = comm.bcast(manifest, root=0)
+    manifest_path = os.path.join(directory, MANIFEST)
 
     optimizers = {name: obj for name, obj in state.items() if _is_optimizer(obj)}
     before = {name: ([dict(g) for g in opt.param_groups], opt.state) for name, opt in optimizers.items()}
@@ -1099,6 +1467,7 @@ def _load(root, state, comm, step=None, verify=True, log=_print_now):
         for name, opt in optimizers.items():
             if name not in manifest["json"]:
                 raise CheckpointError(f"checkpoint: {directory} holds no optimizer {name!r}")
+            _check_optimizer_entry(name, opt, manifest["json"][name], manifest_path)
             _restore_optimizer(name, opt, manifest["json"][name], registry)
         slots, _ = _plan(state)
         _check_keys(slots, manifest, directory)
@@ -1115,35 +1484,68 @@ def _load(root, state, comm, step=None, verify=True, log=_print_now):
             staged.append((slot, host))
         return staged
 
-    try:
-        staged = _agree(comm, f"load of step {step}", read)
-    except CheckpointError:
+    def put_back_optimizers():
         for name, (groups, opt_state) in before.items():  # a failed load leaves the optimizer as it was
             optimizers[name].param_groups[:] = [dict(g) for g in groups]
             optimizers[name].state = opt_state
+
+    try:
+        staged = _agree(comm, f"load of step {step}", read)
+    except CheckpointError:
+        put_back_optimizers()
+        raise
+
+    entries = manifest["json"]
+    if "json_per_rank" in manifest and manifest["world_size"] == comm.Get_size():
+        entries = manifest["json_per_rank"][comm.Get_rank()]
+    undo = []
+
+    def restore_entries():
+        # Before the arrays, and undone on every rank when one rank fails: an entry that does not fit (a sampler
+        # epoch of "x", a schedule setting a rate of "fast") leaves the state as it was.
+        for name, obj in list(state.items()):
+            if name in entries and not _is_optimizer(obj):
+                undo.append(_undo_entry(name, state))
+                _restore_json(name, state, entries[name], manifest_path)
+                for opt_name, opt in optimizers.items():  # a learning-rate schedule sets its optimizer's rates
+                    _check_hyperparameters(opt.param_groups, before[opt_name][0], manifest_path,
+                                           f"json[{name!r}] restored, the rates it sets: optimizer {opt_name!r}, "
+                                           f"param_groups")
+
+    try:
+        _agree(comm, f"load of step {step} (state entries)", restore_entries)
+    except CheckpointError:
+        for put_back in reversed(undo):
+            put_back()
+        put_back_optimizers()
         raise
 
     def apply():
         for slot, host in staged:
             copy_into(slot.array, host.reshape(slot.array.shape))
-        entries = manifest["json"]
-        if "json_per_rank" in manifest and manifest["world_size"] == comm.Get_size():
-            entries = manifest["json_per_rank"][comm.Get_rank()]
-        for name, obj in state.items():
-            if name in entries and not _is_optimizer(obj):
-                _restore_json(name, state, entries[name])
 
     _agree(comm, f"load of step {step} (apply)", apply)
     return int(step)
 
 
-def _restore_json(name, state, value):
+def _restore_json(name, state, value, path):
+    """Restore JSON entry ``name`` into ``state``; raise CheckpointError naming the field if it does not fit there."""
     obj = state[name]
-    if isinstance(value, dict) and "__rng__" in value:
-        obj.bit_generator.state = value["__rng__"]
-    elif isinstance(value, dict) and "__sampler__" in value:
-        obj.set_epoch(value["__sampler__"]["epoch"])
-    elif isinstance(value, dict) and "__stateful__" in value:
-        obj.load_state_dict(value["__stateful__"])
-    else:
-        state[name] = value
+    try:
+        if isinstance(value, dict) and "__rng__" in value:
+            if not isinstance(obj, np.random.Generator):
+                raise TypeError("a numpy Generator's state, for an entry that is none")
+            obj.bit_generator.state = value["__rng__"]
+        elif isinstance(value, dict) and "__sampler__" in value:
+            saved = value["__sampler__"]
+            _int_field(saved.get("epoch") if isinstance(saved, dict) else None, path, f"json[{name!r}].__sampler__.epoch")
+            obj.set_epoch(saved["epoch"])
+        elif isinstance(value, dict) and "__stateful__" in value:
+            obj.load_state_dict(value["__stateful__"])
+        else:
+            state[name] = value
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the object raises, named with the entry
+        raise _field_error(path, f"json[{name!r}]", f"does not restore into the state's {type(obj).__name__} "
+                                                    f"({type(exc).__name__}: {exc})") from None

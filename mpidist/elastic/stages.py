@@ -23,14 +23,12 @@ says which happened.
 Tensor-parallel parameters (placements) are refused (``refuse_tensor_parallel``): a lost slice has no copy.
 """
 
-import base64
 import os
-import pickle
 import time
 
 from mpi4py import MPI
 
-from .. import checkpoint as disk
+from .. import checkpoint as disk, standard_json
 from .fault import failing_save
 from .sharded import ID_SCALE, _param_groups, _world_ranks
 from .state import Replicated, refuse_tensor_parallel
@@ -140,12 +138,46 @@ class StageState(Replicated):
                 disk.save(self.checkpoint, self._disk_state(), self.comm, self.step)
             self._saved_step = self.step
 
-    def _disk_state(self, replicated=None):
-        if replicated is None:
-            replicated = self._save_replicated(self.scheduler, self._buffers)
-        # The schedule, sampler, RNGs and extras ride as one pickled string: the checkpoint keeps JSON as is.
-        blob = base64.b64encode(pickle.dumps({"step": self.step, "replicated": replicated})).decode()
-        return {"model": self.wrapper, "optim": self.optimizer, "elastic": blob}
+    def _disk_state(self):
+        """The state ``mpidist.checkpoint`` saves and loads: the stages, the optimizer, and the small state as JSON.
+
+        The schedule, sampler, generators and extras ride in one JSON entry, encoded by ``mpidist.standard_json``
+        (numpy arrays in the extras as raw bytes; tuples come back as lists): a checkpoint holds no pickle, which
+        would run code when read. The buffers are the stages' own, saved by name with the model.
+        """
+        small = self._save_replicated(self.scheduler, [])
+        del small["buffers"]
+        try:
+            encoded = standard_json.encode({"step": self.step, **small}, "StageState")
+        except TypeError as exc:
+            raise TypeError(f"{exc}: a disk checkpoint keeps the schedule, sampler, generators and extra as JSON "
+                            f"data") from None
+        return {"model": self.wrapper, "optim": self.optimizer, "elastic": encoded}
+
+    def _saved_small_state(self, entry, step):
+        """Return the small state a checkpoint's ``elastic`` entry holds, decoded and checked."""
+        where = f"checkpoint: step {step} in {self.checkpoint}: json['elastic']"
+        if isinstance(entry, str):
+            raise disk.CheckpointError(f"{where} is a pickled state (written by an older mpidist), which is never "
+                                       f"unpickled: unpickling runs code the file chooses; resume from a newer checkpoint")
+        try:
+            saved = standard_json.decode(entry, "json['elastic']")
+        except ValueError as exc:
+            raise disk.CheckpointError(f"checkpoint: step {step} in {self.checkpoint}: {exc}") from None
+        fields = {"step", "scheduler", "sampler", "rngs", "nn_rng", "extra"}
+        if not isinstance(saved, dict) or set(saved) != fields:
+            raise disk.CheckpointError(f"{where} must be an object with the fields {sorted(fields)} (got "
+                                       f"{sorted(saved) if isinstance(saved, dict) else type(saved).__name__})")
+        problems = []
+        if isinstance(saved["step"], bool) or not isinstance(saved["step"], int) or saved["step"] < 0:
+            problems.append(f"step must be an int >= 0 (got {saved['step']!r:.60})")
+        if not isinstance(saved["extra"], dict):
+            problems.append(f"extra must be an object (got {type(saved['extra']).__name__})")
+        if not isinstance(saved["rngs"], list) or len(saved["rngs"]) != len(self.rngs):
+            problems.append(f"rngs must be a list of {len(self.rngs)} generator states (got {saved['rngs']!r:.60})")
+        if problems:
+            raise disk.CheckpointError(f"{where}: {'; '.join(problems)}")
+        return {**saved, "buffers": []}
 
     # -- restore --------------------------------------------------------------------------------------------
     def restore(self, failure, build, comm):
@@ -205,8 +237,12 @@ class StageState(Replicated):
         if step is None:
             raise RuntimeError(f"StageState: parameters {lost[:6]} had no live holder and {self.checkpoint!r} holds "
                                f"no checkpoint yet")
-        saved = pickle.loads(base64.b64decode(entries["elastic"]))
-        self._load_replicated(saved["replicated"], self.scheduler, self._buffers)
+        saved = self._saved_small_state(entries["elastic"], step)
+        try:
+            self._load_replicated(saved, self.scheduler, self._buffers)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise disk.CheckpointError(f"checkpoint: step {step} in {self.checkpoint}: json['elastic'] does not "
+                                       f"restore ({type(exc).__name__}: {exc})") from None
         self.step = saved["step"]
         self._saved_step = max(self._saved_step, self.step)
         for p in self._named.values():

@@ -335,8 +335,9 @@ def _param_groups(optimizer):
 
 
 def _optimizer_layout(optimizer):
-    """``(meta, arrays)``: the optimizer's state with each array replaced by ``(shape, dtype)`` (pickled, small)
-    and the live arrays themselves in the same order (sent as buffers)."""
+    """``(meta, arrays)``: the optimizer's state with each array replaced by ``(shape, dtype)`` (small: sent with
+    ``comm.bcast``, between this job's own ranks, never written to a file) and the live arrays themselves in the
+    same order (sent as buffers)."""
     state, arrays = {}, []
     for i, s in optimizer.state.items():
         state[i] = {}

@@ -183,9 +183,9 @@ def load(folder):
                 content = json.load(f)
         except (OSError, ValueError) as exc:
             raise ValueError(f"mpidist flight: cannot read {path}: {exc}") from None
-        if content.get("format") != FORMAT:
-            raise ValueError(f"mpidist flight: {path} is not a flight record (format {content.get('format')!r}, "
-                             f"expected {FORMAT!r})")
+        if not isinstance(content, dict) or content.get("format") != FORMAT:
+            found = f"format {content.get('format')!r}" if isinstance(content, dict) else f"a JSON {type(content).__name__}"
+            raise ValueError(f"mpidist flight: {path} is not a flight record ({found}, expected format {FORMAT!r})")
         records.append(content)
     return records, note
 
