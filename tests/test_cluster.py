@@ -164,6 +164,16 @@ def test_init_and_layouts_follow_the_nodes(cluster, placement, tmp_path):
             assert sorted(host[q] for q in r[across]) == ["node1", "node2"], (across, r)
 
 
+# -- a real two-node Slurm ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(600)
+def test_slurm_on_two_nodes_runs_cpu_sbatch_across_both():
+    """tests/slurm/run_slurm_multinode.py: slurmctld on the head, slurmd per node, cpu.sbatch --nodes=2."""
+    done = subprocess.run([PYTHON, os.path.join(HERE, "slurm", "run_slurm_multinode.py")], capture_output=True,
+                          text=True, timeout=580, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert "3 passed, 0 failed" in done.stdout, done.stdout[-6000:]
+
+
 # -- every strategy trains exactly across nodes ----------------------------------------------------------------
 # The suites' own parity tests (float64 training against one process: DDP, FSDP, hybrid FSDP, pipelines, the
 # (dp, tp, pp) GPT mesh), one mpiexec per file with 2 ranks on each of 2 nodes; -k keeps them to their parity

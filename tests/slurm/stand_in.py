@@ -10,6 +10,7 @@ again with the same ``--ckpt`` it resumes from the saved epoch.
 import argparse
 import json
 import os
+import socket
 import time
 
 import numpy as np
@@ -51,6 +52,7 @@ def main():
             preemption.exit()
     os.makedirs(args.out, exist_ok=True)
     result = {"rank": rank, "size": size, "local_rank": info.local_rank, "launcher": info.launcher,
+              "nodes": info.nodes, "host": socket.gethostname(),
               "allreduce": float(total[0]), "expected": size * (size + 1) / 2, "strategy": args.strategy,
               "epochs": args.epochs, "resumed_from": start,
               "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0")),

@@ -1,0 +1,174 @@
+"""Collectives and DDP across the nodes of a virtual cluster with rate-shaped links (tests/cluster/vcluster.py).
+
+Run (root; brings the cluster up and always tears it down):
+    .venv/bin/python benchmarks/cluster.py [--rate 1gbit] [--json PATH] [--steps N] [--max-size 64M]
+
+Measures, with MPICH's mpiexec starting the ranks in the namespace nodes:
+- allreduce (mpidist and raw mpi4py ``Allreduce``, float32) from 8 B to 64 MiB at 2 nodes x 2 ranks:
+  time per call (slowest rank, median of repetitions), algbw = size / time, busbw = algbw x 2(n-1)/n, and
+  algbw against the link-bound limit: between 2 nodes an allreduce must move at least the whole buffer
+  out of each node (half of it reduce-scattered, half all-gathered), so algbw <= the link's byte rate;
+- DDP step time (benchmarks/ddp_step.py's MLP 784-1024-1024-10, batch 64 per rank, float32) on 1 node x 2
+  ranks against 2 nodes x 1 rank (the same compute, gradients crossing the link) and 2 nodes x 2 ranks, with
+  overlap on and off; the share of the exposed inter-node synchronization that overlap hides behind backward.
+``--worker`` is the part that runs inside the job.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+SIZES = [8, 1 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+def parse_size(text):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+
+
+def rate_bytes(rate):
+    """Return tc's rate (``1gbit``, ``800mbit``, ``100mbit``) in bytes per second."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1}
+    for unit, factor in units.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * factor / 8
+    raise ValueError(f"cluster benchmark: cannot read the rate {rate!r} (use e.g. 1gbit, 800mbit)")
+
+
+# -- inside the job --------------------------------------------------------------------------------------------
+def allreduce_sweep(comm, max_size, budget_s=0.6):
+    import numpy as np
+    from mpi4py import MPI
+    import mpidist
+
+    rows = []
+    for size in [s for s in SIZES if s <= max_size]:
+        x = np.ones(size // 4, dtype=np.float32)
+        calls = {"mpidist": lambda: mpidist.allreduce(x, comm),  # in place, as DDP's buckets
+                 "raw": lambda: comm.Allreduce(MPI.IN_PLACE, x)}
+        row = {"bytes": size}
+        for name, call in calls.items():
+            comm.Barrier()
+            start = time.perf_counter()
+            call()  # warm-up, and the estimate of how many calls fit the budget
+            once = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+            reps = comm.bcast(max(3, min(200, int(budget_s / max(once, 1e-6)))), root=0)
+            times = []
+            for _ in range(reps):
+                comm.Barrier()
+                start = time.perf_counter()
+                call()
+                times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+            row[f"{name}_us"] = float(np.median(times)) * 1e6
+        rows.append(row)
+    return rows
+
+
+def ddp_steps(comm, steps):
+    sys.path.insert(0, HERE)
+    from ddp_step import Runner, measure  # the DDP step benchmark's model, modes and timing
+
+    wide = [784, 1024, 1024, 10]
+    got = measure({m: Runner(m, wide, comm, 64) for m in ("local", "ddp", "ddp_no_overlap")}, comm, steps)
+    return {"local_ms": got["local"][0], "ddp_ms": got["ddp"][0], "ddp_sync_ms": got["ddp"][1],
+            "ddp_no_overlap_ms": got["ddp_no_overlap"][0], "ddp_no_overlap_sync_ms": got["ddp_no_overlap"][1]}
+
+
+def worker(args):
+    from mpi4py import MPI
+    import mpidist
+
+    comm, info = mpidist.init()
+    result = {"ranks": comm.Get_size(), "nodes": info.nodes, "ranks_per_node": info.local_size,
+              "hosts": sorted(set(comm.allgather(MPI.Get_processor_name())))}
+    if "allreduce" in args.parts:
+        result["allreduce"] = allreduce_sweep(comm, args.max_size)
+    if "ddp" in args.parts:
+        result["ddp"] = ddp_steps(comm, args.steps)
+    if comm.Get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+
+
+# -- the driver ------------------------------------------------------------------------------------------------
+def launch(cluster, ppn, nodes, parts, args, out):
+    """Run the worker on ``nodes`` nodes x ``ppn`` ranks; return its JSON."""
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--steps", str(args.steps),
+            "--max-size", str(args.max_size), "--parts", *parts]
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    hosts = ",".join(f"{h}:{ppn}" for h in cluster.hosts[:nodes])
+    cmd = cluster.node_argv(cluster.head, [mpiexec] + cluster.mpiexec_flags() + ["-hosts", hosts,
+                                                                                    "-n", str(ppn * nodes)] + argv)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MPIDIST_COLLECTIVE_TIMEOUT="600")
+    subprocess.run(cmd, check=True, env=env, timeout=1800, cwd=os.path.dirname(out))  # flight records land there
+    with open(out) as f:
+        return json.load(f)
+
+
+def driver(args):
+    sys.path.insert(0, os.path.join(REPO, "tests", "cluster"))
+    import vcluster
+
+    why = vcluster.unavailable()
+    if why:
+        print(why)
+        return 0
+    link = rate_bytes(args.rate)
+    with vcluster.VirtualCluster(nodes=2, rate=args.rate) as cluster, tempfile.TemporaryDirectory() as tmp:
+        flat = launch(cluster, 2, 2, ["allreduce"], args, os.path.join(tmp, "flat.json"))
+        ddp = {f"{nodes}x{ppn}": launch(cluster, ppn, nodes, ["ddp"], args, os.path.join(tmp, f"ddp{nodes}{ppn}.json"))
+               for nodes, ppn in ((1, 2), (2, 1), (2, 2))}
+    n = flat["ranks"]
+    for row in flat["allreduce"]:
+        for name in ("mpidist", "raw"):
+            algbw = row["bytes"] / (row[f"{name}_us"] * 1e-6)
+            row[f"{name}_algbw_GBps"] = algbw / 1e9
+            row[f"{name}_busbw_GBps"] = algbw * 2 * (n - 1) / n / 1e9
+        row["mpidist_of_link_limit"] = row["mpidist_algbw_GBps"] * 1e9 / link
+    for run in ddp.values():
+        run["ddp"]["exposed_sync_ms"] = run["ddp"]["ddp_sync_ms"]
+        no_overlap = run["ddp"]["ddp_no_overlap_sync_ms"]
+        run["ddp"]["hidden_share"] = 1 - run["ddp"]["ddp_sync_ms"] / no_overlap if no_overlap > 0 else None
+    result = {"rate": args.rate, "link_bytes_per_s": link, "allreduce_2x2": flat, "ddp": ddp,
+              "machine": os.uname().nodename, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    print(f"virtual cluster, links shaped to {args.rate} ({link / 1e6:.0f} MB/s each way per node)")
+    print(f"allreduce float32, {flat['ranks']} ranks on {flat['nodes']} nodes")
+    print(f"{'size':>10}{'mpidist us':>13}{'raw us':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}{'of link':>9}")
+    for row in flat["allreduce"]:
+        print(f"{row['bytes']:>10}{row['mpidist_us']:>13.1f}{row['raw_us']:>12.1f}{row['mpidist_algbw_GBps']:>12.3f}"
+              f"{row['mpidist_busbw_GBps']:>12.3f}{row['mpidist_of_link_limit']:>9.2f}")
+    print(f"DDP step, MLP 784-1024-1024-10 (7.45 MB of float32 gradients), batch 64 per rank")
+    print(f"{'nodes x ranks':>14}{'local ms':>10}{'DDP ms':>10}{'exposed sync':>14}{'no overlap ms':>15}"
+          f"{'its sync':>10}{'hidden':>8}")
+    for layout, run in ddp.items():
+        d = run["ddp"]
+        hidden = "-" if d["hidden_share"] is None else f"{d['hidden_share']:.2f}"
+        print(f"{layout:>14}{d['local_ms']:>10.1f}{d['ddp_ms']:>10.1f}{d['ddp_sync_ms']:>14.1f}"
+              f"{d['ddp_no_overlap_ms']:>15.1f}{d['ddp_no_overlap_sync_ms']:>10.1f}{hidden:>8}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", default="1gbit", help="each node's link rate, tc syntax (default 1gbit)")
+    parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--steps", type=int, default=20, help="measured DDP steps per mode")
+    parser.add_argument("--max-size", type=parse_size, default=64 << 20, help="largest allreduce (default 64M)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--parts", nargs="*", default=["allreduce", "ddp"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    return worker(args) if args.worker else driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
