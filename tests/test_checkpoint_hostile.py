@@ -362,7 +362,7 @@ TAMPERINGS = [
 ]
 
 
-@pytest.mark.world_sizes(1, 2, 3, 4)
+@pytest.mark.world_sizes(1, 2, 4)  # the pristine checkpoint was saved at 2: loading at 1 and 4 reshards it
 @pytest.mark.parametrize("tampering", TAMPERINGS, ids=repr)
 def test_a_tampered_checkpoint_fails_naming_the_file_and_field_on_every_rank_and_changes_nothing(
         comm, tmp_path, pristine, tampering):
