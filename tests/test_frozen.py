@@ -6,9 +6,9 @@ for a few AdamW steps with weight decay, an optimizer built on *every* parameter
 one process the frozen parameters get no gradient, so AdamW leaves them as they are (weight decay moves only
 parameters with a gradient). The same training under DDP, FSDP (each strategy, one unit per layer and one
 unit for the whole model, whose frozen parameters split off into a frozen part; hybrid sharding), a Pipeline
-(each schedule) and (dp, tp, pp) meshes must give the reference's losses and trainable parameters, leave every
-frozen array bitwise unchanged and give it no gradient (no storage, no communication: DDP's buckets and
-FSDP's flat gradients hold trainable parameters only).
+(each schedule), FSDP-wrapped pipeline stages under zb_h1, and (dp, tp, pp) meshes must give the reference's
+losses and trainable parameters, leave every frozen array bitwise unchanged and give it no gradient (no storage,
+no communication: DDP's buckets hold trainable parameters only, FSDP reduce-scatters trainable units only).
 
 Agreement: a parameter frozen on some ranks only raises on every rank naming it and the ranks (DDP, FSDP,
 hybrid FSDP, ``tensor_parallel``, a pipeline's tied copies), and changing ``requires_grad`` after a wrapper
