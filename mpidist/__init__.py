@@ -1,6 +1,8 @@
 """mpidist: distributed training over mpi4py communicators (or a simulated one) on numpy and CuPy arrays."""
 
-import os as _os
+from . import config as _config
+
+_config.check()  # a bad MPIDIST_* value ends the program here, naming it (docs/environment.md)
 
 from .comm import (CollectiveMismatchError, CommError, DeadlockError, RankFailedError, SimAbort, SimComm,
                    simulate)
@@ -19,5 +21,5 @@ __all__ = [
     "iallreduce", "ibroadcast", "iallgather", "ireduce_scatter", "DDP", "FSDP", "ShardingStrategy", "Pipeline", "mesh",
 ]
 
-if _os.environ.get("MPIDIST_TRACE"):  # MPIDIST_TRACE=DIR traces any program that imports mpidist
+if _config.get("MPIDIST_TRACE"):  # MPIDIST_TRACE=DIR traces any program that imports mpidist
     from . import trace as _trace  # noqa: F401,E402

@@ -197,7 +197,10 @@ def init(comm=None, *, abort_on_error=True, collective_timeout=None, checkpoint_
     seconds (default ``MPIDIST_COLLECTIVE_TIMEOUT`` or 300; 0: no limit; ``watchdog_timeout`` is its
     former name), or a checkpoint save/load longer than ``checkpoint_timeout`` (default
     ``MPIDIST_CHECKPOINT_TIMEOUT`` or 1800), is reported with the ranks that did and did not arrive,
-    every rank writes its flight record, and the job is aborted.
+    every rank writes its flight record, and the job is aborted. A rank whose program ends normally
+    (``return``, ``sys.exit``, one batch fewer) tells the other ranks' watchdogs from an exit handler: a rank
+    waiting in a collective it never joins reports it within about a second and the job is aborted.
+    Fails on every rank when ``MPIDIST_FLIGHT_DIR`` cannot be written (docs/environment.md).
     """
     from mpi4py import MPI
 

@@ -1,4 +1,4 @@
-"""The always-on desync check (issue 11 item 7) and per-phase time limits (item 8).
+"""The always-on desync check, per-phase time limits, the timeout report, and ranks that leave early.
 
 Without debug mode, a collective whose message has at least ``check_bytes`` bytes compares fingerprints
 first: a count, shape, dtype, root or reduction mismatch raises DesyncError on every rank, before any
@@ -8,6 +8,7 @@ simulator reports the mismatch, and under mpiexec the watchdog turns it into Des
 """
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from mpidist.guard import DesyncError, phases, record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "jobs", "guard_job.py")
+LEAVE_JOB = os.path.join(ROOT, "tests", "jobs", "leave_early.py")
 THRESHOLD = 4096  # bytes; small, so that tests stay fast
 
 
@@ -235,9 +237,10 @@ def test_phase_limits_and_defaults():
         with pytest.raises(ValueError, match=r"guard.phase: phase 'evaluation' has no default time limit; pass timeout="):
             with guard.phase("evaluation"):
                 pass
-        with pytest.raises(ValueError, match=r"timeout must be a number of seconds >= 0 \(got -1\)"):
-            with guard.phase("evaluation", timeout=-1):
-                pass
+        for bad in (-1, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=rf"timeout must be a finite number of seconds >= 0 \(got {bad!r}\)"):
+                with guard.phase("evaluation", timeout=bad):
+                    pass
         with pytest.raises(TypeError, match=r"guard.configure: unexpected argument 'colective_timeout'"):
             guard.configure(colective_timeout=3)
     finally:
@@ -281,3 +284,131 @@ def test_a_checkpoint_phase_has_its_own_limit(tmp_path):
     assert ("mpidist watchdog: phase checkpoint did not complete within 1 s" in out
             or "mpidist watchdog: barrier #0 on MPI_COMM_WORLD did not complete within 1 s" in out), out
     assert "raise the limit: mpidist.init(collective_timeout=...)" in out, out
+
+
+# -- the timeout report names who did not arrive --------------------------------------------------------
+class _Entry:
+    """The part of a communicator's ``record.Entry`` the report reads."""
+
+    def __init__(self, members, name="comm"):
+        self.members, self.name, self.key = tuple(members), name, f"{record.span(members)}:{name}#0"
+
+
+def _call(entry, seq, count, op="reduce_scatter"):
+    """A record of collective ``op`` #seq in flight with ``count`` float64 elements (see ``guard.record``)."""
+    float64 = list(guard.fingerprint.dtype_names).index("float64")
+    return [seq, op, entry, 8 * count, -1, time.monotonic(), None, float64, count, "sum", record.RUNNING]
+
+
+def _reply(*records):
+    return {"text": "", "calls": [record.summary(r) for r in records]}
+
+
+def _reporter(rank, size):
+    dog = guard.Watchdog.__new__(guard.Watchdog)  # only its report, no thread, no MPI
+    dog.rank, dog.size, dog._to_local, dog.departed = rank, size, {r: r for r in range(size)}, {}
+    return dog
+
+
+def test_the_timeout_report_names_the_missing_members_or_says_how_the_present_ones_differ():
+    world, pair = _Entry(range(4), "world"), _Entry([1, 2], "pair")
+    dog = _reporter(1, 4)
+    # Rank 2 is elsewhere: only members count (ranks 0 and 3 are not in the pair's communicator).
+    lines = dog._arrivals(_call(pair, 3, 12), {0: _reply(), 2: _reply(_call(pair, 2, 12)), 3: _reply()})
+    assert lines == ["  ranks that arrived: [1]", "  ranks that did not: [2]"]
+    # Every member arrived at #0 of the world's reduce_scatter, with 4 and 5 rows of 3 (issue: "did not: []").
+    ranks = {r: _call(world, 0, 15 if r == 3 else 12) for r in range(4)}
+    lines = dog._arrivals(ranks[1], {r: _reply(ranks[r]) for r in (0, 2, 3)})
+    assert lines[0] == "  ranks that arrived: [0, 1, 2, 3]", lines
+    assert lines[1].startswith("  ranks that did not: none, every member is in #0 but the calls differ"), lines
+    assert lines[1].endswith("ranks 0,1,2: #0 reduce_scatter(dtype=float64, count=12, op=sum); "
+                             "rank 3: #0 reduce_scatter(dtype=float64, count=15, op=sum)"), lines
+    same = {r: _call(world, 0, 12) for r in range(4)}
+    lines = dog._arrivals(same[1], {r: _reply(same[r]) for r in (0, 2, 3)})
+    assert lines[1] == ("  ranks that did not: none, every member is in #0 reduce_scatter(dtype=float64, count=12, "
+                        "op=sum) with the same arguments: the wait is inside MPI (a slow or failed network or node, "
+                        "or a stopped process)"), lines
+
+
+def run_leave_job(n, kind, tmp_path, timeout):
+    env = launcher.env(MPIDIST_COLLECTIVE_TIMEOUT=str(timeout), MPIDIST_FLIGHT_DIR=str(tmp_path))
+    start = time.monotonic()
+    proc = subprocess.run(launcher.mpiexec(n, sys.executable, LEAVE_JOB, kind), capture_output=True, text=True,
+                          timeout=timeout + 60, env=env, cwd=str(tmp_path))
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+@pytest.mark.mpi_skip
+@launcher.needed
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_reduce_scatter_of_different_row_counts_times_out_naming_how_the_ranks_differ(n, tmp_path):
+    job = tmp_path / "rows.py"
+    job.write_text("import numpy as np, mpidist\n"
+                   "comm, _ = mpidist.init(collective_timeout=2)\n"
+                   "x = np.ones((5 if comm.Get_rank() == comm.Get_size() - 1 else 4, 3))\n"
+                   "mpidist.reduce_scatter(x, comm)\n")
+    proc = subprocess.run(launcher.mpiexec(n, sys.executable, str(job)), capture_output=True, text=True, timeout=60,
+                          env=launcher.env(MPIDIST_FLIGHT_DIR=str(tmp_path)), cwd=str(tmp_path))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "mpidist watchdog: reduce_scatter #0 on MPI_COMM_WORLD did not complete" in out, out
+    assert "ranks that did not: []" not in out, out
+    odd, others = n - 1, ",".join(map(str, range(n - 1)))
+    assert (f"every member is in #0 but the calls differ" in out
+            and f"{'ranks' if n > 2 else 'rank'} {others}: #0 reduce_scatter(dtype=float64, count=12, op=sum); "
+                f"rank {odd}: #0 reduce_scatter(dtype=float64, count=15, op=sum)" in out), out
+
+
+# -- a rank that leaves early ------------------------------------------------------------------------------
+LEFT = (r"mpidist watchdog: rank {left} left the job \(its program ended\) while rank \d+ waits in allreduce #{seq} "
+        r"on {comm}, which rank {left} never joins \(its last collective there was #{last} allreduce\)")
+LIMIT = 120  # the collective timeout of these jobs: the report must come long before it
+
+
+@pytest.mark.mpi_skip
+@launcher.needed
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("kind, seq", [("fewer", 3), ("return", 2), ("exit", 2)])
+def test_a_rank_that_leaves_early_is_reported_at_once_by_the_ranks_waiting_for_it(kind, seq, n, tmp_path):
+    code, out, elapsed = run_leave_job(n, kind, tmp_path, LIMIT)
+    left = n - 1
+    assert code != 0 and re.search(LEFT.format(left=left, seq=seq, comm="MPI_COMM_WORLD", last=seq - 1), out), out
+    assert f"ranks that arrived: {list(range(n - 1))}" in out and f"ranks that did not: [{left}]" in out, out
+    assert "aborting the job" in out and out.count(": done") == 1 and f"rank {left}: done" in out, out
+    assert elapsed < LIMIT / 2, (elapsed, out)
+
+
+@pytest.mark.mpi_skip
+@launcher.needed
+def test_only_the_members_of_its_communicator_wait_for_a_rank_that_left(tmp_path):
+    """4 ranks in halves {0, 1} and {2, 3}: rank 3 leaves half 1; ranks 0 and 1 end normally, rank 2 waits."""
+    code, out, elapsed = run_leave_job(4, "split", tmp_path, LIMIT)
+    assert code != 0 and re.search(LEFT.format(left=3, seq=1, comm="half1", last=0), out), out
+    assert "while rank 2 waits" in out and "ranks that arrived: [2]" in out and "ranks that did not: [3]" in out, out
+    assert sorted(re.findall(r"rank (\d): done", out)) == ["0", "1", "3"], out
+    assert elapsed < LIMIT / 2, (elapsed, out)
+
+
+@pytest.mark.mpi_skip
+@launcher.needed
+@pytest.mark.parametrize("n", [2, 4])
+def test_ranks_that_end_at_different_times_are_no_false_alarm(n, tmp_path):
+    """Rank 0 leaves right after its (eager) broadcast, before the others join it; the last rank ends 1 s late."""
+    code, out, _ = run_leave_job(n, "normal", tmp_path, LIMIT)
+    assert code == 0 and "watchdog" not in out, out
+    assert sorted(re.findall(r"rank (\d): done", out)) == [str(r) for r in range(n)], out
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_simulated_rank_that_returns_early_is_named_in_the_deadlock_report(n):
+    def body(comm):
+        for _ in range(2 if comm.rank == 1 else 3):
+            mpidist.allreduce(np.ones(2), comm)
+
+    with pytest.raises(mpidist.DeadlockError) as info:
+        mpidist.simulate(n, body)
+    message = str(info.value)
+    assert "every live simulated rank is blocked and rank 1 returned without joining them: " in message, message
+    for r in range(n):
+        if r != 1:
+            assert f"rank {r} waits in Allreduce(count=2, dtype=float64, op=SUM) #2 on SIM_WORLD" in message, message

@@ -46,6 +46,8 @@ import traceback
 
 from .. import checkpoint
 
+from .. import config
+
 __all__ = ["Fault", "InjectedFault", "parse_fault", "parse_faults", "faults_from_env", "failing_save",
            "install_kill_on_error", "kill_self"]
 
@@ -77,7 +79,7 @@ class Fault:
     def fail(self, stamp_path=None):
         """Fail now (stamp the time first), by ``how``."""
         world_rank = self.rank
-        stamp_path = os.environ.get("MPIDIST_FAULT_STAMP") if stamp_path is None else stamp_path
+        stamp_path = config.get("MPIDIST_FAULT_STAMP") if stamp_path is None else stamp_path
         if stamp_path:
             with open(stamp_path, "w") as f:
                 f.write(f"{time.time():.6f}\n")
@@ -145,8 +147,7 @@ def parse_faults(text):
 
 def faults_from_env(environ=None):
     """Return the ``Fault``s of ``MPIDIST_FAULT`` (empty when unset or empty)."""
-    env = os.environ if environ is None else environ
-    return parse_faults(env.get("MPIDIST_FAULT", ""))
+    return config.get("MPIDIST_FAULT", environ, parse=parse_faults) or ()
 
 
 @contextlib.contextmanager

@@ -5,11 +5,11 @@ path does not implement (or cannot do for a dtype) goes to its ``staged`` fallba
 """
 
 import dataclasses
-import os
 
 import numpy as np
 from mpi4py import MPI
 
+from .. import config
 from ..partition import mpi_reduces_float16
 
 __all__ = ["Op", "Settings", "Path", "op_from_mpi", "wire", "widened"]
@@ -51,16 +51,8 @@ def widened(dtype):
 
 
 def _env_chunk_bytes():
-    value = os.environ.get("MPIDIST_GPU_CHUNK_MB")
-    if value is None:
-        return 4 << 20
-    try:
-        mb = float(value)
-    except ValueError:
-        raise ValueError(f"MPIDIST_GPU_CHUNK_MB: expected a number of MiB (got {value!r})") from None
-    if mb <= 0:
-        raise ValueError(f"MPIDIST_GPU_CHUNK_MB: must be positive (got {value!r})")
-    return max(1, int(mb * (1 << 20)))
+    mb = config.get("MPIDIST_GPU_CHUNK_MB")
+    return 4 << 20 if mb is None else max(1, int(mb * (1 << 20)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,6 @@ communicator: the first device collective on a communicator does it (``attach`` 
 
 import dataclasses
 import logging
-import os
 import socket
 import threading
 import weakref
@@ -25,7 +24,7 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from .. import xp as _xp
+from .. import config, xp as _xp
 from .base import Op, SelfPath, Settings
 from .direct import DirectPath
 from .hierarchical import HierarchicalPath
@@ -38,7 +37,7 @@ __all__ = ["Choice", "PATHS", "attach", "describe", "engine", "release", "self_t
 
 log = logging.getLogger("mpidist.gpu")
 
-PATHS = ("self", "cuda_aware", "nccl", "ipc", "hierarchical", "staged")
+PATHS = config.GPU_PATHS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,19 +63,11 @@ class _Facts:
 
 
 def _env_cuda_aware():
-    value = os.environ.get("MPIDIST_CUDA_AWARE", "").strip()
-    if value == "":
-        return None
-    if value not in ("0", "1"):
-        raise ValueError(f"MPIDIST_CUDA_AWARE: expected 0 or 1 (got {value!r})")
-    return value == "1"
+    return config.get("MPIDIST_CUDA_AWARE")
 
 
 def _env_path():
-    value = os.environ.get("MPIDIST_GPU_PATH", "").strip()
-    if value and value not in PATHS:
-        raise ValueError(f"MPIDIST_GPU_PATH: unknown path {value!r} (expected one of {', '.join(PATHS)})")
-    return value or None
+    return config.get("MPIDIST_GPU_PATH")
 
 
 def _my_facts(comm, local, device, probe):

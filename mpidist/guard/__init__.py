@@ -4,7 +4,8 @@
   moves data: every collective in debug mode (``MPIDIST_DEBUG=1``), always on messages of at least
   ``check_bytes``; a mismatch raises ``DesyncError`` on every rank naming the ranks and what differs.
 - ``watchdog`` and ``phases``: a call in flight longer than its limit (``collective_timeout``, or its
-  phase's, e.g. ``checkpoint``) is reported with the ranks that did and did not arrive, and the job aborted.
+  phase's, e.g. ``checkpoint``) is reported with the ranks that did and did not arrive, and the job aborted;
+  so is, within about a second, a collective that a rank which left the job (its program ended) never joins.
 - ``record`` and ``flight``: every call is recorded in a per-process ring (the flight recorder), dumped
   as JSON per rank on a watchdog timeout, an abort or SIGUSR2; ``python -m mpidist flight DIR`` reads
   the dumps back and names, per communicator, the first call where ranks differ.

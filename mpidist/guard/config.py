@@ -1,7 +1,9 @@
 """The guard's settings: one frozen record, read from the environment once, replaced by ``configure``."""
 
 import dataclasses
-import os
+import math
+
+from .. import config as environment
 
 __all__ = ["Settings", "from_environment"]
 
@@ -34,8 +36,8 @@ class Settings:
     def __post_init__(self):
         for name in ("check_bytes", "collective_timeout", "checkpoint_timeout", "desync_grace"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"guard settings: {name} must be a number >= 0 (got {value!r})")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"guard settings: {name} must be a finite number >= 0 (got {value!r})")
         if not isinstance(self.flight_size, int) or self.flight_size < 16:
             raise ValueError(f"guard settings: flight_size must be an int >= 16 (got {self.flight_size!r})")
 
@@ -44,27 +46,20 @@ class Settings:
         return {"checkpoint": self.checkpoint_timeout}.get(name)
 
 
-def _number(env, key, kind, default):
-    text = env.get(key)
-    if text is None or text == "":
-        return default
-    try:
-        return kind(text)
-    except ValueError:
-        raise ValueError(f"{key}={text!r}: expected a {kind.__name__}") from None
-
-
 def from_environment(env=None):
-    """Return the settings the ``MPIDIST_*`` environment variables ask for (defaults elsewhere)."""
-    env = os.environ if env is None else env
+    """Return the settings the ``MPIDIST_*`` environment variables ask for (parsed by ``mpidist.config``)."""
     base = Settings()
-    timeout = _number(env, "MPIDIST_WATCHDOG_TIMEOUT", float, base.collective_timeout)
+
+    def value(name, default):
+        found = environment.get(name, env)
+        return default if found is None else found
+
     return Settings(
-        desync=env.get("MPIDIST_DEBUG", "0") not in ("", "0"),
-        check_bytes=_number(env, "MPIDIST_CHECK_BYTES", int, base.check_bytes),
-        collective_timeout=_number(env, "MPIDIST_COLLECTIVE_TIMEOUT", float, timeout),
-        checkpoint_timeout=_number(env, "MPIDIST_CHECKPOINT_TIMEOUT", float, base.checkpoint_timeout),
-        desync_grace=_number(env, "MPIDIST_DESYNC_GRACE", float, base.desync_grace),
-        flight_size=_number(env, "MPIDIST_FLIGHT_SIZE", int, base.flight_size),
-        flight_dir=env.get("MPIDIST_FLIGHT_DIR") or base.flight_dir,
+        desync=value("MPIDIST_DEBUG", base.desync),
+        check_bytes=value("MPIDIST_CHECK_BYTES", base.check_bytes),
+        collective_timeout=value("MPIDIST_COLLECTIVE_TIMEOUT", base.collective_timeout),
+        checkpoint_timeout=value("MPIDIST_CHECKPOINT_TIMEOUT", base.checkpoint_timeout),
+        desync_grace=value("MPIDIST_DESYNC_GRACE", base.desync_grace),
+        flight_size=value("MPIDIST_FLIGHT_SIZE", base.flight_size),
+        flight_dir=value("MPIDIST_FLIGHT_DIR", base.flight_dir),
     )

@@ -35,7 +35,7 @@ from mpi4py import MPI
 from ..comm.errors import CommError
 from ..partition import REDUCTIONS
 
-__all__ = ["DesyncError", "check", "compare_stamps", "mediate", "describe", "OPS"]
+__all__ = ["DesyncError", "check", "compare_stamps", "mediate", "describe", "describe_call", "OPS"]
 
 OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "barrier", "send", "recv",
        "iallreduce", "ibroadcast", "iallgather", "alltoall", "ireduce_scatter")
@@ -187,6 +187,11 @@ def compare_stamps(name, stamps):
 
 def _row(s):
     return [s["seq"], OP_CODES.get(s["op"], -1), s["dtype"], s["count"], -1, s["peer"], _RED_CODES.get(s["reduction"], 0)]
+
+
+def describe_call(summary):
+    """Return '#3 allreduce(dtype=float32, count=6, op=sum)' for a record's ``summary`` (see ``record``)."""
+    return describe(_row(summary))
 
 
 def mediate(rank, mine, calls, check_bytes):

@@ -21,11 +21,14 @@ import socket
 import sys
 import threading
 import time
+import warnings
 
+from .. import config as environment
+from ..comm.agree import raise_if_any
 from . import fingerprint, record as _record
 from .phases import active_phases
 
-__all__ = ["dump", "directory", "install_signal", "load", "analyze", "report", "FORMAT"]
+__all__ = ["dump", "directory", "check_directory", "install_signal", "load", "analyze", "report", "FORMAT"]
 
 FORMAT = "mpidist-flight-1"
 _job = None
@@ -59,6 +62,30 @@ def _world():
 def directory():
     """Return where this process writes its flight record."""
     return os.path.join(_settings.flight_dir, _job or f"pid{os.getpid()}")
+
+
+def check_directory(world):
+    """Check that this job can write flight records (collective over ``world``; at the watchdog's start).
+
+    A directory someone chose (``MPIDIST_FLIGHT_DIR``, ``guard.configure(flight_dir=)``) that some rank cannot
+    write to raises ``ConfigError`` on every rank, naming it: records lost at the moment a job hangs or dies
+    would hide why. The default (``./mpidist-flight``) only warns: a job in a read-only working directory
+    ran before records existed, and still does.
+    """
+    folder = _settings.flight_dir
+    problem = environment.writable_problem(folder)
+    if environment.get("MPIDIST_FLIGHT_DIR") == folder:
+        source = "MPIDIST_FLIGHT_DIR"
+    elif folder != type(_settings)().flight_dir:
+        source = "guard flight_dir"
+    else:
+        if problem:
+            warnings.warn(f"mpidist: flight records cannot be written to {folder!r} ({problem}): a hang or an abort "
+                          f"would leave none; set MPIDIST_FLIGHT_DIR to a directory this job can write to",
+                          RuntimeWarning, stacklevel=3)
+        return
+    raise_if_any(world, problem and f"cannot write flight records to {folder!r} ({problem})", source,
+                 environment.ConfigError)
 
 
 def _content(reason):

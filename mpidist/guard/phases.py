@@ -8,6 +8,7 @@ Phases belong to the thread that opened them (simulated ranks are threads of one
 """
 
 import contextlib
+import math
 import threading
 import time
 
@@ -32,8 +33,8 @@ def phase(name, timeout=None):
     limit = _settings.phase_timeout(name) if timeout is None else timeout
     if limit is None:
         raise ValueError(f"guard.phase: phase {name!r} has no default time limit; pass timeout= (seconds, 0 for none)")
-    if not isinstance(limit, (int, float)) or isinstance(limit, bool) or limit < 0:
-        raise ValueError(f"guard.phase: timeout must be a number of seconds >= 0 (got {limit!r})")
+    if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not math.isfinite(limit) or limit < 0:
+        raise ValueError(f"guard.phase: timeout must be a finite number of seconds >= 0 (got {limit!r})")
     item = [name, time.monotonic(), float(limit)]
     me = threading.get_ident()
     stack = _phases.setdefault(me, [])

@@ -28,7 +28,8 @@ from mpi4py import MPI
 
 from . import fingerprint
 
-__all__ = ["enter", "enter_p2p", "leave", "hold", "in_flight", "sequence", "entry_of", "snapshot", "summary", "Entry"]
+__all__ = ["enter", "enter_p2p", "leave", "hold", "in_flight", "sequence", "entry_of", "snapshot", "summary", "started",
+           "Entry"]
 
 SEQ, OP, COMM, BYTES, PEER, START, END, DTYPE, COUNT, REDUCTION, STATE = range(11)
 RUNNING, CHECKING = 0, 1
@@ -232,6 +233,21 @@ def sequence(comm):
     """Return the sequence number of the collective in progress on ``comm`` (-1 when none was recorded)."""
     entry = _entries.get(id(comm))
     return entry.seq - 1 if entry is not None and entry.ref() is comm else -1
+
+
+def started():
+    """Return {communicator key: [collectives started, op of the last one or None]} of this process.
+
+    What a rank that leaves the job tells the others (``watchdog``): a collective whose sequence number
+    is below its count there was joined before it left; any later one never will be. The op comes from
+    the ring (None when the ring no longer holds that communicator's last call).
+    """
+    counts = {entry.key: [entry.seq, None] for entry in list(_entries.values()) if entry.seq > 0}
+    for rec in reversed(snapshot()):
+        found = counts.get(rec[COMM].key)
+        if found is not None and found[1] is None and rec[SEQ] == found[0] - 1:
+            found[1] = rec[OP]
+    return counts
 
 
 def _nothing():

@@ -9,6 +9,12 @@ Glossary:
   or printing a verdict); each answers with a one-line status and the records it has in flight.
 - verdict: see ``fingerprint``. The watchdog that finds one hands it to its waiting check (which
   raises ``DesyncError``) after the ranks that went ahead have printed it.
+- departure: a rank whose program ends normally (an early ``return``, one batch fewer, ``sys.exit``)
+  tells every other watchdog, at exit, how many collectives it started on each communicator
+  (``record.started``). A rank in flight in a collective that a departed member never started
+  (its sequence number is not below that count) can never complete it: its watchdog reports it within
+  about a second instead of at the collective timeout, and aborts the job. Point-to-point calls are
+  left to the timeout: a message the departed rank sent before it left may still complete them.
 
 The watchdog is a daemon thread per process (it needs MPI_THREAD_MULTIPLE), talking over a private
 duplicate of the world communicator, polling every 0.2 s: nothing on the collectives' hot path.
@@ -32,7 +38,8 @@ from .phases import active_phases, innermost_limit
 
 __all__ = ["Watchdog", "start_watchdog", "stop_watchdog", "running", "status_line", "wait_until_pipes_drained"]
 
-_QUERY, _REPLY, _WAKE = 31001, 31002, 31003
+_QUERY, _REPLY, _WAKE, _LEFT = 31001, 31002, 31003, 31004
+_DEPARTURE_SEND_WAIT = 1.0  # seconds an exiting rank waits for its departure notices to leave (they are eager)
 _settings = None  # the package's current Settings (set by configure)
 
 
@@ -117,6 +124,7 @@ class Watchdog:
         self._requests = []  # (reason, done event) of flight dumps this process asked every rank for
         self.waker = Waker(self.world)
         self.fired = None
+        self.departed = {}  # rank -> (when this watchdog heard it, {communicator key: [calls, last op]})
 
     def start(self):
         self._thread.start()
@@ -181,21 +189,86 @@ class Watchdog:
         try:
             while not self._stop.wait(self.poll):
                 self._serve()
+                self._hear_departures()
                 while self._requests:
                     reason, done = self._requests.pop(0)
-                    self._ask([r for r in range(self.size) if r != self.rank], reason, wait=min(self.reply_wait, 3.0))
+                    self._ask(self._others(), reason, wait=min(self.reply_wait, 3.0))
                     done.set()
                 if self.fired is None:
                     self._watch()
         finally:
             self.world.Free()
 
+    def _others(self):
+        """Return the other ranks that can still answer (all but this one and those that left)."""
+        return [r for r in range(self.size) if r != self.rank and r not in self.departed]
+
+    # -- departures ----------------------------------------------------------------------------------
+    def announce_departure(self):
+        """Tell every other rank's watchdog that this rank leaves the job, with its collective counts.
+
+        Called at a normal exit (``atexit``, main thread). The notices are small (eager) messages; an exit
+        never waits more than ``_DEPARTURE_SEND_WAIT`` seconds for them.
+        """
+        notice = (self.rank, _record.started())
+        requests = [self.world.isend(notice, dest=r, tag=_LEFT) for r in self._others()]
+        deadline = time.monotonic() + _DEPARTURE_SEND_WAIT
+        while requests and not MPI.Request.Testall(requests) and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def _hear_departures(self):
+        while self.world.iprobe(source=MPI.ANY_SOURCE, tag=_LEFT):
+            rank, counts = self.world.recv(source=MPI.ANY_SOURCE, tag=_LEFT)
+            self.departed[rank] = (time.monotonic(), counts)
+
+    def _left_behind(self, pending, now, stagger):
+        """Return (record, rank) of a collective in flight here that ``rank``, which left, never started."""
+        for rec in pending:
+            entry, seq = rec[_record.COMM], rec[_record.SEQ]
+            if seq < 0 or entry.members is None:
+                continue
+            for member in entry.members:
+                rank = self._to_local.get(member)
+                if rank is None or rank not in self.departed:
+                    continue
+                heard, counts = self.departed[rank]
+                if seq >= counts.get(entry.key, (0, None))[0] and now - max(heard, rec[_record.START]) > stagger:
+                    return rec, rank
+        return None
+
+    def _fire_left(self, rec, rank):
+        self.fired = rec
+        entry, seq = rec[_record.COMM], rec[_record.SEQ]
+        label = f"{rec[_record.OP]} #{seq} on {entry.name}"
+        headline = (f"mpidist watchdog: rank {rank} left the job (its program ended) while rank {self.rank} waits in "
+                    f"{label}, which rank {rank} never joins ({self._departure_text(rank, entry.key)})")
+        self._report(headline, rec, advice=False)
+
+    def _departure_note(self, rank, rec):
+        """Return '; its last collective there was #2 allreduce' when ``rank`` is a member of ``rec``'s communicator."""
+        entry = None if rec is None else rec[_record.COMM]
+        if entry is None or entry.members is None or not any(self._to_local.get(m) == rank for m in entry.members):
+            return ""
+        return f"; {self._departure_text(rank, entry.key)}"
+
+    def _departure_text(self, rank, key):
+        calls, op = self.departed[rank][1].get(key, (0, None))
+        if not calls:
+            return "it left without a collective call on this communicator"
+        return f"its last collective there was #{calls - 1}{'' if op is None else ' ' + op}"
+
+    # -- the watch -----------------------------------------------------------------------------------
     def _watch(self):
         now = time.monotonic()
         pending = _record.in_flight()
         self._resolve_straddles(pending, now)
         limit = self.limit()
         stagger = min(0.3 * self.rank, 5.0)  # when several ranks are stuck, one report comes first
+        if self.departed:
+            found = self._left_behind(pending, now, stagger)
+            if found:
+                self._fire_left(*found)
+                return
         if limit:
             stuck = [r for r in pending if now - r[_record.START] > limit + stagger]
             if stuck:
@@ -216,7 +289,7 @@ class Watchdog:
                 continue
             self._checked[id(rec)] = now
             members = [self._to_local[m] for m in entry.members if m in self._to_local]
-            members = [m for m in members if m != self.rank]
+            members = [m for m in members if m != self.rank and m not in self.departed]
             replies = self._ask(members, wait=min(self.reply_wait, 2.0))
             mine = _record.summary(rec)
             verdict = fingerprint.mediate(self.rank, mine, {r: s["calls"] for r, s in replies.items()},
@@ -235,27 +308,31 @@ class Watchdog:
             name, age = what
             headline = (f"mpidist watchdog: phase {name} did not complete within {limit:g} s "
                         f"(rank {self.rank} has been in it {age:.1f} s)")
-            seq, key = -1, None
-        else:
-            seq, key = what[_record.SEQ], what[_record.COMM].key
-            age = time.monotonic() - what[_record.START]
-            label = f"{what[_record.OP]}{'' if seq < 0 else f' #{seq}'} on {what[_record.COMM].name}"
-            headline = f"mpidist watchdog: {label} did not complete within {limit:g} s (rank {self.rank} waited {age:.1f} s)"
+            self._report(headline, None)
+            return
+        seq = what[_record.SEQ]
+        age = time.monotonic() - what[_record.START]
+        label = f"{what[_record.OP]}{'' if seq < 0 else f' #{seq}'} on {what[_record.COMM].name}"
+        headline = f"mpidist watchdog: {label} did not complete within {limit:g} s (rank {self.rank} waited {age:.1f} s)"
+        self._report(headline, what)
+
+    def _report(self, headline, rec, advice=True):
+        """Write every rank's flight record, print the report on ``rec`` (a record, or None) and abort."""
         reason = headline.replace("mpidist watchdog: ", "watchdog: ")
         path = flight.dump(reason)
-        replies = self._ask([r for r in range(self.size) if r != self.rank], dump_reason=reason)
+        others = self._others()
+        replies = self._ask(others, dump_reason=reason)
         lines = [headline]
-        if seq >= 0:
-            arrived = [self.rank] + [r for r, s in replies.items()
-                                     if any(c["comm"] == key and c["seq"] == seq for c in s["calls"])]
-            lines += [f"  ranks that arrived: {sorted(arrived)}",
-                      f"  ranks that did not: {sorted(r for r in range(self.size) if r not in arrived)}"]
+        if rec is not None and rec[_record.SEQ] >= 0:
+            lines += self._arrivals(rec, replies)
         lines += [f"  {replies[r]['text']}" for r in sorted(replies)]
-        silent = [r for r in range(self.size) if r != self.rank and r not in replies]
+        lines += [f"  rank {r}: left the job (its program ended){self._departure_note(r, rec)}" for r in sorted(self.departed)]
+        silent = [r for r in others if r not in replies]
         if silent:
             lines.append(f"  no answer from ranks {silent} (busy outside MPI, or dead)")
-        lines.append("  if this wait is legitimate, raise the limit: mpidist.init(collective_timeout=...) or "
-                     "MPIDIST_COLLECTIVE_TIMEOUT, or wrap the slow part in guard.phase(name, timeout)")
+        if advice:
+            lines.append("  if this wait is legitimate, raise the limit: mpidist.init(collective_timeout=...) or "
+                         "MPIDIST_COLLECTIVE_TIMEOUT, or wrap the slow part in guard.phase(name, timeout)")
         if path:
             directory = os.path.dirname(path)
             lines.append(f"  flight records: {directory}/rank*.json (python -m mpidist flight {directory})")
@@ -263,6 +340,36 @@ class Watchdog:
         self.stream.write("\n".join(lines) + "\n")
         self.stream.flush()
         self.abort()
+
+    def _arrivals(self, rec, replies):
+        """Return the report's lines on who is in collective ``rec`` (members of its communicator only).
+
+        When every member is there, the lines say so and compare their calls: ranks that passed
+        different arguments (a count below ``check_bytes``) hang inside MPI without any missing rank.
+        """
+        entry, seq = rec[_record.COMM], rec[_record.SEQ]
+        members = (sorted(self._to_local[m] for m in entry.members if m in self._to_local)
+                   if entry.members is not None else list(range(self.size)))
+        calls = {self.rank: _record.summary(rec)}
+        for r, reply in replies.items():
+            found = [c for c in reply["calls"] if c["comm"] == entry.key and c["seq"] == seq]
+            if found:
+                calls[r] = found[0]
+        arrived = sorted(r for r in calls if r in members)
+        missing = [r for r in members if r not in calls]
+        lines = [f"  ranks that arrived: {arrived}"]
+        if missing:
+            return lines + [f"  ranks that did not: {missing}"]
+        groups = {}
+        for r in arrived:
+            groups.setdefault(fingerprint.describe_call(calls[r]), []).append(r)
+        if len(groups) > 1:
+            called = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {call}"
+                               for call, rs in groups.items())
+            return lines + [f"  ranks that did not: none, every member is in #{seq} but the calls differ (a desync: "
+                            f"checked only from MPIDIST_CHECK_BYTES, or always with MPIDIST_DEBUG=1): {called}"]
+        return lines + [f"  ranks that did not: none, every member is in {next(iter(groups))} with the same arguments: "
+                        f"the wait is inside MPI (a slow or failed network or node, or a stopped process)"]
 
 
 def wait_until_pipes_drained(fds, timeout=2.0):
@@ -298,8 +405,9 @@ def running():
 def start_watchdog(world, timeout=None, **kwargs):
     """Start this process's watchdog over ``world`` (collective). Returns it, or None when it cannot run.
 
-    ``timeout``: the collective limit (default: the settings'). Also agrees on a job id for flight
-    records and installs the SIGUSR2 flight dump.
+    ``timeout``: the collective limit (default: the settings'). Also checks the flight directory
+    (``flight.check_directory``), agrees on a job id for flight records, installs the SIGUSR2 flight dump,
+    and has a normal exit of this process tell the other ranks' watchdogs (see the glossary: departure).
     """
     global _watchdog
     if _watchdog is not None:
@@ -308,13 +416,24 @@ def start_watchdog(world, timeout=None, **kwargs):
         # The watchdog thread talks MPI while the main thread may be blocked in MPI.
         sys.stderr.write("mpidist: watchdog disabled: MPI was not initialized with MPI_THREAD_MULTIPLE\n")
         return None
+    flight.check_directory(world)
     flight.set_job(world.bcast(flight.new_job_id() if world.Get_rank() == 0 else None, root=0))
     flight.install_signal()
     _watchdog = Watchdog(world, timeout, **kwargs).start()
     fingerprint.waker = _watchdog.waker
     atexit.register(stop_watchdog)  # runs before mpi4py's MPI_Finalize (registered earlier, runs later)
-    atexit.register(_abort_if_stranded)  # and this before stop_watchdog
+    atexit.register(_announce_departure)  # before stop_watchdog: the notices travel on its communicator
+    atexit.register(_abort_if_stranded)  # and this before both
     return _watchdog
+
+
+def _announce_departure():
+    """At a normal exit, tell the other ranks' watchdogs that this rank left (see the glossary)."""
+    if _watchdog is not None and not MPI.Is_finalized():
+        try:
+            _watchdog.announce_departure()
+        except Exception as exc:  # noqa: BLE001 - an exit must go on; the others still have their timeout
+            sys.stderr.write(f"mpidist: could not tell the other ranks that this one leaves ({type(exc).__name__}: {exc})\n")
 
 
 def _abort_if_stranded():

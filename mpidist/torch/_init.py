@@ -17,6 +17,7 @@ import torch.distributed as dist
 import importlib
 from mpi4py import MPI
 
+from .. import config
 from . import _c10d, _work
 from ._backend import BACKEND_NAME, ProcessGroupMPI
 
@@ -30,7 +31,7 @@ def mpi_store(timeout=timedelta(minutes=5)):
     world = MPI.COMM_WORLD
     if "store" in _stores:
         return _stores["store"]
-    host = os.environ.get("MPIDIST_STORE_HOST", "")
+    host = config.get("MPIDIST_STORE_HOST") or ""
     names = world.allgather(socket.gethostname())
     if not host:
         # One node: loopback always works; several: rank 0's host name, which a cluster resolves.

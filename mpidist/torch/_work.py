@@ -29,7 +29,6 @@ for works with a future, the caller's ``wait()`` otherwise.
 """
 
 import datetime
-import os
 import queue
 import threading
 import time
@@ -37,6 +36,8 @@ import time
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
+
+from .. import config
 
 __all__ = ["Work", "Requests", "completed", "Abort", "AbortedError"]
 
@@ -214,15 +215,13 @@ _progress = _Progress()
 # between tests, leaving the core to computation and to the peers (see _sleep_until_done); "inline":
 # get_future() completes the operation at once in the caller (no overlap, no thread). "auto" (the default):
 # poll when a node runs more ranks than it has cores, else thread (decided when the default group is made).
-PROGRESS_MODES = ("auto", "thread", "poll", "inline")
+PROGRESS_MODES = config.TORCH_PROGRESS_MODES
 # MPIDIST_TORCH_ABORTABLE=1: in thread mode the progress thread waits in MPI_Waitany beside its own
 # generalized request, so that abort() also ends a wait inside MPI (see the glossary). Off by default:
 # it made a DDP step of the benchmark's MLP about 20% slower at 2 ranks (43-60 ms -> 55-73 ms wall,
 # 30-35 -> 39-54 ms CPU, three interleaved runs each, load average 6).
-ABORTABLE = os.environ.get("MPIDIST_TORCH_ABORTABLE", "0") not in ("", "0")
-PROGRESS = os.environ.get("MPIDIST_TORCH_PROGRESS", "auto")
-if PROGRESS not in PROGRESS_MODES:
-    raise ValueError(f"MPIDIST_TORCH_PROGRESS={PROGRESS!r}: expected one of {', '.join(PROGRESS_MODES)}")
+ABORTABLE = bool(config.get("MPIDIST_TORCH_ABORTABLE"))
+PROGRESS = config.get("MPIDIST_TORCH_PROGRESS") or "auto"
 
 
 def decide_progress(ranks_on_node, cores):

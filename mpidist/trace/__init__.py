@@ -19,6 +19,7 @@ import threading
 
 from mpi4py import MPI
 
+from mpidist import config
 from mpidist.comm import check_comm
 from mpidist.comm.sim.runner import current as _simulated_rank
 
@@ -119,16 +120,15 @@ def _at_exit(directory):
 
 
 def _from_environment(env=os.environ):
-    directory = env.get("MPIDIST_TRACE")
+    directory = config.get("MPIDIST_TRACE", env)
     if not directory:
         return
-    try:
-        depth = int(env.get("MPIDIST_TRACE_DEPTH", "1"))
-        limit = int(env.get("MPIDIST_TRACE_LIMIT", str(1 << 20)))
-    except ValueError:
-        raise ValueError(f"MPIDIST_TRACE_DEPTH={env.get('MPIDIST_TRACE_DEPTH')!r}, MPIDIST_TRACE_LIMIT="
-                         f"{env.get('MPIDIST_TRACE_LIMIT')!r}: expected ints") from None
-    _recorder.install(depth, limit)
+    depth, limit = config.get("MPIDIST_TRACE_DEPTH", env), config.get("MPIDIST_TRACE_LIMIT", env)
+    problem = config.writable_problem(directory)  # now, not in an exit handler whose error leaves status 0
+    if problem:
+        raise config.ConfigError(f"MPIDIST_TRACE: cannot write the trace to {directory!r} ({problem}); "
+                                 f"point it to a directory this job can write to")
+    _recorder.install(1 if depth is None else depth, 1 << 20 if limit is None else limit)
     atexit.register(_at_exit, directory)
 
 

@@ -111,7 +111,11 @@ class Universe:
                     stuck = [r for r, (e, _) in waiting.items() if e == epoch]
                     if len(stuck) == self.alive:
                         lines = "; ".join(f"rank {r} waits in {waiting[r][1]}" for r in sorted(stuck))
-                        self.deadlock = f"deadlock: every live simulated rank is blocked: {lines}"
+                        # The ranks not waiting have ended (a failure would have released the waits first).
+                        ended = [str(r) for r in range(self.size) if r not in waiting]
+                        ended = (f" and rank{'s' if len(ended) > 1 else ''} {','.join(ended)} returned without "
+                                 f"joining them" if ended else "")
+                        self.deadlock = f"deadlock: every live simulated rank is blocked{ended}: {lines}"
                         self.changed()
                         raise DeadlockError(self.deadlock)
                 # Sleep until ``changed`` releases the gate or ``seconds`` pass, the universe lock released.

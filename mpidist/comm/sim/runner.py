@@ -7,6 +7,7 @@ import time
 
 from mpi4py import MPI
 
+from ... import config
 from ..errors import DeadlockError, RankFailedError
 from .comm import SimComm
 from .engine import Context, Universe, bind_rank, current
@@ -66,9 +67,9 @@ def rank_threads(n, target, *, ranks_per_node=None, timeout=None, seed=None, nam
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"simulate: n must be a positive int (got {n!r})")
-    if timeout is None and os.environ.get("MPIDIST_SIM_TIMEOUT"):
-        timeout = float(os.environ["MPIDIST_SIM_TIMEOUT"])
-    cpus = parse_cpus(os.environ.get("MPIDIST_SIM_CPUS") if cpus is None else cpus)
+    if timeout is None:
+        timeout = config.get("MPIDIST_SIM_TIMEOUT") or None  # 0: no limit
+    cpus = parse_cpus(cpus) if cpus is not None else config.get("MPIDIST_SIM_CPUS", parse=parse_cpus)
     universe = Universe(n, timeout, seed=seed, ranks_per_node=ranks_per_node)
     world = Context(universe, range(n), name)
     results = [None] * n
