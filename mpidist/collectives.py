@@ -8,6 +8,10 @@ Device (CuPy) arrays are routed at the top of each public function, after valida
 ``mpidist.gpu`` (``_gpu``), which picks a path per communicator: CUDA-aware MPI, NCCL, CUDA IPC or
 pinned host staging. Numpy arrays never import it. ``_on_host`` is for numpy arrays only.
 Nonblocking calls on device arrays complete before they return (their handle is already done).
+
+Reductions give one result on every MPI, SimComm and GPU path, whichever rank holds which value
+(``mpidist.wire``): NaN propagates through max and min, as numpy's maximum/minimum, and float16 sums,
+means and products accumulate in float32 and round once. ``op`` is a name or mpi4py's MPI.SUM/PROD/MIN/MAX.
 """
 
 import atexit
@@ -25,7 +29,8 @@ from . import guard as _guard
 from .guard import record as _record
 from .comm import CommError, SimComm, check_comm
 from . import xp as _xp
-from .partition import REDUCTIONS, displacements, mpi_reduces_float16, split_sizes
+from .partition import REDUCTIONS, displacements, split_sizes
+from .wire import copy_dtype, copy_view as _wire, reduction_name, resolve as _resolve_op
 
 __all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "send", "recv", "isend", "irecv",
            "barrier", "iallreduce", "ibroadcast", "iallgather", "ireduce_scatter", "Handle", "split_sizes", "displacements",
@@ -42,40 +47,18 @@ _HEADER_BYTES = _HEADER_LEN * 8
 # halves the latency of small sends (the pipeline's activations of small models, state dict pieces).
 _INLINE_MAX = 8192
 
-_ARITH_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX, "mean": MPI.SUM}
-# MPI defines no SUM/PROD/MIN/MAX on C_BOOL; the logical ops mean the same thing for booleans.
-_BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "prod": MPI.LAND, "min": MPI.LAND}
 _OP_NAMES = REDUCTIONS
 _DTYPE_NAMES = tuple(dt.name for dt in SUPPORTED_DTYPES)
 _guard.name_dtypes(_DTYPE_NAMES)  # desync reports name dtypes by these codes
-# float16: MPI 3.1 has no float16 datatype (Open MPI 4.1's mpi4py raises ``KeyError: 'e'`` on such a buffer).
-# Copies (broadcast, allgather, send/recv) carry float16 as its uint16 bit patterns on every MPI: exact, and
-# one code path everywhere. Reductions use MPI's own float16 where this MPI reduces it (MPICH: MPIX_C_FLOAT16),
-# else a float32 copy, rounded to float16 once at the end: twice the bytes on the wire, no precision lost.
-# The GPU paths that hand float16 to MPI decide the same way (gpu/base.py: wire, widened).
-_FLOAT16 = np.dtype(np.float16)
-_COPY_AS = {_FLOAT16: np.dtype(np.uint16)}
-
-
-_FLOAT16_REDUCES = mpi_reduces_float16()
-
-
-def _wire(buf):
-    """Return numpy or device buffer ``buf`` as MPI should carry it in a copy: float16 as uint16, else itself."""
-    kind = _COPY_AS.get(buf.dtype)
-    return buf if kind is None else buf.view(kind)
-
-
-def _widened(x):
-    """Return whether reducing array ``x`` goes through a float32 copy (float16 on an MPI that cannot reduce it)."""
-    return x.dtype == _FLOAT16 and not _FLOAT16_REDUCES and isinstance(x, np.ndarray)
+# How MPI carries each dtype (mpidist/wire.py, shared with the GPU paths): copies carry float16 as uint16;
+# float16 sum/mean/prod reduce in float32, rounded once; float min/max reduce order keys, so NaN propagates.
 
 
 # Communicator types the fast paths take without further checks (COMM_NULL is a plain MPI.Comm and
 # intercommunicators an MPI.Intercomm: both go the general way, which refuses them with a clear error).
 _PLAIN_COMMS = frozenset({MPI.Intracomm, SimComm})
 # Dtypes the broadcast fast path hands to MPI as they are (float16 goes the general way, as uint16).
-_NATIVE_COPY = frozenset(dt for dt in SUPPORTED_DTYPES if dt not in _COPY_AS)
+_NATIVE_COPY = frozenset(dt for dt in SUPPORTED_DTYPES if copy_dtype(dt) == dt)
 
 
 # -- tracking: the guard's record of every call (flight recorder, watchdog) and its desync check ------
@@ -102,7 +85,7 @@ def _begin(comm, op, x=None, root=-1, reduction="", rows=False, sized=True):
     else:
         x, dtype_code, count, nbytes = None, -1, -1, 0
     root = int(root) if isinstance(root, (int, np.integer)) and not isinstance(root, bool) else -2
-    reduction = reduction.lower() if isinstance(reduction, str) and reduction.lower() in _OP_NAMES else ""
+    reduction = reduction_name(reduction) or ""  # MPI.SUM and "sum" are one reduction to the desync check
     return _record.enter(comm, op, x, nbytes, dtype_code, count, root, reduction, sized)
 
 
@@ -162,39 +145,27 @@ def _check_writable(fn, x):
         raise ValueError(f"{fn}: array has overlapping elements (shape: {x.shape}, strides: {x.strides}) and cannot be used in place")
 
 
-def _resolve_op(fn, op, dtype):
-    """Return (MPI op, divide-by-size?) for an op name and dtype, or raise naming the problem."""
-    if not isinstance(op, str) or op.lower() not in _OP_NAMES:
-        raise ValueError(f"{fn}: unknown op {op!r} (expected one of {', '.join(_OP_NAMES)})")
-    op = op.lower()
-    if dtype.kind == "b":
-        if op == "mean":
-            raise TypeError(f"{fn}: op 'mean' needs a floating or complex array (got {dtype})")
-        return _BOOL_OPS[op], False
-    if op == "mean" and dtype.kind not in "fc":
-        raise TypeError(f"{fn}: op 'mean' needs a floating or complex array (got {dtype}); use 'sum' and divide")
-    if op in ("min", "max") and dtype.kind == "c":
-        raise TypeError(f"{fn}: op {op!r} is not defined for complex arrays (got {dtype})")
-    return _ARITH_OPS[op], op == "mean"
-
-
-# (op name, dtype) -> (MPI op, divide by size?) for every valid pair: the allreduce fast path's lookup.
-# float16 is left to the general path, which decides how to carry it (see _widened).
+# (op name, dtype) -> (MPI op, divide by size?, dtype code) for every pair MPI reduces as it is: the allreduce
+# fast path's lookup. The rest (float16, float min/max: see mpidist/wire.py) go the general way.
 _FAST_ALLREDUCE = {}
 for _dtype in SUPPORTED_DTYPES:
-    if _dtype in _COPY_AS:
-        continue
     for _name in _OP_NAMES:
         try:
-            _FAST_ALLREDUCE[(_name, _dtype)] = _resolve_op("allreduce", _name, _dtype) + (_DTYPE_CODE[_dtype],)
+            _reduction = _resolve_op("allreduce", _name, _dtype)
         except TypeError:
-            pass
+            continue
+        if not _reduction.converts:
+            _FAST_ALLREDUCE[(_name, _dtype)] = (_reduction.mpi, _reduction.mean, _DTYPE_CODE[_dtype])
 
 
-def _check_root(fn, root, comm):
+def _check_rank(fn, value, comm, name):
+    """Return rank ``value`` (``name``: root, dest, source) as an int, or raise naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{fn}: {name} must be an int (got {_type_name(value)} {value!r})")
     size = comm.Get_size()
-    if not isinstance(root, (int, np.integer)) or not 0 <= root < size:
-        raise ValueError(f"{fn}: root {root!r} out of range for a communicator of size {size}")
+    if not 0 <= value < size:
+        raise ValueError(f"{fn}: {name} {value!r} out of range for a communicator of size {size}")
+    return int(value)
 
 
 def _gpu(x):
@@ -336,7 +307,7 @@ def allreduce(x, comm, op="sum"):
     # The common case (a contiguous, writable numpy array and a valid op) skips the general checks:
     # at small sizes Python overhead is what separates mpidist from a raw comm.Allreduce.
     if type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable and type(comm) in _PLAIN_COMMS:
-        entry = _FAST_ALLREDUCE.get((op, x.dtype))
+        entry = _FAST_ALLREDUCE.get((op, x.dtype)) if type(op) is str else None  # mpi4py ops are unhashable
         if entry is not None:
             token = None
             try:
@@ -362,22 +333,24 @@ def iallreduce(x, comm, op="sum"):
 
 def _iallreduce(x, comm, op, _blocking):
     _check_array("allreduce", x)
-    mpi_op, mean = _resolve_op("allreduce", op, x.dtype)
+    reduction = _resolve_op("allreduce", op, x.dtype)
+    mpi_op, mean = reduction.mpi, reduction.mean
     _check_writable("allreduce", x)
     size = comm.Get_size()
-    if _widened(x):
-        buf = x.astype(np.float32)
-        write_back = functools.partial(np.copyto, x, buf, casting="same_kind")  # rounds once, after the mean
-    elif isinstance(x, np.ndarray) and x.flags.c_contiguous:
+    if not isinstance(x, np.ndarray) and _xp.is_device_array(x):
+        _gpu(x).allreduce(x, comm, reduction)
+        return x if _blocking else _done(x)
+    if reduction.converts:
+        buf = np.empty(x.shape, dtype=reduction.wire)
+        reduction.to_wire(buf, x)
+        write_back = functools.partial(reduction.from_wire, x, buf)  # rounds once, after the mean
+    elif x.flags.c_contiguous:
         if _blocking:
             comm.Allreduce(MPI.IN_PLACE, x, op=mpi_op)
             if mean:
                 x /= size
             return x
         buf, write_back = x, None
-    elif not isinstance(x, np.ndarray) and _xp.is_device_array(x):
-        _gpu(x).allreduce(x, comm, mpi_op, mean)
-        return x if _blocking else _done(x)
     else:
         ctx = _on_host(x)
         buf = ctx.__enter__()
@@ -422,7 +395,7 @@ def ibroadcast(x, comm, root=0):
 
 def _ibroadcast(x, comm, root, _blocking):
     _check_array("broadcast", x)
-    _check_root("broadcast", root, comm)
+    root = _check_rank("broadcast", root, comm, "root")
     _check_writable("broadcast", x)
     gpu = None if isinstance(x, np.ndarray) else _gpu(x)
     if gpu is not None:
@@ -462,6 +435,7 @@ def _gather_shapes(x, comm, op):
 
 def _check_allgather_out(x, out, size):
     _check_array("allgather", out, "out")
+    _check_writable("allgather", out)
     rows = x.shape[0] if x.ndim else 1
     if out.dtype != x.dtype or out.shape[0] != size * rows or out.size != size * x.size:
         raise ValueError(f"allgather: out must have dtype {x.dtype} and shape ({size} * {rows}, ...) matching x {x.shape} (got {out.dtype} {out.shape})")
@@ -555,7 +529,8 @@ def ireduce_scatter(x, comm, op="sum"):
 
 def _ireduce_scatter(x, comm, op, _blocking):
     _check_array("reduce_scatter", x)
-    mpi_op, mean = _resolve_op("reduce_scatter", op, x.dtype)
+    reduction = _resolve_op("reduce_scatter", op, x.dtype)
+    mpi_op, mean = reduction.mpi, reduction.mean
     if x.ndim == 0:
         raise ValueError("reduce_scatter: x must have at least one dimension (got a 0-d array)")
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -563,11 +538,14 @@ def _ireduce_scatter(x, comm, op, _blocking):
     row_size = math.prod(x.shape[1:])
     gpu = None if isinstance(x, np.ndarray) else _gpu(x)
     if gpu is not None:
-        result = gpu.reduce_scatter(x, comm, [r * row_size for r in rows], (rows[rank],) + x.shape[1:], mpi_op, mean)
+        result = gpu.reduce_scatter(x, comm, [r * row_size for r in rows], (rows[rank],) + x.shape[1:], reduction)
         return result if _blocking else _done(result)
-    widened = _widened(x)
-    out = np.empty((rows[rank],) + x.shape[1:], dtype=np.float32 if widened else x.dtype)
-    send = x.astype(np.float32) if widened else _host_copy(x)
+    out = np.empty((rows[rank],) + x.shape[1:], dtype=reduction.wire)
+    if reduction.converts:
+        send = np.empty(x.shape, dtype=reduction.wire)
+        reduction.to_wire(send, x)
+    else:
+        send = _host_copy(x)
     if len(set(rows)) == 1:
         # Equal blocks: MPI_Reduce_scatter_block, which needs no counts array.
         request = (comm.Reduce_scatter_block if _blocking else comm.Ireduce_scatter_block)(send, out, op=mpi_op)
@@ -579,8 +557,9 @@ def _ireduce_scatter(x, comm, op, _blocking):
         result = out
         if mean:
             result /= size
-        if widened:
-            result = result.astype(_FLOAT16)
+        if reduction.converts:
+            result = np.empty(out.shape, dtype=x.dtype)
+            reduction.from_wire(result, out)
         xpm = _xp.get_array_module(x)
         return result if xpm is np else xpm.asarray(result)
 
@@ -720,12 +699,6 @@ def _nothing():
     return None
 
 
-def _check_peer(fn, peer, comm, name):
-    size = comm.Get_size()
-    if not isinstance(peer, (int, np.integer)) or not 0 <= peer < size:
-        raise ValueError(f"{fn}: {name} {peer!r} out of range for a communicator of size {size}")
-
-
 def isend(x, dest, comm, tag=0, stamp=None):
     """Start sending ``x`` (any shape and supported dtype) to ``dest``; ``wait()`` when the buffer may be reused.
 
@@ -746,7 +719,7 @@ def _p2p_begin(comm, op, x, peer):
 
 def _isend(x, dest, comm, tag, stamp=None):
     _check_array("send", x)
-    _check_peer("send", dest, comm, "dest")
+    dest = _check_rank("send", dest, comm, "dest")
     header = _header("send", x, stamp)
     nbytes = x.size * x.dtype.itemsize
     host = isinstance(x, np.ndarray)
@@ -792,7 +765,7 @@ def _irecv(source, comm, tag, out, stamp=None):
 
 def _check_recv_args(source, comm, out):
     if source != MPI.ANY_SOURCE:
-        _check_peer("recv", source, comm, "source")
+        _check_rank("recv", source, comm, "source")
     if out is not None:
         _check_array("recv", out, "out")
         _check_writable("recv", out)

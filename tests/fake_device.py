@@ -165,6 +165,10 @@ class FakeDevice(DeviceAPI):
         a = x.a
         self.current.enqueue(lambda: np.true_divide(a, n, out=a))
 
+    def elementwise(self, fn, dst, src):
+        d, s = dst.a, src.a
+        self.current.enqueue(lambda: fn(d, s))
+
     # -- streams -------------------------------------------------------------------------------------
     def current_stream(self):
         return self.current

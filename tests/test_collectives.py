@@ -176,12 +176,12 @@ def test_ireduce_scatter_refuses_bad_input_before_starting(comm):
     np.testing.assert_array_equal(collectives.ireduce_scatter(np.ones(size), comm).wait(), [size])
 
 
-@pytest.mark.parametrize("mpi_reduces", [True, False], ids=["mpi_float16", "via_float32"])
-def test_float16_with_and_without_an_mpi_float16_type(comm, mpi_reduces, monkeypatch):
-    """MPI 3.1 (Open MPI 4.1) has no float16 datatype: copies then travel as uint16, reductions in float32."""
-    if mpi_reduces and not collectives._FLOAT16_REDUCES:
-        pytest.skip("this MPI has no float16 reduction (the via_float32 case is what runs here)")
-    monkeypatch.setattr(collectives, "_FLOAT16_REDUCES", mpi_reduces)
+@pytest.mark.parametrize("mpi_has_float16", [True, False], ids=["mpi_float16", "no_mpi_float16"])
+def test_float16_with_and_without_an_mpi_float16_type(comm, mpi_has_float16, monkeypatch):
+    """MPI 3.1 (Open MPI 4.1) has no float16 datatype (mpi4py raises ``KeyError: 'e'``), emulated on any MPI:
+    copies travel as uint16, reductions in float32 or as int16 order keys, so float16 never reaches MPI."""
+    if not mpi_has_float16:
+        monkeypatch.delitem(MPI._typedict, "e", raising=False)  # real mpi4py and the simulator look types up here
     size, rank = comm.Get_size(), comm.Get_rank()
     inputs = [rank_input(r, (5, 3), np.float16, seed=11) for r in range(size)]
     for op in valid_ops("float16"):
@@ -234,6 +234,95 @@ def test_float16_with_and_without_an_mpi_float16_type(comm, mpi_reduces, monkeyp
         assert mpidist.recv(src, comm, tag=n, out=out) is out
         handle.wait()
         np.testing.assert_array_equal(out.view(np.uint16), bits(src, n).view(np.uint16))
+
+
+def nan_inputs(size, dtype, nan_rank):
+    """Every rank's (6, 4) input for max/min: finite values, infinities and signed zeros everywhere, NaN of both
+    signs on ``nan_rank`` only (columns 0 and 1), and a column where every rank holds NaN."""
+    xs = [rank_input(r, (6, 4), dtype, seed=31) for r in range(size)]
+    for r, x in enumerate(xs):
+        x[:, 2] = [np.inf, -np.inf, 0.0, -0.0, np.inf if r % 2 else -np.inf, -0.0 if r % 2 else 0.0]
+        x[:, 3] = np.nan
+    xs[nan_rank][::2, 0] = np.nan
+    xs[nan_rank][1::2, 1] = -np.nan
+    return xs
+
+
+def assert_nan_propagated(got, want):
+    """``got`` equals numpy's result, NaN where it has NaN, and every NaN is numpy's positive one."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)  # NaN positions must match too
+    assert not np.signbit(got[np.isnan(got)]).any()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_max_and_min_propagate_nan_from_whichever_rank_holds_it(comm, dtype):
+    """NaN wins max and min, as in numpy's maximum/minimum, on every rank whichever rank holds it (raw MPI does
+    not say: MPICH returns NaN or not depending on that rank, and different values on different ranks)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    sizes = split_sizes(6, size)
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    for nan_rank in range(size):
+        xs = nan_inputs(size, dtype, nan_rank)
+        for op, ufunc, mpi_op in (("max", np.maximum, MPI.MAX), ("min", np.minimum, MPI.MIN)):
+            want = ufunc.reduce(np.stack(xs))
+            for spelled in (op, mpi_op):
+                x = xs[rank].copy()
+                assert mpidist.allreduce(x, comm, op=spelled) is x
+                assert_nan_propagated(x, want)
+            x = xs[rank].copy()
+            assert_nan_propagated(mpidist.iallreduce(x, comm, op=op).wait(), want)
+            base = np.zeros((6, 8), dtype=dtype)
+            base[:, ::2] = xs[rank]
+            mpidist.allreduce(base[:, ::2], comm, op=op)  # a strided view: through a contiguous copy
+            assert_nan_propagated(base[:, ::2], want)
+            assert (base[:, 1::2] == 0).all()
+            assert_nan_propagated(mpidist.reduce_scatter(xs[rank], comm, op=op), want[lo:hi])
+            assert_nan_propagated(collectives.ireduce_scatter(xs[rank], comm, op=op).wait(), want[lo:hi])
+
+
+def float16_overflow_case(size, op):
+    """Return every rank's (5, 4) float16 input whose float16 partial sums (or products) overflow where the
+    result fits, and numpy's result computing in float32 and rounding to float16 once."""
+    first_half = (size + 1) // 2
+
+    def inputs(r):
+        x = rank_input(r, (5, 4), np.float16, seed=41)  # multiples of 1/4: exact float32 sums and products
+        x[:, 0] = 60000  # its sum overflows float16 from two ranks on; its mean never does
+        x[:, 1] = 40000 if r < first_half else -40000  # partial sums overflow, the total is 0 or 40000
+        x[:, 2] = 256 if r < first_half else 1 / 256  # partial products overflow (256 * 256 > 65504)
+        return x
+
+    xs = [inputs(r) for r in range(size)]
+    wide = np.stack(xs).astype(np.float32)
+    exact = np.prod(wide, axis=0) if op == "prod" else np.sum(wide, axis=0)
+    if op == "mean":
+        exact /= np.float32(size)
+    with np.errstate(over="ignore"):
+        return xs, exact.astype(np.float16)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "prod"])
+def test_float16_sums_accumulate_in_float32_and_round_once(comm, op):
+    """The mean of 60000 and 60000 is 60000 (float16 partial sums overflow): every rank's float16 input is
+    reduced in float32 and rounded to float16 once, as numpy computing in float32 then rounding."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    xs, want = float16_overflow_case(size, op)
+    lo = sum(split_sizes(5, size)[:rank])
+    x = xs[rank].copy()
+    assert mpidist.allreduce(x, comm, op=op) is x
+    np.testing.assert_array_equal(x, want)
+    x = xs[rank].copy()
+    np.testing.assert_array_equal(mpidist.iallreduce(x, comm, op=op).wait(), want)
+    base = np.zeros((5, 8), dtype=np.float16)
+    base[:, ::2] = xs[rank]
+    mpidist.allreduce(base[:, ::2], comm, op=op)
+    np.testing.assert_array_equal(base[:, ::2], want)
+    for got in (mpidist.reduce_scatter(xs[rank], comm, op=op), collectives.ireduce_scatter(xs[rank], comm, op=op).wait()):
+        assert got.dtype == np.float16
+        np.testing.assert_array_equal(got, want[lo: lo + got.shape[0]])
+    if size > 1 and op == "mean":
+        assert (x[:, 0] == 60000).all()  # the issue's own case, spelled out
 
 
 def test_split_sizes_formula():

@@ -20,7 +20,7 @@ if cupy is None or not cupy.is_available():
     pytest.skip("needs cupy and a usable CUDA GPU (cupy.is_available() is false or cupy is missing)",
                 allow_module_level=True)
 
-from test_gpu_paths import run_all_collectives  # noqa: E402 - after the skip: it needs nothing from cupy
+from test_gpu_paths import check_reduction_rules, run_all_collectives  # noqa: E402 - after the skip: it needs nothing from cupy
 
 
 def to_gpu(module):
@@ -95,6 +95,23 @@ def test_every_collective_on_every_available_path(comm, path):
     try:
         run_all_collectives(comm, device)
         assert gpu.describe(comm) == choice
+    finally:
+        gpu.release(comm)
+
+
+@pytest.mark.parametrize("path", [None, "staged", "cuda_aware", "nccl", "ipc", "hierarchical"])
+def test_nan_and_float16_rules_on_every_available_path(comm, path):
+    """NaN wins max/min and float16 sums accumulate in float32 on CuPy arrays (mpidist.wire's conversions run as
+    CuPy kernels; NCCL and cupy reduce the converted buffers)."""
+    device = gpu.CupyDevice()
+    try:
+        gpu.attach(comm, device, path=path if comm.Get_size() > 1 else None)
+    except RuntimeError as exc:
+        if "is not possible" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    try:
+        check_reduction_rules(comm, device)
     finally:
         gpu.release(comm)
 

@@ -24,6 +24,7 @@ from mpidist.gpu.staged import chunk_bounds
 from fake_device import FakeDevice, FakeDeviceArray, FakeSegfault, RecordingComm
 from test_collectives import valid_ops
 from test_collectives import assert_matches, rank_input, reference
+from test_collectives import assert_nan_propagated, float16_overflow_case, nan_inputs
 
 YES = MPIProbe("libmpi-fake.so", "MPIX_GPU_query_support", True)
 NO = MPIProbe("libmpi-fake.so", "MPIX_GPU_query_support", False)
@@ -126,8 +127,8 @@ def test_selection_refuses_impossible_or_unsafe_requests(monkeypatch):
     monkeypatch.setenv("MPIDIST_CUDA_AWARE", "1")
     with pytest.raises(RuntimeError, match="MPIDIST_CUDA_AWARE=1 but a device-buffer allreduce gave wrong values"):
         mpidist.simulate(2, lambda comm: gpu.attach(comm, fake_for(comm, lying=True), probe=NO))
-    monkeypatch.setenv("MPIDIST_CUDA_AWARE", "maybe")  # the booleans of mpidist.config: 1/0, true/false, yes/no, on/off
-    with pytest.raises(ValueError, match="MPIDIST_CUDA_AWARE: expected 1/0, true/false, yes/no or on/off \\(got 'maybe'\\)"):
+    monkeypatch.setenv("MPIDIST_CUDA_AWARE", "yes")
+    with pytest.raises(ValueError, match="MPIDIST_CUDA_AWARE: expected 0 or 1 \\(got 'yes'\\)"):
         mpidist.simulate(2, lambda comm: gpu.attach(comm, fake_for(comm), probe=NO))
     with pytest.raises(ValueError, match="unknown path 'fast'"):
         gpu.attach(None, FakeDevice(), path="fast")
@@ -228,9 +229,8 @@ def test_collectives_on_path(comm, path, kw):
 @pytest.mark.world_sizes(2, 3, 4)
 def test_float16_on_an_mpi_without_float16(comm, monkeypatch):
     """MPI 3.1 (Open MPI 4) has no float16 datatype: mpi4py raises ``KeyError: 'e'`` on such a buffer. Emulated on
-    any MPI: every path carries float16 copies as uint16 and reduces float16 in float32 (fake NCCL: its own way)."""
+    any MPI: every path carries float16 copies as uint16 and reduces float16 in float32 or as int16 order keys."""
     monkeypatch.delitem(MPI._typedict, "e", raising=False)  # real mpi4py and the simulator both look types up here
-    monkeypatch.setattr(gpu.base, "mpi_reduces_float16", lambda: False)
     size, rank = comm.Get_size(), comm.Get_rank()
     inputs = [rank_input(r, (7, 2), "float16", seed=21) for r in range(size)]
     lo = sum(mpidist.collectives.split_sizes(7, size)[:rank])
@@ -271,6 +271,62 @@ def test_collectives_on_ipc_paths(path, n_ranks, per_node):
         assert gpu.attach(comm, device, probe=NO, settings=TINY_CHUNKS).path == path
         run_all_collectives(comm, device)
         gpu.release(comm)
+
+    mpidist.simulate(n_ranks, body, ranks_per_node=per_node)
+
+
+def check_reduction_rules(comm, device):
+    """NaN wins max/min whichever rank holds it, and float16 sums, means and products accumulate in float32 and
+    round once (mpidist.wire), on device arrays, against numpy on every rank's input."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    sizes = mpidist.collectives.split_sizes(6, size)
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    for dtype in ("float16", "float32", "float64"):
+        for nan_rank in range(size):
+            xs = nan_inputs(size, dtype, nan_rank)
+            for op, ufunc in (("max", np.maximum), ("min", np.minimum)):
+                want = ufunc.reduce(np.stack(xs))
+                x = device.asarray(xs[rank])
+                mpidist.allreduce(x, comm, op=op)
+                assert_nan_propagated(device.to_numpy(x), want)
+                source = device.asarray(xs[rank])
+                got = mpidist.reduce_scatter(source, comm, op=op)
+                assert_nan_propagated(device.to_numpy(got), want[lo:hi])
+                np.testing.assert_array_equal(device.to_numpy(source), xs[rank])  # the input is left as it was
+    for op in ("sum", "mean", "prod"):
+        xs, want = float16_overflow_case(size, op)
+        x = device.asarray(xs[rank])
+        mpidist.allreduce(x[:, ::2], comm, op=op)  # a strided view: flattened, widened, rounded, written back
+        expected = xs[rank].copy()
+        expected[:, ::2] = want[:, ::2]
+        np.testing.assert_array_equal(device.to_numpy(x), expected)
+        got = mpidist.reduce_scatter(device.asarray(xs[rank]), comm, op=op)
+        assert got.dtype == np.float16
+        first = sum(mpidist.collectives.split_sizes(5, size)[:rank])
+        np.testing.assert_array_equal(device.to_numpy(got), want[first: first + got.shape[0]])
+
+
+@pytest.mark.parametrize("path,kw", ANY_COMM_PATHS, ids=[p for p, _ in ANY_COMM_PATHS])
+def test_nan_and_float16_rules_on_path(comm, path, kw):
+    device = FakeDevice(f"gpu{comm.Get_rank()}", **kw)
+    gpu.attach(comm, device, path=None if comm.Get_size() == 1 else path, probe=YES if kw.get("cuda_aware") else NO,
+               settings=TINY_CHUNKS)
+    try:
+        check_reduction_rules(comm, device)
+    finally:
+        gpu.release(comm)
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("path,n_ranks,per_node", IPC_WORLDS, ids=[f"{p}-{w}" for p, w, _ in IPC_WORLDS])
+def test_nan_and_float16_rules_on_ipc_paths(path, n_ranks, per_node):
+    def body(comm):
+        device = fake_for(comm, 2)
+        assert gpu.attach(comm, device, probe=NO, settings=TINY_CHUNKS).path == path
+        try:
+            check_reduction_rules(comm, device)
+        finally:
+            gpu.release(comm)
 
     mpidist.simulate(n_ranks, body, ranks_per_node=per_node)
 

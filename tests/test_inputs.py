@@ -8,6 +8,7 @@ read-only arrays: results against numpy, or a ValueError where the array would b
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import mpidist
 from mpidist import guard
@@ -198,3 +199,74 @@ def test_a_real_torch_tensor_gets_the_same_message(comm, guard_mode):
         mpidist.allreduce(t, comm)
     mpidist.allreduce(t.numpy(), comm)  # the view the message suggests: results land in the tensor
     assert t.tolist() == [float(comm.Get_size())] * 4
+
+
+@pytest.mark.parametrize("name", ["SUM", "PROD", "MIN", "MAX"])
+@pytest.mark.parametrize("dtype", ["float64", "int32"])
+def test_mpi4py_ops_are_the_reductions_they_name(comm, guard_mode, name, dtype):
+    """``op=MPI.SUM`` (an mpi4py op) means ``op="sum"``, on every reducing call; ranks may spell it either way
+    (the debug mode's desync check sees one reduction)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ufunc = {"SUM": np.add, "PROD": np.multiply, "MIN": np.minimum, "MAX": np.maximum}[name]
+    xs = [((np.arange(8).reshape(4, 2) + r) % 5 - 2).astype(dtype) for r in range(size)]
+    want = ufunc.reduce(np.stack(xs))
+    mine = getattr(MPI, name) if rank == 0 else name.lower()
+    x = xs[rank].copy()
+    np.testing.assert_array_equal(mpidist.allreduce(x, comm, op=mine), want)
+    x = xs[rank].copy()
+    np.testing.assert_array_equal(mpidist.iallreduce(x, comm, op=mine).wait(), want)
+    rows = np.array_split(want, size)[rank]
+    np.testing.assert_array_equal(mpidist.reduce_scatter(xs[rank], comm, op=mine), rows)
+    np.testing.assert_array_equal(mpidist.ireduce_scatter(xs[rank], comm, op=mine).wait(), rows)
+
+
+def test_mpi4py_ops_without_an_mpidist_reduction_are_refused_by_name(comm, guard_mode):
+    user_op = MPI.Op.Create(lambda a, b, datatype: None, commute=True)
+    try:
+        for op, shown in ((MPI.BAND, "op MPI.BAND"), (MPI.LOR, "op MPI.LOR"), (MPI.MAXLOC, "op MPI.MAXLOC"),
+                          (MPI.OP_NULL, "op MPI.OP_NULL"), (user_op, "a user-defined MPI.Op")):
+            for call in (mpidist.allreduce, mpidist.iallreduce, mpidist.reduce_scatter, mpidist.ireduce_scatter):
+                fn = call.__name__.removeprefix("i")
+                with pytest.raises(ValueError, match=rf"{fn}: {shown} has no mpidist reduction \(expected one of sum, "
+                                                     rf"mean, min, max, prod\); mpi4py's MPI.SUM, MPI.PROD, MPI.MIN "
+                                                     rf"and MPI.MAX work too"):
+                    call(np.ones(comm.Get_size()), comm, op=op)
+    finally:
+        user_op.Free()
+    # Nothing was started: the next reduction matches on every rank.
+    np.testing.assert_array_equal(mpidist.allreduce(np.ones(2), comm, op=MPI.SUM), [comm.Get_size()] * 2)
+
+
+def test_root_dest_and_source_must_be_ints_numpy_ints_included(comm, guard_mode):
+    """A bool is not a rank (``root=True`` was rank 1); numpy integers are."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    for bad, shown in ((True, "bool True"), (False, "bool False"), (1.0, "float 1.0"), ("0", "str '0'"),
+                       (None, "NoneType None")):
+        for call in (mpidist.broadcast, mpidist.ibroadcast):
+            with pytest.raises(TypeError, match=rf"broadcast: root must be an int \(got {shown}\)"):
+                call(np.full(2, float(rank)), comm, root=bad)
+    with pytest.raises(TypeError, match=r"send: dest must be an int \(got bool True\)"):
+        mpidist.isend(np.ones(2), True, comm)
+    with pytest.raises(TypeError, match=r"recv: source must be an int \(got bool False\)"):
+        mpidist.recv(False, comm)
+    for root in (np.int64(size - 1), np.int32(0), np.uint8(size - 1)):
+        x = np.full(3, float(rank))
+        np.testing.assert_array_equal(mpidist.broadcast(x, comm, root=root), [float(root)] * 3)
+        x = np.full(3, float(rank))
+        np.testing.assert_array_equal(mpidist.ibroadcast(x, comm, root=root).wait(), [float(root)] * 3)
+    handle = mpidist.isend(np.full(2, float(rank)), np.int64((rank + 1) % size), comm, tag=21)
+    np.testing.assert_array_equal(mpidist.recv(np.int64((rank - 1) % size), comm, tag=21), [float((rank - 1) % size)] * 2)
+    handle.wait()
+
+
+def test_allgather_refuses_a_read_only_out(comm, guard_mode):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    out = np.zeros((2 * size, 3))
+    out.flags.writeable = False
+    for call in (mpidist.allgather, mpidist.iallgather):
+        with pytest.raises(ValueError, match=rf"allgather: array is read-only and cannot be written in place "
+                                             rf"\(shape: \({2 * size}, 3\)\)"):
+            call(np.full((2, 3), float(rank)), comm, out=out)
+        assert not out.any()
+    got = mpidist.allgather(np.full((2, 3), float(rank)), comm, out=np.zeros((2 * size, 3)))  # still in step
+    np.testing.assert_array_equal(got, np.repeat(np.arange(size, dtype=float), 2)[:, None] * np.ones(3))

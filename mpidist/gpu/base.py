@@ -5,54 +5,38 @@ path does not implement (or cannot do for a dtype) goes to its ``staged`` fallba
 """
 
 import dataclasses
+import os
 
-import numpy as np
-from mpi4py import MPI
+from ..wire import copy_view as wire
 
-from .. import config
-from ..partition import mpi_reduces_float16
-
-__all__ = ["Op", "Settings", "Path", "op_from_mpi", "wire", "widened"]
-
-_MPI_OP_NAMES = ((MPI.SUM, "SUM"), (MPI.PROD, "PROD"), (MPI.MIN, "MIN"), (MPI.MAX, "MAX"),
-                 (MPI.LOR, "LOR"), (MPI.LAND, "LAND"))
+__all__ = ["Op", "Settings", "Path", "op_of", "wire"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """A reduction as the collectives resolved it: the MPI op, its name, and whether to divide by the size."""
+    """A reduction as a path runs it on its buffers: the MPI op, its name (``wire.MPI_OP_NAMES``), divide by the size?"""
 
     mpi: object
     name: str
     mean: bool = False
 
 
-def op_from_mpi(mpi_op, mean=False):
-    """Return the ``Op`` for an MPI reduction op (as ``collectives._resolve_op`` returns it)."""
-    for candidate, name in _MPI_OP_NAMES:
-        if mpi_op == candidate:
-            return Op(mpi_op, name, bool(mean))
-    raise ValueError(f"mpidist.gpu: unsupported reduction op {mpi_op!r} (expected SUM, PROD, MIN, MAX, LOR or LAND)")
-
-
-# float16 on an MPI without a datatype for it (MPI 3.1: Open MPI 4's mpi4py raises ``KeyError: 'e'``), as in
-# mpidist.collectives: copies carry its uint16 bit patterns, reductions a float32 copy rounded once at the end.
-_FLOAT16 = np.dtype(np.float16)
-
-
-def wire(buf):
-    """Return host or device buffer ``buf`` as MPI should carry it in a copy: float16 as uint16, else itself."""
-    return buf.view(np.uint16) if buf.dtype == _FLOAT16 else buf
-
-
-def widened(dtype):
-    """Return whether MPI must reduce ``dtype`` on a float32 copy (float16, where this MPI cannot reduce it)."""
-    return dtype == _FLOAT16 and not mpi_reduces_float16()
+def op_of(reduction):
+    """Return the ``Op`` a path applies for a ``wire.Reduction`` (to buffers of its ``wire`` dtype)."""
+    return Op(reduction.mpi, reduction.mpi_name, reduction.mean)
 
 
 def _env_chunk_bytes():
-    mb = config.get("MPIDIST_GPU_CHUNK_MB")
-    return 4 << 20 if mb is None else max(1, int(mb * (1 << 20)))
+    value = os.environ.get("MPIDIST_GPU_CHUNK_MB")
+    if value is None:
+        return 4 << 20
+    try:
+        mb = float(value)
+    except ValueError:
+        raise ValueError(f"MPIDIST_GPU_CHUNK_MB: expected a number of MiB (got {value!r})") from None
+    if mb <= 0:
+        raise ValueError(f"MPIDIST_GPU_CHUNK_MB: must be positive (got {value!r})")
+    return max(1, int(mb * (1 << 20)))
 
 
 @dataclasses.dataclass(frozen=True)

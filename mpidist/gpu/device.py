@@ -68,6 +68,11 @@ class DeviceAPI:
         """Divide ``x`` by ``n`` in place on the current stream."""
         raise NotImplementedError
 
+    def elementwise(self, fn, dst, src):
+        """Run ``fn(dst, src)`` on the current stream: an elementwise function of array operators writing ``dst``
+        (``mpidist.wire``'s conversions, which run as they are on numpy and CuPy arrays)."""
+        raise NotImplementedError
+
     def asarray(self, host):
         """Return a device copy of numpy array ``host`` (synchronous; used by self-tests)."""
         raise NotImplementedError
@@ -209,6 +214,9 @@ class CupyDevice(DeviceAPI):
 
     def divide(self, x, n):
         x /= n
+
+    def elementwise(self, fn, dst, src):
+        fn(dst, src)  # CuPy queues the kernels on the current stream
 
     def asarray(self, host):
         return self.cp.asarray(host)

@@ -8,7 +8,7 @@ host pointer: a segfault, which no exception handler can catch.
 from mpi4py import MPI
 
 from ..partition import displacements
-from .base import Path, widened, wire
+from .base import Path, wire
 
 __all__ = ["DirectPath"]
 
@@ -24,8 +24,6 @@ class DirectPath(Path):
         return [self.device.mpi_buffer(a) for a in arrays]
 
     def allreduce(self, x, op):
-        if widened(x.dtype):  # no float16 reductions in this MPI: the staged path sums a float32 host copy
-            return self.staged.allreduce(x, op)
         (buf,) = self._ready(x)
         self.comm.Allreduce(MPI.IN_PLACE, buf, op=op.mpi)
         if op.mean:
@@ -43,8 +41,6 @@ class DirectPath(Path):
             self.comm.Allgatherv(sbuf, [rbuf, (list(counts), displacements(counts))])
 
     def reduce_scatter(self, send, recv, counts, op):
-        if widened(send.dtype):
-            return self.staged.reduce_scatter(send, recv, counts, op)
         sbuf, rbuf = self._ready(send, recv)
         if len(set(counts)) == 1:
             self.comm.Reduce_scatter_block(sbuf, rbuf, op=op.mpi)

@@ -3,9 +3,14 @@
 These functions make any layout flat and contiguous (a copy on the current stream, written back
 afterwards), hand it to the communicator's path, and return device arrays. They block until MPI is
 done with the data; results are ready on the current stream.
+
+Reductions follow ``mpidist.wire`` here, once for every path: a reduction MPI runs on a converted copy
+(float16 sums in float32, float min/max as order keys, so NaN propagates) converts on the device before
+the path runs and back after it, so no path (NCCL, IPC, CUDA-aware or staged MPI) reduces float16 or
+compares NaN itself.
 """
 
-from .base import op_from_mpi
+from .base import op_of
 from .select import engine, p2p_path
 
 __all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "isend"]
@@ -20,10 +25,26 @@ def _in_place(path, x, run):
     return x
 
 
-def allreduce(x, comm, mpi_op, mean):
-    """Reduce device array ``x`` in place over ``comm``; return ``x``."""
+def _to_wire(device, reduction, flat):
+    """Return ``flat`` as the path reduces it: itself, or a converted copy (``reduction.converts``)."""
+    if not reduction.converts:
+        return flat
+    buf = device.empty(flat.size, reduction.wire)
+    device.elementwise(reduction.to_wire, buf, flat)
+    return buf
+
+
+def allreduce(x, comm, reduction):
+    """Reduce device array ``x`` in place over ``comm`` with ``reduction`` (a ``wire.Reduction``); return ``x``."""
     path = engine(comm)
-    return _in_place(path, x, lambda flat: path.allreduce(flat, op_from_mpi(mpi_op, mean)))
+
+    def run(flat):
+        buf = _to_wire(path.device, reduction, flat)
+        path.allreduce(buf, op_of(reduction))
+        if buf is not flat:
+            path.device.elementwise(reduction.from_wire, flat, buf)
+
+    return _in_place(path, x, run)
 
 
 def broadcast(x, comm, root):
@@ -47,13 +68,19 @@ def allgather(x, comm, counts, out_shape, out=None):
     return _in_place(path, out, lambda flat: path.allgather(send, flat, counts))
 
 
-def reduce_scatter(x, comm, counts, out_shape, mpi_op, mean):
-    """Reduce device array ``x`` over ``comm``; return this rank's ``counts[rank]`` elements shaped ``out_shape``."""
+def reduce_scatter(x, comm, counts, out_shape, reduction):
+    """Reduce device array ``x`` over ``comm`` with ``reduction``; return this rank's ``counts[rank]`` elements
+    shaped ``out_shape``."""
     path = engine(comm)
     d = path.device
     send, _ = d.flat(x)
-    recv = d.empty(counts[comm.Get_rank()], x.dtype)
-    path.reduce_scatter(send, recv, counts, op_from_mpi(mpi_op, mean))
+    send = _to_wire(d, reduction, send)  # a copy when converted: x itself is left as it was
+    recv = d.empty(counts[comm.Get_rank()], reduction.wire)
+    path.reduce_scatter(send, recv, counts, op_of(reduction))
+    if reduction.converts:
+        result = d.empty(recv.size, x.dtype)
+        d.elementwise(reduction.from_wire, result, recv)
+        recv = result
     return recv.reshape(out_shape)
 
 

@@ -12,11 +12,10 @@ Ordering rules, in the order they happen:
 4. a pinned buffer is reused only after the previous call's H2D copies out of it have completed.
 """
 
-import numpy as np
 from mpi4py import MPI
 
 from ..partition import displacements
-from .base import Path, widened, wire
+from .base import Path, wire
 
 __all__ = ["StagedPath", "StagingPool", "chunk_bounds"]
 
@@ -102,15 +101,11 @@ class StagedPath(Path):
     def allreduce(self, x, op):
         host = self.pool.get(x.dtype, x.size)
         size = self.size
-        wide = widened(x.dtype)
 
         def mpi_call(chunk):
-            buf = chunk.astype(np.float32) if wide else chunk
-            self.comm.Allreduce(MPI.IN_PLACE, buf, op=op.mpi)
+            self.comm.Allreduce(MPI.IN_PLACE, chunk, op=op.mpi)
             if op.mean:
-                buf /= size
-            if wide:
-                chunk[...] = buf
+                chunk /= size
 
         self.pool.release(x.dtype, self._pipeline(x, host, mpi_call, down=True, up=True))
 
@@ -150,16 +145,12 @@ class StagedPath(Path):
     def reduce_scatter(self, send, recv, counts, op):
         host_send = self._down(send, 0)
         host_recv = self.pool.get(recv.dtype, recv.size, 1)
-        wide = widened(send.dtype)
-        mpi_send, mpi_recv = (host_send.astype(np.float32), np.empty(recv.size, np.float32)) if wide else (host_send, host_recv)
         if len(set(counts)) == 1:
-            self.comm.Reduce_scatter_block(mpi_send, mpi_recv, op=op.mpi)
+            self.comm.Reduce_scatter_block(host_send, host_recv, op=op.mpi)
         else:
-            self.comm.Reduce_scatter(mpi_send, mpi_recv, list(counts), op=op.mpi)
+            self.comm.Reduce_scatter(host_send, host_recv, list(counts), op=op.mpi)
         if op.mean:
-            mpi_recv /= self.size
-        if wide:
-            host_recv[...] = mpi_recv
+            host_recv /= self.size
         self._up(recv, host_recv, 1)
 
     def isend(self, x, dest, tag):
