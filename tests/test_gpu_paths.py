@@ -127,8 +127,8 @@ def test_selection_refuses_impossible_or_unsafe_requests(monkeypatch):
     monkeypatch.setenv("MPIDIST_CUDA_AWARE", "1")
     with pytest.raises(RuntimeError, match="MPIDIST_CUDA_AWARE=1 but a device-buffer allreduce gave wrong values"):
         mpidist.simulate(2, lambda comm: gpu.attach(comm, fake_for(comm, lying=True), probe=NO))
-    monkeypatch.setenv("MPIDIST_CUDA_AWARE", "yes")
-    with pytest.raises(ValueError, match="MPIDIST_CUDA_AWARE: expected 0 or 1 \\(got 'yes'\\)"):
+    monkeypatch.setenv("MPIDIST_CUDA_AWARE", "maybe")  # the booleans of mpidist.config: 1/0, true/false, yes/no, on/off
+    with pytest.raises(ValueError, match="MPIDIST_CUDA_AWARE: expected 1/0, true/false, yes/no or on/off \\(got 'maybe'\\)"):
         mpidist.simulate(2, lambda comm: gpu.attach(comm, fake_for(comm), probe=NO))
     with pytest.raises(ValueError, match="unknown path 'fast'"):
         gpu.attach(None, FakeDevice(), path="fast")

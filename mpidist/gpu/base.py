@@ -5,8 +5,8 @@ path does not implement (or cannot do for a dtype) goes to its ``staged`` fallba
 """
 
 import dataclasses
-import os
 
+from .. import config
 from ..wire import copy_view as wire
 
 __all__ = ["Op", "Settings", "Path", "op_of", "wire"]
@@ -27,16 +27,8 @@ def op_of(reduction):
 
 
 def _env_chunk_bytes():
-    value = os.environ.get("MPIDIST_GPU_CHUNK_MB")
-    if value is None:
-        return 4 << 20
-    try:
-        mb = float(value)
-    except ValueError:
-        raise ValueError(f"MPIDIST_GPU_CHUNK_MB: expected a number of MiB (got {value!r})") from None
-    if mb <= 0:
-        raise ValueError(f"MPIDIST_GPU_CHUNK_MB: must be positive (got {value!r})")
-    return max(1, int(mb * (1 << 20)))
+    mb = config.get("MPIDIST_GPU_CHUNK_MB")
+    return 4 << 20 if mb is None else max(1, int(mb * (1 << 20)))
 
 
 @dataclasses.dataclass(frozen=True)
