@@ -76,7 +76,7 @@ import time
 import warnings
 import zlib
 from dataclasses import dataclass, replace
-from typing import Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -88,7 +88,7 @@ from .optim import is_held
 from .xp import copy_into, to_numpy
 
 __all__ = ["save", "load", "latest_step", "list_steps", "check_writable", "file_operation_hook", "FILE_OPERATIONS",
-           "CheckpointError"]
+           "LoadResult", "CheckpointError"]
 
 FORMAT = "mpidist-checkpoint-2"
 FLAT_FORMAT = "mpidist-checkpoint-1"  # flat ranges; still loaded
@@ -621,9 +621,8 @@ def _remove_leftovers(root):
             _remove_tree(directory)
             continue
         try:
-            with open(os.path.join(directory, MANIFEST)) as f:
-                listed = set(json.load(f)["files"])
-        except (OSError, ValueError, KeyError, TypeError):
+            listed = set(_manifest_json(directory)[1]["files"])
+        except (CheckpointError, KeyError, TypeError):
             listed = None
         try:
             entries = sorted(os.listdir(directory))
@@ -1199,21 +1198,135 @@ class _Reader:
                                   f"elements of {_describe_box(entry['shape'], offsets, sizes)}")
 
 
-def _check_keys(slots, manifest, directory):
-    """Raise naming every key the model needs that the checkpoint lacks or holds with another shape or dtype."""
-    tensors = manifest["tensors"]
-    problems = []
+class LoadResult(NamedTuple):
+    """What ``load(..., strict=False)`` did: the step loaded, and the keys only one side has (as in PyTorch)."""
+
+    step: int
+    missing_keys: List[str]     # in the state, not in the checkpoint: left as they were
+    unexpected_keys: List[str]  # in the checkpoint (under an entry name of the state), in no rank's state: not read
+
+
+def _key_problems(slots, tensors):
+    """Return (keys the checkpoint holds with another shape or dtype than ``slots``, keys it lacks)."""
+    problems, missing = [], []
     for slot in slots:
         for key, shape in {(seg.key, seg.shape): None for seg in slot.segments}:
             if key not in tensors:
-                problems.append(f"{key!r} missing")
+                missing.append(key)
             elif tuple(tensors[key]["shape"]) != tuple(shape):
                 problems.append(f"{key!r} has shape {tuple(tensors[key]['shape'])} in the checkpoint, {tuple(shape)} in the model")
             elif np.dtype(tensors[key]["dtype"]) != slot.array.dtype:
                 problems.append(f"{key!r} has dtype {np.dtype(tensors[key]['dtype'])} in the checkpoint, {slot.array.dtype} in the model")
+    return problems, missing
+
+
+def _check_keys(slots, manifest, directory):
+    """Raise naming every key the checkpoint holds with another shape or dtype than ``slots``."""
+    problems, _ = _key_problems(slots, manifest["tensors"])
     if problems:
         raise CheckpointError(f"checkpoint: {os.path.join(directory, MANIFEST)} does not match this state "
-                              f"(from another model?): {'; '.join(problems[:10])}{' ...' if len(problems) > 10 else ''}")
+                              f"(from another model?): {_listing(problems)}")
+
+
+def _listing(items, limit=10):
+    """Return the first ``limit`` of ``items`` joined by "; ", saying how many more there are."""
+    more = f"; ... ({len(items) - limit} more)" if len(items) > limit else ""
+    return "; ".join(items[:limit]) + more
+
+
+def _compare_keys(state, manifest, path):
+    """Return (problems, missing, spare, read): this rank's part of ``state`` against the checkpoint; change nothing.
+
+    problems: keys held with another shape or dtype. missing: what this rank needs that the checkpoint lacks
+    (tensor keys; an optimizer, or its state for one parameter, as ``optim`` or ``optim.<key>``; JSON entries
+    by name). spare and read: the checkpoint's tensor keys under an entry name of ``state`` that this rank
+    does not need, and those it needs. An optimizer entry of another type or parameter grouping raises.
+    """
+    tensors, saved = manifest["tensors"], manifest["json"]
+    registry, slots, missing = _Registry(), [], []
+    for name, obj in state.items():
+        if _is_model(obj) and not _is_optimizer(obj):
+            slots.extend(_model_slots(name, obj, registry))
+    for name, obj in state.items():
+        if _is_optimizer(obj):
+            if name not in saved:
+                missing.append(name)
+                continue
+            _check_optimizer_entry(name, obj, saved[name], path)
+            _check_optimizer_structure(name, obj, saved[name], registry, path)
+            for i, p in enumerate(obj.params):
+                pkeys, segments = _registered(name, i, p, registry)
+                kept = saved[name]["params"].get(pkeys[0])
+                if kept is None:  # (an FSDP shard's state is saved under each key it holds, so any stands for all)
+                    missing.extend(f"{name}.{key}" for key in pkeys)
+                else:  # the arrays it will hold, shaped and typed like the parameter's storage
+                    slots.extend(_state_slots(name, segments, {k: p.data for k in kept["arrays"]}))
+        elif _is_array(obj):
+            slots.append(_full_slot(name, obj))
+        elif not _is_model(obj) and name not in saved:
+            missing.append(name)
+    problems, absent = _key_problems(slots, tensors)
+    needed = {seg.key for slot in slots for seg in slot.segments}
+    owned = [key for key in tensors if any(key.startswith(f"{n}.") or key == n for n in state)]
+    return (problems, sorted(set(missing) | set(absent)), sorted(k for k in owned if k not in needed),
+            sorted(k for k in owned if k in needed))
+
+
+def _mismatch(path, reports, strict):
+    """Return (error message or None, missing keys, unexpected keys) from every rank's ``_compare_keys``.
+
+    A key is unexpected when some rank's state has its entry and no rank reads it: a pipeline rank needs
+    only its own stages' keys, and a stage without parameters may have no optimizer at all.
+    """
+    problems = list(dict.fromkeys(problem for report in reports for problem in report[0]))
+    missing = sorted({key for report in reports for key in report[1]})
+    read = {key for report in reports for key in report[3]}
+    unexpected = sorted({key for report in reports for key in report[2]} - read)
+    listed = problems
+    if strict:
+        listed = problems + [f"{k!r} missing" for k in missing] + [f"{k!r} not in this state" for k in unexpected]
+    if not listed:
+        return None, missing, unexpected
+    hint = "; load(..., strict=False) loads the keys both have" if listed is not problems and not problems else ""
+    return (f"checkpoint: {path} does not match this state (from another model?): {_listing(listed)}{hint}",
+            missing, unexpected)
+
+
+def _check_optimizer_structure(name, opt, entry, registry, path):
+    """Raise unless optimizer ``name``'s saved entry comes from an optimizer of ``opt``'s type and parameter groups.
+
+    Older checkpoints record no type and no grouping: their groups' hyperparameter names tell the type apart
+    (Adam's betas and eps, SGD's momentum).
+    """
+    at, kind = f"json[{name!r}]", type(opt).__qualname__
+    saved_kind = entry.get("type", kind)
+    if saved_kind != kind:
+        raise _field_error(path, f"{at}.type", f"is {_show(saved_kind)}, but optimizer {name!r} of this state is of "
+                                               f"type {kind}: an optimizer's state loads only into one of its own type")
+    groups = entry["param_groups"]
+    if len(groups) != len(opt.param_groups):
+        raise _field_error(path, f"{at}.param_groups", f"holds {len(groups)} parameter groups, optimizer {name!r} of "
+                                                       f"this state {len(opt.param_groups)}")
+    for index, (saved, group) in enumerate(zip(groups, opt.param_groups)):
+        theirs, ours = sorted(k for k in saved if k != "params"), sorted(k for k in group if k != "params")
+        if theirs != ours:
+            raise _field_error(path, f"{at}.param_groups[{index}]", f"has the hyperparameters {theirs} (of an optimizer "
+                                                                    f"of another type?); optimizer {name!r} of this "
+                                                                    f"state, of type {kind}, has {ours}")
+    group_keys = entry.get("group_keys")
+    if group_keys is None:
+        return
+    if (not isinstance(group_keys, list) or len(group_keys) != len(groups)
+            or not all(isinstance(keys, list) and all(isinstance(k, str) for k in keys) for keys in group_keys)):
+        raise _field_error(path, f"{at}.group_keys", f"must be a list of {len(groups)} lists of keys, one per "
+                                                     f"parameter group (got {_show(group_keys)})")
+    saved_group = {key: index for index, keys in enumerate(group_keys) for key in keys}
+    for index, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            for key in registry.by_param.get(id(p), ((),))[0]:
+                if saved_group.get(key, index) != index:
+                    raise _field_error(path, f"{at}.group_keys", f"puts {key!r} in parameter group {saved_group[key]}, "
+                                                                 f"optimizer {name!r} of this state in group {index}")
 
 
 def _check_writable(slots):
@@ -1234,12 +1347,14 @@ def _restore_optimizer(name, opt, entry, registry):
     for group, saved in zip(opt.param_groups, groups):
         # JSON turns tuples (Adam's betas) into lists; give them back their type.
         group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
-    opt.state = {}
+    kept, opt.state = opt.state, {}
     for i, p in enumerate(opt.params):
         pkeys, _ = registry.by_param[id(p)]
         saved = entry["params"].get(pkeys[0])
-        if saved is None:
-            raise CheckpointError(f"checkpoint: optimizer {name!r} has no saved state for parameter {pkeys[0]!r}")
+        if saved is None:  # only under strict=False (_compare_keys listed it): keeps its state
+            if i in kept:
+                opt.state[i] = kept[i]
+            continue
         if not saved["arrays"] and not saved["scalars"]:
             continue
         state = dict(saved["scalars"])
@@ -1361,8 +1476,17 @@ def _print_now(line):
 
 
 @guard.phase("checkpoint")
-def load(root, state, comm, step=None, verify=True, log=_print_now, fallback=False):
+def load(root, state, comm, step=None, verify=True, log=_print_now, fallback=False, strict=True):
     """Load checkpoint ``step`` (default: the newest) from ``root`` into ``state``; return the step, or None if there is none.
+
+    Strict (the default): for every entry of ``state`` the checkpoint must hold exactly the keys that entry has
+    (a model's parameters and buffers, an array, an optimizer's per-parameter state, a JSON value), and an
+    optimizer's entry must come from one of the same type and parameter groups; otherwise CheckpointError on
+    every rank names the keys only one side has (or both optimizers). Entries of the checkpoint that ``state``
+    does not name are not read: pass ``{"model": model}`` to load only the weights of a training checkpoint.
+    ``strict=False`` loads the keys both have, leaves the others as they are and returns a ``LoadResult``
+    (step, missing_keys, unexpected_keys), as PyTorch's ``load_state_dict`` does; other shapes or dtypes and
+    another optimizer type still raise. ``step``: an int >= 0.
 
     Traced (``mpidist.trace``) as one "checkpoint load" event per rank, category "io".
 
@@ -1372,7 +1496,7 @@ def load(root, state, comm, step=None, verify=True, log=_print_now, fallback=Fal
     replace entries of ``state``. Values that differed by rank at save time (a per-rank RNG) are
     restored per rank when loading at the same world size, and from rank 0 otherwise.
     When ``root`` holds no checkpoint, rank 0 says so through ``log`` (one line; None: silent), so that a
-    mistyped path is not a silent restart. ``step``: an int >= 0.
+    mistyped path is not a silent restart.
 
     The checkpoint is untrusted input: the whole manifest is checked before anything in ``state`` changes,
     every file it names must lie in the step's own directory, and nothing in it is executed. A problem raises
@@ -1382,7 +1506,7 @@ def load(root, state, comm, step=None, verify=True, log=_print_now, fallback=Fal
     over (``step`` given: that step or an error, whatever ``fallback``).
     """
     with _io_span("checkpoint load", step):
-        return _load(root, state, comm, step, verify, log, fallback)
+        return _load(root, state, comm, step, verify, log, fallback, strict)
 
 
 def _newest(root, fallback):
@@ -1404,14 +1528,16 @@ def _newest(root, fallback):
     return (steps if fallback else steps[:1]), unreadable, None if steps else _nothing_to_resume(root)
 
 
-def _load(root, state, comm, step=None, verify=True, log=_print_now, fallback=False):
+def _load(root, state, comm, step=None, verify=True, log=_print_now, fallback=False, strict=True):
     check_comm("checkpoint.load", comm)
     if not isinstance(fallback, bool):
         raise TypeError(f"checkpoint.load: fallback must be True or False (got {fallback!r})")
+    if not isinstance(strict, bool):
+        raise TypeError(f"checkpoint.load: strict must be True or False (got {strict!r})")
     _name_pipeline_layers(state)
     if step is not None:
         _agree(comm, "load (arguments)", lambda: _check_step("checkpoint.load", step))
-        return _load_step(root, state, comm, step, verify)
+        return _load_step(root, state, comm, step, verify, strict=strict)
     rank = comm.Get_rank()
     steps, unreadable, message = comm.bcast(
         _agree(comm, "load (finding the newest checkpoint)", lambda: _newest(root, fallback) if rank == 0 else None),
@@ -1425,7 +1551,7 @@ def _load(root, state, comm, step=None, verify=True, log=_print_now, fallback=Fa
                       f"{'; '.join(unreadable)}", RuntimeWarning, stacklevel=4)
     for i, candidate in enumerate(steps):
         try:
-            return _load_step(root, state, comm, candidate, verify, newest=not fallback)
+            return _load_step(root, state, comm, candidate, verify, newest=not fallback, strict=strict)
         except CheckpointError as exc:
             if i + 1 == len(steps):
                 raise
@@ -1434,10 +1560,11 @@ def _load(root, state, comm, step=None, verify=True, log=_print_now, fallback=Fa
                               f"which is older: {exc}", RuntimeWarning, stacklevel=4)
 
 
-def _load_step(root, state, comm, step, verify, newest=False):
+def _load_step(root, state, comm, step, verify, newest=False, strict=True):
     """Load checkpoint ``step``, or raise CheckpointError on every rank with ``state`` as it was.
 
     ``newest``: it was chosen as the newest, and a damaged manifest says how to fall back to an older one.
+    Returns the step (strict) or a ``LoadResult``.
     """
     directory = _step_dir(root, step)
     try:
@@ -1454,21 +1581,23 @@ def _load_step(root, state, comm, step, verify, newest=False):
     optimizers = {name: obj for name, obj in state.items() if _is_optimizer(obj)}
     before = {name: ([dict(g) for g in opt.param_groups], opt.state) for name, opt in optimizers.items()}
 
+    # Which keys only one side has needs every rank's part (a pipeline rank holds its own stages only).
+    reports = comm.allgather(_agree(comm, f"load of step {step} (comparing keys)",
+                                    lambda: _compare_keys(state, manifest, manifest_path)))
+    mismatch, missing, unexpected = _mismatch(manifest_path, reports, strict)
+
     def read():
-        # The models' keys first: a checkpoint of another model is reported by its parameters, not by
-        # the optimizer state that then does not fit either.
+        if mismatch:  # the same on every rank
+            raise CheckpointError(mismatch)
         registry, model_slots = _Registry(), []
         for name, obj in state.items():
             if _is_model(obj) and not _is_optimizer(obj):
                 model_slots.extend(_model_slots(name, obj, registry))
-        _check_keys(model_slots, manifest, directory)
         _check_writable(model_slots)
         # Optimizer state arrays must exist before slots can point at them (undone below on failure).
         for name, opt in optimizers.items():
-            if name not in manifest["json"]:
-                raise CheckpointError(f"checkpoint: {directory} holds no optimizer {name!r}")
-            _check_optimizer_entry(name, opt, manifest["json"][name], manifest_path)
-            _restore_optimizer(name, opt, manifest["json"][name], registry)
+            if name in manifest["json"]:  # (strict=False: one the checkpoint lacks is left as it is)
+                _restore_optimizer(name, opt, manifest["json"][name], registry)
         slots, _ = _plan(state)
         _check_keys(slots, manifest, directory)
         reader = _Reader(directory, manifest, verify)
@@ -1477,6 +1606,8 @@ def _load_step(root, state, comm, step, verify, newest=False):
             host = np.empty(slot.array.size, dtype=slot.array.dtype)
             host[...] = to_numpy(slot.array).reshape(-1)
             for seg in slot.segments:
+                if seg.key not in manifest["tensors"]:
+                    continue  # strict=False: a key the checkpoint lacks keeps its values
                 host[seg.local_start: seg.local_start + seg.count] = 0  # what no chunk fills is padding: zero
                 for offsets, sizes, rel, box_shape, window in seg.boxes():
                     first = seg.local_start + rel
@@ -1525,7 +1656,7 @@ def _load_step(root, state, comm, step, verify, newest=False):
             copy_into(slot.array, host.reshape(slot.array.shape))
 
     _agree(comm, f"load of step {step} (apply)", apply)
-    return int(step)
+    return int(step) if strict else LoadResult(int(step), missing, unexpected)
 
 
 def _restore_json(name, state, value, path):

@@ -692,3 +692,171 @@ def test_step_and_keep_last_must_be_the_same_on_every_rank(comm, tmp_path):
     comm.barrier()
     assert os.listdir(root) == []
 
+
+# -- loading is strict: keys only one side has, optimizers of another type or grouping -------------------
+def shorter(seed=0):
+    """make_model's first three layers."""
+    return nn.Sequential(*list(make_model(seed))[:3])
+
+
+def longer(seed=0):
+    """make_model and two more layers."""
+    rng = np.random.default_rng(seed + 100)
+    return nn.Sequential(*list(make_model(seed)), nn.Tanh(), nn.Linear(3, 3, rng=rng, dtype=np.float64))
+
+
+def test_a_strict_load_names_the_keys_only_one_side_has_on_every_rank(comm, tmp_path):
+    root = shared_dir(comm, tmp_path)
+    model = make_model()
+    opt = optim.Adam(model.parameters(), lr=0.01)
+    train(model, opt, 2)
+    checkpoint.save(root, {"model": model, "optim": opt}, comm, step=2)
+    small = shorter(seed=4)
+    small_opt = optim.Adam(small.parameters(), lr=0.01)
+    small_before = full_params(small)
+    with pytest.raises(CheckpointError, match=r"does not match this state \(from another model\?\): 'model.3.bias' not "
+                                              r"in this state; 'model.3.weight' not in this state; 'model.4.bias' not "
+                                              r"in this state; 'model.4.weight' not in this state; "
+                                              r"'optim.model.3.bias.exp_avg' not in this state; .*\(\d+ more\); "
+                                              r"load\(..., strict=False\) loads the keys both have"):
+        checkpoint.load(root, {"model": small, "optim": small_opt}, comm)
+    for k, v in small_before.items():
+        np.testing.assert_array_equal(small.state_dict()[k], v)
+    assert small_opt.state == {}
+    big = longer(seed=4)
+    with pytest.raises(CheckpointError, match=r"'model.6.bias' missing; 'model.6.weight' missing; 'optim.model.6.bias' "
+                                              r"missing; 'optim.model.6.weight' missing; load\(..., strict=False\)"):
+        checkpoint.load(root, {"model": big, "optim": optim.Adam(big.parameters(), lr=0.01)}, comm)
+    # A layer inserted: keys on both sides, named together.
+    shifted = nn.Sequential(*list(make_model(seed=4))[:4], nn.Tanh(), list(make_model(seed=4))[4])
+    with pytest.raises(CheckpointError, match=r"'model.5.bias' missing; 'model.5.weight' missing; 'model.4.bias' not "
+                                              r"in this state; 'model.4.weight' not in this state"):
+        checkpoint.load(root, {"model": shifted}, comm)
+    # The entries of a checkpoint that the state does not name are not read: the weights alone load strictly.
+    weights = make_model(seed=4)
+    assert checkpoint.load(root, {"model": weights}, comm) == 2
+    for k, v in full_params(model).items():
+        np.testing.assert_array_equal(weights.state_dict()[k], v)
+    # A JSON entry the state has and the checkpoint lacks is missing too.
+    with pytest.raises(CheckpointError, match=r"'sampler_epoch' missing"):
+        checkpoint.load(root, {"model": weights, "sampler_epoch": 0}, comm)
+
+
+def test_strict_false_loads_the_keys_both_have_and_lists_the_others(comm, tmp_path):
+    from mpidist.parallel.fsdp import FSDP
+    root = shared_dir(comm, tmp_path)
+    model = make_model()
+    opt = optim.Adam(model.parameters(), lr=0.01)
+    train(model, opt, 2)
+    checkpoint.save(root, {"model": model, "optim": opt, "epoch": 7}, comm, step=2)
+    saved, saved_opt = full_params(model), opt.state_dict()
+    names = [name for name, _ in model.named_parameters()]
+
+    # Into a longer model under FSDP: the extra layer's values (and its place in every flat shard) stay as they were.
+    fsdp = FSDP(longer(seed=4), comm)
+    fsdp_opt = optim.Adam(fsdp.parameters(), lr=0.5)
+    train(fsdp, fsdp_opt, 1, comm=comm)  # so that its Adam state exists, and is kept for what the checkpoint lacks
+    extra = {k: v.copy() for k, v in fsdp.full_state_dict().items() if k.startswith("6.")}
+    state = {"model": fsdp, "optim": fsdp_opt, "epoch": 0, "note": "mine"}
+    result = checkpoint.load(root, state, comm, strict=False)
+    assert result == checkpoint.LoadResult(2, ["model.6.bias", "model.6.weight", "note", "optim.model.6.bias",
+                                               "optim.model.6.weight"], [])
+    assert state["epoch"] == 7 and state["note"] == "mine" and fsdp_opt.param_groups[0]["lr"] == 0.01
+    got = fsdp.full_state_dict()  # (whole on rank 0)
+    if comm.Get_rank() == 0:
+        for k, v in saved.items():
+            np.testing.assert_array_equal(got[k], v)
+        for k, v in extra.items():
+            np.testing.assert_array_equal(got[k], v)
+
+    # Into a shorter plain model: the checkpoint's other keys are listed, the shared ones loaded with Adam's state.
+    small = shorter(seed=4)
+    small_opt = optim.Adam(small.parameters(), lr=0.5)
+    result = checkpoint.load(root, {"model": small, "optim": small_opt}, comm, strict=False)
+    assert result.step == 2 and result.missing_keys == []
+    kept = len(list(small.parameters()))  # the first layers' parameters
+    assert result.unexpected_keys == sorted([f"model.{n}" for n in names[kept:]] + [
+        f"optim.model.{n}.{k}" for n in names[kept:] for k in ("exp_avg", "exp_avg_sq")])
+    for k, v in small.state_dict().items():
+        np.testing.assert_array_equal(v, saved[k])
+    got_opt = small_opt.state_dict()
+    for i in range(kept):
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            np.testing.assert_array_equal(got_opt["state"][i][k], saved_opt["state"][i][k])
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_a_key_no_rank_reads_is_unexpected_whichever_ranks_hold_its_entry(comm, tmp_path):
+    """Ranks whose state has no optimizer (a pipeline stage without parameters has none) hide nothing."""
+    root = shared_dir(comm, tmp_path)
+    model = make_model()
+    opt = optim.Adam(model.parameters(), lr=0.01)
+    train(model, opt, 2)
+    checkpoint.save(root, {"model": model, "optim": opt}, comm, step=2)
+    small = shorter(seed=4)
+    state = {"model": small}
+    if comm.Get_rank() == 0:
+        state["optim"] = optim.Adam(small.parameters(), lr=0.01)
+    result = checkpoint.load(root, state, comm, strict=False)
+    others = [name for name, _ in model.named_parameters()][len(list(small.parameters())):]
+    assert result == checkpoint.LoadResult(2, [], sorted([f"model.{n}" for n in others] + [
+        f"optim.model.{n}.{k}" for n in others for k in ("exp_avg", "exp_avg_sq")]))
+
+
+def test_an_optimizer_checkpoint_of_another_type_or_grouping_is_refused_naming_both(comm, tmp_path):
+    root = shared_dir(comm, tmp_path)
+
+    def saved_with(make_optimizer, step):
+        model = make_model()
+        opt = make_optimizer(model)
+        train(model, opt, 2)
+        checkpoint.save(root, {"model": model, "optim": opt}, comm, step=step, keep_last=None)
+
+    def refused(make_optimizer, step, match):
+        model = make_model(seed=4)
+        opt = make_optimizer(model)
+        train(model, opt, 1)
+        params, opt_state = full_params(model), opt.state_dict()
+        with pytest.raises(CheckpointError, match=match):
+            checkpoint.load(root, {"model": model, "optim": opt}, comm, step=step)
+        for k, v in params.items():  # nothing changed
+            np.testing.assert_array_equal(model.state_dict()[k], v)
+        after = opt.state_dict()
+        assert after["param_groups"] == opt_state["param_groups"] and after["state"].keys() == opt_state["state"].keys()
+        for i, s in opt_state["state"].items():
+            for k, v in s.items():
+                np.testing.assert_array_equal(after["state"][i][k], v)
+
+    adam = lambda model: optim.Adam(model.parameters(), lr=0.01)  # noqa: E731
+    sgd = lambda model: optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    adamw = lambda model: optim.AdamW(model.parameters(), lr=0.01)  # noqa: E731
+    saved_with(adam, 1)
+    saved_with(sgd, 2)
+    refused(sgd, 1, r"json\['optim'\].type is 'Adam', but optimizer 'optim' of this state is of type SGD")
+    refused(adamw, 1, r"json\['optim'\].type is 'Adam', but optimizer 'optim' of this state is of type AdamW")
+    refused(adam, 2, r"json\['optim'\].type is 'SGD', but optimizer 'optim' of this state is of type Adam")
+
+    # Saved before optimizers recorded their type: the groups' hyperparameter names tell them apart.
+    if comm.Get_rank() == 0:
+        path = os.path.join(root, "step_00000002", "manifest.json")
+        manifest = json.load(open(path))
+        for entry in [manifest["json"]] + manifest.get("json_per_rank", []):
+            del entry["optim"]["type"], entry["optim"]["group_keys"]
+        open(path, "w").write(json.dumps(manifest))
+    comm.barrier()
+    refused(adam, 2, r"json\['optim'\].param_groups\[0\] has the hyperparameters \['dampening', 'lr', 'momentum', "
+                     r"'nesterov', 'weight_decay'\] \(of an optimizer of another type\?\); optimizer 'optim' of this "
+                     r"state, of type Adam, has \['betas', 'eps', 'lr', 'weight_decay'\]")
+
+    # The same type, another grouping of the parameters: weights and biases swapped between two groups.
+    def grouped(weights_first):
+        def make(model):
+            weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+            biases = [p for name, p in model.named_parameters() if not name.endswith("weight")]
+            groups = [weights, biases] if weights_first else [biases, weights]
+            return optim.SGD([{"params": groups[0]}, {"params": groups[1], "lr": 0.05}], lr=0.1, momentum=0.9)
+        return make
+
+    saved_with(grouped(weights_first=True), 3)
+    refused(grouped(weights_first=False), 3, r"json\['optim'\].group_keys puts 'model.0.bias' in parameter group 1, "
+                                             r"optimizer 'optim' of this state in group 0")
