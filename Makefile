@@ -75,7 +75,7 @@ endif
 LAUNCH_TESTS = $(shell grep -l '^import launcher' tests/test_*.py)
 
 .PHONY: venv test test-sim test-mpi test-launch demo demo-digits bench clean test-slurm bench-plot test-mpi4py \
-        test-elastic demo-elastic test-cluster
+        test-elastic demo-elastic test-cluster test-hf
 
 $(MARKER): setup.cfg pyproject.toml
 ifeq ($(MPI),system)
@@ -101,8 +101,16 @@ test-mpi: venv
 test-launch: venv
 	$(PY) $(PYTEST) $(LAUNCH_TESTS)
 
-# mpi4py's own unit tests (its sdist, downloaded at run time) on the simulated communicator at n = 1..4:
-# prints the per-file table of docs/simulation.md. Not part of `make test` (it takes minutes).
+# Export to and import from Hugging Face transformers (tests/test_export.py, docs/gpt.md): installs the hf extra
+# (transformers, ~280 MB with its dependencies) into the venv, which `make test` leaves out; without it those
+# two checks skip with their reason.
+test-hf: venv
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[hf]'
+	$(PY) $(PYTEST) -rs tests/test_export.py
+
+# mpi4py's own unit tests (its sdist, downloaded at run time) on the simulated communicator at n = 1..4, and its
+# demo programs under mpiexec and under `mpidist sim` with the same -n, outputs compared: prints the tables of
+# docs/simulation.md. Not part of `make test` (it takes minutes).
 test-mpi4py: venv
 	$(PY) tests/mpi4py_upstream.py --sizes 1,2,3,4 --baseline tests/mpi4py_baseline.json
 
