@@ -763,7 +763,7 @@ def test_checkpoint_function_form_and_module_flag_agree():
         block.zero_grad()
         nn.manual_seed(2)
         xt = nn.Tensor(x, requires_grad=True)
-        out = block(xt) if form == "plain" else nn.checkpoint(block, xt)
+        out = block(xt) if form == "plain" else nn.recompute(block, xt)
         out.backward(rand(3, 6, seed=1))
         outs.append((xt.grad, [p.grad for p in block.parameters()]))
     np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-13)
@@ -867,7 +867,7 @@ def test_backward_inputs_and_no_grad_decorator():
 def test_checkpoint_passes_gradients_to_keyword_tensors():
     x = nn.Tensor(rand(3), requires_grad=True)
     m = nn.Tensor(rand(3, seed=1), requires_grad=True)
-    out = nn.checkpoint(lambda a, scale=None: F.tanh(a * scale), x, scale=m * 2)
+    out = nn.recompute(lambda a, scale=None: F.tanh(a * scale), x, scale=m * 2)
     out.sum().backward()
     t = np.tanh(x.data * m.data * 2)
     np.testing.assert_allclose(x.grad, (1 - t * t) * m.data * 2)

@@ -21,7 +21,7 @@ import itertools
 from collections import OrderedDict, namedtuple
 
 from mpidist.nn.autograd import Tensor, _add_hook, is_grad_enabled, no_grad  # noqa: F401 (re-exported)
-from mpidist.nn.checkpoint import checkpoint
+from mpidist.nn.recompute import recompute
 from mpidist.xp import copy_into
 
 __all__ = ["Parameter", "Module", "Sequential", "ModuleList", "ModuleDict", "no_grad", "is_grad_enabled",
@@ -149,7 +149,7 @@ class Module:
                     args = result if isinstance(result, tuple) else (result,)
         if self.activation_checkpointing and is_grad_enabled():
             # Inside the hooks: FSDP's pre-hook has gathered the parameters the recompute reads.
-            out = checkpoint(self.forward, *args, **kwargs)
+            out = recompute(self.forward, *args, **kwargs)
         else:
             out = self.forward(*args, **kwargs)
         hooks = self._forward_hooks.values()

@@ -1,7 +1,7 @@
 """Activation checkpointing: keep a block's inputs, recompute its activations in backward.
 
-``checkpoint(fn, *inputs)`` runs ``fn`` without building a graph and records two things: the
-parameters it read (so their gradients still flow, through the checkpoint's own node, and each one's
+``recompute(fn, *inputs)`` runs ``fn`` without building a graph and records two things: the
+parameters it read (so their gradients still flow, through the recompute's own node, and each one's
 post-accumulate-grad hook still fires once) and the state of every generator it drew from before its
 first draw (so the recompute applies the same dropout masks). In backward it recomputes ``fn`` with a
 graph and differentiates that.
@@ -11,10 +11,10 @@ from mpidist.nn import autograd
 from mpidist.nn.autograd import Tensor, make_results
 from mpidist.nn.random import track_generators
 
-__all__ = ["checkpoint"]
+__all__ = ["recompute"]
 
 
-def checkpoint(fn, *inputs, **kwargs):
+def recompute(fn, *inputs, **kwargs):
     """Return ``fn(*inputs, **kwargs)``, saving only the inputs; gradients equal those without checkpointing."""
     if not autograd.is_grad_enabled():
         return fn(*inputs, **kwargs)
@@ -24,7 +24,7 @@ def checkpoint(fn, *inputs, **kwargs):
     outs = (out,) if single else tuple(out)
     for i, o in enumerate(outs):
         if not isinstance(o, Tensor):
-            raise TypeError(f"checkpoint: output {i} of the function is a {type(o).__name__}, not a Tensor")
+            raise TypeError(f"recompute: output {i} of the function is a {type(o).__name__}, not a Tensor")
     # Keyword tensors are inputs too (a mask computed by the model): their gradients must flow.
     names = list(kwargs)
     flat = list(inputs) + [kwargs[k] for k in names]
@@ -63,5 +63,5 @@ def checkpoint(fn, *inputs, **kwargs):
         by_id = {id(t): g for t, g in zip(targets, found)}
         return tuple(by_id.get(id(t)) if need else None for t, need in zip(fresh + params, needs))
 
-    results = make_results("Checkpoint", [o.data for o in outs], edges_inputs, backward)
+    results = make_results("Recompute", [o.data for o in outs], edges_inputs, backward)
     return results[0] if single else type(out)(results) if isinstance(out, tuple) else list(results)
