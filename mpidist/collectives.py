@@ -29,27 +29,21 @@ from . import guard as _guard
 from .guard import record as _record
 from .comm import CommError, SimComm, check_comm
 from . import xp as _xp
-from .partition import REDUCTIONS, displacements, split_sizes
-from .wire import copy_dtype, copy_view as _wire, reduction_name, resolve as _resolve_op
+from .partition import displacements, split_sizes
+from .wire import (DTYPE_CODES as _DTYPE_CODE, REDUCTIONS as _OP_NAMES, SUPPORTED_DTYPES, copy_dtype,
+                   copy_view as _wire, reduction_name, resolve as _resolve_op)
 
 __all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "send", "recv", "isend", "irecv",
            "barrier", "iallreduce", "ibroadcast", "iallgather", "ireduce_scatter", "Handle", "split_sizes", "displacements",
            "SUPPORTED_DTYPES"]
 
-# Dtypes a header can name (index = code on the wire); order is part of the send/recv protocol.
-SUPPORTED_DTYPES = tuple(np.dtype(t) for t in (
-    "float16", "float32", "float64", "int8", "int16", "int32", "int64",
-    "uint8", "uint16", "uint32", "uint64", "bool", "complex64", "complex128"))
-_DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
+# Dtypes and their codes on the wire (headers, fingerprints): mpidist.wire.DTYPES.
 _HEADER_LEN = 16  # dtype code, ndim, up to 14 dims
 _HEADER_BYTES = _HEADER_LEN * 8
 # send/recv payloads up to this size travel in the header's own message: one message instead of two
 # halves the latency of small sends (the pipeline's activations of small models, state dict pieces).
 _INLINE_MAX = 8192
 
-_OP_NAMES = REDUCTIONS
-_DTYPE_NAMES = tuple(dt.name for dt in SUPPORTED_DTYPES)
-_guard.name_dtypes(_DTYPE_NAMES)  # desync reports name dtypes by these codes
 # How MPI carries each dtype (mpidist/wire.py, shared with the GPU paths): copies carry float16 as uint16;
 # float16 sum/mean/prod reduce in float32, rounded once; float min/max reduce order keys, so NaN propagates.
 

@@ -17,28 +17,119 @@ reduction gives one result on every path, on every MPI and on SimComm, whichever
 """
 
 import dataclasses
+from typing import Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
-from .partition import REDUCTIONS
+__all__ = ["DtypeRow", "DTYPES", "DTYPE_BY_NAME", "DTYPE_CODES", "SUPPORTED_DTYPES", "OpRow", "OPS", "OP_BY_NAME",
+           "REDUCTIONS", "REDUCTION_NAMES", "Reduction", "resolve", "reduction_name", "reduce_dtype", "nccl_type",
+           "copy_view", "copy_dtype"]
 
-__all__ = ["Reduction", "resolve", "reduction_name", "copy_view", "copy_dtype", "MPI_OP_NAMES"]
 
-# The one table of MPI reduction ops: every op the collectives and the GPU paths hand to MPI (or to a device
-# reduction, or to NCCL, which look ops up by these names). The first four are also mpidist's own op names.
-MPI_OP_NAMES = ((MPI.SUM, "SUM"), (MPI.PROD, "PROD"), (MPI.MIN, "MIN"), (MPI.MAX, "MAX"),
-                (MPI.LOR, "LOR"), (MPI.LAND, "LAND"))
-_BY_NAME = {"sum": MPI.SUM, "mean": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
-# MPI defines no SUM/PROD/MIN/MAX on C_BOOL; the logical ops mean the same thing for booleans.
-_BOOL_OPS = {"sum": MPI.LOR, "max": MPI.LOR, "prod": MPI.LAND, "min": MPI.LAND}
+@dataclasses.dataclass(frozen=True)
+class DtypeRow:
+    """One dtype mpidist moves: its code on the wire, and how copies, reductions and NCCL carry it."""
+
+    code: int                  # index in DTYPES: send/recv headers and desync fingerprints name the dtype by it
+    name: str                  # numpy's name, and torch's (``torch.<name>``)
+    dtype: Optional[np.dtype]  # None: torch only (numpy has no such dtype); such tensors move as bytes
+    copy: Optional[np.dtype]   # what a copy carries: float16 as uint16 (see above), else ``dtype``
+    reduce_as: Optional[str]   # what a staged reduction computes in: float32 for 16-bit floats; None: not reducible
+    nccl: Optional[str]        # cupy.cuda.nccl's type constant; None: NCCL has no such type
+
+
+def _dtype_rows(*specs):
+    rows = []
+    for code, (name, numpy, reduce_as, nccl) in enumerate(specs):
+        dtype = np.dtype(name) if numpy else None
+        copy = np.dtype(np.uint16) if name == "float16" else dtype
+        rows.append(DtypeRow(code, name, dtype, copy, reduce_as, nccl))
+    return tuple(rows)
+
+
+# The one table of dtypes. The order of the codes is part of the send/recv protocol: append, never reorder.
+DTYPES = _dtype_rows(
+    # name       numpy  reduce_as     nccl
+    ("float16", True, "float32", "NCCL_FLOAT16"),
+    ("float32", True, "float32", "NCCL_FLOAT32"),
+    ("float64", True, "float64", "NCCL_FLOAT64"),
+    ("int8", True, "int8", "NCCL_INT8"),
+    ("int16", True, "int16", None),
+    ("int32", True, "int32", "NCCL_INT32"),
+    ("int64", True, "int64", "NCCL_INT64"),
+    ("uint8", True, "uint8", "NCCL_UINT8"),
+    ("uint16", True, "uint16", None),
+    ("uint32", True, "uint32", "NCCL_UINT32"),
+    ("uint64", True, "uint64", "NCCL_UINT64"),
+    ("bool", True, "bool", None),
+    ("complex64", True, "complex64", None),
+    ("complex128", True, "complex128", None),
+    ("bfloat16", False, "float32", None),   # torch only
+    ("complex32", False, None, None),       # torch only; torch itself reduces it nowhere on CPU
+)
+DTYPE_BY_NAME = {row.name: row for row in DTYPES}
+DTYPE_CODES = {row.dtype: row.code for row in DTYPES if row.dtype is not None}  # numpy dtype -> code
+SUPPORTED_DTYPES = tuple(row.dtype for row in DTYPES if row.dtype is not None)  # what the collectives take
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRow:
+    """One MPI reduction op, and every name it goes by: mpidist's, torch's, the device ufunc's and NCCL's."""
+
+    mpi_name: str                                 # MPI.<mpi_name>
+    ufunc: str                                    # the numpy/CuPy ufunc a device reduction applies
+    on_bool: str                                  # the op (mpi_name) meaning the same on booleans
+    nccl: Optional[str]                           # cupy.cuda.nccl's op constant; None: NCCL has none
+    names: Tuple[str, ...] = ()                   # mpidist reductions (the collectives' op names) it carries
+    torch: Tuple[Tuple[str, Optional[str]], ...] = ()  # (ReduceOp.RedOpType name, the mpidist reduction it
+    #                                                    runs as, or None: the torch backend calls MPI with it)
+
+    @property
+    def mpi(self):
+        """Return the mpi4py op."""
+        return getattr(MPI, self.mpi_name)
+
+
+# The one table of reduction ops: every op the collectives, the GPU paths and the torch backend hand to MPI,
+# a device reduction or NCCL. MPI defines no SUM/PROD/MIN/MAX on C_BOOL: booleans reduce with ``on_bool``.
+OPS = (
+    OpRow("SUM", "add", "LOR", "NCCL_SUM", ("sum", "mean"), (("SUM", "sum"), ("AVG", "mean"), ("PREMUL_SUM", "sum"))),
+    OpRow("MIN", "minimum", "LAND", "NCCL_MIN", ("min",), (("MIN", "min"),)),
+    OpRow("MAX", "maximum", "LOR", "NCCL_MAX", ("max",), (("MAX", "max"),)),
+    OpRow("PROD", "multiply", "LAND", "NCCL_PROD", ("prod",), (("PRODUCT", "prod"),)),
+    OpRow("LOR", "logical_or", "LOR", None),
+    OpRow("LAND", "logical_and", "LAND", None),
+    OpRow("LXOR", "logical_xor", "LXOR", None),
+    OpRow("BAND", "bitwise_and", "LAND", None, (), (("BAND", None),)),
+    OpRow("BOR", "bitwise_or", "LOR", None, (), (("BOR", None),)),
+    OpRow("BXOR", "bitwise_xor", "LXOR", None, (), (("BXOR", None),)),
+)
+OP_BY_NAME = {row.mpi_name: row for row in OPS}
+# mpidist's reduction names, in the order the desync fingerprint encodes them (1-based).
+REDUCTIONS = tuple(name for row in OPS for name in row.names)
+# Every name a reduction is fingerprinted by: mpidist's, then torch's kinds (lower case) that differ.
+REDUCTION_NAMES = REDUCTIONS + tuple(dict.fromkeys(
+    kind.lower() for row in OPS for kind, _ in row.torch if kind.lower() not in REDUCTIONS))
+_BY_NAME = {name: row for row in OPS for name in row.names}
 _ACCEPTED = f"{', '.join(REDUCTIONS)}); mpi4py's MPI.SUM, MPI.PROD, MPI.MIN and MPI.MAX work too"
-_PREDEFINED = ("SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR", "MAXLOC", "MINLOC",
-               "REPLACE", "NO_OP", "OP_NULL")  # to name an op mpidist has no reduction for
+# MPI's other predefined ops, to name an op mpidist has no reduction for
+_OTHER_MPI_OPS = ("MAXLOC", "MINLOC", "REPLACE", "NO_OP", "OP_NULL")
 
 _FLOAT16 = np.dtype(np.float16)
-_FLOAT32 = np.dtype(np.float32)
-_COPY_AS = {_FLOAT16: np.dtype(np.uint16)}
+_COPY_AS = {row.dtype: row.copy for row in DTYPES if row.dtype is not None and row.copy != row.dtype}
+
+
+def reduce_dtype(name):
+    """Return the name of the dtype a staged reduction of dtype ``name`` computes in, or None if none can."""
+    row = DTYPE_BY_NAME.get(name)
+    return None if row is None else row.reduce_as
+
+
+def nccl_type(dtype):
+    """Return cupy.cuda.nccl's type constant name for numpy ``dtype``, or None if NCCL has no such type."""
+    row = DTYPE_BY_NAME.get(dtype.name)
+    return None if row is None else row.nccl
 
 
 def copy_dtype(dtype):
@@ -52,10 +143,10 @@ def copy_view(buf):
     return buf if kind is None else buf.view(kind)
 
 
-def _mpi_op_name(op):
-    for candidate, name in MPI_OP_NAMES:
-        if op == candidate:
-            return name
+def _op_row(op):
+    for row in OPS:
+        if op == row.mpi:
+            return row
     return None
 
 
@@ -65,8 +156,8 @@ def reduction_name(op):
         op = op.lower()
         return op if op in REDUCTIONS else None
     if isinstance(op, MPI.Op):
-        name = _mpi_op_name(op)
-        return name.lower() if name is not None and name.lower() in _BY_NAME else None
+        row = _op_row(op)
+        return row.mpi_name.lower() if row is not None and row.mpi_name.lower() in _BY_NAME else None
     return None
 
 
@@ -83,7 +174,7 @@ class Reduction:
     name: str        # mpidist's name: sum, mean, min, max, prod
     dtype: np.dtype  # the caller's
     mpi: object      # the MPI op applied to ``wire``
-    mpi_name: str    # its name in MPI_OP_NAMES (device reductions and NCCL look ops up by it)
+    mpi_name: str    # its row in OPS (device reductions and NCCL look ops up by it)
     mean: bool       # divide by the communicator's size after reducing, in ``wire``
     wire: np.dtype
 
@@ -125,23 +216,24 @@ def resolve(fn, op, dtype):
     name = reduction_name(op)
     if name is None:
         if isinstance(op, MPI.Op):
-            shown = next((f"op MPI.{a}" for a in _PREDEFINED if op == getattr(MPI, a)), "a user-defined MPI.Op")
+            predefined = tuple(row.mpi_name for row in OPS) + _OTHER_MPI_OPS
+            shown = next((f"op MPI.{a}" for a in predefined if op == getattr(MPI, a)), "a user-defined MPI.Op")
             raise ValueError(f"{fn}: {shown} has no mpidist reduction (expected one of {_ACCEPTED}")
         raise ValueError(f"{fn}: unknown op {op!r} (expected one of {_ACCEPTED}")
     if dtype.kind == "b":
         if name == "mean":
             raise TypeError(f"{fn}: op 'mean' needs a floating or complex array (got {dtype})")
-        mpi = _BOOL_OPS[name]
-        return Reduction(name, dtype, mpi, _mpi_op_name(mpi), False, dtype)
+        row = OP_BY_NAME[_BY_NAME[name].on_bool]
+        return Reduction(name, dtype, row.mpi, row.mpi_name, False, dtype)
     if name == "mean" and dtype.kind not in "fc":
         raise TypeError(f"{fn}: op 'mean' needs a floating or complex array (got {dtype}); use 'sum' and divide")
     if name in ("min", "max") and dtype.kind == "c":
         raise TypeError(f"{fn}: op {name!r} is not defined for complex arrays (got {dtype})")
-    mpi = _BY_NAME[name]
+    row = _BY_NAME[name]
     if dtype.kind == "f" and name in ("min", "max"):
         wire = np.dtype(f"i{dtype.itemsize}")
     elif dtype == _FLOAT16:
-        wire = _FLOAT32
+        wire = np.dtype(DTYPE_BY_NAME["float16"].reduce_as)
     else:
         wire = dtype
-    return Reduction(name, dtype, mpi, _mpi_op_name(mpi), name == "mean", wire)
+    return Reduction(name, dtype, row.mpi, row.mpi_name, name == "mean", wire)

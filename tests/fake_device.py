@@ -22,7 +22,8 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.gpu.device import REDUCE_UFUNCS, DeviceAPI, NcclComm
+from mpidist.gpu.device import DeviceAPI, NcclComm
+from mpidist.wire import OP_BY_NAME
 
 _SENTINEL = 0x5A  # fresh fake memory is filled with this byte, so reading it unwritten shows
 
@@ -158,7 +159,7 @@ class FakeDevice(DeviceAPI):
 
     def reduce_into(self, acc, other, op_name):
         self._check_pair("reduce_into", acc, other)
-        fn, a, b = getattr(np, REDUCE_UFUNCS[op_name]), acc.a, other.a
+        fn, a, b = getattr(np, OP_BY_NAME[op_name].ufunc), acc.a, other.a
         self.current.enqueue(lambda: fn(a, b, out=a))
 
     def divide(self, x, n):

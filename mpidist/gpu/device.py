@@ -18,6 +18,7 @@ import threading
 import numpy as np
 
 from .. import xp as _xp
+from ..wire import OP_BY_NAME, nccl_type
 
 __all__ = ["DeviceAPI", "CupyDevice", "NcclComm"]
 
@@ -25,11 +26,6 @@ __all__ = ["DeviceAPI", "CupyDevice", "NcclComm"]
 # in one granule; a process that opens two such handles of one peer gets cudaErrorAlreadyMapped (seen on an
 # H100 with 4 ranks, 2026-11-27). Every arena is therefore a whole number of granules.
 IPC_GRANULE_BYTES = 2 << 20
-
-# Device reductions by MPI op name (mpidist's collectives map bool sum/max to LOR, prod/min to LAND).
-REDUCE_UFUNCS = {"SUM": "add", "PROD": "multiply", "MIN": "minimum", "MAX": "maximum",
-                 "LOR": "logical_or", "LAND": "logical_and"}
-
 
 class DeviceAPI:
     """What the GPU paths need from one rank's GPU; every method is one CUDA-level action."""
@@ -61,7 +57,7 @@ class DeviceAPI:
         raise NotImplementedError
 
     def reduce_into(self, acc, other, op_name):
-        """Set ``acc = op(acc, other)`` elementwise on the current stream (``op_name`` in REDUCE_UFUNCS)."""
+        """Set ``acc = op(acc, other)`` elementwise on the current stream (``op_name``: a row of ``wire.OPS``)."""
         raise NotImplementedError
 
     def divide(self, x, n):
@@ -210,7 +206,7 @@ class CupyDevice(DeviceAPI):
         dst[...] = src.reshape(dst.shape)
 
     def reduce_into(self, acc, other, op_name):
-        getattr(self.cp, REDUCE_UFUNCS[op_name])(acc, other, out=acc)
+        getattr(self.cp, OP_BY_NAME[op_name].ufunc)(acc, other, out=acc)
 
     def divide(self, x, n):
         x /= n
@@ -323,30 +319,24 @@ class _IpcMappings:
 _ipc_mappings = _IpcMappings()
 
 
-_NCCL_TYPES = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "uint32": "NCCL_UINT32",
-               "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "float16": "NCCL_FLOAT16",
-               "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64"}
-_NCCL_OPS = {"SUM": "NCCL_SUM", "PROD": "NCCL_PROD", "MIN": "NCCL_MIN", "MAX": "NCCL_MAX"}
-
-
 class _CupyNcclComm(NcclComm):
     def __init__(self, device, size, unique_id, rank):
         nccl = self.nccl = _xp.get_nccl()
         self.comm = nccl.NcclCommunicator(size, tuple(unique_id), rank)
 
     def _type(self, x):
-        return getattr(self.nccl, _NCCL_TYPES[x.dtype.name])
+        return getattr(self.nccl, nccl_type(x.dtype))
 
     def allreduce(self, send, recv, op_name, stream):
         self.comm.allReduce(send.data.ptr, recv.data.ptr, send.size, self._type(send),
-                            getattr(self.nccl, _NCCL_OPS[op_name]), stream.ptr)
+                            getattr(self.nccl, OP_BY_NAME[op_name].nccl), stream.ptr)
 
     def bcast(self, buf, root, stream):
         self.comm.broadcast(buf.data.ptr, buf.data.ptr, buf.size, self._type(buf), root, stream.ptr)
 
     def reduce_scatter(self, send, recv, op_name, stream):
         self.comm.reduceScatter(send.data.ptr, recv.data.ptr, recv.size, self._type(send),
-                                getattr(self.nccl, _NCCL_OPS[op_name]), stream.ptr)
+                                getattr(self.nccl, OP_BY_NAME[op_name].nccl), stream.ptr)
 
     def allgather(self, send, recv, stream):
         self.comm.allGather(send.data.ptr, recv.data.ptr, send.size, self._type(send), stream.ptr)

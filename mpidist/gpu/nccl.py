@@ -11,21 +11,22 @@ allgather/reduce_scatter counts are padded to the largest count. Point-to-point 
 import numpy as np
 
 from ..partition import displacements
+from ..wire import OP_BY_NAME, nccl_type
 from .base import Path
 
-__all__ = ["NcclPath", "NCCL_DTYPES"]
+__all__ = ["NcclPath"]
 
-NCCL_DTYPES = frozenset({"int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64"})
-_BOOL_AS_UINT8 = {"LOR": "MAX", "LAND": "MIN", "SUM": "MAX", "MAX": "MAX", "PROD": "MIN", "MIN": "MIN"}
+# bool as uint8 (0 or 1): "or" is max and "and" is min.
+_UINT8_FOR_LOGICAL = {"LOR": "MAX", "LAND": "MIN"}
 
 
 def nccl_view(x, op_name):
     """Return ``(view, nccl op name)`` to reduce ``x`` with NCCL, or None when NCCL cannot."""
     if x.dtype == np.bool_:
-        return x.view(np.uint8), _BOOL_AS_UINT8[op_name]
+        return x.view(np.uint8), _UINT8_FOR_LOGICAL[OP_BY_NAME[op_name].on_bool]
     if x.dtype.kind == "c":
         return (x.view(np.dtype(f"f{x.dtype.itemsize // 2}")), "SUM") if op_name == "SUM" else None
-    return (x, op_name) if x.dtype.name in NCCL_DTYPES else None
+    return (x, op_name) if nccl_type(x.dtype) is not None else None
 
 
 class NcclPath(Path):

@@ -33,19 +33,21 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm.errors import CommError
-from ..partition import REDUCTIONS
+from ..wire import DTYPES, REDUCTION_NAMES
 
 __all__ = ["DesyncError", "check", "compare_stamps", "mediate", "describe", "describe_call", "OPS"]
 
+# The calls a fingerprint names: mpidist.collectives', then the torch backend's (mpidist.torch) that differ.
 OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "barrier", "send", "recv",
-       "iallreduce", "ibroadcast", "iallgather", "alltoall", "ireduce_scatter")
+       "iallreduce", "ibroadcast", "iallgather", "alltoall", "ireduce_scatter",
+       "reduce", "reduce_scatter_single", "all_gather_single", "gather", "scatter", "all_to_all_single")
 OP_CODES = {op: i for i, op in enumerate(OPS)}
-_REDUCTIONS = ("",) + REDUCTIONS  # 0: not a reduction
+_REDUCTIONS = ("",) + REDUCTION_NAMES  # 0: not a reduction
 _RED_CODES = {name: i for i, name in enumerate(_REDUCTIONS)}
 FIELDS = ("sequence", "op", "dtype", "count", "shape", "root", "reduction")
 _MAX_DIMS = 8  # dims a mismatch report shows
 
-dtype_names = ()  # names of the dtype codes collectives use (set by mpidist.collectives)
+dtype_names = tuple(row.name for row in DTYPES)  # names of the dtype codes (mpidist.wire.DTYPES)
 verdicts = {}      # id(record) -> (DesyncError message, ranks it strands), left by the watchdog for the waiting check
 stranded = []      # (communicator name, ranks) this rank left blocked inside MPI by raising a verdict
 waker = None       # the watchdog's Waker while one runs: it resolves straddles (see the module docstring)

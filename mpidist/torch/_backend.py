@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from .. import collectives
+from .. import collectives, wire
 from . import _check
 from ._tensors import UnsupportedError, as_bytes, as_reducible, check_device, empty_bytes, reduce_dtype
 from ._work import Abort, AbortedError, Requests, Work, completed
@@ -32,15 +32,11 @@ __all__ = ["ProcessGroupMPI", "BACKEND_NAME"]
 BACKEND_NAME = "mpidist"
 
 Kind = dist.ReduceOp.RedOpType
-# kind -> mpidist.collectives op name (those collectives reduces itself).
-_COLLECTIVE_OPS = {Kind.SUM: "sum", Kind.AVG: "mean", Kind.PRODUCT: "prod", Kind.MIN: "min", Kind.MAX: "max",
-                   Kind.PREMUL_SUM: "sum"}
-# kind -> MPI op for the operations reduced by MPI directly (booleans: MPI has only logical ops on C_BOOL).
-_MPI_OPS = {Kind.SUM: MPI.SUM, Kind.AVG: MPI.SUM, Kind.PRODUCT: MPI.PROD, Kind.MIN: MPI.MIN, Kind.MAX: MPI.MAX,
-            Kind.PREMUL_SUM: MPI.SUM, Kind.BAND: MPI.BAND, Kind.BOR: MPI.BOR, Kind.BXOR: MPI.BXOR}
-_BOOL_OPS = {Kind.SUM: MPI.LOR, Kind.MAX: MPI.LOR, Kind.PRODUCT: MPI.LAND, Kind.MIN: MPI.LAND,
-             Kind.BAND: MPI.LAND, Kind.BOR: MPI.LOR, Kind.BXOR: MPI.LXOR}
-_BITWISE = (Kind.BAND, Kind.BOR, Kind.BXOR)
+# kind -> its row of the one op table (wire.OPS), and the mpidist.collectives op name for the kinds collectives
+# reduces itself; the others (bitwise) MPI reduces directly.
+_OP_ROWS = {getattr(Kind, kind): row for row in wire.OPS for kind, _ in row.torch}
+_COLLECTIVE_OPS = {getattr(Kind, kind): name for row in wire.OPS for kind, name in row.torch if name is not None}
+_BITWISE = tuple(kind for kind in _OP_ROWS if kind not in _COLLECTIVE_OPS)
 
 
 def _kind(reduce_op):
@@ -58,13 +54,14 @@ def _check_reduction(op, kind, t):
         raise UnsupportedError(f"mpidist {op}: ReduceOp.{name} is not defined for complex tensors (got {where})")
     if kind in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
         raise UnsupportedError(f"mpidist {op}: ReduceOp.{name} needs an integer or bool tensor (got {where})")
-    if kind not in _MPI_OPS:
+    if kind not in _OP_ROWS:
         raise UnsupportedError(f"mpidist {op}: unsupported reduction {kind!r} (got {where})")
     return dtype
 
 
 def _mpi_op(kind, dtype):
-    return _BOOL_OPS[kind] if dtype == torch.bool else _MPI_OPS[kind]
+    row = _OP_ROWS[kind]
+    return wire.OP_BY_NAME[row.on_bool].mpi if dtype == torch.bool else row.mpi
 
 
 def _premultiply(buf, reduce_op):

@@ -15,13 +15,10 @@ Glossary:
 import numpy as np
 import torch
 
-__all__ = ["UnsupportedError", "Buffer", "check_device", "reduce_dtype", "as_bytes", "as_reducible"]
+from .. import wire
 
-# torch dtypes MPI reduces as they are (numpy has each of them, and so has MPI).
-_NATIVE = {torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
-           torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.complex64, torch.complex128}
-# torch dtypes reduced in a wider staged copy (see the glossary).
-_WIDENED = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+__all__ = ["UnsupportedError", "Buffer", "check_device", "dtype_name", "reduce_dtype", "as_bytes", "as_reducible"]
+
 _DEVICES = ("cpu", "cuda")
 
 
@@ -31,6 +28,11 @@ class UnsupportedError(TypeError):
 
 def _describe(t):
     return f"dtype {t.dtype} on device {t.device}"
+
+
+def dtype_name(dtype):
+    """Return torch ``dtype``'s name (``torch.float32`` -> "float32"), as ``wire.DTYPES`` names it."""
+    return str(dtype).removeprefix("torch.")
 
 
 def check_device(op, t):
@@ -46,11 +48,10 @@ def check_device(op, t):
 def reduce_dtype(op, t):
     """Return the torch dtype ``t`` is reduced in, or raise naming op, dtype and device."""
     check_device(op, t)
-    if t.dtype in _NATIVE:
-        return t.dtype
-    if t.dtype in _WIDENED:
-        return _WIDENED[t.dtype]
-    supported = ", ".join(sorted(str(d).replace("torch.", "") for d in _NATIVE | set(_WIDENED)))
+    name = wire.reduce_dtype(dtype_name(t.dtype))  # itself, or float32 for float16/bfloat16 (see the glossary)
+    if name is not None:
+        return getattr(torch, name)
+    supported = ", ".join(sorted(row.name for row in wire.DTYPES if row.reduce_as is not None))
     raise UnsupportedError(f"mpidist {op}: {_describe(t)} cannot be reduced (reducible dtypes: {supported})")
 
 
