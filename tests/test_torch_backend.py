@@ -46,8 +46,11 @@ def test_ranks_calling_different_ops_or_sizes_raise_desync_on_every_rank():
     proc = run(2, "torch_ops.py", "--desync", timeout=60, MPIDIST_DEBUG="1")
     out = proc.stdout  # both ranks print to one pipe: their lines may interleave, so count, don't split
     assert out.count("desync raised") == 2, out
-    assert out.count("rank 0: broadcast float32 4 elements root 0; rank 1: allreduce float32 4 elements SUM") == 2, out
-    assert out.count("rank 0: allreduce float32 4 elements SUM; rank 1: allreduce float32 5 elements SUM") == 2, out
+    # the native collectives' fingerprint report (mpidist.guard.fingerprint), naming each rank's call
+    assert out.count("rank 0: #1 broadcast(dtype=float32, count=4, root=0); "
+                     "rank 1: #1 allreduce(dtype=float32, count=4, op=sum)") == 2, out
+    assert out.count("rank 0: #2 allreduce(dtype=float32, count=4, op=sum); "
+                     "rank 1: #2 allreduce(dtype=float32, count=5, op=sum)") == 2, out
 
 
 def test_split_monitored_barrier_abort_and_shutdown():
