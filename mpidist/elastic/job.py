@@ -24,6 +24,7 @@ import time
 from mpi4py import MPI
 
 from .. import optim
+from ..parallel.interface import Wrapper
 from .failure import RankFailure, process_failure, recover
 from .fault import faults_from_env, install_kill_on_error
 from .support import check_support
@@ -84,7 +85,8 @@ class Elastic:
         """Track the communicators the wrapper made for itself (``communicators()``: hybrid FSDP's groups), then
         wait for every rank to have done so: a rank that went on into one of them while another was lost before
         tracking it would wait there, told by nobody."""
-        own = getattr(wrapper, "communicators", tuple)()
+        # FSDP and Pipeline answer through their own methods until they implement Wrapper (issue 27, B3/B4).
+        own = wrapper.communicators() if isinstance(wrapper, Wrapper) else getattr(wrapper, "communicators", tuple)()
         if own:
             self.track(*own)
             self.comm.Barrier()
@@ -224,7 +226,10 @@ def _check_save_faults(faults, state, steps):
 
 def _release(wrapper):
     """Detach a wrapper built on the dead communicator from its module (DDP's gradient hooks)."""
-    remove = getattr(wrapper, "remove_hooks", None)
+    if isinstance(wrapper, Wrapper):
+        wrapper.remove()
+        return
+    remove = getattr(wrapper, "remove_hooks", None)  # FSDP until it implements Wrapper (issue 27, B3)
     if remove is not None:
         remove()
 

@@ -20,7 +20,7 @@ from mpidist.nn.module import Parameter
 from mpidist.nn.placement import Replicate, placement_of
 from mpidist.xp import get_array_module
 
-__all__ = ["clip_grad_norm_", "clip_coefficient", "grad_norm"]
+__all__ = ["clip_grad_norm_", "clip_coefficient", "grad_norm", "GradParts"]
 
 
 def _check_norm_type(fn, norm_type):
@@ -29,19 +29,31 @@ def _check_norm_type(fn, norm_type):
     return float(norm_type)
 
 
-class _Grads(list):
-    """The gradients, each with its weight in the sum (1/n for one replicated over n ranks) and the
-    communicators their placements span (the sums are added over each, in first-seen order)."""
+class GradParts:
+    """Gradients that together make up one model's, each with its weight in a norm, and where to add the sums.
 
-    weights = ()
-    comms = ()
+    ``grads``: this rank's gradient arrays. ``weights``: how often each counts in a norm's sum (1/n for a gradient
+    every rank of an n-rank communicator holds alike, so that the n copies add up to one; 1 for a rank's own
+    part). ``comms``: the communicators over which the ranks' sums are added (the max taken, for the inf-norm),
+    in one order on every rank. A parallel wrapper builds these from its parameters' placements
+    (``mpidist.parallel.interface.Wrapper.clip_grad_norm_``).
+    """
+
+    def __init__(self, grads, weights=None, comms=()):
+        self.grads = list(grads)
+        self.weights = [1.0] * len(self.grads) if weights is None else [float(w) for w in weights]
+        if len(self.weights) != len(self.grads):
+            raise ValueError(f"GradParts: {len(self.weights)} weights for {len(self.grads)} gradients")
+        self.comms = tuple(comms)
+
+    def __iter__(self):
+        return iter(self.grads)
 
 
 def _grads(fn, parameters, comm):
     """Return the gradients; a non-float one raises on every rank of ``comm`` (none is left waiting)."""
     params = [parameters] if isinstance(parameters, Parameter) else list(parameters)
     held = [param for param in params if param.grad is not None]
-    grads = _Grads(param.grad for param in held)
     weights, comms = [], []
     for param in held:
         where = placement_of(param)
@@ -51,14 +63,19 @@ def _grads(fn, parameters, comm):
             weights.append(1.0)
         if where is not None and not any(where.comm is c for c in comms):
             comms.append(where.comm)
-    grads.weights, grads.comms = weights, comms
+    grads = GradParts([param.grad for param in held], weights, comms + ([comm] if comm is not None else []))
+    _check_float(fn, grads, comm)
+    return grads
+
+
+def _check_float(fn, grads, comm):
+    """Raise TypeError (on every rank of ``comm`` when given) if a gradient is not floating point."""
     bad = [(i, g.dtype) for i, g in enumerate(grads) if g.dtype.kind not in "fc"]
     problem = f"gradient {bad[0][0]} is {bad[0][1]}" if bad else None
     if comm is not None:
         raise_if_any(comm, problem, f"{fn}: gradients must be floating point", TypeError)
     elif problem is not None:
         raise TypeError(f"{fn}: gradients must be floating point: {problem}")
-    return grads
 
 
 def _allreduce_scalar(value, comm, op):
@@ -66,45 +83,38 @@ def _allreduce_scalar(value, comm, op):
     return float(collectives.allreduce(np.array([value]), comm, op=op)[0])
 
 
-def _over(grads, comm):
-    """The communicators a norm is reduced over: the placements' (tensor parallel), then ``comm``."""
-    return list(getattr(grads, "comms", ())) + ([comm] if comm is not None else [])
-
-
-def _max_abs(grads, comm):
+def _max_abs(grads):
     """Return max |g| over all gradients (and ranks); NaN if any is NaN."""
     peaks = [float(get_array_module(g).abs(g).max()) for g in grads if g.size]
     local = math.nan if any(math.isnan(v) for v in peaks) else max(peaks, default=0.0)
-    comms = _over(grads, comm)
-    if not comms:
+    if not grads.comms:
         return local
     # MAX of a NaN is not defined in MPI: carry "some rank saw NaN" as a flag of its own.
     from mpidist import collectives
     both = np.array([0.0 if math.isnan(local) else local, float(math.isnan(local))])
-    for c in comms:
+    for c in grads.comms:
         both = collectives.allreduce(both, c, op="max")
     return math.nan if both[1] else float(both[0])
 
 
-def _norm(grads, p, comm):
+def _norm(grads, p):
     if p == math.inf:
-        return _max_abs(grads, comm)
+        return _max_abs(grads)
     scale = 1.0
     if p > 2.0:
         # |g|^p overflows float64 for large p (p = 1000 and |g| = 2 already): sum (|g| / s)^p with
         # s the largest |g| of all ranks, and multiply back.
-        scale = _max_abs(grads, comm)
+        scale = _max_abs(grads)
         if scale == 0.0 or not math.isfinite(scale):
             return scale
     local = 0.0
-    weights = getattr(grads, "weights", None) or [1.0] * len(grads)
-    for g, w in zip(grads, weights):  # accumulate in float64 on the host: one number per gradient
+    for g, w in zip(grads.grads, grads.weights):  # accumulate in float64 on the host: one number per gradient
         xp = get_array_module(g)
         a = xp.abs(g).astype(xp.float64, copy=False)  # abs first: complex gradients keep their magnitude
         if scale != 1.0:
             a /= scale
         local += w * float(xp.sum(a * a) if p == 2.0 else xp.sum(a ** p))
-    for c in _over(grads, comm):
+    for c in grads.comms:
         local = _allreduce_scalar(local, c, "sum")
     return scale * (math.sqrt(local) if p == 2.0 else local ** (1.0 / p))
 
@@ -112,13 +122,14 @@ def _norm(grads, p, comm):
 def grad_norm(parameters, norm_type=2.0, comm=None):
     """Return the ``norm_type``-norm of every gradient together (over ``comm``'s ranks when given)."""
     p = _check_norm_type("grad_norm", norm_type)
-    return _norm(_grads("grad_norm", parameters, comm), p, comm)
+    return _norm(_grads("grad_norm", parameters, comm), p)
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, comm=None, error_if_nonfinite=False):
     """Scale gradients in place so that their global norm is at most ``max_norm``; return the norm before.
 
-    ``parameters``: a Parameter or an iterable of them. ``comm``: the ranks over which these
+    ``parameters``: a Parameter or an iterable of them, or ``GradParts`` (gradients with their weights and
+    communicators given; then ``comm`` is added last to its communicators). ``comm``: the ranks over which these
     parameters are partitioned (each rank passes its part), or None when this rank holds them all
     (a plain model, or DDP, whose averaged gradients every rank has). A non-finite norm leaves the
     gradients as they are (or raises, with ``error_if_nonfinite``).
@@ -126,8 +137,13 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, comm=None, error_if_non
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not 0 <= max_norm < math.inf:
         raise ValueError(f"clip_grad_norm_: max_norm must be a finite number >= 0 (got {max_norm!r})")
     p = _check_norm_type("clip_grad_norm_", norm_type)
-    grads = _grads("clip_grad_norm_", parameters, comm)
-    total = _norm(grads, p, comm)
+    if isinstance(parameters, GradParts):
+        extra = (comm,) if comm is not None else ()
+        grads = GradParts(parameters.grads, parameters.weights, parameters.comms + extra)
+        _check_float("clip_grad_norm_", grads, comm)
+    else:
+        grads = _grads("clip_grad_norm_", parameters, comm)
+    total = _norm(grads, p)
     if not math.isfinite(total):
         if error_if_nonfinite:
             # Every rank has the same total, so every rank raises.

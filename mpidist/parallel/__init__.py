@@ -2,8 +2,10 @@
 
 from .ddp import DDP
 from .fsdp import FSDP, ShardingStrategy
+from .interface import LocalModule, PlacedParameter, Wrapper, as_wrapper
 from .mesh import Mesh, mesh
 from .pipeline import Pipeline
 from .tensor import tensor_parallel
 
-__all__ = ["DDP", "FSDP", "ShardingStrategy", "Pipeline", "Mesh", "mesh", "tensor_parallel"]
+__all__ = ["DDP", "FSDP", "ShardingStrategy", "Pipeline", "Mesh", "mesh", "tensor_parallel", "Wrapper",
+           "PlacedParameter", "LocalModule", "as_wrapper"]

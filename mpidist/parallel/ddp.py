@@ -23,6 +23,8 @@ Glossary:
 
 Nothing here replaces a method of the wrapped module: DDP reads gradients through
 ``Parameter.register_post_accumulate_grad_hook`` and ``queue_callback``, and runs the module by calling it.
+DDP implements ``interface.Wrapper`` (what checkpoints, elastic and clipping read); ``grad_sync.GradSync`` holds
+the no_sync mode, step stamp and non-finite/unused reports it shares with FSDP.
 """
 
 import contextlib
@@ -33,9 +35,11 @@ import numpy as np
 from .. import collectives
 from ..comm import check_comm
 from ..nn import is_grad_enabled, queue_callback
-from ..nn.utils import clip_grad_norm_
+from ..nn.placement import placement_of
 from ..xp import get_array_module, to_numpy
 from .agreement import StepStamp, TrainableAtBuild, check_same_shards, check_same_structure
+from .grad_sync import GradSync
+from .interface import CommMesh, PlacedParameter, Wrapper, placement_comms
 
 __all__ = ["DDP", "GradientBucket"]
 
@@ -108,7 +112,7 @@ class GradientBucket:
             self.attach(p)
 
 
-class DDP:
+class DDP(Wrapper):
     """Wrap ``module`` for data-parallel training over ``comm``.
 
     Every rank holds a full replica; at construction parameters and buffers are broadcast from rank 0.
@@ -116,6 +120,10 @@ class DDP:
     returns, every ``param.grad`` holds the mean gradient over ranks. Parameters frozen
     (``requires_grad=False``) at construction get no gradient and no communication; set ``requires_grad``
     before wrapping, alike on every rank (a difference raises on every rank, a later change at the next backward).
+
+    As a ``Wrapper``: ``mesh.comm`` is ``comm``; ``placed_parameters()`` names the module's parameters with their
+    tensor-parallel placements; ``grad_norm_comms()`` are those placements' communicators (the averaged gradients
+    are the same on every rank of ``comm``, so a norm adds over the tensor-parallel ranks only).
     """
 
     def __init__(self, module, comm, bucket_cap_mb=25, first_bucket_mb=1, overlap=True, broadcast_buffers=True,
@@ -127,11 +135,11 @@ class DDP:
             raise ValueError(f"DDP: unused_parameters must be 'zero' or 'error' (got {unused_parameters!r})")
         self.module = module
         self.comm = comm
+        self.mesh = CommMesh(comm)
         self.overlap = overlap
         self.broadcast_buffers = broadcast_buffers
         self.unused_parameters = unused_parameters
         self.check_finite = check_finite
-        self._sync_enabled = True
         self._join = None  # set while a join() context is active
         self.stats = {"backward_s": 0.0, "sync_wait_s": 0.0, "steps": 0}
 
@@ -141,7 +149,6 @@ class DDP:
         # Before the first broadcast: different models would fail there with MPI's size error, or worse.
         check_same_structure(comm, named, "DDP")
         check_same_shards(comm, named, "DDP")
-        self._stamp = StepStamp(comm, "DDP")
         # The step check reads the parameters' update counts every step: a list, not a walk of the module
         # tree (parameters() took 0.4 ms for 240 tensors, most of the check's cost on a narrow model).
         self._stamp_params = [p for _, p in named]
@@ -151,6 +158,8 @@ class DDP:
         self._trainable = TrainableAtBuild(named, "DDP")
         trainable = [(name, p) for name, p in named if p.requires_grad]
         self.buckets = self._build_buckets(trainable, bucket_cap_mb * _MB, first_bucket_mb * _MB)
+        self._sync = GradSync(comm, "DDP", [name for b in self.buckets for name in b.names])
+        self._stamp = self._sync.stamp
         # The step check rides in the last bucket's allreduce (launched last, so every count is final by
         # then): no message of its own. Where the bucket's dtype cannot hold the sums exactly (float16 on
         # many ranks), or every parameter is frozen (no bucket), it falls back to a small nonblocking
@@ -210,8 +219,8 @@ class DDP:
         """Run the wrapped module (and keep a joined rank's collectives matched)."""
         training = self.module.training and is_grad_enabled()
         if training:
-            self._forward_sync = self._sync_enabled and self._forward_sync is not False
-            if self._sync_enabled:
+            self._forward_sync = self._sync.syncing and self._forward_sync is not False
+            if self._sync.syncing:
                 root = 0
                 if self._join is not None:
                     self._join.announce(active=True)
@@ -221,9 +230,6 @@ class DDP:
                 self._sync_buffers(root)
         self._stamp.count_forward(training)
         return self.module(*args, **kwargs)
-
-    def parameters(self):
-        return self.module.parameters()
 
     def named_parameters(self, prefix=""):
         return self.module.named_parameters(prefix)
@@ -236,14 +242,6 @@ class DDP:
 
     def modules(self):
         return self.module.modules()
-
-    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
-        """Clip the averaged gradients to global norm ``max_norm``; return the norm before clipping.
-
-        After backward every rank holds the same averaged gradients, so no communication is needed
-        and every rank computes the same norm and scale.
-        """
-        return clip_grad_norm_(self.parameters(), max_norm, norm_type, None, error_if_nonfinite)
 
     def state_dict(self):
         return self.module.state_dict()
@@ -272,7 +270,24 @@ class DDP:
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
 
-    def remove_hooks(self):
+    # -- the Wrapper interface ------------------------------------------------------------------------
+    def placed_parameters(self):
+        """Return the module's parameters under their names, with their (tensor-parallel) placements."""
+        return tuple(PlacedParameter(name, p, placement_of(p)) for name, p in self.module.named_parameters())
+
+    def named_buffers_global(self):
+        """Yield the module's buffers (every rank holds all of them)."""
+        return self.module.named_buffers()
+
+    def communicators(self):
+        """Return () : DDP makes no communicator of its own."""
+        return ()
+
+    def grad_norm_comms(self):
+        """Return the communicators of the parameters' placements (tensor parallel), in the module's order."""
+        return placement_comms(self.placed_parameters())
+
+    def remove(self):
         """Detach this DDP from the module's parameters, e.g. before wrapping the module again over another comm."""
         for handle in self._hooks:
             handle.remove()
@@ -303,7 +318,7 @@ class DDP:
     def _begin_backward(self):
         """The first gradient of a backward: count it, start the step check, and queue the finalize."""
         self._trainable.check()
-        sync = self._sync_enabled and self._forward_sync is not False
+        sync = self._sync.syncing and self._forward_sync is not False
         self._backward = (sync, time.perf_counter())
         self._stamp.count_backward(sync)
         if sync and self._join is None:  # joined ranks mirror only the buckets' collectives
@@ -387,30 +402,12 @@ class DDP:
         elif self._stamp_mod is None:
             self._stamp.finish(where)
         if self.unused_parameters == "error" and self.buckets:
-            self._check_unused(unused)
-        if self.check_finite:
-            self._raise_if_nonfinite()
-
-    def _raise_if_nonfinite(self):
-        # The averaged gradients are identical on every rank, so every rank takes this branch together.
-        if all(bool(get_array_module(b.flat).isfinite(b.flat).all()) for b in self.buckets):
-            return
-        local = np.array([flag for b in self.buckets for flag in b.local_nonfinite], dtype=np.int8)
-        everyone = np.empty((self.comm.Get_size(), local.size), dtype=np.int8)
-        collectives.allgather(local[np.newaxis], self.comm, out=everyone)
-        names = [name for b in self.buckets for name in b.names]
-        culprits = [f"{names[i]!r} on rank(s) {np.flatnonzero(everyone[:, i]).tolist()}" for i in np.flatnonzero(everyone.any(axis=0))]
-        raise FloatingPointError(f"DDP: non-finite gradient (NaN or Inf) at step {self.stats['steps']}: {'; '.join(culprits) or 'produced by the reduction itself (overflow)'}; "
-                                 f"the optimizer step must not be taken")
-
-    def _check_unused(self, unused):
-        names = [name for b in self.buckets for name in b.names]
-        flags = np.array([name in unused for name in names], dtype=np.int32)
-        collectives.allreduce(flags, self.comm, op="max")
-        if flags.any():
-            missing = [n for n, f in zip(names, flags) if f]
-            raise RuntimeError(f"DDP: parameters received no gradient in this backward on at least one rank: {missing} "
-                               f"(use unused_parameters='zero' to treat them as zero)")
+            self._sync.raise_if_unused([name in unused for name in self._sync.names])
+        # The averaged gradients are identical on every rank, so every rank gathers the local flags together,
+        # and only when the average is not finite (the check costs nothing in a healthy step).
+        if self.check_finite and not all(bool(get_array_module(b.flat).isfinite(b.flat).all()) for b in self.buckets):
+            self._sync.raise_if_nonfinite([flag for b in self.buckets for flag in b.local_nonfinite],
+                                          f"step {self.stats['steps']}", reduced_nonfinite=True)
 
     def sync_gradients(self):
         """Average every gradient over ranks now (blocking), e.g. after backwards run under ``no_sync``."""
@@ -422,19 +419,13 @@ class DDP:
             self._start_stamp()
         self._finish_sync()
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the first synchronizing backward after the block averages the sum.
 
         A forward run inside the block gives a backward that does not synchronize, wherever that backward
         runs (as in PyTorch); a backward started inside the block does not synchronize either.
         """
-        previous = self._sync_enabled
-        self._sync_enabled = False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
+        return self._sync.no_sync()
 
     @contextlib.contextmanager
     def join(self, optimizer=None):

@@ -1,0 +1,207 @@
+"""The one interface every parallel wrapper answers, and ``LocalModule``, which lets a plain module answer it.
+
+Checkpoints, elastic states, gradient clipping and full-model gathers read a wrapper only through ``Wrapper``:
+which parameters of the unsplit model this rank holds and where their elements lie (``placed_parameters()``),
+its buffers, the communicators it talks over, and how to reduce, clip and detach. Nothing outside a wrapper's
+package needs to know which wrapper it holds (``isinstance(obj, Wrapper)``, or ``as_wrapper(obj)`` for a module).
+
+Glossary:
+- unsplit model: the model as one process would build it; its ``named_parameters()`` names are the global names
+  every layout shares (a checkpoint saved at one layout loads at another by them).
+- placement: where a parameter's elements lie across ranks (``mpidist.nn.placement``): None (whole here),
+  ``Replicate`` (every rank of a communicator holds the same values), ``Shard`` (a block of the global tensor).
+  A data-parallel replica is not a placement: DDP's ranks all hold the same layout.
+- mesh: the ranks the layout spans; ``mesh.comm`` holds them all. Until the named ``DeviceMesh`` lands
+  (issue 27, step A1) a wrapper's mesh is a ``CommMesh`` with that one communicator: DDP's data-parallel
+  communicator (tensor-parallel ranks live in the placements), or a tensor-parallel module's placement
+  communicator. FSDP's flat shards (``FlatShard``) and pipeline stages join as their wrappers implement this.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Tuple
+
+from ..nn.module import Module, Parameter
+from ..nn.placement import Replicate, placement_of
+from ..nn.utils import GradParts, clip_coefficient, clip_grad_norm_
+
+__all__ = ["Wrapper", "PlacedParameter", "LocalModule", "CommMesh", "as_wrapper", "placement_comms"]
+
+
+@dataclass(frozen=True)
+class CommMesh:
+    """The ranks a layout spans, as one communicator (None: this process alone); the named mesh replaces it."""
+
+    comm: Any
+
+
+@dataclass(frozen=True, eq=False)
+class PlacedParameter:
+    """One parameter of the unsplit model as this rank holds it: its name there, the local Parameter, its placement."""
+
+    name: str                     # the unsplit model's named_parameters() name
+    parameter: Parameter          # the local storage the optimizer steps
+    placement: Any                # None | Replicate | Shard (mpidist.nn.placement)
+    stage: Optional[int] = None   # the pipeline stage holding it (None: no pipeline)
+    primary: bool = True          # False: a further copy of a tied weight (norms and checkpoints skip it)
+
+
+def placement_comms(placed):
+    """Return the communicators the placements of ``placed`` span, each once, in first-seen order."""
+    comms = []
+    for p in placed:
+        comm = getattr(p.placement, "comm", None)
+        if comm is not None and not any(comm is c for c in comms):
+            comms.append(comm)
+    return tuple(comms)
+
+
+class Wrapper(abc.ABC):
+    """What every parallel wrapper answers: all that checkpoint, elastic, clipping and full-model gathers read.
+
+    A subclass sets ``mesh`` and implements the abstract methods; ``parameters``, ``clip_grad_norm_`` and
+    ``memory_stats`` are written once here from ``placed_parameters()`` and ``grad_norm_comms()``.
+    """
+
+    mesh: CommMesh
+
+    @abc.abstractmethod
+    def placed_parameters(self) -> Tuple[PlacedParameter, ...]:
+        """Return every parameter this rank holds, in the unsplit model's order."""
+
+    @abc.abstractmethod
+    def named_buffers_global(self) -> Iterator[Tuple[str, Any]]:
+        """Yield (unsplit name, array) for every buffer this rank holds."""
+
+    @abc.abstractmethod
+    def communicators(self) -> Tuple:
+        """Return the communicators this wrapper made and talks over besides ``mesh.comm`` (elastic revokes them)."""
+
+    @abc.abstractmethod
+    def grad_norm_comms(self) -> Tuple:
+        """Return the communicators whose ranks hold disjoint gradient parts, in one order on every rank."""
+
+    @abc.abstractmethod
+    def no_sync(self):
+        """Return a context in which gradients accumulate locally; the next synchronizing backward reduces them."""
+
+    @abc.abstractmethod
+    def sync_gradients(self) -> None:
+        """Reduce the gradients accumulated under ``no_sync`` now (blocking, collective)."""
+
+    @abc.abstractmethod
+    def remove(self) -> None:
+        """Detach from the module (hooks) without communicating, e.g. before wrapping it again."""
+
+    # -- written once ---------------------------------------------------------------------------------
+    def parameters(self):
+        """Yield each local Parameter once (what the optimizer steps), in ``placed_parameters()`` order."""
+        seen = set()
+        for p in self.placed_parameters():
+            if id(p.parameter) not in seen:
+                seen.add(id(p.parameter))
+                yield p.parameter
+
+    def grad_parts(self) -> GradParts:
+        """Return this rank's gradients with their weights in a global norm (a replicated one counts 1/n per rank,
+        a non-primary copy not at all) and ``grad_norm_comms()``."""
+        grads, weights, seen = [], [], set()
+        for p in self.placed_parameters():
+            grad = p.parameter.grad
+            if not p.primary or grad is None or id(p.parameter) in seen:
+                continue
+            seen.add(id(p.parameter))
+            grads.append(grad)
+            weights.append(1.0 / p.placement.comm.Get_size() if isinstance(p.placement, Replicate) else 1.0)
+        return GradParts(grads, weights, self.grad_norm_comms())
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False) -> float:
+        """Clip all gradients to one global norm ``max_norm``; return the norm before (equal on every rank).
+
+        Call after backward (after ``sync_gradients`` when accumulating under ``no_sync``): the norm is that of
+        the unsplit model's gradients, each counted once whatever the layout.
+        """
+        parts = self.grad_parts()
+        total = clip_grad_norm_(parts, max_norm, norm_type, None, error_if_nonfinite)
+        # Non-primary copies of a tied weight hold the same gradient as the primary: scale them alike.
+        scale = clip_coefficient(total, max_norm)
+        if scale < 1.0:
+            for p in self.placed_parameters():
+                if not p.primary and p.parameter.grad is not None:
+                    p.parameter.grad *= scale
+        return total
+
+    def memory_stats(self, optimizer=None) -> dict:
+        """Return this rank's bytes: parameters, gradients held now, ``optimizer``'s state for them, their sum.
+
+        Keys: param_bytes, grad_bytes, optimizer_state_bytes, persistent_bytes and peak_bytes (the persistent
+        bytes: a wrapper without transient buffers of its own peaks at them).
+        """
+        params = list(self.parameters())
+        optimizer_bytes = 0
+        if optimizer is not None:
+            mine = {id(p) for p in params}
+            held = [i for i, p in enumerate(optimizer.params) if id(p) in mine]
+            if not held:
+                raise ValueError(f"{type(self).__name__}.memory_stats: {type(optimizer).__name__} holds none of this "
+                                 f"wrapper's parameters; build it on wrapper.parameters()")
+            optimizer_bytes = sum(int(v.nbytes) for i in held for v in optimizer.state.get(i, {}).values()
+                                  if hasattr(v, "nbytes"))
+        param_bytes = sum(int(p.data.nbytes) for p in params)
+        grad_bytes = sum(int(p.grad.nbytes) for p in params if p.grad is not None)
+        persistent = param_bytes + grad_bytes + optimizer_bytes
+        return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_state_bytes": optimizer_bytes,
+                "persistent_bytes": persistent, "peak_bytes": persistent}
+
+
+class LocalModule(Wrapper):
+    """A module not wrapped for data or pipeline parallelism: plain, or tensor-parallel through its placements.
+
+    Its gradients are final after backward (tensor-parallel layers reduce inside backward), so ``no_sync`` and
+    ``sync_gradients`` do nothing and there is nothing to ``remove``. ``mesh.comm``: the one communicator its
+    placements span (a tensor-parallel model's), or None for a plain module.
+    """
+
+    def __init__(self, module):
+        if not isinstance(module, Module):
+            raise TypeError(f"LocalModule: module must be an mpidist.nn.Module (got {type(module).__name__})")
+        self.module = module
+        comms = placement_comms(self.placed_parameters())
+        if len(comms) > 1:
+            raise ValueError(f"LocalModule: the parameters of {type(module).__name__} are placed over "
+                             f"{len(comms)} different communicators (sizes {[c.Get_size() for c in comms]}); "
+                             f"a module without a wrapper may span one")
+        self.mesh = CommMesh(comms[0] if comms else None)
+
+    def placed_parameters(self):
+        return tuple(PlacedParameter(name, p, placement_of(p)) for name, p in self.module.named_parameters())
+
+    def named_buffers_global(self):
+        return self.module.named_buffers()
+
+    def communicators(self):
+        return ()
+
+    def grad_norm_comms(self):
+        return placement_comms(self.placed_parameters())
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+    def sync_gradients(self):
+        pass
+
+    def remove(self):
+        pass
+
+
+def as_wrapper(obj) -> Wrapper:
+    """Return ``obj`` if it is a Wrapper, ``LocalModule(obj)`` for an nn.Module; else raise TypeError naming it."""
+    if isinstance(obj, Wrapper):
+        return obj
+    if isinstance(obj, Module):
+        return LocalModule(obj)
+    raise TypeError(f"as_wrapper: expected a parallel wrapper (DDP) or an mpidist.nn.Module, "
+                    f"got {type(obj).__name__}")

@@ -1,0 +1,268 @@
+"""The wrapper interface (mpidist.parallel.interface) under DDP, a plain module and a tensor-parallel GPT.
+
+Reference: one process's ``GPT(cfg, rng=np.random.default_rng(0))``. Every rank builds its layout from the same
+seed; the test puts every rank's local arrays (allgathered) back into global tensors by their placements alone
+and compares them with the reference's parameters and, after a backward and ``clip_grad_norm_``, with the
+reference's gradients scaled by the formula of ``torch.nn.utils.clip_grad_norm_`` (norm by ``np.linalg.norm``).
+Runs on SimComm worlds and under ``mpiexec -n 2 / -n 4 pytest --with-mpi``.
+"""
+import math
+
+import numpy as np
+import pytest
+
+from mpidist import nn
+from mpidist.models import GPT, GPTConfig, lm_loss
+from mpidist.nn.placement import Replicate, Shard, set_placement
+from mpidist.optim import Adam
+from mpidist.parallel import DDP, mesh, tensor_parallel
+from mpidist.parallel.interface import CommMesh, LocalModule, PlacedParameter, Wrapper, as_wrapper
+
+CONFIG = GPTConfig(vocab_size=61, block_size=8, n_layer=1, n_head=4, n_embd=16, dropout=0.0, tie_weights=False,
+                   dtype="float64")  # vocabulary 61: padded rows at tp 2 and 4
+BATCH = 4
+KINDS = ["plain", "tp", "ddp", "ddp_tp"]
+
+
+def reference_model():
+    return GPT(CONFIG, rng=np.random.default_rng(0))
+
+
+def batch():
+    tokens = np.random.default_rng(7).integers(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+class Layout:
+    """One rank's model, wrapper, the loss to call and its share of the global batch."""
+
+    def __init__(self, comm, kind):
+        self.grid, self.dp_rank, self.dp = None, 0, 1
+        model = reference_model()
+        self.loss = lm_loss
+        if kind == "plain":
+            self.wrapper = as_wrapper(model)
+        elif kind == "tp":
+            model = tensor_parallel(model, comm, sequence_parallel=False)
+            self.wrapper, self.loss = as_wrapper(model), model.loss
+        elif kind == "ddp":
+            self.wrapper = DDP(model, comm)
+            self.dp_rank, self.dp = comm.Get_rank(), comm.Get_size()
+        else:  # DDP over the data-parallel ranks of a dp x tp mesh
+            self.grid = mesh(comm, tp=2 if comm.Get_size() % 2 == 0 else 1)
+            model = tensor_parallel(model, self.grid.tp_comm, sequence_parallel=False)
+            self.wrapper, self.loss = DDP(model, self.grid.dp_comm), model.loss
+            self.dp_rank, self.dp = self.grid.dp_rank, self.grid.dp
+        self.model = model
+
+    def backward(self):
+        x, y = batch()
+        n = BATCH // self.dp
+        mine = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
+        call = self.wrapper if isinstance(self.wrapper, DDP) else self.model
+        self.loss(call(x[mine]), y[mine]).backward()
+
+    def close(self):
+        self.wrapper.remove()
+        if self.grid is not None:
+            self.grid.free()
+
+
+def assemble(comm, placed, read):
+    """Return {name: global array} from every rank's ``read(parameter)`` placed by its placement alone.
+
+    Elements held by several ranks (replicas) must agree; an element no rank holds stays NaN.
+    """
+    mine = []
+    for p in placed:
+        local = np.asarray(read(p.parameter))
+        if isinstance(p.placement, Shard):
+            shape = p.placement.global_shape
+            pieces = [(off, size, local[tuple(slice(a, a + s) for a, s in zip(at, size))])
+                      for off, size, at in p.placement.chunks(local.shape)]
+        else:
+            shape, pieces = local.shape, [((0,) * local.ndim, local.shape, local)]
+        mine.append((p.name, shape, pieces))
+    full = {}
+    for items in comm.allgather(mine):
+        for name, shape, pieces in items:
+            out = full.setdefault(name, np.full(shape, np.nan))
+            for off, size, data in pieces:
+                region = out[tuple(slice(a, a + s) for a, s in zip(off, size))]
+                held = ~np.isnan(region)
+                np.testing.assert_array_equal(region[held], data[held], err_msg=f"{name}: replicas differ")
+                region[...] = data
+    return full
+
+
+@pytest.mark.world_sizes(1, 2, 4)
+@pytest.mark.parametrize("kind", KINDS)
+def test_placed_parameters_reassemble_the_unsplit_model(comm, kind):
+    layout = Layout(comm, kind)
+    ref = reference_model()
+    placed = layout.wrapper.placed_parameters()
+    assert isinstance(layout.wrapper, Wrapper)
+    assert [p.name for p in placed] == [name for name, _ in ref.named_parameters()]
+    assert [id(p.parameter) for p in placed] == [id(p) for p in layout.model.parameters()]
+    assert list(layout.wrapper.parameters()) == list(layout.model.parameters())
+    full = assemble(comm, placed, lambda p: p.data)
+    for name, p in ref.named_parameters():
+        np.testing.assert_array_equal(full[name], p.data, err_msg=name)
+    layout.close()
+
+
+@pytest.mark.world_sizes(1, 2, 4)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("kind", KINDS)
+def test_clip_grad_norm_equals_the_norm_of_the_global_gradient(comm, kind, norm_type):
+    ref = reference_model()
+    x, y = batch()
+    lm_loss(ref(x), y).backward()
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    total = float(np.linalg.norm(np.concatenate([g.ravel() for g in ref_grads.values()]), ord=norm_type))
+    layout = Layout(comm, kind)
+    layout.backward()
+    max_norm = total / 4
+    norm = layout.wrapper.clip_grad_norm_(max_norm, norm_type=norm_type)
+    assert norm == pytest.approx(total, rel=1e-10)
+    scale = max_norm / (total + 1e-6)
+    clipped = assemble(comm, layout.wrapper.placed_parameters(), lambda p: p.grad)
+    for name, g in ref_grads.items():
+        np.testing.assert_allclose(clipped[name], g * scale, rtol=0, atol=1e-12, err_msg=name)
+    layout.close()
+
+
+@pytest.mark.world_sizes(1, 2, 4)
+@pytest.mark.parametrize("kind", KINDS)
+def test_mesh_and_communicators(comm, kind):
+    layout = Layout(comm, kind)
+    wrapper = layout.wrapper
+    assert wrapper.communicators() == ()
+    expected_mesh = {"plain": None, "tp": comm, "ddp": comm}.get(kind, layout.grid and layout.grid.dp_comm)
+    assert wrapper.mesh.comm is expected_mesh
+    # The norm adds up over the tensor-parallel ranks only: data-parallel replicas hold the same gradients.
+    tp_comm = {"tp": comm, "ddp_tp": layout.grid and layout.grid.tp_comm}.get(kind)
+    assert wrapper.grad_norm_comms() == (() if tp_comm is None else (tp_comm,))
+    assert all(a is b for a, b in zip(wrapper.grad_norm_comms(), (tp_comm,)))
+    layout.close()
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_after_remove_a_backward_stays_local(comm):
+    """DDP.remove() leaves no hook: the next backward's gradients are this rank's own, not the average."""
+    layout = Layout(comm, "ddp")
+    layout.wrapper.remove()
+    x, y = batch()
+    n = BATCH // comm.Get_size()
+    mine = slice(comm.Get_rank() * n, (comm.Get_rank() + 1) * n)
+    lm_loss(layout.model(x[mine]), y[mine]).backward()
+    alone = reference_model()
+    lm_loss(alone(x[mine]), y[mine]).backward()
+    everyone = reference_model()
+    lm_loss(everyone(x), y).backward()
+    for (name, p), a, e in zip(layout.model.named_parameters(), alone.parameters(), everyone.parameters()):
+        np.testing.assert_allclose(p.grad, a.grad, rtol=0, atol=1e-12, err_msg=name)
+    assert any(not np.allclose(a.grad, e.grad) for a, e in zip(alone.parameters(), everyone.parameters()))
+    layout.wrapper.remove()  # twice: nothing left to remove
+
+
+@pytest.mark.mpi_skip
+def test_no_sync_and_sync_gradients_under_a_local_module():
+    """A local module's gradients are final after backward: no_sync accumulates, sync_gradients keeps them."""
+    model = reference_model()
+    wrapper = as_wrapper(model)
+    x, y = batch()
+    with wrapper.no_sync():
+        lm_loss(model(x[:2]), y[:2]).backward()
+    lm_loss(model(x[2:]), y[2:]).backward()
+    wrapper.sync_gradients()
+    ref = reference_model()
+    lm_loss(ref(x[:2]), y[:2]).backward()
+    lm_loss(ref(x[2:]), y[2:]).backward()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        np.testing.assert_array_equal(p.grad, r.grad, err_msg=name)
+
+
+@pytest.mark.mpi_skip
+def test_memory_stats_count_parameters_gradients_and_optimizer_state():
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+    wrapper = as_wrapper(model)
+    opt = Adam(list(wrapper.parameters()), lr=0.1)
+    model(np.ones((2, 3), dtype=np.float32)).sum().backward()
+    opt.step()
+    nbytes = 4 * (3 * 5 + 5 + 5 * 2 + 2)  # float32 weights and biases
+    stats = wrapper.memory_stats(opt)
+    assert stats == {"param_bytes": nbytes, "grad_bytes": nbytes, "optimizer_state_bytes": 2 * nbytes,
+                     "persistent_bytes": 4 * nbytes, "peak_bytes": 4 * nbytes}  # Adam: two moments per element
+    with pytest.raises(ValueError, match=r"LocalModule.memory_stats: Adam holds none of this wrapper's parameters"):
+        wrapper.memory_stats(Adam([nn.Parameter(np.zeros(2, dtype=np.float32))], lr=0.1))
+
+
+@pytest.mark.mpi_skip
+def test_as_wrapper_returns_wrappers_and_refuses_other_types():
+    model = nn.Linear(2, 2)
+    wrapper = as_wrapper(model)
+    assert isinstance(wrapper, LocalModule) and wrapper.module is model and wrapper.mesh.comm is None
+    assert as_wrapper(wrapper) is wrapper
+    with pytest.raises(TypeError, match=r"as_wrapper: expected a parallel wrapper \(DDP\) or an mpidist.nn.Module, "
+                                        r"got int"):
+        as_wrapper(3)
+
+
+class _FakeComm:
+    def __init__(self, size):
+        self.size = size
+
+    def Get_size(self):
+        return self.size
+
+
+@pytest.mark.mpi_skip
+def test_a_local_module_placed_over_two_communicators_is_refused():
+    model = nn.Linear(2, 2)
+    set_placement(model.weight, Replicate(_FakeComm(2)))
+    set_placement(model.bias, Replicate(_FakeComm(3)))
+    with pytest.raises(ValueError, match=r"LocalModule: the parameters of Linear are placed over 2 different "
+                                         r"communicators \(sizes \[2, 3\]\)"):
+        as_wrapper(model)
+
+
+class _TiedCopy(Wrapper):
+    """A wrapper holding a weight twice (as a pipeline's last stage holds a tied embedding): the copy not primary."""
+
+    def __init__(self, primary, copy):
+        self.mesh = CommMesh(None)
+        self.placed = (PlacedParameter("w", primary, None), PlacedParameter("w", copy, None, primary=False))
+
+    def placed_parameters(self):
+        return self.placed
+
+    def named_buffers_global(self):
+        return iter(())
+
+    def communicators(self):
+        return ()
+
+    def grad_norm_comms(self):
+        return ()
+
+    def no_sync(self):
+        raise NotImplementedError
+
+    def sync_gradients(self):
+        pass
+
+    def remove(self):
+        pass
+
+
+@pytest.mark.mpi_skip
+def test_clip_counts_a_tied_copy_once_and_scales_it_alike():
+    grad = np.array([3.0, 4.0])
+    primary, copy = nn.Parameter(np.zeros(2)), nn.Parameter(np.zeros(2))
+    primary.grad, copy.grad = grad.copy(), grad.copy()
+    wrapper = _TiedCopy(primary, copy)
+    assert list(wrapper.parameters()) == [primary, copy]
+    assert wrapper.clip_grad_norm_(1.0) == pytest.approx(5.0, rel=1e-12)  # not sqrt(2) * 5
+    for p in (primary, copy):
+        np.testing.assert_allclose(p.grad, grad / (5.0 + 1e-6), rtol=1e-12)
