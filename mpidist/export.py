@@ -71,6 +71,8 @@ def save_safetensors(model_or_state_dict, path, *, config=None, metadata: Option
             raise TypeError(f"{context}: metadata must map strings to strings (got {metadata!r})")
         metadata = dict(metadata)
     config_text = None if config is None else _config_json(config, context)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{context}: {os.fspath(path)} is a directory; name the .safetensors file to write")
     directory = os.path.dirname(os.fspath(path))
     if directory:
         os.makedirs(directory, exist_ok=True)
@@ -95,7 +97,8 @@ def load_safetensors(path, module: Optional[Module] = None) -> Dict[str, np.ndar
     try:
         tensors = safetensors.numpy.load_file(path)
     except (safetensors.SafetensorError, TypeError, ValueError) as e:  # bad header, a dtype numpy lacks (bf16)
-        raise ValueError(f"{context}: {path} is not a safetensors file numpy can read ({e})") from e
+        raise ValueError(f"{context}: {path} cannot be read as numpy arrays ({e}); not a safetensors file, or "
+                         f"a dtype numpy lacks (bfloat16, float8)") from e
     if module is not None:
         _check_fits(module, tensors, f"{context}: {path}")
         module.load_state_dict(tensors, strict=True)
@@ -103,7 +106,7 @@ def load_safetensors(path, module: Optional[Module] = None) -> Dict[str, np.ndar
 
 
 def _check_fits(module, tensors, context):
-    own = module.state_dict()
+    own = {**{name: p.data for name, p in module.named_parameters()}, **dict(module.named_buffers())}
     missing = [name for name in own if name not in tensors]
     unexpected = [name for name in tensors if name not in own]
     if missing or unexpected:

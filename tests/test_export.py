@@ -117,6 +117,8 @@ def test_save_safetensors_refuses_what_safetensors_cannot_store(tmp_path):
     with pytest.raises(TypeError, match=r"save_safetensors: expected an nn\.Module or a mapping .*\(got list\)"):
         save_safetensors([np.zeros(2)], path)
     assert not path.exists() and not (tmp_path / "config.json").exists()  # checked before writing anything
+    with pytest.raises(IsADirectoryError, match=r"save_safetensors: .* is a directory; name the \.safetensors file"):
+        save_safetensors({"ok": np.zeros(2)}, tmp_path)
 
 
 def test_load_safetensors_reports_bad_files(tmp_path):
@@ -126,7 +128,8 @@ def test_load_safetensors_reports_bad_files(tmp_path):
         load_safetensors(tmp_path)
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
-    with pytest.raises(ValueError, match=r"load_safetensors: .*garbage\.safetensors is not a safetensors file"):
+    with pytest.raises(ValueError, match=r"load_safetensors: .*garbage\.safetensors cannot be read as numpy "
+                                         r"arrays \(.*\); not a safetensors file"):
         load_safetensors(garbage)
 
 
