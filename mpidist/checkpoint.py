@@ -12,11 +12,10 @@ Glossary:
   ``start ..`` along ``dim``, of which those past ``global_shape[dim]`` are padding: never saved, zero after a
   load. An optimizer's per-parameter arrays (Adam's ``exp_avg``...) are shaped like the parameter and are
   blocks of their own key in the same place.
-- segment: a flat range of a block held in a local array. An FSDP shard holds segments of the
-  parameters it overlaps (read from FSDP's public ``shard_layout()``); every other array holds one
-  segment, its whole block. A flat range of a row-major block is a union of at most ``2 * ndim - 1``
-  boxes that are each contiguous in it, so any segment, cut to the block's real (unpadded) region and
-  shifted to the block's place, becomes chunks; FSDP over tensor-parallel blocks works the same way.
+- segment: a flat range of a local array that holds part of one key, and the boxes of the global tensor it
+  holds (``mpidist.nn.placement.boxes``: padding left out). An FSDP shard holds a segment of each parameter
+  it overlaps (a ``FlatShard``, read from FSDP's public ``shard_layout()``); every other array holds one
+  segment, its whole block. Each box becomes a chunk.
 - slot: a local array and the segments it holds.
 - commit point: ``manifest.json``. Every checkpoint file goes through one writer (temporary name, fsync,
   rename, fsync of the directory), and rank 0 writes the manifest last: a checkpoint without a manifest
@@ -76,14 +75,15 @@ import time
 import warnings
 import zlib
 from dataclasses import dataclass, replace
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Tuple
 
 import numpy as np
 
 from . import guard, standard_json
 from .comm import check_comm
 from .comm.agree import agreed, describe_ranks
-from .nn.placement import Replicate, Shard, placement_of
+from .nn.placement import (Box, FlatShard, boxes, check_tiling, describe_box, first_overlap, global_shape, intersect,
+                           placement_of)
 from .optim import is_held
 from .xp import copy_into, to_numpy
 
@@ -100,123 +100,35 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the file and the problem."""
 
 
-# -- boxes: N-dimensional chunks of a global tensor ----------------------------------------------------
-def _numel(sizes):
-    return int(np.prod(sizes, dtype=np.int64))
-
-
-def _flat_index(index, shape):
-    """Return the row-major flat position of ``index`` in ``shape``."""
-    flat = 0
-    for i, n in zip(index, shape):
-        flat = flat * n + i
-    return flat
-
-
-def _flat_boxes(start, count, shape):
-    """Return ``[(offsets, sizes)]``: boxes whose union is the flat range ``[start, start + count)`` of ``shape``.
-
-    Each box is itself contiguous in row-major order and they come in flat order: a partial first row,
-    the whole rows, a partial last row (recursively along the trailing dimensions).
-    """
-    if count <= 0:
-        return []
-    if not shape:
-        return [((), ())]
-    inner = _numel(shape[1:])
-    stop, boxes = start + count, []
-    if start % inner:  # a partial first row
-        row = start // inner
-        end = min(stop, (row + 1) * inner)
-        boxes += [((row,) + lo, (1,) + sz) for lo, sz in _flat_boxes(start - row * inner, end - start, shape[1:])]
-        start = end
-    if stop // inner > start // inner and start < stop:  # whole rows
-        first, last = start // inner, stop // inner
-        boxes.append(((first,) + (0,) * (len(shape) - 1), (last - first,) + tuple(shape[1:])))
-        start = last * inner
-    if start < stop:  # a partial last row
-        row = start // inner
-        boxes += [((row,) + lo, (1,) + sz) for lo, sz in _flat_boxes(0, stop - start, shape[1:])]
-    return boxes
-
-
-def _intersect(offsets_a, sizes_a, offsets_b, sizes_b):
-    """Return (offsets, sizes) of the overlap of two boxes, or None."""
-    lo = tuple(max(a, b) for a, b in zip(offsets_a, offsets_b))
-    hi = tuple(min(a + n, b + m) for a, n, b, m in zip(offsets_a, sizes_a, offsets_b, sizes_b))
-    if any(h <= lo_ for lo_, h in zip(lo, hi)):
-        return None
-    return lo, tuple(h - lo_ for lo_, h in zip(lo, hi))
-
-
 def _window(offsets, sizes, within):
     """Return the slices selecting box ``(offsets, sizes)`` inside an array that starts at ``within``."""
     return tuple(slice(o - w, o - w + n) for o, n, w in zip(offsets, sizes, within))
 
 
-def _describe_box(shape, offsets, sizes):
-    if tuple(sizes) == tuple(shape):
-        return f"(the whole tensor, shape {tuple(shape)})"
-    return f"(chunk at offsets {tuple(offsets)} of sizes {tuple(sizes)} in shape {tuple(shape)})"
-
-
 # -- segments and slots: where each key's values live in local arrays ---------------------------------
 @dataclass(frozen=True)
 class _Segment:
-    """``count`` elements of a slot's array, from element ``local_start``, that hold part of global tensor ``key``.
+    """Elements ``[local_start, local_start + count)`` of a slot's (flattened) array that hold part of tensor ``key``.
 
-    They are elements ``[flat_start, flat_start + count)`` of the row-major block ``block_shape``, whose
-    element (0, ..., 0) is element ``origin`` of the global tensor; of the block only the first ``real``
-    rows along each dimension are real, the rest is padding (``real`` is None when all of it is padding).
+    ``boxes`` (``mpidist.nn.placement.Box``, each a view of the slot's array) are its real elements; the rest
+    of the range is padding.
     """
 
     key: str
     shape: Tuple[int, ...]          # the global tensor's
     local_start: int
     count: int
-    block_shape: Tuple[int, ...]
-    flat_start: int
-    origin: Tuple[int, ...]
-    real: Optional[Tuple[int, ...]]
-
-    def boxes(self):
-        """Yield ``(global offsets, sizes, start in the segment, contiguous box shape, window in that box)``."""
-        if self.real is None:
-            return
-        for lo, sizes in _flat_boxes(self.flat_start, self.count, self.block_shape):
-            cut = tuple(max(0, min(l + n, r) - l) for l, n, r in zip(lo, sizes, self.real))
-            if any(n == 0 for n in cut):
-                continue  # all padding
-            rel = _flat_index(lo, self.block_shape) - self.flat_start
-            yield (tuple(o + l for o, l in zip(self.origin, lo)), cut, rel, sizes,
-                   tuple(slice(0, n) for n in cut))
+    boxes: Tuple[Box, ...]
 
 
-def _block(key, block_shape, placement):
-    """Return (global shape, origin, real sizes or None) of a block of ``block_shape`` under ``placement``."""
-    block_shape = tuple(int(n) for n in block_shape)
-    if placement is None or isinstance(placement, Replicate):
-        return block_shape, (0,) * len(block_shape), block_shape
-    if not isinstance(placement, Shard):
-        raise CheckpointError(f"checkpoint: {key!r} has placement {placement!r}, which checkpoints cannot store; "
-                              f"use mpidist.nn.placement.Shard or Replicate")
-    shape, dim, start = tuple(int(n) for n in placement.global_shape), placement.dim, placement.start
-    expected = tuple(block_shape[d] if d == dim else n for d, n in enumerate(shape))
-    if not 0 <= dim < len(shape) or len(shape) != len(block_shape) or expected != block_shape or start < 0:
-        raise CheckpointError(f"checkpoint: {key!r} holds a block of shape {block_shape} that does not fit its "
-                              f"placement {placement.describe()}: a shard keeps every dimension but {dim} of the "
-                              f"global shape and starts at a row >= 0")
-    chunk = placement.chunk(block_shape)
-    if chunk is None:
-        return shape, (0,) * len(shape), None
-    offsets, sizes = chunk
-    return shape, tuple(offsets), tuple(sizes)
-
-
-def _block_segment(key, block_shape, placement, local_start=0, flat_start=0, count=None):
-    shape, origin, real = _block(key, block_shape, placement)
-    count = _numel(block_shape) if count is None else count
-    return _Segment(key, shape, local_start, count, tuple(int(n) for n in block_shape), flat_start, origin, real)
+def _segment(key, placement, local_shape, local_start=0, count=None):
+    """Return the segment of a local array of ``local_shape`` under ``placement`` (the range FSDP's piece holds)."""
+    try:
+        held = tuple(boxes(placement, local_shape, name=key))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint: {exc}") from None
+    count = math.prod(local_shape) if count is None else count
+    return _Segment(key, global_shape(placement, local_shape), local_start, count, held)
 
 
 class _Slot:
@@ -227,38 +139,8 @@ class _Slot:
         self.segments = segments
 
 
-def _placed_segments(key, block_shape, placement, local_start=0, flat_start=0, count=None):
-    """The segments of a local block (or of the flat range ``[flat_start, flat_start + count)`` of it).
-
-    A shard of several pieces (``Shard.pieces``: an attention's fused q/k/v rows split by heads) is one
-    segment per piece: each piece is a run of rows of the local block, so along dimension 0 its elements are
-    contiguous and it is a block of its own that starts at the piece's global row.
-    """
-    pieces = getattr(placement, "pieces", None)
-    if not isinstance(placement, Shard) or pieces is None or len(pieces) == 1:
-        if isinstance(placement, Shard) and pieces is not None:  # one piece: a plain shard at its start
-            placement = Shard(placement.dim, placement.comm, placement.global_shape, pieces[0][0])
-        return [_block_segment(key, block_shape, placement, local_start, flat_start, count)]
-    block_shape = tuple(int(n) for n in block_shape)
-    if placement.dim != 0:
-        raise CheckpointError(f"checkpoint: {key!r} is a shard of {len(pieces)} pieces along dimension "
-                              f"{placement.dim}; only pieces along dimension 0 (runs of whole rows) can be stored")
-    row = _numel(block_shape[1:])
-    count = _numel(block_shape) if count is None else count
-    segments = []
-    for global_start, local_row, length in pieces:
-        lo, hi = max(flat_start, local_row * row), min(flat_start + count, (local_row + length) * row)
-        if lo >= hi:
-            continue
-        one = Shard(0, placement.comm, placement.global_shape, int(global_start))
-        segments.append(_block_segment(key, (int(length),) + block_shape[1:], one,
-                                       local_start=local_start + (lo - flat_start),
-                                       flat_start=lo - local_row * row, count=hi - lo))
-    return segments
-
-
 def _full_slot(key, array, placement=None):
-    return _Slot(array, _placed_segments(key, array.shape, placement))
+    return _Slot(array, [_segment(key, placement, array.shape)])
 
 
 class _Registry:
@@ -281,9 +163,11 @@ def _shard_segments(fsdp, unit_shard, prefix):
     placement (on the wrapped module's parameter) says where it lies in the global tensor.
     """
     placements = {name: placement_of(p) for name, p in fsdp.module.named_parameters()}
-    return [segment for piece in unit_shard.pieces()
-            for segment in _placed_segments(f"{prefix}{piece.name}", piece.shape, placements.get(piece.name),
-                                            local_start=piece.offset, flat_start=piece.start, count=piece.count)]
+    local_shape = unit_shard.parameter.data.shape
+    return [_segment(f"{prefix}{piece.name}",
+                     FlatShard(placements.get(piece.name), piece.shape, piece.start, piece.count, piece.offset),
+                     local_shape, local_start=piece.offset, count=piece.count)
+            for piece in unit_shard.pieces()]
 
 
 def _is_fsdp(obj):
@@ -693,12 +577,11 @@ def _held_chunks(slots):
     """Return the ``_Held`` chunks of every slot's segments (padding cut off)."""
     held = []
     for slot in slots:
-        flat = to_numpy(slot.array).reshape(-1)
+        array = to_numpy(slot.array)
         for seg in slot.segments:
-            for offsets, sizes, rel, box_shape, window in seg.boxes():
-                first = seg.local_start + rel
-                data = flat[first: first + _numel(box_shape)].reshape(box_shape)[window]
-                held.append(_Held(seg.key, seg.shape, flat.dtype.str, offsets, sizes, np.ascontiguousarray(data)))
+            for box in seg.boxes:
+                held.append(_Held(seg.key, seg.shape, array.dtype.str, box.offsets, box.sizes,
+                                  np.ascontiguousarray(box.view(array))))
     return held
 
 
@@ -728,10 +611,16 @@ def _check_declarations(declarations):
                 groups = "; ".join(f"{_ranks(r)}: crc32 {c:#010x}" for c, r in crcs.items())
                 raise CheckpointError(
                     f"checkpoint: {_ranks(r for r, _, _ in holders)} hold different values for {key!r} "
-                    f"{_describe_box(shape, offsets, sizes)} ({groups}); saving would keep one of them. Give each "
+                    f"{describe_box(shape, offsets, sizes)} ({groups}); saving would keep one of them. Give each "
                     f"sharded parameter a placement (mpidist.nn.placement.Shard) so its blocks are stored apart, "
                     f"or make the replicas equal before saving")
-        _check_tiling(key, shape, by_box)
+        by_rank = [[] for _ in declarations]
+        for (_, offsets, sizes), holders in by_box.items():
+            for rank, _, _ in holders:
+                by_rank[rank].append((offsets, sizes))
+        problem = check_tiling(key, shape, by_rank)
+        if problem:
+            raise CheckpointError(f"checkpoint: {problem}")
     return {key: {box: [(r, n) for r, n, _ in hs] for box, hs in by_box.items()} for key, by_box in boxes.items()}
 
 
@@ -739,25 +628,6 @@ def _ranks(ranks):
     """Return "rank 3" or "ranks 0,2"."""
     ranks = sorted(set(ranks))
     return f"rank{'s' if len(ranks) > 1 else ''} {','.join(str(r) for r in ranks)}"
-
-
-def _check_tiling(key, shape, by_box):
-    """Raise unless the distinct chunks of ``key`` cover its global tensor without overlapping."""
-    chunks = sorted(by_box.items(), key=lambda item: (item[0][1], item[0][2]))
-    for i, ((_, offsets, sizes), holders) in enumerate(chunks):
-        for (_, other_offsets, other_sizes), other_holders in chunks[i + 1:]:
-            if shape and other_offsets[0] >= offsets[0] + sizes[0]:
-                break  # sorted by the first offset: no later chunk reaches back into this one
-            if _intersect(offsets, sizes, other_offsets, other_sizes) is not None:
-                raise CheckpointError(
-                    f"checkpoint: {key!r} has overlapping chunks that are not the same chunk: "
-                    f"{_describe_box(shape, offsets, sizes)} on {_ranks(r for r, *_ in holders)}, "
-                    f"{_describe_box(shape, other_offsets, other_sizes)} on {_ranks(r for r, *_ in other_holders)}; "
-                    f"the placements of its blocks must split it the same way on every rank")
-    covered, total = sum(_numel(sizes) for _, _, sizes in by_box), _numel(shape)
-    if covered != total:
-        raise CheckpointError(f"checkpoint: the chunks of {key!r} cover {covered} of its {total} elements "
-                              f"(shape {tuple(shape)}); every row of a sharded parameter must be on some rank")
 
 
 def _assign_writers(checked, size):
@@ -1011,9 +881,9 @@ def _chunks_of_pieces(key, shape, itemsize, pieces, path):
         if start + count > math.prod(shape):
             raise _field_error(path, at, f"covers elements [{start}, {start + count}) of a tensor of {math.prod(shape)}")
         offset = _int_field(piece["offset"], path, f"{at}.offset")
-        chunks += [{"file": piece["file"], "offsets": list(lo), "sizes": list(sizes),
-                    "offset": offset + (_flat_index(lo, shape) - start) * itemsize}
-                   for lo, sizes in _flat_boxes(start, count, shape)]
+        chunks += [{"file": piece["file"], "offsets": list(box.offsets), "sizes": list(box.sizes),
+                    "offset": offset + box.local * itemsize}
+                   for box in boxes(FlatShard(None, shape, start, count, 0), (count,))]
     return chunks
 
 
@@ -1022,7 +892,7 @@ def _check_chunks(key, shape, itemsize, chunks, files, path):
     where = f"tensors[{key!r}].chunks"
     if not isinstance(chunks, list):
         raise _field_error(path, where, f"must be a list (got {_show(chunks)})")
-    boxes = []
+    found = []
     for i, chunk in enumerate(chunks):
         at = f"{where}[{i}]"
         _record(chunk, path, at, ("file", "offset", "offsets", "sizes"))
@@ -1038,17 +908,14 @@ def _check_chunks(key, shape, itemsize, chunks, files, path):
         if end > available:
             raise _field_error(path, f"{at}.offset", f"{offset} + {math.prod(sizes)} elements of {itemsize} bytes reach "
                                                      f"byte {end} of {chunk['file']}, which has {available}")
-        boxes.append((offsets, sizes, i))
-    boxes.sort()
-    for n, (offsets, sizes, i) in enumerate(boxes):
-        for other_offsets, other_sizes, j in boxes[n + 1:]:
-            if shape and other_offsets[0] >= offsets[0] + sizes[0]:
-                break  # sorted by the first offset: no later chunk reaches back into this one
-            if _intersect(offsets, sizes, other_offsets, other_sizes) is not None:
-                raise _field_error(path, f"{where}[{i}]", f"overlaps chunks[{j}] (offsets {offsets} sizes {sizes}, "
-                                                          f"offsets {other_offsets} sizes {other_sizes}): a duplicated "
-                                                          f"or foreign chunk")
-    covered, total = sum(math.prod(sizes) for _, sizes, _ in boxes), math.prod(shape)
+        found.append((offsets, sizes))
+    pair = first_overlap(found)
+    if pair is not None:
+        (offsets, sizes), (other_offsets, other_sizes) = found[pair[0]], found[pair[1]]
+        raise _field_error(path, f"{where}[{pair[0]}]", f"overlaps chunks[{pair[1]}] (offsets {offsets} sizes {sizes}, "
+                                                        f"offsets {other_offsets} sizes {other_sizes}): a duplicated "
+                                                        f"or foreign chunk")
+    covered, total = sum(math.prod(sizes) for _, sizes in found), math.prod(shape)
     if covered != total:
         raise _field_error(path, where, f"cover {covered} of the {total} elements of shape {shape}")
 
@@ -1185,17 +1052,17 @@ class _Reader:
         dtype = np.dtype(entry["dtype"])
         copied = 0
         for chunk in entry["chunks"]:
-            overlap = _intersect(offsets, sizes, chunk["offsets"], chunk["sizes"])
+            overlap = intersect(offsets, sizes, chunk["offsets"], chunk["sizes"])
             if overlap is None:
                 continue
             raw = self._open(chunk["file"])
             first = chunk["offset"]
-            stored = raw[first: first + _numel(chunk["sizes"]) * dtype.itemsize].view(dtype).reshape(chunk["sizes"])
+            stored = raw[first: first + math.prod(chunk["sizes"]) * dtype.itemsize].view(dtype).reshape(chunk["sizes"])
             out[_window(*overlap, offsets)] = stored[_window(*overlap, chunk["offsets"])]
-            copied += _numel(overlap[1])
-        if copied != _numel(sizes):
-            raise CheckpointError(f"checkpoint: the manifest's chunks of {key!r} hold {copied} of the {_numel(sizes)} "
-                                  f"elements of {_describe_box(entry['shape'], offsets, sizes)}")
+            copied += math.prod(overlap[1])
+        if copied != math.prod(sizes):
+            raise CheckpointError(f"checkpoint: the manifest's chunks of {key!r} hold {copied} of the "
+                                  f"{math.prod(sizes)} elements of {describe_box(entry['shape'], offsets, sizes)}")
 
 
 class LoadResult(NamedTuple):
@@ -1609,9 +1476,8 @@ def _load_step(root, state, comm, step, verify, newest=False, strict=True):
                 if seg.key not in manifest["tensors"]:
                     continue  # strict=False: a key the checkpoint lacks keeps its values
                 host[seg.local_start: seg.local_start + seg.count] = 0  # what no chunk fills is padding: zero
-                for offsets, sizes, rel, box_shape, window in seg.boxes():
-                    first = seg.local_start + rel
-                    reader.read(seg.key, offsets, sizes, host[first: first + _numel(box_shape)].reshape(box_shape)[window])
+                for box in seg.boxes:
+                    reader.read(seg.key, box.offsets, box.sizes, box.view(host.reshape(slot.array.shape)))
             staged.append((slot, host))
         return staged
 

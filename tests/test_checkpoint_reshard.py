@@ -263,24 +263,6 @@ def test_placements_that_do_not_split_a_tensor_into_a_tiling_are_refused(comm, t
     assert checkpoint.list_steps(root) == []
 
 
-@pytest.mark.mpi_skip
-@pytest.mark.parametrize("shape", [(), (5,), (3, 4), (2, 3, 4), (3, 1, 5, 2), (4, 0, 3)])
-def test_a_flat_range_is_a_union_of_contiguous_boxes(shape):
-    """Every flat range of a row-major array equals its boxes' elements in order, each box contiguous."""
-    numbers = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
-    rng = np.random.default_rng(len(shape))
-    n = numbers.size
-    for start, stop in [(0, n), (0, 0)] + [tuple(sorted(rng.integers(0, n + 1, 2))) for _ in range(40)]:
-        count = stop - start
-        boxes = checkpoint._flat_boxes(start, count, shape)
-        assert len(boxes) <= max(1, 2 * len(shape) - 1)
-        pieces = [numbers[tuple(slice(o, o + s) for o, s in zip(lo, sizes))].reshape(-1) for lo, sizes in boxes]
-        for piece in pieces:
-            assert (np.diff(piece) == 1).all()
-        got = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
-        np.testing.assert_array_equal(got, np.arange(start, start + count))
-
-
 def write_flat_format_checkpoint(root, step=ADAM_STEPS):
     """Write the reference as a ``mpidist-checkpoint-1`` checkpoint: flat pieces split mid-row over two files."""
     directory = os.path.join(root, f"step_{step:08d}")

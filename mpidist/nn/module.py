@@ -34,6 +34,7 @@ class Parameter(Tensor):
     def __init__(self, data, requires_grad=True):
         super().__init__(data.data if isinstance(data, Tensor) else data)
         self.version = 0
+        self.placement = None  # where its values lie across ranks (mpidist.nn.placement); None: whole, here
         self._post_accumulate_grad_hooks = None
         if requires_grad:
             self.requires_grad_(True)
