@@ -243,6 +243,24 @@ class Holder(nn.Module):
 
 
 @pytest.mark.world_sizes(2)
+def test_a_shard_of_pieces_along_columns_loads_into_a_plain_model(comm, tmp_path):
+    """A fused q/k/v split by heads along dimension 1 (each rank: its columns of q, of k and of v) is saved as
+    its pieces; a plain one-rank model loads the global tensor."""
+    root, rank = shared_dir(comm, tmp_path), comm.Get_rank()
+    full = np.arange(5 * 12, dtype=np.float64).reshape(5, 12)
+    pieces = tuple((which * 4 + rank * 2, which * 2, 2) for which in range(3))
+    mine = full[:, np.concatenate([np.arange(g, g + n) for g, _, n in pieces])]
+    checkpoint.save(root, {"model": Holder(set_placement(nn.Parameter(mine), Shard(1, comm, full.shape, 2 * rank,
+                                                                                   pieces)))}, comm, step=1)
+    plain, alone = Holder(nn.Parameter(np.zeros_like(full))), comm.Split(rank, 0)
+    try:
+        checkpoint.load(root, {"model": plain}, alone)
+    finally:
+        alone.Free()
+    np.testing.assert_array_equal(plain.weight.data, full)
+
+
+@pytest.mark.world_sizes(2)
 def test_placements_that_do_not_split_a_tensor_into_a_tiling_are_refused(comm, tmp_path):
     root, rank = shared_dir(comm, tmp_path), comm.Get_rank()
     cases = [
