@@ -279,6 +279,23 @@ class Handle:
             raise self._error
         return self._result
 
+    def wait_or(self, signal):
+        """Wait until this operation or MPI request ``signal`` completes; return whether this operation did.
+
+        When it did, it is complete as after ``wait()`` (which raises its error, if any). Lets a thread
+        wait inside MPI and still be woken (``signal`` is a generalized request another thread completes).
+        Operations on SimComm, and receives (whose status only a Wait fills), are waited for plainly.
+        """
+        requests = self._requests
+        if (not self._done and self._status is None and requests
+                and all(isinstance(r, MPI.Request) for r in requests)):
+            every = list(requests) + [signal]
+            while any(r != MPI.REQUEST_NULL for r in requests):
+                if MPI.Request.Waitany(every) == len(requests):
+                    return False
+        self.wait()
+        return True
+
     def _complete(self):
         # Complete exactly once, even when finishing fails: a second attempt could take another
         # operation's message. The error is raised again by every later wait().

@@ -815,3 +815,29 @@ def test_parked_operations_are_released_when_done_and_a_failed_one_poisons_nothi
         assert [requests[0] for requests, _ in collectives._orphans] == [pending]
     finally:
         collectives._orphans.clear()
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_handle_wait_or_returns_on_the_signal_and_later_completes_the_operation(comm):
+    """wait_or(signal) returns False when the signal completes first, True once the operation completes."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    real = isinstance(comm, MPI.Intracomm)  # on SimComm a wait_or is a plain wait
+    fired, quiet = (MPI.Grequest.Start(), MPI.Grequest.Start()) if real else (None, None)
+    if real:
+        fired.Complete()
+    x = np.full(3, rank + 1.0)
+    collectives.barrier(comm)  # the guard's first call on a communicator is collective (it duplicates it)
+    if rank == 0 and real:
+        handle = collectives.iallreduce(x, comm)
+        # rank 1 joins only after this rank's message: the allreduce cannot finish, the signal has
+        assert handle.wait_or(fired) is False
+        comm.send(None, dest=1)
+    else:
+        if rank == 1 and real:
+            comm.recv(source=0)
+        handle = collectives.iallreduce(x, comm)
+    assert handle.wait_or(quiet) is True
+    np.testing.assert_array_equal(x, np.full(3, size * (size + 1) / 2))
+    if real:
+        quiet.Complete()
+        MPI.Request.Waitall([fired, quiet])

@@ -1,8 +1,8 @@
 """Work objects: what every backend operation returns, completed by MPI requests.
 
 Glossary:
-- pending: one started MPI operation of a work: something with a blocking ``wait()`` (an mpidist
-  ``collectives.Handle``, or ``Requests``, a list of raw mpi4py requests).
+- pending: one started MPI operation of a work: something with a blocking ``wait()`` and a
+  ``wait_or(signal)`` (an mpidist ``collectives.Handle``, or ``Requests``, a list of raw mpi4py requests).
 - finish: what runs once every pending part is complete (copy a staged buffer back into the tensors,
   divide for AVG); it returns the work's result, the value of its future.
 - progress thread: one daemon thread per process that completes the works whose future was asked for.
@@ -69,6 +69,17 @@ class Requests:
     def __del__(self):
         if not self.done and self.keep and any(r != MPI.REQUEST_NULL for r in self.requests):
             _abandoned.append((self.requests, self.keep))
+
+    def wait_or(self, signal):
+        """Wait until these requests or MPI request ``signal`` complete; return whether these did (then as ``wait``)."""
+        if not self.done and all(isinstance(r, MPI.Request) for r in self.requests) and not self.test():
+            every = list(self.requests) + [signal]
+            while any(r != MPI.REQUEST_NULL for r in self.requests):
+                if MPI.Request.Waitany(every, self.status) == len(self.requests):
+                    return False
+            self.done = True  # a Wait on the freed request would blank the status
+        self.wait()
+        return True
 
     def wait(self):
         if self.done:
@@ -178,20 +189,9 @@ class _Idle:
 
 def _wait_any(part, signal, abort):
     """Wait inside MPI for ``part`` or until ``signal`` (the progress thread's) completes: then raise."""
-    requests = part.requests if isinstance(part, Requests) else getattr(part, "_requests", None)
-    if (not requests or not all(isinstance(r, MPI.Request) for r in requests)
-            or getattr(part, "_status", None) is not None or part.test()):
-        part.wait()
-        return
-    status = part.status if isinstance(part, Requests) else None
-    every = list(requests) + [signal]
-    while any(r != MPI.REQUEST_NULL for r in requests):
-        if MPI.Request.Waitany(every, status) == len(requests):
-            abort.check() if abort is not None else None
-            raise AbortedError("mpidist: the progress thread was released from its wait")
-    if isinstance(part, Requests):
-        part.done = True  # a Wait on the freed request would blank the status
-    part.wait()
+    if not part.wait_or(signal):
+        abort.check() if abort is not None else None
+        raise AbortedError("mpidist: the progress thread was released from its wait")
 
 
 def _sleep_until_done(part, abort=None):
