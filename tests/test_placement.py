@@ -108,11 +108,13 @@ def test_a_shard_of_pieces_rebuilds_a_fused_qkv_tensor(dim):
     check_round_trip(full, holdings)
 
 
+@pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("fsdp_ranks", [1, 3, 5])
-def test_flat_shards_of_tensor_parallel_blocks_rebuild_the_tensor(fsdp_ranks):
-    """FSDP over tensor parallelism: each TP block (the last one padded) flattened and cut mid-row."""
-    full = numbered((5, 4))
-    holdings = [flat for shard, block in row_shards(full, 0, 2) for flat in flat_shards(shard, block, fsdp_ranks)]
+def test_flat_shards_of_tensor_parallel_blocks_rebuild_the_tensor(fsdp_ranks, dim):
+    """FSDP over tensor parallelism: each TP block (the last one padded) flattened and cut mid-row; padding
+    along dimension 1 leaves a gap at the end of every row of the flat buffer."""
+    full = numbered((5, 4) if dim == 0 else (4, 5))
+    holdings = [flat for shard, block in row_shards(full, dim, 2) for flat in flat_shards(shard, block, fsdp_ranks)]
     check_round_trip(full, holdings)
 
 

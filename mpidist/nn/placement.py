@@ -224,6 +224,7 @@ def _sub_blocks(block, block_shape, name):
 
 
 def _flat_shard_boxes(shard, local_shape, name):
+    """Return the boxes of a ``FlatShard``: its range cut into contiguous runs of each sub-block, padding cut off."""
     block_shape = tuple(int(n) for n in shard.block_shape)
     start, count, offset = int(shard.start), int(shard.count), int(shard.offset)
     if start < 0 or count < 0 or offset < 0 or start + count > math.prod(block_shape) \
