@@ -1,0 +1,134 @@
+"""mpidist.wire's tables (DTYPES, OPS) against independent facts: numpy, MPI itself, NCCL's list, torch.
+
+Every layer (collectives, gpu, torch backend, guard) reads these tables, so a wrong row would be wrong
+everywhere at once; these tests check each row against a source that does not read it.
+"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidist import collectives, partition, wire
+from mpidist.guard import fingerprint
+
+# The send/recv header codes as released (mpidist 0.x): changing them breaks mixed versions of one job.
+RELEASED_CODES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
+                  "uint8", "uint16", "uint32", "uint64", "bool", "complex64", "complex128")
+# ncclDataType_t (NCCL 2.x nccl.h) without aliases: the types cupy.cuda.nccl names NCCL_<NAME>.
+NCCL_TYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bfloat16")
+NCCL_OPS = ("SUM", "PROD", "MIN", "MAX")  # ncclRedOp_t, besides ncclAvg (mpidist divides itself)
+
+NUMPY_ROWS = [row for row in wire.DTYPES if row.dtype is not None]
+TORCH_ONLY_ROWS = [row for row in wire.DTYPES if row.dtype is None]
+
+
+def test_dtype_codes_are_positions_and_keep_the_released_protocol():
+    assert [row.code for row in wire.DTYPES] == list(range(len(wire.DTYPES)))
+    assert tuple(row.name for row in wire.DTYPES[:len(RELEASED_CODES)]) == RELEASED_CODES
+    # the numpy rows come first, so a header's code indexes SUPPORTED_DTYPES too
+    assert wire.DTYPES[:len(NUMPY_ROWS)] == tuple(NUMPY_ROWS)
+    assert collectives.SUPPORTED_DTYPES == tuple(np.dtype(name) for name in RELEASED_CODES)
+    assert fingerprint.dtype_names == tuple(row.name for row in wire.DTYPES)
+
+
+@pytest.mark.parametrize("row", wire.DTYPES, ids=lambda row: row.name)
+def test_each_dtype_row_is_numpys_dtype_or_none_that_numpy_lacks(row):
+    if row.dtype is None:
+        with pytest.raises(TypeError):
+            np.dtype(row.name)
+    else:
+        assert row.dtype == np.dtype(row.name) and wire.DTYPE_CODES[np.dtype(row.name)] == row.code
+
+
+@pytest.mark.parametrize("row", NUMPY_ROWS, ids=lambda row: row.name)
+def test_each_copy_dtype_has_an_mpi_datatype_of_the_same_size(row):
+    datatype = MPI._typedict[row.copy.char]  # what mpi4py hands MPI for a buffer of this dtype
+    assert datatype.Get_size() == row.dtype.itemsize == row.copy.itemsize
+    # float16 travels as its bit patterns (MPI 3.1 has no float16); every other dtype as itself
+    assert (row.copy == np.dtype(np.uint16)) if row.name == "float16" else (row.copy == row.dtype)
+
+
+@pytest.mark.parametrize("row", NUMPY_ROWS, ids=lambda row: row.name)
+def test_each_reduce_dtype_holds_every_value_of_the_dtype(row):
+    assert np.can_cast(row.dtype, np.dtype(row.reduce_as), casting="safe")
+    assert wire.reduce_dtype(row.name) == row.reduce_as
+    assert (row.reduce_as == "float32") if row.name == "float16" else (row.reduce_as == row.name)
+
+
+def test_nccl_types_are_ncclDataType_t_of_the_numpy_dtypes():
+    named = {row.name: row.nccl for row in wire.DTYPES if row.nccl is not None}
+    assert named == {name: f"NCCL_{name.upper()}" for name in NCCL_TYPES if name != "bfloat16"}
+    assert wire.nccl_type(np.dtype(np.int16)) is None and wire.nccl_type(np.dtype(np.float32)) == "NCCL_FLOAT32"
+
+
+def test_nccl_ops_are_ncclRedOp_t():
+    assert {row.mpi_name: row.nccl for row in wire.OPS if row.nccl is not None} == {
+        name: f"NCCL_{name}" for name in NCCL_OPS}
+
+
+def _operands(row, rng):
+    """Two arrays an op of ``row`` is defined on in MPI: booleans for logical ops, integers for bitwise ones."""
+    if row.ufunc.startswith("logical"):
+        return rng.random(64) < 0.5, rng.random(64) < 0.5
+    if row.ufunc.startswith("bitwise"):
+        return rng.integers(-1000, 1000, 64), rng.integers(-1000, 1000, 64)
+    return rng.uniform(-4, 4, 64), rng.uniform(-4, 4, 64)
+
+
+@pytest.mark.parametrize("row", wire.OPS, ids=lambda row: row.mpi_name)
+def test_each_ops_ufunc_computes_what_mpi_computes(row):
+    a, b = _operands(row, np.random.default_rng(7))
+    expected = b.copy()
+    row.mpi.Reduce_local(a, expected)  # MPI's own op: expected = a op b
+    np.testing.assert_array_equal(getattr(np, row.ufunc)(a, b), expected)
+    assert row.mpi == getattr(MPI, row.mpi_name) and wire.OP_BY_NAME[row.mpi_name] is row
+
+
+@pytest.mark.parametrize("row", wire.OPS, ids=lambda row: row.mpi_name)
+def test_each_ops_boolean_op_means_the_same_on_booleans(row):
+    a, b = _operands(wire.OP_BY_NAME["LOR"], np.random.default_rng(8))  # booleans
+    on_bool = b.copy()
+    wire.OP_BY_NAME[row.on_bool].mpi.Reduce_local(a, on_bool)
+    # numpy's ufunc on booleans: add is "or", multiply "and", maximum "or", minimum "and", ...
+    np.testing.assert_array_equal(getattr(np, row.ufunc)(a, b).astype(bool), on_bool)
+
+
+def test_mpidist_reductions_are_the_collectives_names_with_numpys_identities():
+    assert wire.REDUCTIONS == partition.REDUCTIONS
+    assert wire.REDUCTION_NAMES[:len(wire.REDUCTIONS)] == wire.REDUCTIONS  # fingerprint codes 1..5 unchanged
+    stack = np.random.default_rng(9).uniform(-4, 4, (3, 5))  # three ranks' inputs
+    numpy_reduction = {"sum": np.sum, "mean": np.mean, "min": np.min, "max": np.max, "prod": np.prod}
+    for row in wire.OPS:
+        for name in row.names:
+            folded = getattr(np, row.ufunc).reduce(stack, axis=0) / (len(stack) if name == "mean" else 1)
+            np.testing.assert_allclose(folded, numpy_reduction[name](stack, axis=0), rtol=1e-15)
+            assert wire.reduction_name(row.mpi) == row.names[0]
+
+
+def test_torch_rows_name_torch_dtypes_and_every_reduce_op():
+    torch = pytest.importorskip("torch", reason="torch is not installed (optional extra mpidist[torch])")
+    for row in wire.DTYPES:
+        dtype = getattr(torch, row.name)
+        assert isinstance(dtype, torch.dtype) and str(dtype) == f"torch.{row.name}"
+        assert dtype.itemsize == (row.dtype.itemsize if row.dtype is not None else dtype.itemsize)
+        if row.dtype is not None:
+            assert torch.empty(0, dtype=dtype).numpy().dtype == row.dtype
+        if row.reduce_as is not None:  # widening loses nothing
+            assert torch.promote_types(dtype, getattr(torch, row.reduce_as)) == getattr(torch, row.reduce_as)
+    kinds = [kind for row in wire.OPS for kind, _ in row.torch]
+    assert sorted(kinds) == sorted(torch.distributed.ReduceOp.RedOpType.__members__)
+    # where a kind runs as an mpidist reduction, it is torch's meaning of that kind
+    x = torch.tensor([[1.5, -2.0, 3.0], [0.5, 4.0, -1.0]], dtype=torch.float64)
+    torch_meaning = {"SUM": x.sum(0), "AVG": x.mean(0), "PREMUL_SUM": x.sum(0), "PRODUCT": x.prod(0),
+                     "MIN": x.min(0).values, "MAX": x.max(0).values}
+    mpidist_meaning = {"sum": np.sum, "mean": np.mean, "prod": np.prod, "min": np.min, "max": np.max}
+    for row in wire.OPS:
+        for kind, name in row.torch:
+            if name is not None:
+                np.testing.assert_allclose(mpidist_meaning[name](x.numpy(), axis=0), torch_meaning[kind].numpy())
+            else:  # bitwise: MPI's op is the same bitwise op torch applies
+                a, b = torch.tensor([12, 10, -3]), torch.tensor([10, 6, 5])
+                expected = b.numpy().copy()
+                row.mpi.Reduce_local(a.numpy(), expected)
+                got = {"BAND": a & b, "BOR": a | b, "BXOR": a ^ b}[kind]
+                np.testing.assert_array_equal(got.numpy(), expected)
