@@ -1,16 +1,12 @@
-"""How elements split over ranks, and the reductions every layer names the same way.
+"""How elements split over ranks.
 
 Below both ``collectives`` and ``gpu`` (and everything above them), so neither imports the other for
-these, and an op name means the same thing in validation, fingerprints, host and device paths (how MPI
-carries each reduction is ``mpidist.wire``).
+these. The reductions every layer names the same way are ``mpidist.wire.OPS``.
 """
 
 import itertools
 
-__all__ = ["split_sizes", "displacements", "REDUCTIONS"]
-
-# Reduction names the collectives accept, in the order the desync fingerprint encodes them (1-based).
-REDUCTIONS = ("sum", "mean", "min", "max", "prod")
+__all__ = ["split_sizes", "displacements"]
 
 
 def split_sizes(n, parts):
