@@ -215,3 +215,38 @@ def test_parity_suite_passes_with_ranks_on_two_nodes(cluster, path, placement):
     tail = done.stdout[-4000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail
     assert " passed" in done.stdout and " failed" not in done.stdout, tail
+
+
+# -- a node whose link goes down ------------------------------------------------------------------------------------
+LINK_JOB = """
+import time, numpy as np, mpidist
+comm, info = mpidist.init(collective_timeout=10)
+x = np.ones(1 << 17)
+for i in range(1000000):
+    mpidist.allreduce(x, comm)
+    if i == 0 and comm.Get_rank() == 0:
+        print("started", flush=True)
+    time.sleep(0.01)
+"""
+
+
+def test_a_node_whose_link_goes_down_ends_the_job_with_the_watchdogs_report(cluster, tmp_path):
+    """node2 (rank 1) unreachable mid-training: rank 0's watchdog names rank 1 as missing and aborts; no hang.
+
+    (The report names ranks, not hosts; naming the unreachable node is left to the watchdog's owners.)
+    """
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cluster.mpiexec([PYTHON, "-c", LINK_JOB], ppn=1), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        cluster.link("node2", up=False)
+        log, _ = proc.communicate(timeout=150)  # the watchdog's limit is 10 s: a hang fails here
+    finally:
+        cluster.link("node2", up=True)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0, log[-3000:]
+    assert "did not complete within 10 s" in log and "ranks that did not: [1]" in log, log[-3000:]
+
