@@ -7,6 +7,7 @@ from mpidist import nn, optim
 from mpidist.nn import functional as F
 from mpidist.data import DistributedSampler
 from mpidist.parallel.ddp import DDP
+from mpidist.parallel.grad_sync import GradSync
 
 IN, HIDDEN, OUT = 6, 9, 4
 TINY_BUCKET_MB = 300 / (1024 * 1024)  # ~300 bytes: several buckets even for this small model
@@ -275,6 +276,28 @@ def test_check_finite_names_parameter_and_rank_on_every_rank(comm):
     with pytest.raises(FloatingPointError, match=rf"non-finite gradient \(NaN or Inf\) at step 2: '0.bias' on "
                                                  rf"rank\(s\) \[{bad}\]; the optimizer step must not be taken"):
         loss.backward()
+
+
+@pytest.mark.world_sizes(2, 3, 4)
+def test_grad_sync_reports_name_parameters_and_ranks_on_every_rank(comm):
+    """The shared core (DDP now, FSDP next): flags from some ranks become one error on every rank."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    sync = GradSync(comm, "Wrapper", ["a", "b", "c"])
+    sync.raise_if_nonfinite([False] * 3, "step 1")  # nothing flagged, reduction finite: no error
+    sync.raise_if_unused([False] * 3)
+    with pytest.raises(FloatingPointError, match=r"Wrapper: non-finite gradient \(NaN or Inf\) at step 2: 'b' on "
+                                                 rf"rank\(s\) \[0, {size - 1}\]; 'c' on rank\(s\) \[{size - 1}\]"):
+        sync.raise_if_nonfinite([False, rank in (0, size - 1), rank == size - 1], "step 2")
+    with pytest.raises(FloatingPointError, match=r"at step 3: produced by the reduction itself \(overflow\)"):
+        sync.raise_if_nonfinite([False] * 3, "step 3", reduced_nonfinite=True)
+    with pytest.raises(RuntimeError, match=r"Wrapper: parameters received no gradient in this backward on at least "
+                                           r"one rank: \['a', 'c'\]"):
+        sync.raise_if_unused([rank == 1, False, rank == 0])
+    with sync.no_sync():
+        with sync.no_sync():
+            assert not sync.syncing
+        assert not sync.syncing
+    assert sync.syncing
 
 
 class SkipsB(nn.Module):

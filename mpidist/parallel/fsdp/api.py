@@ -48,13 +48,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ... import collectives
 from ...comm import check_comm
 from ...nn.autograd import Tensor, is_grad_enabled, queue_callback, queue_weight_callback, weights_deferred
 from ...nn.module import Module
 from ...nn.placement import placement_of
 from ...nn.utils import clip_grad_norm_
-from ..agreement import StepStamp, TrainableAtBuild, check_same_shards, check_same_structure
+from ..agreement import TrainableAtBuild, check_same_shards, check_same_structure
+from ..grad_sync import GradSync
 from . import state_dict as _state
 from .groups import build_groups
 from .lifecycle import GradState, ParamState, Unit
@@ -163,7 +163,6 @@ class FSDP:
         self._ctx = _Context(comm, self.settings, groups)
         self.stats = self._ctx.stats
         self._nonfinite = set()  # parameter names whose local (pre-average) gradient held NaN/Inf this pass
-        self._sync = True
         self._syncs = 0
         self._order = itertools.count()  # forward order of sessions
         self._pass_ids = itertools.count(1)
@@ -183,11 +182,13 @@ class FSDP:
         # Before the first broadcast: different models would fail there with MPI's size error, or worse.
         check_same_structure(comm, module.named_parameters(), "FSDP")
         check_same_shards(comm, module.named_parameters(), "FSDP")
-        self._stamp = StepStamp(comm, "FSDP")
         self._trainable = TrainableAtBuild(module.named_parameters(), "FSDP")
         self._units = [Unit(i, label, mods, params, used, self._ctx)
                        for i, (label, mods, params, used) in enumerate(assign_parameters(module, unit_groups))]
         self._param_units = [u for u in self._units if u.params]
+        # no_sync mode, the step stamp and the non-finite report, shared with DDP
+        self._grad_sync = GradSync(comm, "FSDP", [n for u in self._param_units for n in u.names])
+        self._stamp = self._grad_sync.stamp
         for u in self._param_units:
             u.shard_from_rank0()
         self._neighbours = self._param_neighbours()
@@ -437,15 +438,9 @@ class FSDP:
         return memory_stats([u.shard for u in self._param_units], self._ctx.transient, optimizer)
 
     # -- gradient synchronization --------------------------------------------------------------------------
-    @contextlib.contextmanager
     def no_sync(self):
         """Accumulate full-size gradients locally; the first backward after the block reduce-scatters the sum."""
-        previous = self._sync
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = previous
+        return self._grad_sync.no_sync()
 
     def sync_gradients(self):
         """Reduce every gradient accumulated under ``no_sync`` into the shard grads now (blocking)."""
@@ -464,16 +459,10 @@ class FSDP:
 
     def _raise_if_nonfinite(self):
         """Raise on every rank, naming parameters and ranks, if any rank's local gradient was not finite."""
-        names = [n for unit in self._param_units for n in unit.names]
-        local = np.array([[n in self._nonfinite for n in names]], dtype=np.int8)
+        local = [n in self._nonfinite for n in self._grad_sync.names]
         self._nonfinite.clear()
-        everyone = np.empty((self.comm.Get_size(), len(names)), dtype=np.int8)
-        collectives.allgather(local, self.comm, out=everyone)  # each rank sees only its shard: agree first
-        bad = np.flatnonzero(everyone.any(axis=0))
-        if bad.size:
-            culprits = "; ".join(f"{names[i]!r} on rank(s) {np.flatnonzero(everyone[:, i]).tolist()}" for i in bad)
-            raise FloatingPointError(f"FSDP: non-finite gradient (NaN or Inf): {culprits}; the optimizer step must "
-                                     f"not be taken")
+        # Each rank saw only its shard's part: the flags are gathered even when this rank's are all clear.
+        self._grad_sync.raise_if_nonfinite(local, f"gradient synchronization #{self._syncs}")
 
     # -- reduction helpers ---------------------------------------------------------------------------------
     def _start_reduce(self, unit):
@@ -607,7 +596,7 @@ class FSDP:
     def _begin_backward(self):
         self._trainable.check()
         deferring = weights_deferred()
-        sync = self._sync and not deferring  # input gradients only: nothing to reduce in this pass
+        sync = self._grad_sync.syncing and not deferring  # input gradients only: nothing to reduce in this pass
         self._stamp.count_backward(sync)
         self._stamp.start(self.parameters())  # waited for before the first all-gather or reduce-scatter
         self._stamp.finish(f"gradient synchronization #{self._syncs + 1}" if sync else
@@ -685,7 +674,7 @@ class FSDP:
         unit.final += 1
         if unit.final != unit.expected:
             return
-        if self._sync:
+        if self._grad_sync.syncing:
             self._start_reduce(unit)
         # Every node that reads a trainable parameter has run once its gradient is final; a frozen one may
         # still be read, so the unit's frozen part (a used unit) stays gathered until its session finishes.
@@ -696,7 +685,7 @@ class FSDP:
 
     def _end_backward(self):
         deferring, self._deferring, self._weights_for = self._deferring, False, None
-        sync = self._sync and not deferring
+        sync = self._grad_sync.syncing and not deferring
         try:
             if sync:
                 # Units whose parameters got no gradient in this backward still take part (zeros), in unit
