@@ -84,7 +84,9 @@ from .comm import check_comm
 from .comm.agree import agreed, describe_ranks
 from .nn.placement import (Box, FlatShard, boxes, check_tiling, describe_box, first_overlap, global_shape, intersect,
                            placement_of)
+from .nn.module import Module
 from .optim import is_held
+from .parallel.interface import Wrapper, as_wrapper
 from .xp import copy_into, to_numpy
 
 __all__ = ["save", "load", "latest_step", "list_steps", "check_writable", "file_operation_hook", "FILE_OPERATIONS",
@@ -186,11 +188,18 @@ def _model_slots(name, obj, registry):
         for bname, buf in module.named_buffers():
             slots.append(_full_slot(f"{name}.{bname}", buf))
         return slots
-    if hasattr(obj, "checkpoint_modules"):  # a pipeline: its layers named by their index in the unsplit model
-        modules = obj.checkpoint_modules()
-    else:
-        modules = [("", getattr(obj, "module", obj))]
-    for stage_prefix, module in modules:
+    if isinstance(obj, (Wrapper, Module)):  # DDP, a plain or tensor-parallel module: read through the interface
+        wrapper = as_wrapper(obj)
+        for placed in wrapper.placed_parameters():
+            key = f"{name}.{placed.name}"
+            slot = _full_slot(key, placed.parameter.data, placed.placement)
+            slots.append(slot)
+            registry.add(placed.parameter, [key], slot.segments)
+        for bname, buf in wrapper.named_buffers_global():
+            slots.append(_full_slot(f"{name}.{bname}", buf))
+        return slots
+    # A pipeline: its layers named by their index in the unsplit model (until Pipeline is a Wrapper, issue 27 B4).
+    for stage_prefix, module in obj.checkpoint_modules():
         prefix = f"{name}.{stage_prefix}" if stage_prefix else f"{name}."
         for pname, p in module.named_parameters():
             # A copy of a tied weight (a pipeline's last-stage head) is saved under the tied weight's own name.
@@ -215,7 +224,7 @@ def _name_pipeline_layers(state):
 
 
 def _is_model(obj):
-    return _is_fsdp(obj) or hasattr(obj, "named_parameters") or hasattr(obj, "checkpoint_modules")
+    return _is_fsdp(obj) or isinstance(obj, (Wrapper, Module)) or hasattr(obj, "checkpoint_modules")
 
 
 def _is_optimizer(obj):

@@ -45,7 +45,7 @@ class PlacedParameter:
     parameter: Parameter          # the local storage the optimizer steps
     placement: Any                # None | Replicate | Shard (mpidist.nn.placement)
     stage: Optional[int] = None   # the pipeline stage holding it (None: no pipeline)
-    primary: bool = True          # False: a further copy of a tied weight (norms and checkpoints skip it)
+    primary: bool = True          # False: a further copy of a tied weight (a norm counts it 0 times)
 
 
 def placement_comms(placed):
