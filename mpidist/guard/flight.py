@@ -26,6 +26,7 @@ import warnings
 from .. import config as environment
 from ..comm.agree import raise_if_any
 from . import fingerprint, record as _record
+from .config import Settings
 from .phases import active_phases
 
 __all__ = ["dump", "directory", "check_directory", "install_signal", "load", "analyze", "report", "FORMAT"]
@@ -76,7 +77,7 @@ def check_directory(world):
     problem = environment.writable_problem(folder)
     if environment.get("MPIDIST_FLIGHT_DIR") == folder:
         source = "MPIDIST_FLIGHT_DIR"
-    elif folder != type(_settings)().flight_dir:
+    elif folder != Settings.flight_dir:  # the class attribute holds the field's default
         source = "guard flight_dir"
     else:
         if problem:

@@ -39,7 +39,11 @@ from .phases import active_phases, innermost_limit
 __all__ = ["Watchdog", "start_watchdog", "stop_watchdog", "running", "status_line", "wait_until_pipes_drained"]
 
 _QUERY, _REPLY, _WAKE, _LEFT = 31001, 31002, 31003, 31004
-_DEPARTURE_SEND_WAIT = 1.0  # seconds an exiting rank waits for its departure notices to leave (they are eager)
+# Seconds an exiting rank waits, at most, for the other ranks' departure notices before MPI_Finalize: at a
+# normal end every rank then receives every notice (MPI wants no message left unreceived at Finalize). It costs
+# nothing when ranks end together, nor when they end apart: Finalize itself waits for every rank (seen with MPICH
+# and Open MPI).
+_DEPARTURE_LINGER = 2.0
 _settings = None  # the package's current Settings (set by configure)
 
 
@@ -125,6 +129,8 @@ class Watchdog:
         self.waker = Waker(self.world)
         self.fired = None
         self.departed = {}  # rank -> (when this watchdog heard it, {communicator key: [calls, last op]})
+        self._leaving = threading.Event()    # this rank announced its departure
+        self._all_left = threading.Event()   # ... and has heard every other rank's
 
     def start(self):
         self._thread.start()
@@ -187,9 +193,11 @@ class Watchdog:
     # -- the loop ------------------------------------------------------------------------------------
     def _run(self):
         try:
-            while not self._stop.wait(self.poll):
+            while not self._stop.wait(0.01 if self._leaving.is_set() else self.poll):
                 self._serve()
                 self._hear_departures()
+                if self._leaving.is_set() and len(self.departed) == self.size - 1:
+                    self._all_left.set()
                 while self._requests:
                     reason, done = self._requests.pop(0)
                     self._ask(self._others(), reason, wait=min(self.reply_wait, 3.0))
@@ -204,17 +212,20 @@ class Watchdog:
         return [r for r in range(self.size) if r != self.rank and r not in self.departed]
 
     # -- departures ----------------------------------------------------------------------------------
-    def announce_departure(self):
+    def announce_departure(self, linger=_DEPARTURE_LINGER):
         """Tell every other rank's watchdog that this rank leaves the job, with its collective counts.
 
-        Called at a normal exit (``atexit``, main thread). The notices are small (eager) messages; an exit
-        never waits more than ``_DEPARTURE_SEND_WAIT`` seconds for them.
+        Called at a normal exit (``atexit``, main thread). Then waits until every other rank's notice came
+        (they all end), or ``linger`` seconds; the thread goes on answering queries meanwhile.
         """
         notice = (self.rank, _record.started())
-        requests = [self.world.isend(notice, dest=r, tag=_LEFT) for r in self._others()]
-        deadline = time.monotonic() + _DEPARTURE_SEND_WAIT
+        # Also to ranks that left before: they wait for this notice before their MPI_Finalize.
+        requests = [self.world.isend(notice, dest=r, tag=_LEFT) for r in range(self.size) if r != self.rank]
+        self._leaving.set()
+        deadline = time.monotonic() + linger
         while requests and not MPI.Request.Testall(requests) and time.monotonic() < deadline:
             time.sleep(0.001)
+        self._all_left.wait(max(0.0, deadline - time.monotonic()))
 
     def _hear_departures(self):
         while self.world.iprobe(source=MPI.ANY_SOURCE, tag=_LEFT):
