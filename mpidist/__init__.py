@@ -10,7 +10,7 @@ from .collectives import (allgather, allreduce, alltoall, barrier, broadcast, ia
                           irecv, ireduce_scatter, isend, recv, reduce_scatter, send)
 from .launch import LaunchError, LaunchInfo, init
 from .nn.random import manual_seed
-from .parallel import DDP, FSDP, Pipeline, ShardingStrategy, mesh
+from .parallel import DDP, FSDP, DeviceMesh, Pipeline, ShardingStrategy, mesh
 
 __version__ = "0.1.0"
 
@@ -19,6 +19,7 @@ __all__ = [
     "CommError", "CollectiveMismatchError", "RankFailedError", "DeadlockError", "SimAbort",
     "allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "send", "recv", "isend", "irecv", "barrier",
     "iallreduce", "ibroadcast", "iallgather", "ireduce_scatter", "DDP", "FSDP", "ShardingStrategy", "Pipeline", "mesh",
+    "DeviceMesh",
 ]
 
 if _config.get("MPIDIST_TRACE"):  # MPIDIST_TRACE=DIR traces any program that imports mpidist

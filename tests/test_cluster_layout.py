@@ -83,7 +83,7 @@ def test_mesh_under_block_placement_is_the_rank_number_layout():
 @pytest.mark.parametrize("per_node, tp", [(3, 2), (2, 4), (1, 2)])
 def test_mesh_refuses_tensor_parallel_groups_that_would_span_nodes_on_every_rank(per_node, tp):
     def run(comm):
-        with pytest.raises(ValueError, match=r"mesh: tp=%d tensor-parallel ranks do not fit within nodes.*ranks per "
+        with pytest.raises(ValueError, match=r"DeviceMesh: dimension 'tp' \(size %d\) does not fit within nodes.*ranks per "
                                              r"node: \[" % tp) as err:
             mesh(comm, tp=tp)
         return str(err.value)

@@ -29,7 +29,7 @@ from mpidist.nn import functional as F
 from mpidist.optim import AdamW
 from mpidist.parallel.ddp import DDP
 from mpidist.parallel.fsdp import FSDP
-from mpidist.parallel.mesh import mesh
+from mpidist.parallel import mesh
 from mpidist.parallel.pipeline import Pipeline
 
 TOL = 1e-10

@@ -12,7 +12,7 @@ from mpidist.collectives import allreduce
 from mpidist import nn
 from mpidist.nn import CrossEntropyLoss, Embedding, Linear, Module, Sequential, Tanh
 from mpidist.optim import SGD
-from mpidist.parallel.mesh import mesh
+from mpidist.parallel import mesh
 from mpidist.parallel.pipeline import Action, Kind, Pipeline, Schedule, StepStats, insert_comms, one_f_one_b
 
 IN, WIDTH, CLASSES = 3, 4, 3

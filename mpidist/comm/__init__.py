@@ -7,7 +7,7 @@ from .errors import CollectiveMismatchError, CommError, DeadlockError, RankFaile
 from .sim import SimComm, SimRequest, simulate
 
 __all__ = ["SimComm", "SimRequest", "simulate", "CommError", "CollectiveMismatchError",
-           "RankFailedError", "DeadlockError", "SimAbort", "WatchdogTimeout", "is_comm", "check_comm"]
+           "RankFailedError", "DeadlockError", "SimAbort", "WatchdogTimeout", "is_comm", "check_comm", "DeviceMesh"]
 
 
 def is_comm(obj):
@@ -39,3 +39,6 @@ def check_comm(fn, comm):
         return comm  # something that answers like an mpi4py intracommunicator (a wrapper, say): trusted
     raise TypeError(f"{fn}: comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD) or a SimComm "
                     f"(got {type(comm).__name__}: {comm!r:.60})")
+
+
+from .mesh import DeviceMesh  # noqa: E402 - last: the mesh checks its communicators with check_comm above

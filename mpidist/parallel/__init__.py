@@ -1,11 +1,11 @@
 """Parallel training wrappers built on mpidist.collectives and mpidist.nn."""
 
+from ..comm.mesh import DeviceMesh, mesh
 from .ddp import DDP
 from .fsdp import FSDP, ShardingStrategy
 from .interface import LocalModule, PlacedParameter, Wrapper, as_wrapper
-from .mesh import Mesh, mesh
 from .pipeline import Pipeline
 from .tensor import tensor_parallel
 
-__all__ = ["DDP", "FSDP", "ShardingStrategy", "Pipeline", "Mesh", "mesh", "tensor_parallel", "Wrapper",
+__all__ = ["DDP", "FSDP", "ShardingStrategy", "Pipeline", "DeviceMesh", "mesh", "tensor_parallel", "Wrapper",
            "PlacedParameter", "LocalModule", "as_wrapper"]
