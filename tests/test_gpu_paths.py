@@ -600,3 +600,23 @@ def test_ipc_arenas_are_whole_granules():
         assert dev.ipc_alloc(n, dtype) == ((max(n, 0),), np.dtype(dtype))
         expected = -(-max(1, n) * np.dtype(dtype).itemsize // granule) * granule
         assert allocated[-1] == expected
+
+
+@pytest.mark.mpi_skip
+def test_ipc_failing_on_some_ranks_raises_on_every_rank_naming_each_failure():
+    from mpidist.gpu.base import Op
+    from mpidist.gpu.ipc import IpcPath, IpcUnavailable
+
+    def body(comm):
+        rank = comm.Get_rank()
+        device = FakeDevice(f"gpu{rank}", ipc=rank not in (1, 3))  # ranks 1 and 3 cannot map peer memory
+        path = IpcPath(comm, device)
+        with pytest.raises(IpcUnavailable) as caught:
+            path.allreduce(device.asarray(np.ones(8)), Op(MPI.SUM, "SUM"))
+        # what a rank mapped before the failure is unmapped: the working ranks mapped their 3 peers
+        assert sum(1 for e in device.log if e[0] == "ipc_close") == (0 if rank in (1, 3) else 3)
+        return str(caught.value)
+
+    messages = mpidist.simulate(4, body)
+    assert len(set(messages)) == 1, messages  # every rank, the same message
+    assert "CUDA IPC unavailable: ranks 1,3: cannot open the handle of local rank 0" in messages[0], messages[0]

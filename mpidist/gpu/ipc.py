@@ -17,6 +17,7 @@ no rank reads data a peer has not finished writing, and no rank overwrites its a
 may still read it.
 """
 
+from ..comm.agree import raise_if_any
 from ..partition import split_sizes
 from .base import Path
 
@@ -72,15 +73,16 @@ class IpcPath(Path):
             try:
                 peers.append(d.ipc_open(handle, n, dtype))
             except Exception as exc:  # noqa: BLE001 - reported to every rank below
-                error = f"local rank {self.local_rank} cannot open the handle of local rank {r} ({type(exc).__name__}: {exc})"
+                error = f"cannot open the handle of local rank {r} ({type(exc).__name__}: {exc})"
                 break
-        errors = [e for e in self.local.allgather(error) if e]
-        if errors:
-            more = f"; and {len(errors) - 1} more ranks" if len(errors) > 1 else ""
+        try:
+            # ranks named by their rank on the node
+            raise_if_any(self.local, error, "mpidist.gpu: CUDA IPC unavailable", error=IpcUnavailable)
+        except IpcUnavailable:
             for r, peer in enumerate(peers):
                 if r != self.local_rank:
                     d.ipc_close(peer)
-            raise IpcUnavailable(f"mpidist.gpu: CUDA IPC unavailable: {errors[0]}{more}")
+            raise
         arena = self.arenas[dtype.str] = _Arena(own, peers, n)
         return arena
 
