@@ -1,5 +1,9 @@
 """What MPI carries for an array: its bytes in a copy, and the dtype and op it reduces.
 
+The one table of dtypes (``DTYPES``: wire code, numpy dtype, copy dtype, staged reduce dtype, NCCL type) and
+the one table of reduction ops (``OPS``: MPI op, device ufunc, boolean op, NCCL op, mpidist's and torch's
+names) live here; the collectives, the GPU paths, the torch backend and the guard's fingerprints read them.
+
 The host collectives (``mpidist.collectives``) and the GPU paths (``mpidist.gpu``) both ask this module, so a
 reduction gives one result on every path, on every MPI and on SimComm, whichever rank holds which value:
 
