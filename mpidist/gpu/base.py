@@ -14,7 +14,7 @@ __all__ = ["Op", "Settings", "Path", "op_of", "wire"]
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """A reduction as a path runs it on its buffers: the MPI op, its name (``wire.MPI_OP_NAMES``), divide by the size?"""
+    """A reduction as a path runs it on its buffers: the MPI op, its name (a row of ``wire.OPS``), divide by the size?"""
 
     mpi: object
     name: str
