@@ -211,13 +211,14 @@ def test_given_comms_that_do_not_tile_the_world_are_refused_on_every_rank(comm):
                                          r"has 4"):
         FSDP(make_model(), comm, strategy="hybrid_shard", shard_comm=comm, replicate_comm=comm)
     # Both along one axis: ranks 0 and 2 both sit at (shard 0, replica 0).
-    with pytest.raises(ValueError, match=r"ranks share a \(shard index, replica index\) place \[\(0, 0\), \(1, 1\)\]"):
+    with pytest.raises(ValueError, match=r"ranks share a place \(shard_comm, replicate_comm\) \[\(0, 0\), \(1, 1\)\]"):
         FSDP(make_model(), comm, strategy="hybrid_shard", shard_comm=pair, replicate_comm=pair)
     # Places all distinct, but replica group {0, 1} holds shard indices 0 and 1: shard groups {0, 2} and {3, 1}
     # (rank 3 first) give ranks 0..3 shard indices 0, 1, 1, 0; replica groups {0, 1}, {2, 3}.
     shard_comm = comm.Split(color=rank % 2, key=rank if rank % 2 == 0 else -rank)
     replicate_comm = comm.Split(color=rank // 2, key=rank)
-    with pytest.raises(ValueError, match=r"replicate_comm joins ranks of shard indices \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"'replicate_comm' joins ranks at different places along \(shard_comm\) "
+                                         r"\[\(0,\), \(1,\)\]"):
         FSDP(make_model(), comm, strategy="hybrid_shard", shard_comm=shard_comm, replicate_comm=replicate_comm)
 
 

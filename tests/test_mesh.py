@@ -189,7 +189,7 @@ def test_within_node_refuses_dimensions_that_would_span_nodes_on_every_rank(per_
     n = 4 if within == "dp" else 8
     counts = [min(per_node, n - start) for start in range(0, n, per_node)]
     if not fits:
-        block = {"pp": "4 (pp*tp=4: pp and the dimensions inside it)", "tp": "2"}[within]
+        block = {"pp": "4 (pp*tp=4: pp and the dimensions inside)", "tp": "2"}[within]
         expected = (f"DeviceMesh: dimension {within!r} (size 2) does not fit within nodes: every node's rank count "
                     f"must be a multiple of {block} so that no {within!r} group spans two nodes (ranks per node: "
                     f"{counts}); pick sizes whose product divides every node's count, or place ranks evenly")
@@ -224,8 +224,9 @@ def test_from_groups_takes_strided_groups_that_tile_the_communicator(comm):
         DeviceMesh.from_groups(comm, {"x": pairs, "y": pairs})
     # Places all distinct, but the group {0, 2} of y holds x coordinates 0 and 1: rank 3 is first in {3, 1}.
     backwards = comm.Split(color=rank % 2, key=rank if rank % 2 == 0 else -rank)
-    with pytest.raises(ValueError, match=re.escape("group 'x' joins ranks at different places along the other "
-                                                   "dimensions [(0,), (1,)]")):
+    with pytest.raises(ValueError, match=re.escape("DeviceMesh.from_groups: ranks 0,1,2,3: group 'x' joins ranks at "
+                                                   "different places along (y) [(0,), (1,)]: its ranks must differ "
+                                                   "only along 'x'")):
         DeviceMesh.from_groups(comm, {"y": backwards, "x": pairs})
     for c in (pairs, strided, backwards):
         c.Free()
@@ -247,6 +248,7 @@ def test_mesh_is_the_dp_pp_tp_device_mesh_with_tp_kept_in_a_node():
         return type(m), m.names, m.shape, members(m.tp_comm, comm)
 
     for rank, (kind, names, shape, tp) in enumerate(mpidist.simulate(8, run, ranks_per_node=4)):
-        assert (kind, names, shape, tp) == (DeviceMesh, ("dp", "pp", "tp"), (2, 2, 2), [rank - rank % 2, rank - rank % 2 + 1])
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        assert (kind, names, shape, tp) == (DeviceMesh, ("dp", "pp", "tp"), (2, 2, 2), pair)
     got = raised_on_every_rank(8, lambda comm: mpidist.mesh(comm, tp=4), ranks_per_node=3)
     assert all(msg.startswith("DeviceMesh: dimension 'tp' (size 4) does not fit within nodes") for msg in got), got

@@ -61,7 +61,8 @@ def _dims_problem(dims, within_node, size):
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or (n < 1 and n != -1):
             return names, (), f"{name} must be an int >= 1, or -1 for what the others leave (got {n!r})"
     if shape.count(-1) > 1:
-        return names, (), (f"at most one dimension may be -1 (got {', '.join(f'{a}={n}' for a, n in zip(names, shape))})")
+        listed = ", ".join(f"{a}={n}" for a, n in zip(names, shape))
+        return names, (), f"at most one dimension may be -1 (got {listed})"
     if -1 in shape:
         k = shape.index(-1)
         others = [(a, n) for a, n in zip(names, shape) if n != -1]
@@ -85,9 +86,9 @@ def _node_problem(names, shape, within_node, per_node):
         k = names.index(name)
         block = math.prod(shape[k:])
         if shape[k] > 1 and any(count % block for count in per_node):
-            inner = "" if k == len(names) - 1 else f" ({'*'.join(names[k:])}={block}: {name} and the dimensions inside it)"
-            return (f"dimension {name!r} (size {shape[k]}) does not fit within nodes: every node's rank count must be a "
-                    f"multiple of {block}{inner} so that no {name!r} group spans two nodes (ranks per node: "
+            inner = "" if k == len(names) - 1 else f" ({'*'.join(names[k:])}={block}: {name} and the dimensions inside)"
+            return (f"dimension {name!r} (size {shape[k]}) does not fit within nodes: every node's rank count must be "
+                    f"a multiple of {block}{inner} so that no {name!r} group spans two nodes (ranks per node: "
                     f"{per_node}); pick sizes whose product divides every node's count, or place ranks evenly")
     return None
 
@@ -143,19 +144,19 @@ class DeviceMesh:
         return cls._new(comm, (name,), (comm.Get_size(),), (comm.Get_rank(),), (comm,), owned=())
 
     @classmethod
-    def from_groups(cls, comm, groups):
+    def from_groups(cls, comm, groups, *, context="DeviceMesh.from_groups"):
         """Return the mesh of already-split communicators ``groups`` ({name: comm}, outermost first).
 
         Collective over ``comm``; raises on every rank unless the groups tile ``comm``: their sizes multiply to
         its size, no two ranks share a coordinate (ranks in the groups), and the ranks of each group share every
-        other coordinate. ``free()`` leaves the given communicators alone.
+        other coordinate. Errors begin with ``context``. ``free()`` leaves the given communicators alone.
         """
-        check_comm("DeviceMesh.from_groups", comm)
+        check_comm(context, comm)
         if not hasattr(groups, "items") or not groups:
-            raise TypeError(f"DeviceMesh.from_groups: groups must map each dimension's name to its communicator, "
+            raise TypeError(f"{context}: groups must map each dimension's name to its communicator, "
                             f"outermost first (got {groups!r:.80})")
         for name, group in groups.items():
-            check_comm(f"DeviceMesh.from_groups {name!r}", group)
+            check_comm(f"{context} {name}", group)
         names = tuple(groups)
         shape = tuple(group.Get_size() for group in groups.values())
         size = comm.Get_size()
@@ -163,19 +164,20 @@ class DeviceMesh:
         if math.prod(shape) != size:
             problem = (f"{' x '.join(f'{name} ({n} ranks)' for name, n in zip(names, shape))} = {math.prod(shape)} "
                        f"ranks, but comm has {size}: the groups must tile comm")
-        raise_if_any(comm, problem, "DeviceMesh.from_groups")
+        raise_if_any(comm, problem, context)
         coordinate = tuple(group.Get_rank() for group in groups.values())
         places = comm.allgather(coordinate)
         twice = sorted({p for p in places if places.count(p) > 1})
         raise_if_any(comm, f"ranks share a place ({', '.join(names)}) {twice}: each group must split comm along "
-                           f"its own dimension" if twice else None, "DeviceMesh.from_groups")
+                           f"its own dimension" if twice else None, context)
         problem = None
         for k, (name, group) in enumerate(groups.items()):
             others = group.allgather(coordinate[:k] + coordinate[k + 1:])
             if problem is None and len(set(others)) > 1:
-                problem = (f"group {name!r} joins ranks at different places along the other dimensions "
-                           f"{sorted(set(others))}: its ranks must differ only in their {name!r} coordinate")
-        raise_if_any(comm, problem, "DeviceMesh.from_groups")
+                along = ", ".join(names[:k] + names[k + 1:])
+                problem = (f"group {name!r} joins ranks at different places along ({along}) {sorted(set(others))}"
+                           f": its ranks must differ only along {name!r}")
+        raise_if_any(comm, problem, context)
         return cls._new(comm, names, shape, coordinate, tuple(groups.values()), owned=())
 
     # -- what a mesh is ------------------------------------------------------------------------------------

@@ -21,8 +21,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from ...comm import check_comm
-from ...comm.agree import raise_if_any
+from ...comm.mesh import DeviceMesh
 from ...comm.nodes import node_major_order, node_of_ranks, ranks_per_node
 
 __all__ = ["ShardGroups", "build_groups"]
@@ -88,30 +87,9 @@ def build_groups(comm, strategy, shard_size=None, shard_comm=None, replicate_com
         raise ValueError(f"FSDP: strategy={strategy.value!r} needs shard_size=k (groups of k ranks of a node "
                          f"shard, the {size} // k groups replicate), or both shard_comm and replicate_comm, or "
                          f"neither (shard within each node, replicate across nodes) (got {', '.join(given)})")
-    else:
-        check_comm("FSDP shard_comm", shard_comm)
-        check_comm("FSDP replicate_comm", replicate_comm)
-        _check_given_groups(comm, shard_comm, replicate_comm)
+    else:  # the pair must tile comm; a 2-D mesh checks that on every rank
+        DeviceMesh.from_groups(comm, {"shard_comm": shard_comm, "replicate_comm": replicate_comm}, context="FSDP")
     shard_of = tuple(comm.allgather(shard_comm.Get_rank()))
     return ShardGroups(shard_comm, replicate_comm, shard_comm.Get_size(), replicate_comm.Get_size(),
                        shard_comm.Get_rank(), replicate_comm.Get_rank(), shard_of)
 
-
-def _check_given_groups(comm, shard_comm, replicate_comm):
-    """Raise on every rank unless the given groups tile ``comm`` into shard groups x replica groups."""
-    size = comm.Get_size()
-    k, r = shard_comm.Get_size(), replicate_comm.Get_size()
-    problem = None
-    if k * r != size:
-        problem = (f"shard_comm ({k} ranks) x replicate_comm ({r} ranks) = {k * r} ranks, but comm has {size}: "
-                   f"the shard groups and replica groups must tile comm")
-    raise_if_any(comm, problem, "FSDP")
-    places = comm.allgather((shard_comm.Get_rank(), replicate_comm.Get_rank()))
-    twice = sorted({p for p in places if places.count(p) > 1})
-    raise_if_any(comm, f"ranks share a (shard index, replica index) place {twice}: shard_comm and replicate_comm "
-                       f"must split comm along different axes" if twice else None, "FSDP")
-    # The allreduce across replicas adds chunks: every member of a replica group must hold the same chunk.
-    chunks = replicate_comm.allgather(shard_comm.Get_rank())
-    raise_if_any(comm, f"replicate_comm joins ranks of shard indices {sorted(set(chunks))}; each replica group "
-                       f"must hold one chunk (the same rank in every shard group)" if len(set(chunks)) > 1 else None,
-                 "FSDP")
