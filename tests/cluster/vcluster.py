@@ -85,8 +85,8 @@ class VirtualCluster:
     """K nodes in network namespaces behind one switch; a context manager that always tears down."""
 
     def __init__(self, nodes=2, rate="1gbit", name=None, shm=True):
-        if not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= 200:
-            raise ValueError(f"VirtualCluster: nodes must be an int in 1..200 (got {nodes!r})")
+        if not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= 240:
+            raise ValueError(f"VirtualCluster: nodes must be an int in 1..240 (got {nodes!r})")  # one /24
         self.nodes = nodes
         self.rate = rate  # tc's syntax (1gbit, 800mbit, ...); None: unshaped
         self.shm = shm    # a private /dev/shm per node (MPI's shared memory then cannot cross nodes)
@@ -131,8 +131,7 @@ class VirtualCluster:
         self._add_namespace(head_ns)
         _ip("link", "add", NODE_IFACE, "type", "bridge", ns=head_ns)
         _ip("addr", "add", f"{HEAD_ADDRESS}/24", "dev", NODE_IFACE, ns=head_ns)
-        for ns_ in (head_ns,):
-            _ip("link", "set", "lo", "up", ns=ns_)
+        _ip("link", "set", "lo", "up", ns=head_ns)
         _ip("link", "set", NODE_IFACE, "up", ns=head_ns)
         for k, host in enumerate(self.hosts, 1):
             ns = self.namespace(host)
@@ -156,9 +155,9 @@ class VirtualCluster:
         lines = "127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for h, a in self.addresses.items())
         for host in [self.head] + self.hosts:
             etc = os.path.join(NETNS_ETC, self.namespace(host))
-            os.makedirs(etc, exist_ok=True)
             self._etc_dirs.append(etc)
-            self._save_state()
+            self._save_state()  # recorded before it exists, as the namespaces are
+            os.makedirs(etc, exist_ok=True)
             with open(os.path.join(etc, "hosts"), "w") as f:
                 f.write(lines)
         for host in [self.head] + self.hosts:
