@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 from . import bench, collectives, guard, xp
 from .comm import simulate
+from .comm.agree import raise_if_any
 from .launch import LaunchError, init
 
 __all__ = ["main", "build_parser", "gpu_path_name"]
@@ -111,6 +112,9 @@ def build_parser():
     s.add_argument("--explore", type=int, default=None, metavar="K", help="run PROG in FIFO order and under seeds "
                    "0..K-1; report the first seed whose exit status or a rank's stdout differs (exit 1 if one does)")
     s.add_argument("-l", "--prepend-rank", action="store_true", help="start each output line with [rank] (mpiexec -l)")
+    s.add_argument("--timeout", type=float, default=None, metavar="S", help="stop a run still going after S seconds "
+                   "(a rank looping forever, ranks waiting for it), print where each rank was and exit with status "
+                   "124 (default: no limit; with --explore, each run's limit)")
     s.add_argument("--cpus", default=None, metavar="LIST", help="bind the rank threads to these CPUs (e.g. 0, 0-3); "
                    "one CPU cuts message latency ~3x, but numpy work no longer runs in parallel (MPIDIST_SIM_CPUS)")
     s.add_argument("prog", metavar="PROG", help="the Python file to run")
@@ -120,11 +124,14 @@ def build_parser():
 
 def cmd_sim(args):
     """Run a program on simulated ranks; return its exit status as mpiexec would."""
-    from .comm.sim.program import explore_program, run_program
+    from .comm.sim.program import explore_program, program_file_problem, run_program
     if args.n < 1:
         raise UsageError(f"-n must be at least 1 (got {args.n})")
-    if not os.path.isfile(args.prog):
-        raise UsageError(f"no such program file: {args.prog!r}")
+    problem = program_file_problem(args.prog)
+    if problem:
+        raise UsageError(problem)
+    if args.timeout is not None and not 0 < args.timeout < float("inf"):
+        raise UsageError(f"--timeout S needs a number of seconds > 0 (got {args.timeout})")
     if args.explore is not None and (args.seed is not None or args.explore < 1):
         raise UsageError(f"--explore K needs K >= 1 and no --seed (got --explore {args.explore}, "
                          f"--seed {args.seed})")
@@ -138,8 +145,9 @@ def cmd_sim(args):
         os.environ["MPIDIST_SIM_CPUS"] = args.cpus  # read by every simulated world the program starts
     try:
         if args.explore is not None:
-            return explore_program(args.n, args.prog, args.args, seeds=args.explore)
-        return run_program(args.n, args.prog, args.args, seed=args.seed, prefix=args.prepend_rank)
+            return explore_program(args.n, args.prog, args.args, seeds=args.explore, time_limit=args.timeout)
+        return run_program(args.n, args.prog, args.args, seed=args.seed, prefix=args.prepend_rank,
+                           time_limit=args.timeout)
     finally:
         if args.cpus is not None:  # main() may run in a process that goes on (tests): leave it as it was
             if previous is None:
@@ -235,6 +243,9 @@ def cmd_bench(args):
     if args.device == "gpu":
         bench.device_module()
     comm, info = _init()
+    # Rank 0 writes the files: a path it cannot write is refused now, on every rank, not after the measuring.
+    problem = None if comm.Get_rank() else _unwritable(("--json", args.json), ("--csv", args.csv), ("--plot", args.plot))
+    raise_if_any(comm, problem, None, error=bench.BenchError)
     _say(f"# mpidist bench: {info.size} ranks on {info.nodes} node(s), {info.mpi_library}, launcher {info.launcher}, "
          f"device {args.device}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     current = [None]
@@ -262,6 +273,24 @@ def cmd_bench(args):
             if path:
                 _say(f"# wrote {path}")
     return 0
+
+
+def _unwritable(*paths):
+    """Return why one of the (flag, path) pairs cannot be written ("--json 'x': ..."), or None (unset paths pass)."""
+    for flag, path in paths:
+        if not path:
+            continue
+        if os.path.isdir(path):
+            return f"{flag} {path!r}: is a directory"
+        existed = os.path.exists(path)
+        try:
+            with open(path, "a"):  # appending nothing leaves an existing file as it is
+                pass
+        except OSError as exc:
+            return f"{flag} {path!r}: cannot write it ({exc.strerror})"
+        if not existed:
+            os.remove(path)
+    return None
 
 
 # -- check --------------------------------------------------------------------------------------------

@@ -293,3 +293,18 @@ def test_bench_plot_flag_writes_png(tmp_path):
     result = run_cli("bench", "allreduce", "--sizes", "8:64", "--iters", "2", "--reps", "1", "--plot", str(path))
     assert result.returncode == 0, result.stderr
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.mpi_skip
+@launcher.needed
+def test_bench_refuses_paths_it_cannot_write_before_measuring(tmp_path):
+    missing = tmp_path / "no-such-dir" / "b.json"
+    result = run_cli("bench", "allreduce", "--sizes", "8", "--iters", "2", "--reps", "1", "--json", str(missing),
+                     "--csv", str(tmp_path), ranks=2)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count(f"mpidist bench: BenchError: rank 0: --json {str(missing)!r}: cannot "
+                               f"write it (No such file or directory)") == 1, result.stderr
+    assert "# allreduce on" not in result.stdout  # nothing was measured
+    result = run_cli("bench", "allreduce", "--sizes", "8", "--iters", "2", "--reps", "1", "--csv", str(tmp_path))
+    assert result.returncode == 2 and f"--csv {str(tmp_path)!r}: is a directory" in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []  # the check wrote nothing

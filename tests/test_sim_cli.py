@@ -18,7 +18,7 @@ import pytest
 
 import launcher
 from mpidist import simulate
-from mpidist.cli import main
+from mpidist.cli import build_parser, main
 
 pytestmark = pytest.mark.mpi_skip
 
@@ -280,3 +280,211 @@ def test_a_program_calling_init_runs_on_the_simulated_world(tmp_path, capsys, mo
                                         for r in range(n)]
     # The simulator ends the ranks itself: init() must not leave its per-process abort hooks in this process.
     assert (sys.excepthook, threading.excepthook) == hooks
+
+
+def test_explore_stops_at_a_failing_fifo_run_with_its_status_and_report(tmp_path, capsys, monkeypatch):
+    prog = write(tmp_path, "fails.py", """
+        import sys
+        from mpi4py import MPI
+        def check(rank):
+            if rank == 1:
+                sys.exit(3)
+            raise ValueError(f"rank {rank} found a bad value")
+        check(MPI.COMM_WORLD.Get_rank())
+    """)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    # Every run fails the same way: the FIFO run's status (python's for its failure) and report, not 0.
+    status, out, err = sim(capsys, monkeypatch, "-n", "2", "--explore", "5", prog, "--flag")
+    assert status in (1, 3), (status, err)
+    assert out == (f"mpidist sim --explore: the FIFO run failed with exit status {status}\n"
+                   f"reproduce with: mpidist sim -n 2 {prog} --flag\n")
+    assert "every rank was stopped" in err
+    if status == 1:   # rank 0 raised first
+        assert f'File "{prog}", line 7, in check' in err and err.endswith("ValueError: rank 0 found a bad value\n")
+    assert main(["sim", "-n", "2", prog]) == status  # the command it prints fails the same way
+
+
+def test_explore_reports_the_first_seed_that_fails(tmp_path, capsys, monkeypatch):
+    # Ranks 1..3 send in turn (a token orders them), so FIFO receives 1, 2, 3; a seed may pick any order.
+    prog = write(tmp_path, "order.py", """
+        import sys
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        if comm.rank == 0:
+            order = [comm.recv(source=MPI.ANY_SOURCE, tag=1) for _ in range(comm.size - 1)]
+            if order != sorted(order):
+                print("out of order:", order, file=sys.stderr)
+                sys.exit(4)
+        else:
+            if comm.rank > 1:
+                comm.recv(source=comm.rank - 1, tag=2)
+            comm.send(comm.rank, dest=0, tag=1)
+            if comm.rank < comm.size - 1:
+                comm.send(None, dest=comm.rank + 1, tag=2)
+    """)
+    status, out, err = sim(capsys, monkeypatch, "-n", "4", "--explore", "20", prog)
+    assert status == 4, (out, err)
+    seed = int(re.fullmatch(r"mpidist sim --explore: seed (\d+) failed with exit status 4\n"
+                            rf"reproduce with: mpidist sim -n 4 --seed \1 {re.escape(prog)}\n", out).group(1))
+    assert "out of order: [" in err and "rank 0 of 4 exited with status 4" in err
+    assert sim(capsys, monkeypatch, "-n", "4", prog)[0] == 0
+    assert sim(capsys, monkeypatch, "-n", "4", "--seed", str(seed), prog)[0] == 4
+
+
+LOOPS = """
+from mpi4py import MPI
+
+comm = MPI.COMM_WORLD
+def spin():
+    while True:
+        pass
+if comm.Get_rank() in RANKS:
+    spin()
+comm.Barrier()
+"""
+
+
+def test_timeout_stops_a_rank_that_loops_forever_and_shows_where_every_rank_was(tmp_path, capsys, monkeypatch):
+    prog = write(tmp_path, "loop.py", LOOPS.replace("RANKS", "(0,)"))
+    status, out, err = sim(capsys, monkeypatch, "-n", "3", "--timeout", "0.5", prog)
+    assert (status, out) == (124, "")
+    lines, source = err.splitlines(), LOOPS.splitlines()
+    assert lines[0] == "mpidist sim: timed out after 0.5 s; every rank was stopped"
+    assert lines[1:4] == ["rank 0 computes (not in a communication call):",
+                          f'  File "{prog}", line {source.index("    spin()") + 1}, in <module>', "    spin()"]
+    assert re.fullmatch(rf'  File "{re.escape(prog)}", line (6|7), in spin', lines[4]), lines[4]  # while or pass
+    for rank in (1, 2):
+        at = lines.index(f"rank {rank} waits in Barrier() #0 on SIM_WORLD:")
+        assert lines[at + 1:at + 3] == [f'  File "{prog}", line {source.index("comm.Barrier()") + 1}, in <module>',
+                                        "    comm.Barrier()"]
+    assert "uncaught exception" not in err and "runner.py" not in err
+
+
+def test_timeout_stops_ranks_that_all_loop(tmp_path, capsys, monkeypatch):
+    # Nobody waits, so neither deadlock detection nor a per-wait watchdog could end this run.
+    prog = write(tmp_path, "loops.py", LOOPS.replace("RANKS", "(0, 1)"))
+    status, out, err = sim(capsys, monkeypatch, "-n", "2", "--timeout", "0.3", prog)
+    assert status == 124 and err.count("computes (not in a communication call):\n") == 2, err
+
+
+def test_timeout_is_in_the_help_and_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["sim", "--help"])
+    assert "--timeout S" in capsys.readouterr().out
+    for bad in ("0", "-1", "nan", "inf"):
+        assert main(["sim", "-n", "2", "--timeout", bad, __file__]) == 2
+        assert f"--timeout S needs a number of seconds > 0 (got {float(bad)})" in capsys.readouterr().err
+
+
+def test_a_directory_or_a_device_is_named_for_what_it_is(tmp_path, capsys):
+    for path, what in ((str(tmp_path), "it is a directory, not a Python file"),
+                       (os.devnull, "it is a character device, not a Python file"),
+                       (str(tmp_path / "missing.py"), "no such program file")):
+        assert main(["sim", "-n", "2", path]) == 2
+        assert capsys.readouterr().err == f"mpidist sim: UsageError: cannot run {path!r}: {what}\n"
+
+
+def test_a_syntax_error_shows_the_programs_line_as_python_does(tmp_path, capsys, monkeypatch):
+    prog = write(tmp_path, "typo.py", "from mpi4py import MPI\nif MPI.COMM_WORLD.rank == 0\n    print('x')\n")
+    python = subprocess.run([sys.executable, prog], capture_output=True, text=True, timeout=60)
+    assert sim(capsys, monkeypatch, "-n", "2", prog) == (python.returncode, "", python.stderr)
+    assert "SyntaxError: expected ':'" in python.stderr and "mpidist" not in python.stderr
+
+
+THREADED = """
+import threading
+import time
+from mpi4py import MPI
+
+comm = MPI.COMM_WORLD
+got = []
+
+def to_itself(k):  # a thread the rank started: MPI.COMM_WORLD is the rank's
+    world = MPI.COMM_WORLD
+    request = world.isend(10 * world.Get_rank() + k, dest=world.Get_rank(), tag=k)
+    got.append(world.recv(source=world.Get_rank(), tag=k))
+    request.wait()
+    print(f"{world.Get_rank()}: thread {k} main {MPI.Is_thread_main()}")
+
+def late():  # never joined: the rank still ends after it, as a process waits for its threads
+    time.sleep(0.2)
+    print(f"{comm.Get_rank()}: late thread done")
+
+threads = [threading.Thread(target=to_itself, args=(k,)) for k in (1, 2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+threading.Thread(target=late).start()
+print(f"{comm.Get_rank()}: main {MPI.Is_thread_main()} got {sorted(got)}")
+"""
+
+
+def test_threads_a_rank_starts_run_as_that_rank(tmp_path, capsys, monkeypatch):
+    prog = write(tmp_path, "threads.py", THREADED)
+    status, out, err = sim(capsys, monkeypatch, "-n", "3", "-l", prog)
+    assert (status, err) == (0, "")
+    assert sorted(out.splitlines()) == sorted(
+        [f"[{r}] {r}: thread {k} main False" for r in range(3) for k in (1, 2)] +
+        [f"[{r}] {r}: main True got {[10 * r + 1, 10 * r + 2]}" for r in range(3)] +
+        [f"[{r}] {r}: late thread done" for r in range(3)])
+
+
+def test_a_deadlock_left_in_a_thread_a_rank_started_is_reported(tmp_path, capsys, monkeypatch):
+    prog = write(tmp_path, "server.py", """
+        import threading
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        def serve():
+            comm.recv(source=1, tag=9)  # rank 1 never sends
+        if comm.Get_rank() == 0:
+            threading.Thread(target=serve, name="server").start()
+    """)
+    status, out, err = sim(capsys, monkeypatch, "-n", "2", prog)
+    assert (status, out) == (1, "")
+    lines = err.splitlines()
+    assert lines[0].startswith("mpidist sim: deadlock: ")
+    at = lines.index("rank 0 (its thread server) waits in recv(source=1, tag=9) on SIM_WORLD")
+    assert lines[at + 1:at + 3] == [f'  File "{prog}", line 6, in serve',
+                                    "    comm.recv(source=1, tag=9)  # rank 1 never sends"]
+
+
+# mpi4py.rc set before the import, MPI.Init/Finalize, the error handler rc asks for, sessions' process sets.
+RC_PROGRAM = """
+from mpi4py import rc
+rc.initialize = False
+rc.errors = "fatal"
+from mpi4py import MPI
+
+before = MPI.Is_initialized()
+MPI.Init()
+world = MPI.COMM_WORLD
+rank = world.Get_rank()
+handler = world.Get_errhandler()
+print(f"{rank}: initialized {before} -> {MPI.Is_initialized()}, fatal errors {handler == MPI.ERRORS_ARE_FATAL}")
+handler.Free()
+session = MPI.Session.Init()
+group = session.Create_group("mpi://WORLD")
+comm = MPI.Intracomm.Create_from_group(group)
+size = session.Get_pset_info("mpi://WORLD").Get("mpi_size")
+print(f"{rank}: session world of {size}, group {group.Get_size()}, sum {comm.allreduce(rank)}")
+comm.Free()
+group.Free()
+session.Finalize()
+MPI.Finalize()
+print(f"{rank}: finalized {MPI.Is_finalized()}")
+"""
+
+
+@launcher.needed
+def test_rc_init_finalize_and_sessions_as_under_mpiexec(tmp_path, capsys, monkeypatch):
+    import mpi4py
+    prog = write(tmp_path, "rc.py", RC_PROGRAM)
+    real = subprocess.run(launcher.mpiexec(3, sys.executable, prog), capture_output=True, text=True, timeout=120,
+                          env=line_buffered(launcher.env(OMP_NUM_THREADS="1")))
+    assert real.returncode == 0, real.stderr
+    status, out, err = sim(capsys, monkeypatch, "-n", "3", prog)
+    assert (status, err) == (0, "")
+    assert by_rank(out) == by_rank(real.stdout)
+    assert "0: initialized False -> True, fatal errors True" in out and "2: session world of 3, group 3, sum 3" in out
+    assert (mpi4py.rc.initialize, mpi4py.rc.errors) == (True, "exception")  # the program's settings were undone

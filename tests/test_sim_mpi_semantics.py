@@ -437,7 +437,7 @@ def test_out_of_scope_calls_name_themselves():
                 call()
             reasons.append(str(info.value))
         return reasons
-    assert simulate(1, body)[0] == ["MPI.Win.Create: one-sided windows are not simulated",
+    assert simulate(1, body)[0] == ["MPI.Win.Allocate: one-sided windows are not simulated",
                                     "MPI.Win.Fence: one-sided windows are not simulated",
                                     "MPI.File.Open: MPI-IO files are not simulated",
                                     "SimComm.Spawn: dynamic processes are not simulated",
@@ -563,3 +563,31 @@ def test_reductions_into_buffers_ranks_share_or_alias(comm):
     out = np.zeros(5, "i")
     comm.Allreduce(np.full(5, r + 1, "i"), out, op=MPI.PROD)
     assert out.tolist() == [int(np.prod(np.arange(1, n + 1)))] * 5
+
+
+def test_ranks_tags_and_roots_are_read_through_int_as_mpi4py_reads_them(comm):
+    # mpi4py reads a C int argument with __int__: a float is truncated (osu_multi_lat.py passes size / 2 as a rank).
+    n, r = comm.Get_size(), comm.Get_rank()
+    got = comm.sendrecv(r, dest=float((r + 1) % n), sendtag=3.7, source=np.float64((r - 1) % n), recvtag=3.2)
+    assert got == (r - 1) % n
+    assert comm.bcast(r, root=n - 0.5) == n - 1
+    buf = np.array([float(r)])
+    comm.Bcast(buf, root=np.float32(0.9))
+    assert buf[0] == 0.0
+    for bad, error in (("0", TypeError), (None, TypeError), (1j, TypeError), (float("nan"), ValueError)):
+        with pytest.raises(error):
+            comm.send(r, dest=bad)
+
+
+def test_a_thread_a_rank_starts_runs_as_that_rank():
+    import threading
+
+    from mpidist.comm.sim import MPI as SIM_MPI
+
+    def body(comm):
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append((SIM_MPI.COMM_WORLD.Get_rank(), SIM_MPI.Is_thread_main())))
+        thread.start()
+        thread.join()
+        return seen, SIM_MPI.Is_thread_main()
+    assert simulate(3, body) == [([(r, False)], True) for r in range(3)]

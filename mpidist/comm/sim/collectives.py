@@ -147,7 +147,7 @@ class Collectives:
         return (name, (), None, lambda p: [None] * len(p))
 
     def _Bcast(self, name, buf, root=0):
-        self._check_root(name, root)
+        root = self._check_root(name, root)
         msg = spec.simple(buf, readonly=self._rank == root)
         sig = (("root", root), ("count", msg.count), ("dtype", _dtname(msg)))
 
@@ -161,7 +161,7 @@ class Collectives:
 
     # -- gather / scatter ---------------------------------------------------------------------------------
     def _gather(self, name, sendbuf, recvbuf, root, vector):
-        self._check_root(name, root)
+        root = self._check_root(name, root)
         size = self.Get_size()
         is_root = self._rank == root
         parse = spec.vector if vector else spec.simple
@@ -183,7 +183,7 @@ class Collectives:
         return self._gather(name, sendbuf, recvbuf, root, True)
 
     def _scatter(self, name, sendbuf, recvbuf, root, vector):
-        self._check_root(name, root)
+        root = self._check_root(name, root)
         size = self.Get_size()
         is_root = self._rank == root
         parse = spec.vector if vector else spec.simple
@@ -307,7 +307,7 @@ class Collectives:
         return self._reduction(name, sendbuf, recvbuf, op)
 
     def _Reduce(self, name, sendbuf, recvbuf, op=MPI.SUM, root=0):
-        self._check_root(name, root)
+        root = self._check_root(name, root)
         if sendbuf is IN_PLACE and self._rank != root:
             raise ValueError(f"SimComm.{name}: MPI.IN_PLACE is only valid on the root (rank {self._rank}, root {root})")
         if recvbuf is None and self._rank == root:
@@ -397,7 +397,7 @@ class Collectives:
 
     def bcast(self, obj, root=0):
         """Broadcast a Python object from ``root``; return it on every rank."""
-        self._check_root("bcast", root)
+        root = self._check_root("bcast", root)
         data = MPI.pickle.dumps(obj) if self._rank == root else None
         with self._lock("bcast"):  # mpi4py serializes a rank's object collectives per communicator
             return self._run("bcast", (("root", root),), data,
@@ -405,7 +405,7 @@ class Collectives:
 
     def gather(self, sendobj, root=0):
         """Return the list of every rank's object on ``root``, None elsewhere."""
-        self._check_root("gather", root)
+        root = self._check_root("gather", root)
         with self._lock("gather"):
             return self._run("gather", (("root", root),), MPI.pickle.dumps(sendobj),
                              lambda parts: [[MPI.pickle.loads(p) for p in parts] if r == root else None
@@ -413,7 +413,7 @@ class Collectives:
 
     def scatter(self, sendobj, root=0):
         """Give rank i item i of ``sendobj`` on ``root``."""
-        self._check_root("scatter", root)
+        root = self._check_root("scatter", root)
         size = self.Get_size()
         payload = None
         if self._rank == root:
@@ -463,7 +463,7 @@ class Collectives:
 
     def reduce(self, sendobj, op=MPI.SUM, root=0):
         """Reduce Python objects to ``root``; other ranks get None."""
-        self._check_root("reduce", root)
+        root = self._check_root("reduce", root)
         return self._object_reduction("reduce", sendobj, op, root, "all")
 
     def allreduce(self, sendobj, op=MPI.SUM):

@@ -18,7 +18,7 @@ from ..errors import CollectiveMismatchError, SimAbort
 from . import spec
 from .collectives import Collectives
 from .engine import Context, current
-from .errors import mpi_error
+from .errors import mpi_error, rc_errhandler
 from .group import SimGroup
 from .handles import Handles
 from .p2p import _TAG_UB, PointToPoint  # p2p's _TAG_UB: Open MPI 4 sets TAG_UB on COMM_WORLD only
@@ -76,7 +76,7 @@ class SimComm(Handles, PointToPoint, Collectives):
         self._name = None
         self._attrs = {}
         self._info = None
-        self._errhandler = MPI.ERRORS_ARE_FATAL
+        self._errhandler = None  # None: what mpi4py.rc.errors gives (errors.rc_errhandler)
         self._locks = {}        # mpi4py's per-communicator locks (MPI._comm_lock), by key
         self._commctx = None    # [duplicate, next tag] of MPI._commctx_intra
 
@@ -197,14 +197,15 @@ class SimComm(Handles, PointToPoint, Collectives):
     info = property(Get_info, Set_info)
 
     def Get_errhandler(self):
+        """Return a new handle on the error handler (whatever it is, errors raise ``MPI.Exception`` here)."""
         self._live("Get_errhandler")
-        return self._errhandler
+        return MPI.Errhandler(rc_errhandler() if self._errhandler is None else self._errhandler)
 
     def Set_errhandler(self, errhandler):
         self._live("Set_errhandler")
         if errhandler == MPI.ERRHANDLER_NULL:
             raise mpi_error(MPI.ERR_ERRHANDLER, "SimComm.Set_errhandler: errhandler is MPI.ERRHANDLER_NULL")
-        self._errhandler = errhandler
+        self._errhandler = MPI.Errhandler(errhandler)  # our own handle: the caller may free theirs
 
     def Call_errhandler(self, errorcode):
         raise mpi_error(errorcode, "SimComm.Call_errhandler")
@@ -357,9 +358,12 @@ class SimComm(Handles, PointToPoint, Collectives):
             return self._depart(ctx, seq, rnd)
 
     def _check_root(self, name, root):
+        """Return ``root`` as an int (as mpi4py reads it); raise ERR_ROOT unless it is a rank of this communicator."""
         size = self.Get_size()
-        if not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+        root = spec.c_int(root)
+        if not 0 <= root < size:
             raise mpi_error(MPI.ERR_ROOT, f"SimComm.{name}: root {root} out of range for communicator of size {size}")
+        return root
 
     # -- communicator management --------------------------------------------------------------------
     def _derive(self, name, color, key, topo=None, sig=(), cls=None):

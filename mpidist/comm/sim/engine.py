@@ -35,9 +35,19 @@ def current():
     return getattr(_local, "comms", None)
 
 
-def bind_rank(comms):
-    """Make ``comms`` (world, self) the calling thread's communicators (None: unbind)."""
+def bind_rank(comms, helper=None):
+    """Make ``comms`` (world, self) the calling thread's communicators (None: unbind).
+
+    ``helper``: the thread's name when it is not the rank's own thread but one the rank started (its waits are
+    counted apart from the rank's, and a failure of its own rank releases them too).
+    """
     _local.comms = comms
+    _local.helper = helper
+
+
+def helper_name():
+    """The calling thread's name if a rank thread started it (it runs as that rank), else None."""
+    return getattr(_local, "helper", None)
 
 
 class _Waiter:
@@ -67,6 +77,10 @@ class Universe:
         self.failure = None          # (world rank, exception) of the first rank that failed
         self.epoch = 0               # bumped on every state change, for deadlock detection
         self.waiting = {}            # world rank -> (epoch it last found its wait unsatisfied, description)
+        self.helpers = 0             # live threads that rank threads started (each runs as its rank: see runner)
+        self.helper_waiting = {}     # such a thread's id -> (epoch, description, world rank, name), as ``waiting``
+        self.helper_threads = []     # (world rank, thread) of every thread rank threads started
+        self.helper_errors = []      # (world rank, thread name, error) of such threads the simulator released
         self.deadlock = None
         self.seed = seed
         self.rng = random.Random(seed) if seed is not None else None
@@ -90,6 +104,10 @@ class Universe:
         started = time.monotonic() if self.timeout is not None else None
         seconds = 5.0 if self.timeout is None else min(5.0, self.timeout / 4)
         waiting = self.waiting
+        helper = getattr(_local, "helper", None)  # the thread's name if a rank thread of this universe started it
+        if helper is not None and _local.comms[0]._ctx.universe is not self:
+            helper = None
+        mine, key = (waiting, world_rank) if helper is None else (self.helper_waiting, threading.get_ident())
         waiter = getattr(_local, "waiter", None)  # per thread: a rank's helper threads may wait too
         if waiter is None:
             waiter = _local.waiter = _Waiter()
@@ -100,17 +118,21 @@ class Universe:
                     lines = "; ".join(f"rank {r} waits in {waiting[r][1]}" for r in sorted(waiting))
                     raise WatchdogTimeout(f"watchdog: rank {world_rank} waited more than {self.timeout:g} s in {what}; "
                                           f"{lines}{'; ' if lines else ''}ranks not in a communication call: {busy}")
-                if self.failure is not None and self.failure[0] != world_rank:
-                    r, exc = self.failure
-                    raise RankFailedError(f"simulated rank {r} failed ({type(exc).__name__}: {exc}); rank {world_rank} was released from {what}")
+                if self.failure is not None and (self.failure[0] != world_rank or helper is not None):
+                    r, exc = self.failure  # r None: the run itself failed (its time limit)
+                    cause = str(exc) if r is None else f"simulated rank {r} failed ({type(exc).__name__}: {exc})"
+                    raise RankFailedError(f"{cause}; rank {world_rank} was released from {what}")
                 if self.deadlock is not None:
                     raise DeadlockError(self.deadlock)
                 epoch = self.epoch
-                waiting[world_rank] = (epoch, what)
-                if len(waiting) >= self.alive:  # else some rank is not waiting: no deadlock (the common case)
+                mine[key] = (epoch, what) if helper is None else (epoch, what, world_rank, helper)
+                # else some thread is not waiting: no deadlock (the common case)
+                if len(waiting) >= self.alive and len(self.helper_waiting) >= self.helpers:
                     stuck = [r for r, (e, _) in waiting.items() if e == epoch]
-                    if len(stuck) == self.alive:
-                        lines = "; ".join(f"rank {r} waits in {waiting[r][1]}" for r in sorted(stuck))
+                    helpers = sorted(v[2:] + (v[1],) for v in self.helper_waiting.values() if v[0] == epoch)
+                    if len(stuck) == self.alive and len(helpers) == self.helpers:
+                        lines = "; ".join([f"rank {r} waits in {waiting[r][1]}" for r in sorted(stuck)] +
+                                          [f"rank {r} (its thread {name}) waits in {w}" for r, name, w in helpers])
                         # The ranks not waiting have ended (a failure would have released the waits first).
                         ended = [str(r) for r in range(self.size) if r not in waiting]
                         ended = (f" and rank{'s' if len(ended) > 1 else ''} {','.join(ended)} returned without "
@@ -135,7 +157,7 @@ class Universe:
                 if ready():
                     return
         finally:
-            waiting.pop(world_rank, None)
+            mine.pop(key, None)
 
 
 class Round:

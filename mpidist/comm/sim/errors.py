@@ -2,7 +2,7 @@
 
 from mpi4py import MPI
 
-__all__ = ["SimMPIError", "mpi_error"]
+__all__ = ["SimMPIError", "mpi_error", "rc_errhandler"]
 
 
 class SimMPIError(MPI.Exception, ValueError):
@@ -21,6 +21,21 @@ class SimMPIError(MPI.Exception, ValueError):
 
     def __reduce__(self):
         return (SimMPIError, (self.Get_error_class(), self.message))
+
+
+def rc_errhandler():
+    """Return the error handler ``mpi4py.rc.errors`` gives COMM_WORLD, COMM_SELF and sessions, read now.
+
+    A program sets ``mpi4py.rc`` before its ``from mpi4py import MPI``, which under the simulator comes after
+    the simulated namespace exists: read at the first query, it is what the program asked for.
+    """
+    import mpi4py
+    errors = getattr(getattr(mpi4py, "rc", None), "errors", "exception")
+    if errors == "exception":
+        return MPI.ERRORS_RETURN
+    if errors == "abort" and MPI.ERRORS_ABORT != MPI.ERRHANDLER_NULL:
+        return MPI.ERRORS_ABORT
+    return MPI.ERRORS_ARE_FATAL   # "fatal", and MPI's own default ("default")
 
 
 def mpi_error(error_class, message):

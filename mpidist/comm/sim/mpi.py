@@ -16,7 +16,8 @@ from mpi4py import MPI as _MPI
 
 from . import topo
 from .comm import COMM_NULL, SimComm, SimIntercomm
-from .errors import mpi_error
+from .engine import helper_name
+from .errors import mpi_error, rc_errhandler
 from .group import GROUP_EMPTY, GROUP_NULL, SimGroup
 from .request import MESSAGE_NO_PROC, MESSAGE_NULL, REQUEST_NULL, SimMessage, SimPrequest, SimRequest
 from .runner import current
@@ -70,8 +71,9 @@ def _not_simulated(name, what):
 class Win(_MPI.Win):
     """One-sided windows are not simulated: creating one raises NotImplementedError (WIN_NULL stays MPI's)."""
 
-    Create = Allocate = Allocate_shared = Create_dynamic = classmethod(
-        lambda cls, *args, **kwargs: _not_simulated("Win.Create", "one-sided windows")())
+    Create, Allocate, Allocate_shared, Create_dynamic = (
+        classmethod(lambda cls, *args, _name=name, **kwargs: _not_simulated(f"Win.{_name}", "one-sided windows")())
+        for name in ("Create", "Allocate", "Allocate_shared", "Create_dynamic"))
 
 
 class _WinNull:
@@ -126,6 +128,92 @@ def _init(*args, **kwargs):
     return None
 
 
+def _lifecycle():
+    """The calling rank's [initialized, finalized] (MPI_Init/MPI_Finalize), or None outside a simulated rank.
+
+    A rank starts initialized unless ``mpi4py.rc.initialize`` is false when first asked (a program sets it
+    before its ``from mpi4py import MPI``, as under mpiexec, and then calls ``MPI.Init``).
+    """
+    comms = current()
+    if comms is None:
+        return None
+    universe, rank = comms[0]._ctx.universe, comms[0]._world_rank
+    with universe.cond:
+        table = universe.attrs.setdefault("mpi.lifecycle", {})
+        if rank not in table:
+            import mpi4py
+            table[rank] = [bool(getattr(getattr(mpi4py, "rc", None), "initialize", True)), False]
+        return table[rank]
+
+
+def _initialize(name):
+    state = _lifecycle()
+    if state is not None:
+        if state[0]:
+            done = "finalized" if state[1] else "initialized"
+            raise mpi_error(_MPI.ERR_OTHER, f"MPI.{name}: MPI is already {done} on this rank (mpi4py initializes it "
+                                            f"at import unless mpi4py.rc.initialize is False)")
+        state[0] = True
+    return _MPI.THREAD_MULTIPLE
+
+
+def _finalize():
+    state = _lifecycle()
+    if state is not None:
+        if not state[0] or state[1]:
+            problem = "already finalized" if state[1] else "not initialized"
+            raise mpi_error(_MPI.ERR_OTHER, f"MPI.Finalize: MPI is {problem} on this rank")
+        state[1] = True
+
+
+def _is_initialized():
+    state = _lifecycle()
+    return _MPI.Is_initialized() if state is None else state[0]
+
+
+def _is_finalized():
+    state = _lifecycle()
+    return _MPI.Is_finalized() if state is None else state[1]
+
+
+def _is_thread_main():
+    """A rank's own thread is its main thread; a thread it started is not."""
+    return _MPI.Is_thread_main() if current() is None else helper_name() is None
+
+
+class Session(_MPI.Session):
+    """Sessions are the MPI library's, with two differences for a simulated rank: the process sets
+    ``mpi://WORLD`` and ``mpi://SELF`` are its simulated world and self (size, groups), and the error handler
+    is the one ``mpi4py.rc.errors`` names when ``Init`` is called (mpi4py applied its own at import)."""
+
+    @classmethod
+    def Init(cls, info=_MPI.INFO_NULL, errhandler=None):
+        session = super().Init(info, errhandler)
+        import mpi4py
+        if getattr(getattr(mpi4py, "rc", None), "errors", "exception") != "default":
+            session.Set_errhandler(rc_errhandler())
+        else:
+            session.Set_errhandler(_MPI.ERRORS_ARE_FATAL if errhandler is None else errhandler)
+        return session
+
+    def Get_pset_info(self, pset_name):
+        info = super().Get_pset_info(pset_name)
+        comm = _pset_comm(pset_name)
+        if comm is not None:
+            info.Set("mpi_size", str(comm.Get_size()))
+        return info
+
+    def Create_group(self, pset_name):
+        comm = _pset_comm(pset_name)
+        return super().Create_group(pset_name) if comm is None else comm.Get_group()
+
+
+def _pset_comm(pset_name):
+    comms = current()
+    which = {"mpi://WORLD": 0, "mpi://SELF": 1}.get(pset_name)
+    return None if comms is None or which is None else comms[which]
+
+
 _attached = {}
 
 
@@ -163,8 +251,10 @@ def _build():
         "_comm_lock_table": lambda comm: comm._resolve()._lock_table(),
         "_commctx_intra": lambda comm: comm._resolve()._context_intra(),
         "_commctx_inter": _not_simulated("_commctx_inter", "intercommunicators"),
-        "Init": _init, "Init_thread": lambda *a, **k: _MPI.THREAD_MULTIPLE, "Finalize": _init,
-        "Is_initialized": lambda: True, "Is_finalized": lambda: False,
+        "Init": lambda: _initialize("Init"), "Init_thread": lambda *a, **k: _initialize("Init_thread"),
+        "Finalize": _finalize, "Is_initialized": _is_initialized, "Is_finalized": _is_finalized,
+        "Is_thread_main": _is_thread_main,
+        "Session": Session,
         "Wtime": time.perf_counter, "Wtick": lambda: time.get_clock_info("perf_counter").resolution,
     })
     return ns

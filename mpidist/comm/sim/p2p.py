@@ -51,24 +51,30 @@ class PointToPoint:
 
     # -- checks ----------------------------------------------------------------------------------------
     def _check_peer(self, name, peer, what, wildcard):
+        """Return ``peer`` as an int (as mpi4py reads it); raise ERR_RANK unless it is a rank of this communicator."""
         size = self.Get_size()
+        peer = spec.c_int(peer)
         if peer == MPI.PROC_NULL or (wildcard and peer == MPI.ANY_SOURCE):
-            return
-        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < size:
+            return peer
+        if not 0 <= peer < size:
             raise mpi_error(MPI.ERR_RANK, f"SimComm.{name}: {what} {peer} out of range for communicator of size {size}")
+        return peer
 
     def _check_tag(self, name, tag, wildcard):
+        """Return ``tag`` as an int (as mpi4py reads it); raise ERR_TAG unless it is a valid tag."""
+        tag = spec.c_int(tag)
         if wildcard and tag == MPI.ANY_TAG:
-            return
-        if not isinstance(tag, (int, np.integer)) or not 0 <= tag <= _TAG_UB:
+            return tag
+        if not 0 <= tag <= _TAG_UB:
             raise mpi_error(MPI.ERR_TAG, f"SimComm.{name}: tag {tag} is not in 0..{_TAG_UB}")
+        return tag
 
     # -- sends -----------------------------------------------------------------------------------------
     def _post(self, name, payload, kind, dest, tag, sync):
         """Deposit an envelope at ``dest``; return the request (a synchronous one completes when matched)."""
         ctx = self._live(name)
-        self._check_peer(name, dest, "dest", False)
-        self._check_tag(name, tag, False)
+        dest = self._check_peer(name, dest, "dest", False)
+        tag = self._check_tag(name, tag, False)
         u = ctx.universe
         if dest == MPI.PROC_NULL:
             return SimRequest(u, self._world_rank, lambda: True, lambda: (None, None), name)
@@ -161,8 +167,8 @@ class PointToPoint:
     def _receive(self, name, source, tag, deliver):
         """Post a receive; ``deliver(envelope)`` returns (result, nbytes) when it completes."""
         ctx = self._live(name)
-        self._check_peer(name, source, "source", True)
-        self._check_tag(name, tag, True)
+        source = self._check_peer(name, source, "source", True)
+        tag = self._check_tag(name, tag, True)
         u = ctx.universe
         if source == MPI.PROC_NULL:
             return SimRequest(u, self._world_rank, lambda: True,
@@ -368,8 +374,8 @@ class PointToPoint:
     # -- probes ---------------------------------------------------------------------------------------------------
     def _peek(self, name, source, tag, status, take):
         ctx = self._live(name)
-        self._check_peer(name, source, "source", True)
-        self._check_tag(name, tag, True)
+        source = self._check_peer(name, source, "source", True)
+        tag = self._check_tag(name, tag, True)
         if source == MPI.PROC_NULL:
             fill_status(status, MPI.PROC_NULL, MPI.ANY_TAG, 0)
             return "proc_null"

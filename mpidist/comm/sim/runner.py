@@ -2,17 +2,19 @@
 
 import ctypes
 import os
+import sys
 import threading
 import time
+import traceback
 
 from mpi4py import MPI
 
 from ... import config
-from ..errors import DeadlockError, RankFailedError
+from ..errors import DeadlockError, RankFailedError, WatchdogTimeout
 from .comm import SimComm
 from .engine import Context, Universe, bind_rank, current
 
-__all__ = ["simulate", "current", "rank_threads"]
+__all__ = ["simulate", "current", "rank_threads", "TimeLimitExceeded", "inherit_thread_local"]
 
 
 def bind_thread(size=1, rank=0):
@@ -53,13 +55,115 @@ def parse_cpus(cpus):
     return chosen
 
 
+class TimeLimitExceeded(WatchdogTimeout):
+    """A run lasted longer than its time limit; ``stacks`` and ``waits`` say where each thread was then.
+
+    ``stacks``: (world rank, thread name or None for the rank's own thread) -> the thread's frames (a
+    ``traceback.StackSummary``); ``waits``: the same keys -> the communication call it waited in, if any.
+    """
+
+    def __init__(self, limit, stacks, waits):
+        super().__init__(f"timed out after {limit:g} s")
+        self.limit, self.stacks, self.waits = limit, stacks, waits
+
+
+# Thread-local attributes that a thread started by a rank thread takes over from it (besides the rank's
+# communicators): what other modules keep per rank thread, e.g. the program runner's rank for output.
+_INHERITED = []
+_start = threading.Thread.start
+_patch_lock = threading.Lock()
+_patched = 0
+
+
+def inherit_thread_local(local, name):
+    """Make threads that a rank thread starts take over its value of ``local.name``."""
+    _INHERITED.append((local, name))
+
+
+def _start_as_rank(thread):
+    """``threading.Thread.start`` while simulated ranks run: a thread that a rank thread starts runs as that rank
+    (its ``MPI.COMM_WORLD``, its output), as a thread of an MPI process belongs to the process's rank."""
+    comms = current()
+    if comms is None or not comms[0]:
+        return _start(thread)
+    universe, rank = comms[0]._universe, comms[0]._world_rank
+    values = [(local, name, getattr(local, name, None)) for local, name in _INHERITED]
+    run = thread.run
+
+    def run_as_rank():
+        bind_rank(comms, helper=thread.name)
+        for local, name, value in values:
+            setattr(local, name, value)
+        try:
+            run()
+        except (DeadlockError, RankFailedError) as exc:  # released by the simulator: the run's report says why
+            with universe.cond:
+                universe.helper_errors.append((rank, thread.name, exc))
+        finally:
+            bind_rank(None)
+            for local, name, _ in values:
+                setattr(local, name, None)
+            with universe.cond:
+                universe.helpers -= 1
+                universe.changed()
+    thread.run = run_as_rank
+    with universe.cond:  # counted before it runs: a deadlock check must never miss it
+        universe.helpers += 1
+        universe.helper_threads.append((rank, thread))
+    try:
+        _start(thread)
+    except BaseException:
+        with universe.cond:
+            universe.helpers -= 1
+            universe.helper_threads.remove((rank, thread))
+        raise
+
+
+def _patch_thread_start(on):
+    global _patched
+    with _patch_lock:
+        _patched += 1 if on else -1
+        threading.Thread.start = _start_as_rank if _patched else _start
+
+
+class _RankThread(threading.Thread):
+    """A rank's own thread: a daemon (a run left behind must not keep this process alive), yet while it runs the
+    rank's code the threads it starts are not daemons by default, as those a process's main thread starts."""
+
+    def __init__(self, **kwargs):
+        super().__init__(daemon=True, **kwargs)
+        self.running_rank = False
+
+    @property
+    def daemon(self):
+        return threading.Thread.daemon.fget(self) and not self.running_rank
+
+    @daemon.setter
+    def daemon(self, value):
+        threading.Thread.daemon.fset(self, value)
+
+
+def _join_helpers(universe, rank):
+    """Wait for the non-daemon threads ``rank`` started, as a process's exit waits for its threads."""
+    while True:
+        with universe.cond:
+            pending = [t for r, t in universe.helper_threads if r == rank and not t.daemon and t.is_alive()]
+        if not pending:
+            return
+        pending[0].join(0.05)  # in steps: an asynchronous _Stopped can still end this thread
+
+
 def rank_threads(n, target, *, ranks_per_node=None, timeout=None, seed=None, name="SIM_WORLD", abandon_after=None,
-                 cpus=None):
+                 cpus=None, time_limit=None):
     """Run ``target(rank, world)`` on ``n`` rank threads; return (results, errors, universe).
 
+    A thread that a rank thread starts runs as that rank (``MPI.COMM_WORLD`` is the rank's); the rank thread
+    ends once its non-daemon threads have ended, as a process does.
     ``abandon_after`` (seconds): once a rank failed, a rank thread that has not ended this long after
     (computing, sleeping, reading stdin: nothing a communication call could release) gets ``RankFailedError``
     raised in it; one that still runs as long again is left behind (a daemon thread), as mpiexec kills it.
+    ``time_limit`` (seconds, with ``abandon_after``): a run still going after this long fails with
+    ``TimeLimitExceeded`` (``universe.failure`` is ``(None, that error)``), every thread stopped as above.
     ``cpus`` (default ``MPIDIST_SIM_CPUS``; see ``parse_cpus``): bind every rank thread to these CPUs. One CPU
     makes a message's handoff between rank threads a switch on that core instead of waking another core
     (8-byte latency 12-16 us instead of 32-46 us here), at the price of rank threads' numpy work no longer
@@ -82,6 +186,7 @@ def rank_threads(n, target, *, ranks_per_node=None, timeout=None, seed=None, nam
         try:
             if cpus is not None:
                 os.sched_setaffinity(0, cpus)  # this thread only (Linux binds threads one by one)
+            threading.current_thread().running_rank = True
             results[rank] = target(rank, comm)
         except BaseException as exc:  # noqa: BLE001 - any failure must release the other ranks
             errors[rank] = exc
@@ -90,40 +195,71 @@ def rank_threads(n, target, *, ranks_per_node=None, timeout=None, seed=None, nam
                     universe.failure = (rank, exc)
                 universe.changed()
         finally:
+            threading.current_thread().running_rank = False
             bind_rank(None)
             with universe.cond:
                 universe.alive -= 1
                 universe.changed()
+        try:
+            _join_helpers(universe, rank)
+        except _Stopped:
+            pass
 
-    threads = [threading.Thread(target=run, args=(r,), name=f"sim-rank-{r}", daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    if abandon_after is None:
+    threads = [_RankThread(target=run, args=(r,), name=f"sim-rank-{r}") for r in range(n)]
+    _patch_thread_start(True)
+    try:
         for t in threads:
-            t.join()
-    else:
-        _join_or_abandon(threads, universe, abandon_after)
+            _start(t)
+        if abandon_after is None:
+            for t in threads:
+                t.join()
+        else:
+            _join_or_abandon(threads, universe, abandon_after, time_limit)
+    finally:
+        _patch_thread_start(False)
     return results, errors, universe
 
 
-def _join_or_abandon(threads, universe, grace):
+def _join_or_abandon(threads, universe, grace, time_limit=None):
     deadline, interrupted = None, False
+    started = time.monotonic()
     while True:
         alive = [t for t in threads if t.is_alive()]
         if not alive:
             return
         alive[0].join(0.05)
+        now = time.monotonic()
+        if time_limit is not None and now - started > time_limit:
+            _time_out(threads, universe, time_limit)
+            deadline, time_limit = now, None  # stop every thread at once: the user's limit was the grace
         if universe.failure is None and universe.deadlock is None:
             continue
-        now = time.monotonic()
         if deadline is None:
             deadline = now + grace
         elif now > deadline and not interrupted:
+            with universe.cond:
+                alive += [t for _, t in universe.helper_threads if t.is_alive()]
             for t in alive:  # raised at the thread's next bytecode: ends a compute loop or a sleep
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(_Stopped))
             deadline, interrupted = now + grace, True
         elif now > deadline:
             return
+
+
+def _time_out(threads, universe, limit):
+    """Fail the run with ``TimeLimitExceeded``, recording where every live thread is (unless it failed already)."""
+    frames = sys._current_frames()
+    with universe.cond:
+        if universe.failure is not None or universe.deadlock is not None:
+            return
+        owners = [(rank, None, t) for rank, t in enumerate(threads)] + \
+                 [(rank, t.name, t) for rank, t in universe.helper_threads]
+        stacks = {(rank, name): traceback.extract_stack(frames[t.ident]) for rank, name, t in owners
+                  if t.is_alive() and t.ident in frames}
+        waits = {(rank, None): what for rank, (_, what) in universe.waiting.items()}
+        waits.update({(v[2], v[3]): v[1] for v in universe.helper_waiting.values()})
+        universe.failure = (None, TimeLimitExceeded(limit, stacks, waits))
+        universe.changed()
 
 
 class _Stopped(RankFailedError):

@@ -22,7 +22,25 @@ from mpi4py import MPI
 
 from .errors import mpi_error
 
-__all__ = ["Msg", "simple", "vector", "vector_w", "typemap", "to_datatype"]
+__all__ = ["Msg", "simple", "vector", "vector_w", "typemap", "to_datatype", "c_int"]
+
+
+def c_int(value):
+    """Return ``value`` as mpi4py reads a C int argument (a rank, tag or root): through ``__int__``.
+
+    So a float (or numpy float) is truncated, as mpi4py does, and a str, None or complex raises TypeError;
+    NaN raises ValueError (``float.__int__``'s) and a value outside C int's range OverflowError.
+    """
+    if type(value) is int:
+        result = value
+    else:
+        to_int = getattr(type(value), "__int__", None)
+        if to_int is None:
+            raise TypeError(f"an integer is required (got {type(value).__name__}: {value!r:.40})")
+        result = to_int(value)
+    if not -2 ** 31 <= result < 2 ** 31:
+        raise OverflowError(f"value too large to convert to int (got {value!r:.40})")
+    return result
 
 _TYPEDICT = MPI._typedict
 _maps = {}
