@@ -108,8 +108,9 @@ test-hf: venv
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[hf]'
 	$(PY) $(PYTEST) -rs tests/test_export.py
 
-# mpi4py's own unit tests (its sdist, downloaded at run time) on the simulated communicator at n = 1..4:
-# prints the per-file table of docs/simulation.md. Not part of `make test` (it takes minutes).
+# mpi4py's own unit tests (its sdist, downloaded at run time) on the simulated communicator at n = 1..4, and its
+# demo programs under mpiexec and under `mpidist sim` with the same -n, outputs compared: prints the tables of
+# docs/simulation.md. Not part of `make test` (it takes minutes).
 test-mpi4py: venv
 	$(PY) tests/mpi4py_upstream.py --sizes 1,2,3,4 --baseline tests/mpi4py_baseline.json
 
