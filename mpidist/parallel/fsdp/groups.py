@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...comm.mesh import DeviceMesh
-from ...comm.nodes import node_major_order, node_of_ranks, ranks_per_node
+from ...comm.nodes import node_of_ranks, ranks_per_node
 
 __all__ = ["ShardGroups", "build_groups"]
 
@@ -71,18 +71,16 @@ def build_groups(comm, strategy, shard_size=None, shard_comm=None, replicate_com
         raise ValueError(f"FSDP: pass either shard_size (got {shard_size!r}) or the pair shard_comm and "
                          f"replicate_comm, not both")
     if shard_comm is None and replicate_comm is None:
-        nodes = node_of_ranks(comm)  # the same list on every rank: any error below is raised on all of them
         if shard_size is None:
-            per_node = ranks_per_node(nodes)
+            per_node = ranks_per_node(node_of_ranks(comm))  # the same on every rank: so is the error below
             if len(set(per_node)) > 1:
                 raise ValueError(f"FSDP: strategy={strategy.value!r} without shard_size shards within each node, "
                                  f"which needs the same number of ranks on every node (ranks per node: "
                                  f"{per_node}); pass shard_size=k or shard_comm and replicate_comm")
             shard_size = per_node[0]
         k = _check_shard_size(shard_size, size)
-        position = node_major_order(nodes).index(rank)
-        shard_comm = comm.Split(color=position // k, key=position)
-        replicate_comm = comm.Split(color=position % k, key=position)
+        grid = DeviceMesh(comm, {"replicate": size // k, "shard": k})  # shard groups: k consecutive node-major ranks
+        shard_comm, replicate_comm = grid["shard"], grid["replicate"]
     elif shard_comm is None or replicate_comm is None:
         raise ValueError(f"FSDP: strategy={strategy.value!r} needs shard_size=k (groups of k ranks of a node "
                          f"shard, the {size} // k groups replicate), or both shard_comm and replicate_comm, or "
