@@ -367,6 +367,16 @@ def test_timeout_stops_ranks_that_all_loop(tmp_path, capsys, monkeypatch):
     assert status == 124 and err.count("computes (not in a communication call):\n") == 2, err
 
 
+def test_a_wait_past_mpidist_sim_timeout_is_reported_as_a_timeout(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MPIDIST_SIM_TIMEOUT", "0.5")  # the per-wait watchdog: rank 1 waits for the looping rank 0
+    prog = write(tmp_path, "loop.py", LOOPS.replace("RANKS", "(0,)"))
+    status, out, err = sim(capsys, monkeypatch, "-n", "2", prog)
+    assert (status, out) == (1, "")
+    assert err.startswith("mpidist sim: rank 1 of 2 timed out (watchdog: rank 1 waited more than 0.5 s in Barrier() "
+                          "#0 on SIM_WORLD;"), err
+    assert "rank 0 was in:" in err and "uncaught exception" not in err
+
+
 def test_timeout_is_in_the_help_and_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["sim", "--help"])
