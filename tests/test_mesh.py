@@ -2,8 +2,8 @@
 
 Each expected group below is written out from the documented layout (node-major positions, row-major, last
 dimension innermost), never derived from the code under test. Round-robin placement (rank r on node r % nodes,
-as ``mpiexec -hosts a,b`` places ranks) comes from ``Cyclic``, which answers ``Split_type(COMM_TYPE_SHARED)``
-by rank % nodes.
+as ``mpiexec -hosts a,b`` places ranks) is a communicator split from a block-placed world with its ranks
+renumbered so (the simulator's nodes answer its ``Split_type(COMM_TYPE_SHARED)`` as they would under mpiexec).
 """
 
 import re
@@ -15,20 +15,6 @@ from mpi4py import MPI
 import mpidist
 from mpidist import DeviceMesh
 from mpidist.collectives import allreduce
-
-
-class Cyclic:
-    """A communicator whose ranks sit on ``nodes`` nodes round-robin (rank r on node r % nodes)."""
-
-    def __init__(self, comm, nodes):
-        self._comm, self._nodes = comm, nodes
-
-    def __getattr__(self, name):
-        return getattr(self._comm, name)
-
-    def Split_type(self, split_type, key=0, info=None):
-        assert split_type == MPI.COMM_TYPE_SHARED
-        return self._comm.Split(color=self._comm.Get_rank() % self._nodes, key=key)
 
 
 def members(sub, comm):
@@ -167,15 +153,18 @@ def test_a_bad_size_on_one_rank_or_ranks_that_disagree_raise_on_every_rank():
 
 def test_round_robin_placement_keeps_inner_dimensions_inside_nodes():
     """Ranks on nodes r % 2: node-major order is 0,2,4,6 | 1,3,5,7, and the grid follows that order."""
-    def run(comm):
-        m = DeviceMesh(Cyclic(comm, 2), {"dp": 2, "pp": 2, "tp": 2}, within_node="tp")
-        return members(m.tp_comm, comm), members(m.pp_comm, comm), members(m.dp_comm, comm), m.coordinate
+    def run(world):
+        r = world.Get_rank()  # on node r // 4; rank s = (r % 4) * 2 + r // 4 of comm is on node s % 2
+        comm = world.Split(color=0, key=(r % 4) * 2 + r // 4)
+        m = DeviceMesh(comm, {"dp": 2, "pp": 2, "tp": 2}, within_node="tp")
+        got = members(m.tp_comm, comm), members(m.pp_comm, comm), members(m.dp_comm, comm), m.coordinate
+        return comm.Get_rank(), got
 
     tp = {0: [0, 2], 2: [0, 2], 4: [4, 6], 6: [4, 6], 1: [1, 3], 3: [1, 3], 5: [5, 7], 7: [5, 7]}
     pp = {0: [0, 4], 4: [0, 4], 2: [2, 6], 6: [2, 6], 1: [1, 5], 5: [1, 5], 3: [3, 7], 7: [3, 7]}
     dp = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3], 4: [4, 5], 5: [4, 5], 6: [6, 7], 7: [6, 7]}
     position = [0, 4, 1, 5, 2, 6, 3, 7]  # of rank r in the node-major order
-    for rank, got in enumerate(mpidist.simulate(8, run, ranks_per_node=4)):
+    for rank, got in sorted(mpidist.simulate(8, run, ranks_per_node=4)):
         p = position[rank]
         assert got == (tp[rank], pp[rank], dp[rank], (p // 4, p // 2 % 2, p % 2))
 
