@@ -1,0 +1,273 @@
+"""The unsplit model's state under any layout: gathered onto one rank one tensor at a time, and scattered back.
+
+Reads a layout only through the wrapper interface (``as_wrapper(obj).placed_parameters()``,
+``named_buffers_global()``, ``mesh.comm``) and ``nn.placement.boxes``, so it works for every wrapper that
+implements it: a plain or tensor-parallel module, DDP, FSDP, Pipeline, and their combinations on a mesh.
+
+Glossary:
+- catalog: what every rank holds, as metadata only: per tensor its unsplit name, global shape, dtype, pipeline
+  stage and the boxes of it this rank holds. One allgather of the catalogs is the only collective of a gather
+  or load besides the point-to-point transfers (and, with ``all_ranks``, one broadcast per tensor).
+- holder of a box: a rank whose local array holds that box of the global tensor. Replicas (DDP ranks, FSDP's
+  replicate groups, copies of a tied weight) hold equal boxes; a gather reads each distinct box from its
+  lowest holder, a load writes every holder's copy.
+- streaming: the root assembles one tensor, hands it out, and only then asks for the next one. Senders use
+  blocking sends in the root's receive order, so a large box waits for the root's receive (MPI's rendezvous)
+  and at most the current tensor is in transit; small boxes may sit in MPI's eager buffers.
+
+Tensors come in the unsplit model's ``state_dict()`` order: parameters by pipeline stage and then by their
+order on the ranks that hold them, then buffers. Non-primary copies of a tied weight are not gathered (the
+primary is), but a load writes them too.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import numpy as np
+
+from .. import collectives
+from ..comm.agree import describe_ranks, raise_if_any
+from ..nn.placement import boxes, check_tiling, global_shape
+from ..xp import copy_into, get_array_module, to_numpy
+from .interface import as_wrapper
+
+__all__ = ["iter_full_state", "full_state_dict", "load_full_state_dict"]
+
+# Point-to-point tag of full-state transfers; far from the small tags user code tends to pick.
+_TAG = 0x5E57
+
+
+class _Tensor:
+    """One tensor of the unsplit model as every rank holds it: name, shape, dtype, stage, holders of each box."""
+
+    def __init__(self, name, shape, dtype, stage, is_buffer):
+        self.name, self.shape, self.dtype, self.stage, self.is_buffer = name, shape, dtype, stage, is_buffer
+        self.sources = {}   # (offsets, sizes) -> ranks holding it as a primary copy (gather reads from these)
+        self.holders = {}   # (offsets, sizes) -> ranks holding any copy (a load writes all of these)
+
+
+def _local_entries(wrapper, writable):
+    """Return this rank's ``[(name, array, [Box], stage, primary, is_buffer, global shape)]``, parameters then
+    buffers; with ``writable`` a parameter held read-only (an elastic commit's) is first copied (copy-on-write)."""
+    out = []
+    for p in wrapper.placed_parameters():
+        data = p.parameter.make_writable() if writable else p.parameter.data
+        out.append((p.name, data, boxes(p.placement, data.shape, p.name), p.stage, p.primary, False,
+                    global_shape(p.placement, data.shape)))
+    for name, buf in wrapper.named_buffers_global():
+        out.append((name, buf, boxes(None, buf.shape, name), None, True, True, tuple(buf.shape)))
+    return out
+
+
+def _merge_order(lists):
+    """Return the names of ``lists`` (each in one consistent order) merged, each list's order kept."""
+    order, index = [], {}
+    for names in lists:
+        at = 0
+        for name in names:
+            if name in index:
+                at = order.index(name) + 1
+                continue
+            order.insert(at, name)
+            index[name] = True
+            at += 1
+    return order
+
+
+class _Layout:
+    """The catalog of every rank (one allgather) and this rank's local arrays, by unsplit name."""
+
+    def __init__(self, obj, comm, fn, writable=False):
+        wrapper = as_wrapper(obj)
+        self.comm = wrapper.mesh.comm if comm is None else comm
+        self.size = 1 if self.comm is None else self.comm.Get_size()
+        self.me = 0 if self.comm is None else self.comm.Get_rank()
+        problem, entries = None, []
+        try:
+            entries = _local_entries(wrapper, writable)
+        except (TypeError, ValueError) as exc:  # a placement that does not fit: every rank must hear of it
+            problem = f"{type(exc).__name__}: {exc}"
+        catalog = [(name, shape, np.dtype(array.dtype), stage, primary, is_buffer, [(b.offsets, b.sizes) for b in held])
+                   for name, array, held, stage, primary, is_buffer, shape in entries]
+        everyone = [(problem, catalog)] if self.comm is None else self.comm.allgather((problem, catalog))
+        problems = [p for p, _ in everyone]
+        if any(problems):
+            raise ValueError(f"{fn}: {describe_ranks(problems)}")
+        self.local = {}  # name -> [(array, Box, primary)] this rank holds (every copy)
+        for name, array, held, _, primary, _, _ in entries:
+            self.local.setdefault(name, []).extend((array, box, primary) for box in held)
+        self.tensors = self._build(fn, [c for _, c in everyone])
+
+    def _build(self, fn, catalogs):
+        tensors, param_lists, buffer_lists = {}, [], []
+        for rank, catalog in enumerate(catalogs):
+            # Order from primary copies only: a tied weight's further copy sits elsewhere in its stage's list.
+            param_lists.append([e[0] for e in catalog if not e[5] and e[4]])
+            buffer_lists.append([e[0] for e in catalog if e[5]])
+            for name, shape, dtype, stage, primary, is_buffer, held in catalog:
+                t = tensors.get(name)
+                if t is None:
+                    t = tensors[name] = _Tensor(name, tuple(shape), dtype, stage, is_buffer)
+                elif (t.shape, t.dtype, t.is_buffer) != (tuple(shape), dtype, is_buffer):
+                    raise ValueError(f"{fn}: ranks disagree about {name!r}: shape {t.shape}, dtype {t.dtype} on "
+                                     f"the first rank holding it, shape {tuple(shape)}, dtype {dtype} on rank {rank}")
+                if primary and stage is not None:
+                    t.stage = stage
+                for box in held:
+                    key = (tuple(box[0]), tuple(box[1]))
+                    t.holders.setdefault(key, []).append(rank)
+                    if primary:
+                        t.sources.setdefault(key, []).append(rank)
+        for t in tensors.values():
+            by_rank = [[] for _ in catalogs]
+            for key, ranks in t.sources.items():
+                for r in ranks:
+                    by_rank[r].append(key)
+            wrong = check_tiling(t.name, t.shape, by_rank)
+            if wrong is not None:
+                raise ValueError(f"{fn}: {wrong} (the communicator must span every rank that holds a part of the "
+                                 f"model: pass comm=, e.g. the mesh's world communicator)")
+        params = _merge_order(param_lists)
+        # Pipeline stages first (a rank's list already runs in stage order), then the order within a stage.
+        params.sort(key=lambda name: -1 if tensors[name].stage is None else tensors[name].stage)
+        return [tensors[name] for name in params + _merge_order(buffer_lists)]
+
+    def primary_boxes(self, name):
+        """Return ``{(offsets, sizes): (array, Box)}`` for this rank's primary copy of ``name``."""
+        return {(box.offsets, box.sizes): (array, box) for array, box, primary in self.local.get(name, ()) if primary}
+
+    def all_boxes(self, name):
+        """Return ``{(offsets, sizes): [(array, Box)]}`` for every copy of ``name`` this rank holds."""
+        out = {}
+        for array, box, _ in self.local.get(name, ()):
+            out.setdefault((box.offsets, box.sizes), []).append((array, box))
+        return out
+
+
+def _index(offsets, sizes):
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes)) or ...
+
+
+def _gather_one(layout, t, root):
+    """Return tensor ``t`` assembled on ``root`` (None elsewhere): each distinct box from its lowest holder."""
+    mine = layout.primary_boxes(t.name)
+    full = np.empty(t.shape, dtype=t.dtype) if layout.me == root else None
+    for key in sorted(t.sources):
+        source = min(t.sources[key])
+        if layout.me == root:
+            if source == root:
+                array, box = mine[key]
+                piece = box.view(array)
+            else:
+                piece = collectives.recv(source, layout.comm, tag=_TAG)
+            full[_index(*key)] = to_numpy(piece)
+        elif layout.me == source:
+            array, box = mine[key]
+            view = box.view(array)
+            collectives.send(get_array_module(view).ascontiguousarray(view), root, layout.comm, tag=_TAG)
+    return full
+
+
+def _check_root(fn, comm, rank):
+    size = 1 if comm is None else comm.Get_size()
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < size:
+        raise ValueError(f"{fn}: rank must be a rank of the communicator, 0..{size - 1} (got {rank!r})")
+
+
+def iter_full_state(obj, comm=None, *, rank=0) -> Iterator[Tuple[str, Optional[np.ndarray]]]:
+    """Yield (name, full numpy array on ``rank``, None elsewhere) in the unsplit model's order, one tensor at a time.
+
+    ``obj``: a wrapper (DDP, FSDP, Pipeline) or an ``nn.Module`` (plain or tensor-parallel). Collective over
+    ``comm`` (default ``as_wrapper(obj).mesh.comm``), which must span every rank holding a part of the model (for
+    DDP over a tensor-parallel model, or a Pipeline with data parallelism, pass the mesh's world communicator).
+    Every rank must run the iteration to its end. The root holds the tensor being assembled and nothing else.
+    """
+    fn = "iter_full_state"
+    layout = _Layout(obj, comm, fn)
+    _check_root(fn, layout.comm, rank)
+    for t in layout.tensors:
+        yield t.name, _gather_one(layout, t, rank)
+
+
+def full_state_dict(obj, comm=None, *, rank=0, all_ranks=False) -> Dict[str, np.ndarray]:
+    """Return the unsplit model's parameters and buffers (numpy) under any layout, in its ``state_dict()`` order.
+
+    On ``rank`` only ({} elsewhere), or on every rank with ``all_ranks`` (one broadcast per tensor). Collective
+    over ``comm`` (default ``as_wrapper(obj).mesh.comm``); see ``iter_full_state``.
+    """
+    out = OrderedDict()
+    layout = _Layout(obj, comm, "full_state_dict")
+    _check_root("full_state_dict", layout.comm, rank)
+    for t in layout.tensors:
+        full = _gather_one(layout, t, rank)
+        if all_ranks and layout.size > 1:
+            if full is None:
+                full = np.empty(t.shape, dtype=t.dtype)
+            collectives.broadcast(full, layout.comm, root=rank)
+        if full is not None:
+            out[t.name] = full
+    return out
+
+
+def _check_state(fn, state, tensors, strict):
+    """Return what is wrong with ``state`` for the model of ``tensors`` (a message), or None."""
+    if not isinstance(state, Mapping):
+        return f"{fn}: the root must pass a mapping of name -> array (got {type(state).__name__})"
+    known = {t.name: t for t in tensors}
+    missing = [name for name in known if name not in state]
+    unexpected = [name for name in state if name not in known]
+    if strict and (missing or unexpected):
+        return f"{fn}: keys do not match the model (missing: {missing}, unexpected: {unexpected})"
+    for name, value in state.items():
+        if name not in known:
+            continue
+        got = tuple(getattr(value, "shape", ()))
+        if got != known[name].shape:
+            return f"{fn}: shape mismatch for {name!r} (state: {got}, model: {known[name].shape})"
+    return None
+
+
+def load_full_state_dict(obj, state, comm=None, *, rank=0, strict=True, context="load_full_state_dict") -> None:
+    """Scatter ``rank``'s full state (others pass None) into obj's layout one tensor at a time.
+
+    Every holder of a box gets its copy (data-parallel replicas, copies of a tied weight). Bad keys (with
+    ``strict``; without, missing tensors keep their values and unknown ones are ignored) or shapes raise ValueError
+    on every rank naming them, before anything is written. ``context`` starts the error messages. Collective over
+    ``comm`` (default ``as_wrapper(obj).mesh.comm``); see ``iter_full_state``.
+    """
+    layout = _Layout(obj, comm, context, writable=True)
+    _check_root(context, layout.comm, rank)
+    problem = _check_state(context, state, layout.tensors, strict) if layout.me == rank else None
+    if layout.comm is None:
+        if problem:
+            raise ValueError(problem)
+        present = None
+    else:
+        raise_if_any(layout.comm, problem, context)
+        present = None if strict else layout.comm.bcast(
+            [t.name for t in layout.tensors if t.name in state] if layout.me == rank else None, root=rank)
+    present = set(t.name for t in layout.tensors) if present is None else set(present)
+    for t in layout.tensors:
+        if t.name not in present:
+            continue
+        mine = layout.all_boxes(t.name)
+        if layout.me == rank:
+            full = to_numpy(state[t.name])
+            pending = []
+            for key in sorted(t.holders):
+                for holder in sorted(set(t.holders[key])):
+                    if holder != rank:
+                        piece = np.ascontiguousarray(full[_index(*key)])
+                        pending.append(collectives.isend(piece, holder, layout.comm, tag=_TAG))
+            for key, copies in mine.items():
+                for array, box in copies:
+                    copy_into(box.view(array), full[_index(*key)])
+            for handle in pending:
+                handle.wait()  # the next tensor only when this one has left
+        else:
+            for key in sorted(mine):
+                piece = collectives.recv(rank, layout.comm, tag=_TAG)
+                for array, box in mine[key]:
+                    copy_into(box.view(array), piece)
