@@ -498,3 +498,21 @@ def test_rc_init_finalize_and_sessions_as_under_mpiexec(tmp_path, capsys, monkey
     assert by_rank(out) == by_rank(real.stdout)
     assert "0: initialized False -> True, fatal errors True" in out and "2: session world of 3, group 3, sum 3" in out
     assert (mpi4py.rc.initialize, mpi4py.rc.errors) == (True, "exception")  # the program's settings were undone
+
+
+def test_timeout_shows_a_thread_a_rank_started_that_loops(tmp_path, capsys, monkeypatch):
+    prog = write(tmp_path, "spinner.py", """
+        import threading
+        from mpi4py import MPI
+        def spin():
+            while True:
+                pass
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            threading.Thread(target=spin, name="spinner").start()
+    """)
+    status, out, err = sim(capsys, monkeypatch, "-n", "2", "--timeout", "0.3", prog)
+    assert status == 124
+    assert err.splitlines()[1:3] == ["rank 0 finished (it waits for the threads it started)",
+                                     "rank 0 (its thread spinner) computes (not in a communication call):"], err
+    assert re.fullmatch(rf'  File "{re.escape(prog)}", line (5|6), in spin', err.splitlines()[3]), err  # while/pass
+    assert err.splitlines()[-1] == "rank 1 finished"

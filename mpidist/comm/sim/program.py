@@ -314,8 +314,8 @@ def _print_timed_out(n, exc, err):
     err.write(f"mpidist sim: {exc}; every rank was stopped\n")
     for rank in range(n):
         threads = sorted((key for key in exc.stacks if key[0] == rank), key=lambda key: (key[1] is not None, key[1]))
-        if not threads:
-            err.write(f"rank {rank} finished\n")
+        if (rank, None) not in exc.stacks:
+            err.write(f"rank {rank} finished{' (it waits for the threads it started)' if threads else ''}\n")
         for key in threads:
             who = f"rank {rank}" if key[1] is None else f"rank {rank} (its thread {key[1]})"
             what = exc.waits.get(key)

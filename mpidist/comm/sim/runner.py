@@ -252,7 +252,8 @@ def _time_out(threads, universe, limit):
     with universe.cond:
         if universe.failure is not None or universe.deadlock is not None:
             return
-        owners = [(rank, None, t) for rank, t in enumerate(threads)] + \
+        # A rank thread that returned and waits for its own threads is not where the time goes: theirs are shown.
+        owners = [(rank, None, t) for rank, t in enumerate(threads) if t.running_rank] + \
                  [(rank, t.name, t) for rank, t in universe.helper_threads]
         stacks = {(rank, name): traceback.extract_stack(frames[t.ident]) for rank, name, t in owners
                   if t.is_alive() and t.ident in frames}
