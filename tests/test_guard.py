@@ -367,8 +367,7 @@ LIMIT = 120  # the collective timeout of these jobs: the report must come long b
 
 @pytest.mark.mpi_skip
 @launcher.needed
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("kind, seq", [("fewer", 3), ("return", 2), ("exit", 2)])
+@pytest.mark.parametrize("kind, seq, n", [("fewer", 3, 2), ("fewer", 3, 4), ("return", 2, 4), ("exit", 2, 2)])
 def test_a_rank_that_leaves_early_is_reported_at_once_by_the_ranks_waiting_for_it(kind, seq, n, tmp_path):
     code, out, elapsed = run_leave_job(n, kind, tmp_path, LIMIT)
     left = n - 1
