@@ -11,7 +11,7 @@ from .collectives import (allgather, allreduce, alltoall, barrier, broadcast, ia
 from .launch import LaunchError, LaunchInfo, init
 from .nn.random import manual_seed
 from .parallel import DDP, FSDP, DeviceMesh, Pipeline, ShardingStrategy, mesh
-from .parallel import full_state_dict, iter_full_state, load_full_state_dict
+from .parallel import full_optimizer_state_dict, full_state_dict, iter_full_state, load_full_state_dict
 
 __version__ = "0.1.0"
 
@@ -20,7 +20,7 @@ __all__ = [
     "CommError", "CollectiveMismatchError", "RankFailedError", "DeadlockError", "SimAbort",
     "allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "send", "recv", "isend", "irecv", "barrier",
     "iallreduce", "ibroadcast", "iallgather", "ireduce_scatter", "DDP", "FSDP", "ShardingStrategy", "Pipeline", "mesh",
-    "DeviceMesh", "full_state_dict", "iter_full_state", "load_full_state_dict",
+    "DeviceMesh", "full_state_dict", "iter_full_state", "load_full_state_dict", "full_optimizer_state_dict",
 ]
 
 if _config.get("MPIDIST_TRACE"):  # MPIDIST_TRACE=DIR traces any program that imports mpidist

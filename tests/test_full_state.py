@@ -14,7 +14,7 @@ from mpidist import nn, optim
 from mpidist.models import GPT, GPTConfig
 from mpidist.nn.placement import Shard
 from mpidist.parallel import DDP, FSDP, Pipeline, Wrapper, mesh, tensor_parallel
-from mpidist.parallel.full_state import full_state_dict, iter_full_state, load_full_state_dict
+from mpidist.parallel import full_optimizer_state_dict, full_state_dict, iter_full_state, load_full_state_dict
 
 # vocabulary 61: padded rows at tp 2 and 4; float64 so that layouts agree with one process to 1e-12.
 CONFIG = GPTConfig(vocab_size=61, block_size=8, n_layer=2, n_head=4, n_embd=16, dtype="float64")
@@ -303,4 +303,35 @@ def test_a_communicator_that_misses_some_shards_raises_on_every_rank(comm):
     layout = Layout(comm, "dp_tp")
     with pytest.raises(ValueError, match=r"full_state_dict: the chunks of '.*' cover .* pass comm="):
         full_state_dict(layout.wrapped)
+    layout.close()
+
+
+@pytest.mark.world_sizes(1, 2, 4)
+@pytest.mark.parametrize("kind", KINDS)
+def test_optimizer_state_equals_one_process_moments(comm, kind):
+    """AdamW's moments after two steps, gathered by unsplit name, equal one process's (and its step count)."""
+    config = UNTIED if kind == "pp" else CONFIG
+    model = GPT(config, rng=np.random.default_rng(0))
+    opt = optim.AdamW(list(model.parameters()), lr=0.01)
+    x, y = batch()
+    for _ in range(STEPS):
+        opt.zero_grad()
+        model.loss(model(x), y).backward()
+        opt.step()
+    layout = Layout(comm, kind)
+    layout.train()
+    got = full_optimizer_state_dict(layout.wrapped, layout.opt, layout.comm)
+    me = 0 if layout.comm is None else comm.Get_rank()
+    if me != 0:
+        assert got == {}
+    else:
+        names = [name for name, _ in model.named_parameters()]
+        assert list(got["state"]) == names
+        assert [g["params"] for g in got["param_groups"]] == [names]
+        assert got["param_groups"][0]["lr"] == 0.01
+        for i, name in enumerate(names):
+            assert got["state"][name]["step"] == STEPS, name
+            for key in ("exp_avg", "exp_avg_sq"):
+                np.testing.assert_allclose(got["state"][name][key], opt.state[i][key], rtol=0, atol=TOL,
+                                           err_msg=f"{name} {key}")
     layout.close()

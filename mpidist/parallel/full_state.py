@@ -33,7 +33,7 @@ from ..nn.placement import boxes, check_tiling, global_shape
 from ..xp import copy_into, get_array_module, to_numpy
 from .interface import as_wrapper
 
-__all__ = ["iter_full_state", "full_state_dict", "load_full_state_dict"]
+__all__ = ["iter_full_state", "full_state_dict", "load_full_state_dict", "full_optimizer_state_dict"]
 
 # Point-to-point tag of full-state transfers; far from the small tags user code tends to pick.
 _TAG = 0x5E57
@@ -44,20 +44,39 @@ class _Tensor:
 
     def __init__(self, name, shape, dtype, stage, is_buffer):
         self.name, self.shape, self.dtype, self.stage, self.is_buffer = name, shape, dtype, stage, is_buffer
+        self.optimizer = {}  # rank -> its primary copy's optimizer state entry (_optimizer_entry), if asked
         self.sources = {}   # (offsets, sizes) -> ranks holding it as a primary copy (gather reads from these)
         self.holders = {}   # (offsets, sizes) -> ranks holding any copy (a load writes all of these)
 
 
 def _local_entries(wrapper, writable):
-    """Return this rank's ``[(name, array, [Box], stage, primary, is_buffer, global shape)]``, parameters then
-    buffers; with ``writable`` a parameter held read-only (an elastic commit's) is first copied (copy-on-write)."""
+    """Return this rank's ``[(name, array, [Box], stage, primary, is_buffer, global shape, Parameter or None)]``,
+    parameters then buffers; with ``writable`` a parameter held read-only (an elastic commit's) is first copied
+    (copy-on-write)."""
     out = []
     for p in wrapper.placed_parameters():
         data = p.parameter.make_writable() if writable else p.parameter.data
         out.append((p.name, data, boxes(p.placement, data.shape, p.name), p.stage, p.primary, False,
-                    global_shape(p.placement, data.shape)))
+                    global_shape(p.placement, data.shape), p.parameter))
     for name, buf in wrapper.named_buffers_global():
-        out.append((name, buf, boxes(None, buf.shape, name), None, True, True, tuple(buf.shape)))
+        out.append((name, buf, boxes(None, buf.shape, name), None, True, True, tuple(buf.shape), None))
+    return out
+
+
+def _optimizer_entry(optimizer, param, index):
+    """Return ``{key: ("array", dtype) | ("value", value)}`` of ``optimizer``'s state for ``param``, or None when
+    ``param`` is not one of its parameters; arrays are those shaped like the parameter (moments), the rest values."""
+    i = index.get(id(param))
+    if i is None:
+        return None
+    out = {}
+    for key, value in optimizer.state.get(i, {}).items():
+        if key.startswith("_"):
+            continue
+        if hasattr(value, "shape") and tuple(value.shape) == tuple(param.data.shape) and value.ndim:
+            out[key] = ("array", np.dtype(value.dtype))
+        else:
+            out[key] = ("value", value.item() if hasattr(value, "item") else value)
     return out
 
 
@@ -79,7 +98,7 @@ def _merge_order(lists):
 class _Layout:
     """The catalog of every rank (one allgather) and this rank's local arrays, by unsplit name."""
 
-    def __init__(self, obj, comm, fn, writable=False):
+    def __init__(self, obj, comm, fn, writable=False, optimizer=None):
         wrapper = as_wrapper(obj)
         self.comm = wrapper.mesh.comm if comm is None else comm
         self.size = 1 if self.comm is None else self.comm.Get_size()
@@ -89,16 +108,23 @@ class _Layout:
             entries = _local_entries(wrapper, writable)
         except (TypeError, ValueError) as exc:  # a placement that does not fit: every rank must hear of it
             problem = f"{type(exc).__name__}: {exc}"
-        catalog = [(name, shape, np.dtype(array.dtype), stage, primary, is_buffer, [(b.offsets, b.sizes) for b in held])
-                   for name, array, held, stage, primary, is_buffer, shape in entries]
-        everyone = [(problem, catalog)] if self.comm is None else self.comm.allgather((problem, catalog))
-        problems = [p for p, _ in everyone]
+        index = {} if optimizer is None else {id(p): i for i, p in enumerate(optimizer.params)}
+        groups = [] if optimizer is None else [
+            ({k: v for k, v in g.items() if k != "params"}, [name for name, *_, param in entries
+                                                              if any(param is q for q in g["params"])])
+            for g in optimizer.param_groups]
+        catalog = [(name, shape, np.dtype(array.dtype), stage, primary, is_buffer, [(b.offsets, b.sizes) for b in held],
+                    None if optimizer is None or param is None else _optimizer_entry(optimizer, param, index))
+                   for name, array, held, stage, primary, is_buffer, shape, param in entries]
+        everyone = [(problem, catalog, groups)] if self.comm is None else self.comm.allgather((problem, catalog, groups))
+        problems = [p for p, _, _ in everyone]
         if any(problems):
             raise ValueError(f"{fn}: {describe_ranks(problems)}")
-        self.local = {}  # name -> [(array, Box, primary)] this rank holds (every copy)
-        for name, array, held, _, primary, _, _ in entries:
-            self.local.setdefault(name, []).extend((array, box, primary) for box in held)
-        self.tensors = self._build(fn, [c for _, c in everyone])
+        self.local = {}  # name -> [(array, Box, primary, Parameter or None)] this rank holds (every copy)
+        for name, array, held, _, primary, _, _, param in entries:
+            self.local.setdefault(name, []).extend((array, box, primary, param) for box in held)
+        self.groups = [g for _, _, g in everyone]  # every rank's optimizer groups: (hyperparameters, names)
+        self.tensors = self._build(fn, [c for _, c, _ in everyone])
 
     def _build(self, fn, catalogs):
         tensors, param_lists, buffer_lists = {}, [], []
@@ -106,7 +132,7 @@ class _Layout:
             # Order from primary copies only: a tied weight's further copy sits elsewhere in its stage's list.
             param_lists.append([e[0] for e in catalog if not e[5] and e[4]])
             buffer_lists.append([e[0] for e in catalog if e[5]])
-            for name, shape, dtype, stage, primary, is_buffer, held in catalog:
+            for name, shape, dtype, stage, primary, is_buffer, held, opt in catalog:
                 t = tensors.get(name)
                 if t is None:
                     t = tensors[name] = _Tensor(name, tuple(shape), dtype, stage, is_buffer)
@@ -115,6 +141,8 @@ class _Layout:
                                      f"the first rank holding it, shape {tuple(shape)}, dtype {dtype} on rank {rank}")
                 if primary and stage is not None:
                     t.stage = stage
+                if primary and opt is not None:
+                    t.optimizer.setdefault(rank, opt)
                 for box in held:
                     key = (tuple(box[0]), tuple(box[1]))
                     t.holders.setdefault(key, []).append(rank)
@@ -134,14 +162,16 @@ class _Layout:
         params.sort(key=lambda name: -1 if tensors[name].stage is None else tensors[name].stage)
         return [tensors[name] for name in params + _merge_order(buffer_lists)]
 
-    def primary_boxes(self, name):
-        """Return ``{(offsets, sizes): (array, Box)}`` for this rank's primary copy of ``name``."""
-        return {(box.offsets, box.sizes): (array, box) for array, box, primary in self.local.get(name, ()) if primary}
+    def primary_boxes(self, name, read=None):
+        """Return ``{(offsets, sizes): (array, Box)}`` for this rank's primary copy of ``name``; ``read(Parameter)``,
+        if given, names the array to read instead of the parameter's own (an optimizer moment shaped like it)."""
+        return {(box.offsets, box.sizes): (array if read is None else read(param), box)
+                for array, box, primary, param in self.local.get(name, ()) if primary}
 
     def all_boxes(self, name):
         """Return ``{(offsets, sizes): [(array, Box)]}`` for every copy of ``name`` this rank holds."""
         out = {}
-        for array, box, _ in self.local.get(name, ()):
+        for array, box, _, _ in self.local.get(name, ()):
             out.setdefault((box.offsets, box.sizes), []).append((array, box))
         return out
 
@@ -150,10 +180,13 @@ def _index(offsets, sizes):
     return tuple(slice(o, o + n) for o, n in zip(offsets, sizes)) or ...
 
 
-def _gather_one(layout, t, root):
-    """Return tensor ``t`` assembled on ``root`` (None elsewhere): each distinct box from its lowest holder."""
-    mine = layout.primary_boxes(t.name)
-    full = np.empty(t.shape, dtype=t.dtype) if layout.me == root else None
+def _gather_one(layout, t, root, read=None, dtype=None):
+    """Return tensor ``t`` assembled on ``root`` (None elsewhere): each distinct box from its lowest holder.
+
+    ``read(Parameter)`` and ``dtype``: gather an array shaped like the parameter (an optimizer moment) instead.
+    """
+    mine = layout.primary_boxes(t.name, read)
+    full = np.empty(t.shape, dtype=t.dtype if dtype is None else dtype) if layout.me == root else None
     for key in sorted(t.sources):
         source = min(t.sources[key])
         if layout.me == root:
@@ -271,3 +304,47 @@ def load_full_state_dict(obj, state, comm=None, *, rank=0, strict=True, context=
                 piece = collectives.recv(rank, layout.comm, tag=_TAG)
                 for array, box in mine[key]:
                     copy_into(box.view(array), piece)
+
+
+def full_optimizer_state_dict(obj, optimizer, comm=None, *, rank=0) -> Dict[str, Any]:
+    """Return ``optimizer``'s state by unsplit parameter name on ``rank`` ({} elsewhere), one tensor at a time.
+
+    ``{"state": {name: {key: value}}, "param_groups": [{hyperparameters, "params": [names]}]}``: a moment shaped
+    like its parameter (AdamW's ``exp_avg``) comes back as the unsplit tensor's, other values (``step``) as the
+    lowest holder's; parameters without state yet are left out; groups list the names every rank puts in them,
+    with the lowest such rank's hyperparameters. ``optimizer`` steps this rank's ``obj.parameters()``. Collective
+    over ``comm`` (default ``as_wrapper(obj).mesh.comm``); see ``iter_full_state``.
+    """
+    fn = "full_optimizer_state_dict"
+    layout = _Layout(obj, comm, fn, optimizer=optimizer)
+    _check_root(fn, layout.comm, rank)
+    index = {id(p): i for i, p in enumerate(optimizer.params)}
+    state = OrderedDict()
+    for t in layout.tensors:
+        if t.is_buffer or not t.optimizer:
+            continue
+        entries = [t.optimizer[r] for r in sorted(t.optimizer)]
+        holders = sorted({r for ranks in t.sources.values() for r in ranks})
+        kinds = {tuple(sorted((k, v[0]) for k, v in e.items())) for e in entries}
+        if any(r not in t.optimizer for r in holders) or len(kinds) > 1:
+            keys = "; ".join(f"rank {r}: {sorted(t.optimizer.get(r) or {})}" for r in holders)
+            raise ValueError(f"{fn}: ranks holding {t.name!r} disagree about its optimizer state keys ({keys}); "
+                             f"step the optimizer over obj.parameters() on every rank")
+        out = OrderedDict()
+        for key, (kind, value) in entries[0].items():
+            if kind == "value":
+                out[key] = value
+                continue
+            out[key] = _gather_one(layout, t, rank, lambda param, key=key: optimizer.state[index[id(param)]][key],
+                                   value)
+        if layout.me == rank:
+            state[t.name] = out
+    if layout.me != rank:
+        return {}
+    order = {t.name: i for i, t in enumerate(layout.tensors)}
+    groups = []
+    for j in range(max((len(g) for g in layout.groups), default=0)):
+        held = [g[j] for g in layout.groups if j < len(g)]
+        names = sorted({name for _, group_names in held for name in group_names}, key=order.__getitem__)
+        groups.append({**held[0][0], "params": names})
+    return {"state": state, "param_groups": groups}
