@@ -591,3 +591,15 @@ def test_a_thread_a_rank_starts_runs_as_that_rank():
         thread.join()
         return seen, SIM_MPI.Is_thread_main()
     assert simulate(3, body) == [([(r, False)], True) for r in range(3)]
+
+
+def test_split_colors_and_cartesian_dims_are_read_as_mpi4py_reads_them(comm):
+    # A color or key is a C int (read through __int__); dims are an int array (read through __index__).
+    n, r = comm.Get_size(), comm.Get_rank()
+    half = comm.Split(r % 2 + 0.5, key=-r * 1.0)
+    assert half.Get_size() == (n + 1 - r % 2) // 2 and half.allgather(r) == sorted(range(r % 2, n, 2), reverse=True)
+    half.Free()
+    with pytest.raises(TypeError):
+        comm.Split("0", 0)
+    with pytest.raises(TypeError):
+        comm.Create_cart([float(n)])

@@ -394,7 +394,7 @@ class SimComm(Handles, PointToPoint, Collectives):
 
     def Split(self, color=0, key=0):
         """Partition ranks by ``color``, ordered by ``key`` then rank; ``MPI.UNDEFINED`` gives ``MPI.COMM_NULL``."""
-        return self._derive("Split", color, key)
+        return self._derive("Split", spec.c_int(color), spec.c_int(key))
 
     def Split_type(self, split_type, key=0, info=None):
         """Split by simulated node (``simulate(ranks_per_node=)``), the one hardware level simulated.

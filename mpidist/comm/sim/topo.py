@@ -1,6 +1,7 @@
 """Topologies: Cartesian, graph and distributed-graph communicators and the neighbor lists they define."""
 
 import itertools
+import operator
 
 from mpi4py import MPI
 
@@ -78,7 +79,7 @@ class DistGraph:
 
 
 def cart_layout(size, dims, periods):
-    dims = [int(d) for d in dims]
+    dims = [operator.index(d) for d in dims]  # mpi4py reads int arrays with __index__: a float is refused
     if periods is None or isinstance(periods, (bool, int)):  # one value for every dimension, as in mpi4py
         periods = [bool(periods)] * len(dims)
     periods = [bool(p) for p in periods]
@@ -92,7 +93,7 @@ def cart_layout(size, dims, periods):
 
 def graph_index(index, edges):
     """``index`` as MPI takes it; mpi4py also takes the standard adjacency form with a leading 0."""
-    index, edges = [int(i) for i in index], [int(e) for e in edges]
+    index, edges = [operator.index(i) for i in index], [operator.index(e) for e in edges]
     if index and index[0] == 0 and index[-1] == len(edges):
         index = index[1:]
     return index, edges
