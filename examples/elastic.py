@@ -239,8 +239,7 @@ def main(argv=None):
                              for f in job.failures], dtype=np.float64).reshape(-1, 8)
         if args.wrapper == "pipeline":
             held = {}
-            for part in comm.allgather({f"{prefix}{n}": p.data for prefix, m in wrapper.checkpoint_modules()
-                                        for n, p in m.named_parameters()}):
+            for part in comm.allgather({p.name: p.parameter.data for p in wrapper.placed_parameters() if p.primary}):
                 held.update(part)
             arrays = {f"param{i}": held[name] for i, (name, _) in enumerate(make_model().named_parameters())}
         elif args.wrapper == "fsdp":

@@ -188,43 +188,21 @@ def _model_slots(name, obj, registry):
         for bname, buf in module.named_buffers():
             slots.append(_full_slot(f"{name}.{bname}", buf))
         return slots
-    if isinstance(obj, (Wrapper, Module)):  # DDP, a plain or tensor-parallel module: read through the interface
-        wrapper = as_wrapper(obj)
-        for placed in wrapper.placed_parameters():
-            key = f"{name}.{placed.name}"
-            slot = _full_slot(key, placed.parameter.data, placed.placement)
-            slots.append(slot)
-            registry.add(placed.parameter, [key], slot.segments)
-        for bname, buf in wrapper.named_buffers_global():
-            slots.append(_full_slot(f"{name}.{bname}", buf))
-        return slots
-    # A pipeline: its layers named by their index in the unsplit model (until Pipeline is a Wrapper, issue 27 B4).
-    for stage_prefix, module in obj.checkpoint_modules():
-        prefix = f"{name}.{stage_prefix}" if stage_prefix else f"{name}."
-        for pname, p in module.named_parameters():
-            # A copy of a tied weight (a pipeline's last-stage head) is saved under the tied weight's own name.
-            key = f"{name}.{p.checkpoint_key}" if getattr(p, "checkpoint_key", None) else prefix + pname
-            slot = _full_slot(key, p.data, placement_of(p))
-            slots.append(slot)
-            registry.add(p, [key], slot.segments)
-        for bname, buf in module.named_buffers():
-            slots.append(_full_slot(prefix + bname, buf))
+    # DDP, Pipeline, a plain or tensor-parallel module: read through the interface. A further copy of a tied
+    # weight (a pipeline's last-stage head) has the tied weight's own name: it declares the same chunk.
+    wrapper = as_wrapper(obj)
+    for placed in wrapper.placed_parameters():
+        key = f"{name}.{placed.name}"
+        slot = _full_slot(key, placed.parameter.data, placed.placement)
+        slots.append(slot)
+        registry.add(placed.parameter, [key], slot.segments)
+    for bname, buf in wrapper.named_buffers_global():
+        slots.append(_full_slot(f"{name}.{bname}", buf))
     return slots
 
 
-def _name_pipeline_layers(state):
-    """Let every pipeline in ``state`` number its layers globally (collective over its ranks, once).
-
-    Done first, before any step that can fail on some ranks only, so that no rank waits in it for a
-    rank that has already left with an error.
-    """
-    for obj in state.values() if isinstance(state, dict) else ():
-        if hasattr(obj, "checkpoint_modules"):
-            obj.checkpoint_modules()
-
-
 def _is_model(obj):
-    return _is_fsdp(obj) or isinstance(obj, (Wrapper, Module)) or hasattr(obj, "checkpoint_modules")
+    return _is_fsdp(obj) or isinstance(obj, (Wrapper, Module))
 
 
 def _is_optimizer(obj):
@@ -695,7 +673,6 @@ def save(root, state, comm, step, keep_last=3):
 def _save(root, state, comm, step, keep_last=3):
     check_comm("checkpoint.save", comm)
     rank, size = comm.Get_rank(), comm.Get_size()
-    _name_pipeline_layers(state)
 
     def declare():
         _check_step("checkpoint.save", step)
@@ -1410,7 +1387,6 @@ def _load(root, state, comm, step=None, verify=True, log=_print_now, fallback=Fa
         raise TypeError(f"checkpoint.load: fallback must be True or False (got {fallback!r})")
     if not isinstance(strict, bool):
         raise TypeError(f"checkpoint.load: strict must be True or False (got {strict!r})")
-    _name_pipeline_layers(state)
     if step is not None:
         _agree(comm, "load (arguments)", lambda: _check_step("checkpoint.load", step))
         return _load_step(root, state, comm, step, verify, strict=strict)

@@ -382,7 +382,7 @@ def test_fsdp_stages_under_zero_bubble_fine_tune_like_one_process(comm):
     grid = mesh(comm, pp=2)
     model = make_model(frozen=frozen_modules, tie=False)
     stage = model.pipeline_stages(2)[grid.pp_rank]
-    names = [(f"{prefix}{name}", p) for prefix, layer in zip(stage.layer_prefixes, stage)
+    names = [(f"{prefix}.{name}", p) for prefix, layer in zip(stage.names, stage)
              for name, p in layer.named_parameters()]
     start = {name: p.data.copy() for name, p in names}
     fsdp = FSDP(stage, grid.dp_comm, units=[stage])

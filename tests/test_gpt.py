@@ -429,6 +429,15 @@ def test_pipeline_stages_cut_the_model_in_order():
     assert [len(s) for s in stages] == [1, 2, 2]
     assert stages[0][0] is model.embed and stages[2][1] is not model.head
     assert [s.first_layer for s in stages] == [0, 1, 3]
+    # Each layer under its name in the unsplit model: the stages' parameters, renamed so, are the model's.
+    assert [s.names for s in stages] == [("embed",), ("blocks.0", "blocks.1"), ("blocks.2", "head")]
+    assert [s[:1].names for s in stages[1:]] == [("blocks.0",), ("blocks.2",)]
+    named = dict(model.named_parameters())
+    for s in stages:
+        for name, layer in zip(s.names, s):
+            for pname, p in layer.named_parameters():
+                if f"{name}.{pname}" != "head.weight":  # the tied copy: the model has it once, as embed.wte.weight
+                    assert named[f"{name}.{pname}"] is p, f"{name}.{pname}"
     assert [list(s) for s in stages[1:2]] == [[model.blocks[0], model.blocks[1]]]
     assert stages[2][0] is model.blocks[2] and stages[2][1].ln_f is model.head.ln_f
     # The tied copies: the embedding's own weight and a separate copy of its values for the head.

@@ -6,6 +6,7 @@ and compares them with the reference's parameters and, after a backward and ``cl
 reference's gradients scaled by the formula of ``torch.nn.utils.clip_grad_norm_`` (norm by ``np.linalg.norm``).
 Runs on SimComm worlds and under ``mpiexec -n 2 / -n 4 pytest --with-mpi``.
 """
+import dataclasses
 import math
 
 import numpy as np
@@ -15,7 +16,7 @@ from mpidist import nn
 from mpidist.models import GPT, GPTConfig, lm_loss
 from mpidist.nn.placement import Replicate, Shard, set_placement
 from mpidist.optim import Adam
-from mpidist.parallel import DDP, mesh, tensor_parallel
+from mpidist.parallel import DDP, Pipeline, mesh, tensor_parallel
 from mpidist.parallel.interface import CommMesh, LocalModule, PlacedParameter, Wrapper, as_wrapper
 
 CONFIG = GPTConfig(vocab_size=61, block_size=8, n_layer=1, n_head=4, n_embd=16, dropout=0.0, tie_weights=False,
@@ -266,3 +267,150 @@ def test_clip_counts_a_tied_copy_once_and_scales_it_alike():
     assert wrapper.clip_grad_norm_(1.0) == pytest.approx(5.0, rel=1e-12)  # not sqrt(2) * 5
     for p in (primary, copy):
         np.testing.assert_allclose(p.grad, grad / (5.0 + 1e-6), rtol=1e-12)
+
+
+# -- Pipeline ---------------------------------------------------------------------------------------------------
+# A GPT cut by pipeline_stages over the pipeline ranks of a mesh: "pp" and "pp_tied" over all ranks (a world of 4
+# cuts one block into stages [embed], [block], [], [head]), "dp_pp_tied" with two data-parallel replicas.
+PIPELINE_KINDS = ["pp", "pp_tied", "dp_pp_tied"]
+
+
+def pipeline_config(kind):
+    return dataclasses.replace(CONFIG, tie_weights=kind != "pp")
+
+
+class PipelineLayout:
+    def __init__(self, comm, kind):
+        size = comm.Get_size()
+        self.config = pipeline_config(kind)
+        self.grid = mesh(comm, pp=size if kind != "dp_pp_tied" else size // 2)
+        self.dp, self.dp_rank = self.grid.dp, self.grid.dp_rank
+        self.stage = GPT(self.config, rng=np.random.default_rng(0)).pipeline_stages(self.grid.pp)[self.grid.pp_rank]
+        self.pipe = Pipeline(self.stage, self.grid.pp_comm, 2, "1f1b", loss_fn=lm_loss,
+                             dp_comm=self.grid.dp_comm if self.dp > 1 else None, tied_parameters=self.stage.tied)
+
+    def step(self):
+        x, y = batch()
+        n = BATCH // self.dp
+        mine = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
+        self.pipe.step(x[mine], y[mine])
+
+    def close(self):
+        self.pipe.remove()
+        self.grid.free()
+
+
+def pipeline_reference(kind):
+    return GPT(pipeline_config(kind), rng=np.random.default_rng(0))
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("kind", PIPELINE_KINDS)
+def test_pipeline_placed_parameters_are_the_unsplit_models(comm, kind):
+    layout = PipelineLayout(comm, kind)
+    pipe, ref = layout.pipe, pipeline_reference(kind)
+    placed = pipe.placed_parameters()
+    assert isinstance(pipe, Wrapper)
+    assert {p.stage for p in placed} <= {layout.grid.pp_rank}
+    assert [id(p.parameter) for p in placed] == [id(p) for p in layout.stage.parameters()]
+    # Primary names over all stages, in stage order (each replica alike), are the one-process model's names.
+    per_stage = {}
+    for stage, names in comm.allgather((layout.grid.pp_rank, [p.name for p in placed if p.primary])):
+        assert per_stage.setdefault(stage, names) == names, f"replicas of stage {stage} differ"
+    assert [n for s in sorted(per_stage) for n in per_stage[s]] == [name for name, _ in ref.named_parameters()]
+    full = assemble(comm, [p for p in placed if p.primary], lambda p: p.data)
+    for name, p in ref.named_parameters():
+        np.testing.assert_array_equal(full[name], p.data, err_msg=name)
+    # The head's copy of the tied embedding: not primary, under the embedding's name, on the last stage only.
+    copies = [p for p in placed if not p.primary]
+    last = layout.grid.pp_rank == layout.grid.pp - 1
+    if kind == "pp" or layout.grid.pp == 1:
+        assert copies == []
+    else:
+        assert [(p.name, p.stage, p.parameter is layout.stage[len(layout.stage) - 1].weight) for p in copies] == \
+            ([("embed.wte.weight", layout.grid.pp - 1, True)] if last else [])
+        for p in copies:
+            np.testing.assert_array_equal(p.parameter.data, ref.embed.wte.weight.data)
+    layout.close()
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("kind", PIPELINE_KINDS)
+def test_pipeline_communicators_and_buffers(comm, kind):
+    layout = PipelineLayout(comm, kind)
+    pipe, grid = layout.pipe, layout.grid
+    tied = kind != "pp" and grid.pp > 1 and grid.pp_rank in (0, grid.pp - 1)
+    own = pipe.communicators()
+    assert len(own) == (grid.dp > 1) + tied
+    if grid.dp > 1:
+        assert own[0] is grid.dp_comm and pipe.mesh.comm is None
+    else:
+        assert pipe.mesh.comm is grid.pp_comm
+    if tied:  # the first and last stages' group, holding the embedding and the head's copy
+        assert own[-1].Get_size() == 2
+    assert len(pipe.grad_norm_comms()) == 1 and pipe.grad_norm_comms()[0] is grid.pp_comm
+    ref = dict(pipeline_reference(kind).named_buffers())
+    for name, array in pipe.named_buffers_global():
+        np.testing.assert_array_equal(array, ref[name], err_msg=name)
+    layout.close()
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("kind", PIPELINE_KINDS)
+def test_pipeline_clip_grad_norm_equals_the_norm_of_the_global_gradient(comm, kind):
+    """The base class's clip over a pipeline: the tied weight counted once, its copy scaled alike."""
+    ref = pipeline_reference(kind)
+    x, y = batch()
+    lm_loss(ref(x), y).backward()
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    total = float(np.linalg.norm(np.concatenate([g.ravel() for g in ref_grads.values()])))
+    layout = PipelineLayout(comm, kind)
+    layout.step()
+    max_norm = total / 4
+    assert layout.pipe.clip_grad_norm_(max_norm) == pytest.approx(total, rel=1e-10)
+    scale = max_norm / (total + 1e-6)
+    placed = layout.pipe.placed_parameters()
+    clipped = assemble(comm, [p for p in placed if p.primary], lambda p: p.grad)
+    for name, g in ref_grads.items():
+        np.testing.assert_allclose(clipped[name], g * scale, rtol=0, atol=1e-12, err_msg=name)
+    for p in placed:
+        if not p.primary:
+            np.testing.assert_allclose(p.parameter.grad, ref_grads[p.name] * scale, rtol=0, atol=1e-12)
+    layout.close()
+
+
+@pytest.mark.world_sizes(2)
+def test_pipeline_remove_leaves_no_data_parallel_hook(comm):
+    """After Pipeline.remove() a backward through a stage (pp = 1, dp = 2: the whole model) stays local."""
+    layout = PipelineLayout(comm, "dp_pp_tied")
+    assert layout.grid.pp == 1 and layout.dp == 2
+    layout.pipe.remove()
+    x, y = batch()
+    mine = slice(comm.Get_rank() * 2, comm.Get_rank() * 2 + 2)
+    lm_loss(layout.stage(x[mine]), y[mine]).backward()
+    alone = pipeline_reference("dp_pp_tied")
+    lm_loss(alone(x[mine]), y[mine]).backward()
+    for (name, p), a in zip(layout.stage.named_parameters(), alone.parameters()):
+        np.testing.assert_allclose(p.grad, a.grad, rtol=0, atol=1e-12, err_msg=name)
+    layout.pipe.remove()  # twice: nothing left to remove
+    layout.grid.free()
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_pipeline_no_sync_accumulates_and_the_next_step_reduces(comm):
+    """Two half-batch steps, the first under no_sync, give the full batch's gradients (x2: two means added)."""
+    ref = pipeline_reference("dp_pp_tied")
+    x, y = batch()
+    lm_loss(ref(x), y).backward()
+    layout = PipelineLayout(comm, "dp_pp_tied")
+    with layout.pipe.no_sync():
+        layout.step()
+    layout.step()
+    placed = layout.pipe.placed_parameters()
+    grads = assemble(comm, [p for p in placed if p.primary], lambda p: p.grad)
+    for name, p in ref.named_parameters():
+        np.testing.assert_allclose(grads[name], 2 * p.grad, rtol=0, atol=1e-12, err_msg=name)
+    for p in placed:
+        if not p.primary:
+            np.testing.assert_allclose(p.parameter.grad, 2 * ref.embed.wte.weight.grad, rtol=0, atol=1e-12)
+    layout.close()

@@ -85,11 +85,12 @@ class Elastic:
         """Track the communicators the wrapper made for itself (``communicators()``: hybrid FSDP's groups), then
         wait for every rank to have done so: a rank that went on into one of them while another was lost before
         tracking it would wait there, told by nobody."""
-        # FSDP and Pipeline answer through their own methods until they implement Wrapper (issue 27, B3/B4).
+        # FSDP answers through its own method until it implements Wrapper (issue 27, B3).
         own = wrapper.communicators() if isinstance(wrapper, Wrapper) else getattr(wrapper, "communicators", tuple)()
         if own:
             self.track(*own)
-            self.comm.Barrier()
+        # On every rank, also one holding none (a pipeline's middle stages hold no tied weight's group).
+        self.comm.Barrier()
         return wrapper
 
     @contextlib.contextmanager

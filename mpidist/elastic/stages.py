@@ -3,8 +3,8 @@ replica when one survives, otherwise from the latest disk checkpoint, at a new l
 
 Words used here:
 
-- *name*: a parameter's global name, the same whatever the layout: ``Pipeline.checkpoint_modules()`` numbers
-  the layers as in the unsplit model (``"3.weight"``), as ``mpidist.checkpoint`` does. A commit keeps this
+- *name*: a parameter's global name, the same whatever the layout: ``Pipeline.placed_parameters()`` names it
+  as the unsplit model does (``"blocks.3.attn.qkv.weight"``, ``"3.weight"``), as ``mpidist.checkpoint`` does. A commit keeps this
   rank's parameters and their optimizer arrays by name, locally (no communication).
 - *holders*: the world ranks that held each name when the layout was made (one ``allgather`` of names per
   layout). In a dp x pp mesh every stage has ``dp`` holders; with ``dp = 1`` one.
@@ -95,11 +95,10 @@ class StageState(Replicated):
         self.wrapper, self.comm = wrapper, comm
         self._world = _world_ranks(comm)
         self._named = {}
-        for prefix, module in wrapper.checkpoint_modules():
-            for pname, p in module.named_parameters():
-                self._named[getattr(p, "checkpoint_key", None) or prefix + pname] = p
+        for placed in wrapper.placed_parameters():  # a further copy of a tied weight under the tied weight's name
+            self._named[placed.name] = placed.parameter
         refuse_tensor_parallel(list(self._named.items()), "StageState")
-        self._buffers = [b for _, module in wrapper.checkpoint_modules() for _, b in module.named_buffers()]
+        self._buffers = [b for _, b in wrapper.named_buffers_global()]
         everyone = comm.allgather(sorted(self._named))
         self._holders = {}
         for world_rank, names in zip(self._world, everyone):

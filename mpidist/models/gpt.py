@@ -122,16 +122,15 @@ class GPTHead(Module):
 
 
 class GPTStage(Sequential):
-    """A run of consecutive GPT layers: one pipeline stage. ``tied`` lists this stage's copies of the token
-    embedding weight that another stage also holds (the first stage's embedding, the last stage's head)."""
+    """A run of consecutive GPT layers: one pipeline stage. ``names`` are the layers' names in the unsplit GPT
+    ("embed", "blocks.3", "head"), by which a pipeline names their parameters. ``tied`` lists this stage's copies
+    of the token embedding weight that another stage also holds (the first stage's embedding, the last stage's
+    head)."""
 
-    def __init__(self, layers, first_layer, tied=(), layer_prefixes=None):
-        super().__init__(*layers)
+    def __init__(self, layers, first_layer, tied=(), names=None):
+        super().__init__(*layers, names=names)
         object.__setattr__(self, "first_layer", first_layer)
         object.__setattr__(self, "tied", list(tied))
-        # The unsplit GPT's name of each layer ("embed.", "blocks.3.", "head."): checkpoints of a pipeline key
-        # parameters by these, so they load into the plain model and into any other cut.
-        object.__setattr__(self, "layer_prefixes", list(layer_prefixes) if layer_prefixes is not None else None)
 
 
 class GPT(Module):
@@ -229,22 +228,20 @@ class GPT(Module):
         stages, start = [], 0
         for s, n in enumerate(counts):
             layers = blocks[start:start + n]
-            prefixes = [f"blocks.{i}." for i in range(start, start + n)]
+            names = [f"blocks.{i}" for i in range(start, start + n)]
             tied = []
             if s == 0:
-                layers, prefixes = [self.embed] + layers, ["embed."] + prefixes
+                layers, names = [self.embed] + layers, ["embed"] + names
                 if self.config.tie_weights and num_stages > 1:
                     tied.append(self.embed.wte.weight)
             if s == num_stages - 1:
                 head = self.head
                 if self.config.tie_weights and num_stages > 1:
+                    # The pipeline names this copy as the embedding's weight (a further copy of a tied weight).
                     head = self.head.with_own_weight()
-                    # Saved under the one name the tied weight has in the unsplit model.
-                    object.__setattr__(head.weight, "checkpoint_key", "embed.wte.weight")
                     tied.append(head.weight)
-                layers, prefixes = layers + [head], prefixes + ["head."]
-            stages.append(GPTStage(layers, first_layer=start + (0 if s == 0 else 1), tied=tied,
-                                   layer_prefixes=prefixes))
+                layers, names = layers + [head], names + ["head"]
+            stages.append(GPTStage(layers, first_layer=start + (0 if s == 0 else 1), tied=tied, names=names))
             start += n
         return stages
 

@@ -307,18 +307,36 @@ class Module:
 
 
 class Sequential(Module):
-    """Run children in order."""
+    """Run children in order.
 
-    def __init__(self, *modules):
+    ``names``: optional, what each child is called in the model this one was cut from (``"embed"``,
+    ``"blocks.3"``, ``"head"`` for a stage of a GPT); None when it was cut from nothing. The children keep their
+    positional names ("0", "1", ...) as module paths; a pipeline names the stage's parameters by ``names``
+    (``mpidist.parallel.Pipeline.placed_parameters``), so checkpoints and full-model gathers key them as the
+    unsplit model does.
+    """
+
+    names = None  # set per instance by __init__
+
+    def __init__(self, *modules, names=None):
         super().__init__()
         for i, m in enumerate(modules):
             if not isinstance(m, Module):
                 raise TypeError(f"Sequential: argument {i} is not a Module (got {type(m).__name__})")
             setattr(self, str(i), m)
+        if names is not None:
+            names = tuple(names)
+            if len(names) != len(modules) or len(set(names)) != len(names) or \
+                    not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"Sequential: names must be {len(modules)} distinct non-empty strings, one per "
+                                 f"module (got {list(names)!r})")
+        object.__setattr__(self, "names", names)
 
     def __getitem__(self, i):
         items = list(self._children.values())
-        return Sequential(*items[i]) if isinstance(i, slice) else items[i]
+        if isinstance(i, slice):
+            return Sequential(*items[i], names=None if self.names is None else self.names[i])
+        return items[i]
 
     def __len__(self):
         return len(self._children)

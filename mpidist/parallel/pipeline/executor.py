@@ -35,12 +35,13 @@ from mpidist.comm import check_comm
 from mpidist.comm.agree import check_same, raise_if_any
 from mpidist.guard import DesyncError
 from mpidist.nn.autograd import Tensor, backward, backward_input, no_grad
-from mpidist.nn.module import Sequential
-from mpidist.nn.utils import clip_coefficient, clip_grad_norm_
+from mpidist.nn.module import Module, Sequential
+from mpidist.nn.placement import placement_of
 from mpidist.partition import split_sizes
 from mpidist.trace import recorder as _trace
 from mpidist.xp import asarray_like, is_device_array
 
+from ..interface import CommMesh, PlacedParameter, Wrapper, placement_comms
 from .tied import TiedParameters
 from .schedules import (Action, Kind, Schedule, gpipe, insert_comms, interleaved_1f1b, one_f_one_b,
                         simulate_schedule, validate, zero_bubble_h1)
@@ -79,7 +80,7 @@ class StepStats:
     peak_pending_w: int
 
 
-class Pipeline:
+class Pipeline(Wrapper):
     """Pipeline-parallel training step over the ranks of `comm`, following a schedule.
 
     stage: this rank's module, or the list of its v chunks (stages r, r + p, ...) for "interleaved". A stage is
@@ -96,6 +97,17 @@ class Pipeline:
     ``name -> list`` (several), with the same names on every rank and an empty list where a rank holds no copy.
     Built collectively; after each step every copy's gradient is the sum over all copies, so equal copies stay
     equal, and ``clip_grad_norm_`` counts the shared weight once.
+
+    As a ``Wrapper`` (``mpidist.parallel.interface``), ``placed_parameters()`` names this rank's parameters as the
+    unsplit model does, worked out once at construction:
+    - a ``Sequential`` stage built with ``names`` (``GPT.pipeline_stages``: "embed", "blocks.3", "head") names
+      child i's parameters ``f"{names[i]}.{name}"``;
+    - otherwise the unsplit model is taken to be ``Sequential(*all layers)``, stage after stage (a Sequential
+      stage's children are layers, any other stage module one layer): layer i's parameters are ``f"{i}.{name}"``,
+      the same however the layers are cut (a checkpoint saved with 2 stages loads with 3, or into that model).
+    A tied weight's copies all take the name of the copy earliest in the unsplit model (the stage first, then
+    the position in it: a GPT's embedding weight); the other copies are ``primary=False``. ``mesh.comm`` is
+    ``comm``, or None with ``dp_comm`` (the layout spans two communicators, none of which holds it all).
     """
 
     def __init__(self, stage, comm, num_microbatches: int, schedule: Union[str, Schedule] = "1f1b",
@@ -115,6 +127,9 @@ class Pipeline:
         check_same(comm, self._settings(schedule, dp_comm) + [("tied parameters", sorted(tied))],
                    "Pipeline: ranks were built with different settings", what="setting")
         self.tied = [TiedParameters(comm, params, name) for name, params in sorted(tied.items())]
+        self.mesh = CommMesh(comm if dp_comm is None else None)
+        self._placed, self._buffer_layers = self._place_parameters()
+        self._syncing = True  # False inside no_sync()
         self.schedule = self._resolve(schedule)
         self.v = self.schedule.v
         self.num_stages = self.schedule.num_stages
@@ -167,6 +182,48 @@ class Pipeline:
         if self.rank == (p * v - 1) % p and self.loss_fn is None:
             return f"Pipeline: rank {self.rank} holds the last stage ({p * v - 1}) and needs loss_fn (got None)"
         return None
+
+    def _place_parameters(self):
+        """Return (this rank's PlacedParameters in the unsplit model's order, [(prefix, layer)] for buffers).
+
+        Collective over the pipeline comm (one allgather): earlier stages' layer counts number unnamed layers,
+        and every rank learns where each tied weight's copies are, so all agree on the primary copy.
+        """
+        counts = self.comm.allgather([len(_layers(module)) for module in self.stages])
+        p = self.p
+        per_stage = [counts[s % p][s // p] for s in range(p * len(self.stages))]
+        entries, layers = [], []  # entries: (stage, name, parameter, placement, primary)
+        for chunk, module in enumerate(self.stages):
+            stage = chunk * p + self.rank
+            first = sum(per_stage[:stage])
+            names = module.names if isinstance(module, Sequential) else None
+            prefixes = ([f"{n}." for n in names] if names is not None
+                        else [f"{first + i}." for i in range(len(_layers(module)))])
+            seen = set()
+            for prefix, layer in zip(prefixes, _layers(module)):
+                layers.append((prefix, layer))
+                for name, param, placement, primary in _layer_parameters(layer):
+                    if id(param) not in seen:
+                        seen.add(id(param))
+                        entries.append((stage, prefix + name, param, placement, primary))
+        position = {id(e[2]): (e[0], i) for i, e in enumerate(entries)}
+        missing = [f"{group.name!r}" for group in self.tied for q in group.params if id(q) not in position]
+        raise_if_any(self.comm, f"Pipeline: tied parameter {missing[0]} has a copy on rank {self.rank} that no stage "
+                                f"module of that rank holds" if missing else None, "Pipeline")
+        # Each tied weight: (stage, index, name) of every copy on every rank; the smallest is the primary.
+        copies = self.comm.allgather([[(*position[id(q)], entries[position[id(q)][1]][1]) for q in group.params]
+                                      for group in self.tied])
+        renamed = {}  # id(copy) -> the primary's name, for this rank's non-primary copies
+        for g, group in enumerate(self.tied):
+            primary = min((c for rank_copies in copies for c in rank_copies[g]), default=None)
+            for q in group.params:
+                stage, index = position[id(q)]
+                if (stage, index, entries[index][1]) != primary:
+                    renamed[id(q)] = primary[2]
+        placed = tuple(PlacedParameter(renamed.get(id(param), name), param, placement, stage,
+                                       primary and id(param) not in renamed)
+                       for stage, name, param, placement, primary in entries)
+        return placed, layers
 
     @staticmethod
     def _tied_groups(tied_parameters) -> Dict[str, list]:
@@ -260,11 +317,8 @@ class Pipeline:
             handle.wait()
         self._idle += time.perf_counter() - t0
         self._sends, self._inbox, self._saved, self._x_mbs, self._y_mbs = [], {}, {}, None, None
-        if training and self._ddp is not None:
-            for ddp in self._ddp:
-                ddp.sync_gradients()
-        for group in self.tied if training else ():  # after the replicas' average: sum of averages = average of sums
-            group.allreduce_grads()
+        if training and self._syncing:
+            self.sync_gradients()
 
         holds_loss = self.rank == self.schedule.rank_of(self.last_stage)
         loss = self._loss if holds_loss else None
@@ -401,51 +455,55 @@ class Pipeline:
         if deferred is not None:
             deferred.run()
 
-    def parameters(self):
-        """Yield the parameters of every stage module on this rank (what its optimizer steps)."""
-        for stage in self.stages:
-            yield from stage.parameters()
+    # -- the Wrapper interface ------------------------------------------------------------------------------------
 
-    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False) -> float:
-        """Clip the gradients of the whole pipelined model to global norm ``max_norm``; return the norm before.
+    def placed_parameters(self):
+        """Return this rank's parameters under the unsplit model's names, with their stage and placement."""
+        return self._placed
 
-        Collective over the pipeline's ranks: each holds other stages, so they add up their
-        contributions. Replicas of a mesh hold the same averaged gradients and get the same result.
-        """
-        copies = [p for group in self.tied for p in group.params if not any(p is q for q in group.counts_in_norm)]
-        skip = {id(p) for p in copies}
-        norm = clip_grad_norm_([p for p in self.parameters() if id(p) not in skip], max_norm, norm_type, self.comm,
-                               error_if_nonfinite)
-        scale = clip_coefficient(norm, max_norm)  # the further copies hold the counted one's gradient: scale alike
-        for p in copies:
-            if p.grad is not None and scale < 1.0:
-                p.grad *= scale
-        return norm
+    def named_buffers_global(self):
+        """Yield (unsplit name, array) for the buffers of this rank's layers (named as their parameters)."""
+        for prefix, layer in self._buffer_layers:
+            if isinstance(layer, Wrapper):
+                named = layer.named_buffers_global()
+            elif isinstance(layer, Module):
+                named = layer.named_buffers()
+            else:
+                named = ()
+            for name, array in named:
+                yield prefix + name, array
 
-    # Global index of the first layer of each chunk on this rank (see checkpoint_modules); found once.
-    _layer_offsets: Optional[List[int]] = None
+    def communicators(self):
+        """Return dp_comm (when given) and the communicators of the tied weights' holders this rank is one of."""
+        own = tuple(c for group in self.tied for c in group.communicators())
+        return own if self.dp_comm is None else (self.dp_comm, *own)
 
-    def checkpoint_modules(self) -> List[Tuple[str, object]]:
-        """Return ("<i>.", layer) for this rank's layers, numbered as in the unsplit model (collective the first time).
+    def grad_norm_comms(self):
+        """Return the placements' communicators (tensor parallel), then the pipeline comm: stages are disjoint."""
+        return (*placement_comms(self._placed), self.comm)
 
-        The unsplit model is the stages in stage order, each `Sequential` stage contributing its children and any
-        other stage module counting as one layer; layer i is named "i.". So the names are those of
-        `nn.Sequential(*all_layers)`, the same however the layers are split into stages (a checkpoint saved with
-        2 stages loads with 3, or into the plain model). Counting the earlier stages' layers takes one allgather
-        over the pipeline comm, on the first call only: call it on every rank (`mpidist.checkpoint` does).
-        """
-        named = [getattr(module, "layer_prefixes", None) for module in self.stages]
-        if all(names is not None and len(names) == len(_layers(module)) for names, module in zip(named, self.stages)):
-            # Stages cut from a model that names its own layers (GPT: "embed.", "blocks.3.", "head."): the
-            # checkpoint keys are the unsplit model's parameter names, loadable into it or any other cut.
-            return [(prefix, layer) for names, module in zip(named, self.stages)
-                    for prefix, layer in zip(names, _layers(module))]
-        if self._layer_offsets is None:
-            counts = self.comm.allgather([len(_layers(module)) for module in self.stages])
-            per_stage = [counts[self.schedule.rank_of(s)][s // self.p] for s in range(self.num_stages)]
-            self._layer_offsets = [sum(per_stage[:c * self.p + self.rank]) for c in range(len(self.stages))]
-        return [(f"{first + i}.", layer) for first, module in zip(self._layer_offsets, self.stages)
-                for i, layer in enumerate(_layers(module))]
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally over the steps in the block: no data-parallel average, no tied-weight sum.
+
+        The first ``step`` after the block (or ``sync_gradients()``) reduces the accumulated sums."""
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    def sync_gradients(self):
+        """Average gradients over dp_comm, then sum each tied weight's copies (collective; ``step`` calls it)."""
+        for ddp in self._ddp or ():
+            ddp.sync_gradients()
+        for group in self.tied:  # after the replicas' average: sum of averages = average of sums
+            group.allreduce_grads()
+
+    def remove(self):
+        """Remove the gradient hooks of the DDPs wrapping the stages (with dp_comm), without communicating."""
+        for ddp in self._ddp or ():
+            ddp.remove()
 
     # -- helpers -----------------------------------------------------------------------------------------------
 
@@ -529,6 +587,19 @@ def _as_outputs(s: int, out) -> tuple:
 def _layers(module) -> list:
     """Return the layers a stage module contributes to the unsplit model: a Sequential's children, else itself."""
     return list(module) if isinstance(module, Sequential) else [module]
+
+
+def _layer_parameters(layer):
+    """Yield (name in the layer, Parameter, placement, primary) for a Module, a Wrapper or another stage object."""
+    if isinstance(layer, Wrapper):
+        for placed in layer.placed_parameters():
+            yield placed.name, placed.parameter, placed.placement, placed.primary
+    elif isinstance(layer, Module):
+        for name, param in layer.named_parameters():
+            yield name, param, placement_of(param), True
+    else:  # an object with parameters() only (a stage contract's minimum): numbered
+        for j, param in enumerate(layer.parameters()):
+            yield str(j), param, placement_of(param), True
 
 
 def _tag(direction: int, stage: int, mb: int, num_stages: int) -> int:

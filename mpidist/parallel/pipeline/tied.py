@@ -50,11 +50,6 @@ class TiedParameters:
                 p.data[...] = first
 
     @property
-    def counts_in_norm(self):
-        """The copies whose gradient a global norm counts: the first holder's first copy, the others are equal."""
-        return self.params[:1] if self.holders and self.holders[0] == self.rank else []
-
-    @property
     def frozen(self):
         """Whether the shared weight is frozen (``requires_grad=False``, alike on every copy: checked at construction)."""
         return bool(self.params) and not self.params[0].requires_grad
@@ -79,6 +74,10 @@ class TiedParameters:
                 p.grad = total.copy()
             else:  # in place: a wrapper may hold the gradient array (a DDP bucket view)
                 p.grad[...] = total
+
+    def communicators(self):
+        """Return the holders' communicator, on a holder; () elsewhere."""
+        return (self.group,) if self.params else ()
 
     def free(self):
         if self.params:
