@@ -265,7 +265,7 @@ def _bad_states():
     wrong = dict(good, **{"embed.wpe.weight": np.zeros((9, 16))})
     return {"missing": (missing, r"missing: \['blocks.0.mlp.fc.weight'\]"),
             "unexpected": (extra, r"unexpected: \['blocks.9.bias'\]"),
-            "shape": (wrong, r"shape mismatch for 'embed.wpe.weight' \(state: \(9, 16\), model: \(8, 16\)\)"),
+            "shape": (wrong, r"shape mismatch for 'embed.wpe.weight' \(state_dict: \(9, 16\), model: \(8, 16\)\)"),
             "not_a_mapping": ([1, 2], "mapping of name -> array")}
 
 
@@ -278,6 +278,19 @@ def test_bad_full_state_raises_on_every_rank_and_changes_nothing(comm, case):
     with pytest.raises(ValueError, match=message):
         load_full_state_dict(layout.wrapped, state if comm.Get_rank() == 0 else None, comm)
     assert_state_equals(full_state_dict(layout.wrapped, comm, all_ranks=True), before, 0)
+    layout.close()
+
+
+@pytest.mark.world_sizes(1, 2, 4)
+@pytest.mark.parametrize("root", ["negative", "size", "bool"])
+def test_a_root_outside_the_communicator_raises_on_every_rank(comm, root):
+    layout = Layout(comm, "ddp")
+    size = comm.Get_size()
+    root = {"negative": -1, "size": size, "bool": True}[root]
+    with pytest.raises(ValueError, match=rf"full_state_dict: rank must be a rank of the communicator, 0..{size - 1}"):
+        full_state_dict(layout.wrapped, comm, rank=root)
+    with pytest.raises(ValueError, match=r"load_full_state_dict: rank must be a rank of the communicator"):
+        load_full_state_dict(layout.wrapped, None, comm, rank=root)
     layout.close()
 
 

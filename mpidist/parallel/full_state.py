@@ -82,15 +82,15 @@ def _optimizer_entry(optimizer, param, index):
 
 def _merge_order(lists):
     """Return the names of ``lists`` (each in one consistent order) merged, each list's order kept."""
-    order, index = [], {}
+    order, known = [], set()
     for names in lists:
-        at = 0
+        at = 0  # where this list's next new name goes: after the last name of it already placed
         for name in names:
-            if name in index:
+            if name in known:
                 at = order.index(name) + 1
                 continue
             order.insert(at, name)
-            index[name] = True
+            known.add(name)
             at += 1
     return order
 
@@ -116,7 +116,8 @@ class _Layout:
         catalog = [(name, shape, np.dtype(array.dtype), stage, primary, is_buffer, [(b.offsets, b.sizes) for b in held],
                     None if optimizer is None or param is None else _optimizer_entry(optimizer, param, index))
                    for name, array, held, stage, primary, is_buffer, shape, param in entries]
-        everyone = [(problem, catalog, groups)] if self.comm is None else self.comm.allgather((problem, catalog, groups))
+        mine = (problem, catalog, groups)
+        everyone = [mine] if self.comm is None else self.comm.allgather(mine)  # the one collective of the catalog
         problems = [p for p, _, _ in everyone]
         if any(problems):
             raise ValueError(f"{fn}: {describe_ranks(problems)}")
@@ -258,7 +259,7 @@ def _check_state(fn, state, tensors, strict):
             continue
         got = tuple(getattr(value, "shape", ()))
         if got != known[name].shape:
-            return f"{fn}: shape mismatch for {name!r} (state: {got}, model: {known[name].shape})"
+            return f"{fn}: shape mismatch for {name!r} (state_dict: {got}, model: {known[name].shape})"
     return None
 
 
