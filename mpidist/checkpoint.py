@@ -63,14 +63,12 @@ slice reads, but the global layout has to live in a manifest anyway, and one fil
 write path a single sequential stream.
 """
 
-import contextlib
 import copy
 import json
 import math
 import numbers
 import os
 import stat
-import threading
 import time
 import warnings
 import zlib
@@ -79,7 +77,7 @@ from typing import List, NamedTuple, Tuple
 
 import numpy as np
 
-from . import guard, standard_json
+from . import files, guard, standard_json
 from .comm import check_comm
 from .comm.agree import agreed, describe_ranks
 from .nn.placement import (Box, FlatShard, boxes, check_tiling, describe_box, first_overlap, global_shape, intersect,
@@ -95,7 +93,7 @@ __all__ = ["save", "load", "latest_step", "list_steps", "check_writable", "file_
 FORMAT = "mpidist-checkpoint-2"
 FLAT_FORMAT = "mpidist-checkpoint-1"  # flat ranges; still loaded
 MANIFEST = "manifest.json"
-TMP_MARK = ".tmp."  # in the name of every file not yet renamed into place: "rank00003.bin.tmp.<pid>"
+TMP_MARK = files.TMP_MARK  # in the name of every file not yet renamed into place
 
 
 class CheckpointError(RuntimeError):
@@ -296,120 +294,12 @@ def _agree(comm, what, fn):
         raise CheckpointError(str(exc)) from exc
 
 
-# -- file operations: the one writer, removals, and the hook that can stop a save between any two --------
-FILE_OPERATIONS = ("mkdir", "create", "write", "fsync", "rename", "fsync_dir", "remove", "rmdir")
-_this_thread = threading.local()  # .hook: the installed hook; .crashed: it raised (a simulated crash)
-
-
-@contextlib.contextmanager
-def file_operation_hook(hook):
-    """Call ``hook(operation, path)`` after each file operation of this thread's saves, inside the ``with`` block.
-
-    ``operation`` is one of ``FILE_OPERATIONS`` and ``path`` the file or directory it acted on (for ``rename``,
-    the new name; for ``write``, the temporary file a part of the data was just flushed to). A hook that
-    raises (or ends the process) stops the save at that instant, as a crash would: nothing after it runs,
-    not even the removal of the temporary file being written (the next save removes it). Fault-injection
-    tests and ``MPIDIST_FAULT=...,at=save`` stop saves this way. Only the calling thread is affected (a
-    ``SimComm`` rank is a thread: install the hook inside the rank's function); an inner hook replaces an
-    outer one until its block ends.
-    """
-    outer = getattr(_this_thread, "hook", None), getattr(_this_thread, "crashed", False)
-    _this_thread.hook, _this_thread.crashed = hook, False
-    try:
-        yield
-    finally:
-        _this_thread.hook, _this_thread.crashed = outer
-
-
-def _did(operation, path):
-    """Tell this thread's file-operation hook (if any) that ``operation`` on ``path`` is done."""
-    hook = getattr(_this_thread, "hook", None)
-    if hook is None:
-        return
-    try:
-        hook(operation, path)
-    except BaseException:
-        _this_thread.crashed = True  # what runs after this instant (clean-ups) would not run after a crash
-        raise
-
-
-def _fsync_dir(path):
-    """Make the entries of directory ``path`` (files created, renamed or removed in it) durable."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    _did("fsync_dir", path)
-
-
-def _write_atomic(path, chunks):
-    """Write byte chunks to ``path``: to a temporary name, fsync it, rename it over ``path``, fsync the directory.
-
-    Return (bytes, crc32). The one writer of checkpoint files: at every instant ``path`` holds either its
-    old content (or nothing) or all of the new, and once this returns the new content survives a power cut.
-    On failure the temporary file is removed (a full disk must not fill up further with each retry).
-    """
-    tmp = f"{path}{TMP_MARK}{os.getpid()}"
-    crc, total = 0, 0
-    try:
-        with open(tmp, "wb") as f:
-            _did("create", tmp)
-            for chunk in chunks:
-                view = memoryview(chunk).cast("B")
-                f.write(view)
-                f.flush()  # in the file, not in this process, when the hook hears of it
-                _did("write", tmp)
-                crc = zlib.crc32(view, crc)
-                total += view.nbytes
-            os.fsync(f.fileno())
-            _did("fsync", tmp)
-        os.replace(tmp, path)
-        _did("rename", path)
-    except BaseException:
-        if not getattr(_this_thread, "crashed", False):
-            _remove_quietly(tmp)
-        raise
-    _fsync_dir(os.path.dirname(path) or ".")
-    return total, crc
-
-
-def _make_dir(path):
-    """Create directory ``path`` and its parents if needed."""
-    if not os.path.isdir(path):
-        os.makedirs(path, exist_ok=True)
-        _did("mkdir", path)
-
-
-def _remove_quietly(path):
-    """Remove file ``path``; a file already gone or that cannot be removed is left to the next save's clean-up."""
-    try:
-        os.remove(path)
-    except OSError:
-        return
-    _did("remove", path)
-
-
-def _remove_tree(path):
-    """Remove directory ``path`` and what it holds, file by file (what is left on an error is left for later)."""
-    try:
-        entries = sorted(os.listdir(path))
-    except OSError:
-        return
-    for entry in entries:
-        inner = os.path.join(path, entry)
-        if os.path.isdir(inner) and not os.path.islink(inner):
-            _remove_tree(inner)
-        else:
-            _remove_quietly(inner)
-    try:
-        os.rmdir(path)
-    except OSError:
-        return
-    _did("rmdir", path)
+# -- file operations: the one writer and the hook that can stop a save between any two (mpidist.files) -------
+FILE_OPERATIONS = files.FILE_OPERATIONS
+file_operation_hook = files.file_operation_hook
+_did, _fsync_dir, _make_dir = files.notify, files.fsync_dir, files.make_dir
+_remove_quietly, _remove_tree = files.remove_quietly, files.remove_tree
+_write_atomic = files.write_atomic  # (bytes, crc32) of what it wrote
 
 
 def _step_dir(root, step):
