@@ -46,6 +46,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .comm import check_comm
+from .files import write_atomic
 
 __all__ = ["DistributedSampler", "TokenDataset", "DataLoader", "global_batches", "unigram_entropy_bits",
            "stdlib_corpus", "text_corpus"]
@@ -241,24 +242,16 @@ def _default_cache_dir():
 def _concatenated(files, cache_dir, name):
     """Return a read-only memory map of the concatenated ``files``, written once to ``cache_dir/name``.
 
-    Ranks that find no file write their own copy under a unique name and rename it into place: the
-    contents are identical, so whichever rename lands last leaves the same bytes, and no rank ever maps a
-    half-written file.
+    Ranks that find no file write their own copy under a unique temporary name and rename it into place
+    (``files.write_atomic``): the contents are identical, so whichever rename lands last leaves the same
+    bytes, and no rank ever maps a half-written file.
     """
     cache_dir = Path(cache_dir)
     path = cache_dir / name
     expected = sum(f.stat().st_size for f in files)
     if not (path.is_file() and path.stat().st_size == expected):
         cache_dir.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=cache_dir, prefix=name + ".partial-")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                for f in files:
-                    out.write(f.read_bytes())
-            os.replace(partial, path)
-        except BaseException:
-            os.unlink(partial)
-            raise
+        write_atomic(path, (f.read_bytes() for f in files))
     return _byte_stream("corpus", path)
 
 

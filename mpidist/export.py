@@ -21,6 +21,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from mpidist.files import atomic_path, write_text_atomic
 from mpidist.nn.module import Module
 from mpidist.xp import to_numpy
 
@@ -76,10 +77,10 @@ def save_safetensors(model_or_state_dict, path, *, config=None, metadata: Option
     directory = os.path.dirname(os.fspath(path))
     if directory:
         os.makedirs(directory, exist_ok=True)
-    safetensors.numpy.save_file(tensors, path, metadata=metadata)
+    with atomic_path(path) as temporary:  # a failed or killed export never leaves a half-written file at path
+        safetensors.numpy.save_file(tensors, temporary, metadata=metadata)
     if config_text is not None:
-        with open(config_path(path), "w", encoding="utf-8") as f:
-            f.write(config_text)
+        write_text_atomic(config_path(path), config_text)
 
 
 def load_safetensors(path, module: Optional[Module] = None) -> Dict[str, np.ndarray]:

@@ -372,6 +372,6 @@ def test_stdlib_corpus_is_the_sorted_sources_split_by_file_and_identical_on_ever
     stamp = cached.stat().st_mtime_ns
     again = stdlib_corpus("train", max_bytes=max_bytes, cache_dir=cache)
     assert Path(again.filename) == cached and cached.stat().st_mtime_ns == stamp  # read from the cache
-    assert sorted(p.name for p in cache.iterdir() if "partial" in p.name) == []
+    assert sorted(p.name for p in cache.iterdir() if ".tmp." in p.name) == []  # no temporary file left
     with pytest.raises(ValueError, match=r"max_bytes=10 admits 0 of the standard library's files"):
         stdlib_corpus(max_bytes=10, cache_dir=cache)

@@ -25,6 +25,7 @@ import warnings
 
 from .. import config as environment
 from ..comm.agree import raise_if_any
+from ..files import write_text_atomic
 from . import fingerprint, record as _record
 from .config import Settings
 from .phases import active_phases
@@ -120,10 +121,7 @@ def dump(reason):
             folder = directory()
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, f"rank{content['rank']:05d}.json")
-            temporary = f"{path}.tmp{os.getpid()}"
-            with open(temporary, "w") as f:
-                json.dump(content, f)
-            os.replace(temporary, path)
+            write_text_atomic(path, json.dumps(content))
             return path
     except Exception as exc:  # noqa: BLE001 - a failed dump must not stop the abort that asked for it
         try:

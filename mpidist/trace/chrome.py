@@ -12,6 +12,7 @@ import json
 import os
 import socket
 
+from ..files import write_text_atomic
 from .recorder import ROW_NAMES
 
 __all__ = ["rank_file", "write_rank", "merge", "load", "MERGED", "FORMAT"]
@@ -58,10 +59,7 @@ def write_rank(directory, recorder, offset, round_trip, events=None):
     }
     os.makedirs(directory, exist_ok=True)
     path = rank_file(directory, recorder.rank)
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w") as f:
-        json.dump(content, f, separators=(",", ":"))
-    os.replace(temporary, path)
+    write_text_atomic(path, json.dumps(content, separators=(",", ":")))
     return path
 
 
@@ -100,10 +98,7 @@ def merge(directory, output=None):
               "otherData": {"format": FORMAT, "base_us": base, "ranks": ranks,
                             "clock": "rank 0's time.monotonic in microseconds, minus base_us"}}
     path = output or os.path.join(directory, MERGED)
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w") as f:
-        json.dump(merged, f, separators=(",", ":"))
-    os.replace(temporary, path)
+    write_text_atomic(path, json.dumps(merged, separators=(",", ":")))
     return path
 
 
