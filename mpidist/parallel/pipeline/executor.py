@@ -98,6 +98,9 @@ class Pipeline(Wrapper):
     Built collectively; after each step every copy's gradient is the sum over all copies, so equal copies stay
     equal, and ``clip_grad_norm_`` counts the shared weight once.
 
+    Sizes, in the schedules' notation: ``num_ranks`` (p, the pipeline comm's size), ``num_microbatches`` (m),
+    ``chunks_per_rank`` (v, stage modules per rank), ``num_stages`` (p * v).
+
     As a ``Wrapper`` (``mpidist.parallel.interface``), ``placed_parameters()`` names this rank's parameters as the
     unsplit model does, worked out once at construction:
     - a ``Sequential`` stage built with ``names`` (``GPT.pipeline_stages``: "embed", "blocks.3", "head") names
@@ -115,10 +118,10 @@ class Pipeline(Wrapper):
         self.comm = check_comm("Pipeline", comm)
         if dp_comm is not None:
             check_comm("Pipeline (dp_comm)", dp_comm)
-        self.rank, self.p = comm.Get_rank(), comm.Get_size()
+        self.rank, self.num_ranks = comm.Get_rank(), comm.Get_size()
         self.stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
         self.loss_fn = loss_fn
-        self.m = num_microbatches
+        self.num_microbatches = num_microbatches
         # Agree before anything else: a rank that raised alone would leave the others blocked in a receive.
         raise_if_any(comm, self._check_stages(), "Pipeline", TypeError)
         raise_if_any(comm, self._check_arguments(schedule), "Pipeline")
@@ -131,7 +134,7 @@ class Pipeline(Wrapper):
         self._placed, self._buffer_layers = self._place_parameters()
         self._syncing = True  # False inside no_sync()
         self.schedule = self._resolve(schedule)
-        self.v = self.schedule.v
+        self.chunks_per_rank = self.schedule.v
         self.num_stages = self.schedule.num_stages
         self.last_stage = self.num_stages - 1
         self.actions: Tuple[Action, ...] = self.schedule.actions[self.rank]
@@ -161,7 +164,7 @@ class Pipeline(Wrapper):
 
     def _check_arguments(self, schedule) -> Optional[str]:
         """Return this rank's first problem with the constructor arguments as a message, or None."""
-        m, v, p = self.m, len(self.stages), self.p
+        m, v, p = self.num_microbatches, len(self.stages), self.num_ranks
         if not isinstance(m, (int, np.integer)) or isinstance(m, bool) or m < 1:
             return f"Pipeline: num_microbatches must be an int >= 1 (got {m!r})"
         if isinstance(schedule, Schedule):
@@ -190,7 +193,7 @@ class Pipeline(Wrapper):
         and every rank learns where each tied weight's copies are, so all agree on the primary copy.
         """
         counts = self.comm.allgather([len(_layers(module)) for module in self.stages])
-        p = self.p
+        p = self.num_ranks
         per_stage = [counts[s % p][s // p] for s in range(p * len(self.stages))]
         entries, layers = [], []  # entries: (stage, name, parameter, placement, primary)
         for chunk, module in enumerate(self.stages):
@@ -238,11 +241,12 @@ class Pipeline(Wrapper):
         if isinstance(schedule, Schedule):
             actions = hashlib.blake2b(repr(schedule.actions).encode(), digest_size=6).hexdigest()
             schedule = f"Schedule {schedule.name!r} (p={schedule.p}, m={schedule.m}, v={schedule.v}, actions {actions})"
-        return [("schedule", schedule), ("num_microbatches", self.m), ("stage modules per rank", len(self.stages)),
+        return [("schedule", schedule), ("num_microbatches", self.num_microbatches),
+                ("stage modules per rank", len(self.stages)),
                 ("data-parallel replicas", 1 if dp_comm is None else dp_comm.Get_size())]
 
     def _resolve(self, schedule) -> Schedule:
-        p, m, v = self.p, self.m, len(self.stages)
+        p, m, v = self.num_ranks, self.num_microbatches, len(self.stages)
         if not isinstance(schedule, Schedule):
             return insert_comms(SCHEDULES[schedule](p, m, v))
         if not schedule.has_comms:
@@ -273,9 +277,10 @@ class Pipeline(Wrapper):
         step sequence (its messages are stamped, so a rank that evaluates while another trains fails clearly).
         """
         if self._forward_actions is None:
-            rows = [[Action(s, Kind.F, k) for s in range(r, self.num_stages, self.p) for k in range(self.m)]
-                    for r in range(self.p)]
-            forward_only = insert_comms(Schedule(f"{self.schedule.name} forward-only", self.p, self.m, self.v,
+            p, m, v = self.num_ranks, self.num_microbatches, self.chunks_per_rank
+            rows = [[Action(s, Kind.F, k) for s in range(r, self.num_stages, p) for k in range(m)]
+                    for r in range(p)]
+            forward_only = insert_comms(Schedule(f"{self.schedule.name} forward-only", p, m, v,
                                                  rows))
             self._forward_actions = forward_only.actions[self.rank]
         with no_grad():
@@ -304,7 +309,7 @@ class Pipeline(Wrapper):
             n_total = sum(_batch_len(y) for y in y_mbs)
             # Micro-batch losses are means over their own samples: weighting each by its share of the batch
             # makes the summed gradients those of the full-batch mean (also for uneven splits).
-            self._loss_scales = ([1.0] * self.m if getattr(self.loss_fn, "reduction", "mean") == "sum"
+            self._loss_scales = ([1.0] * self.num_microbatches if getattr(self.loss_fn, "reduction", "mean") == "sum"
                                  else [_batch_len(y) / n_total for y in y_mbs])
 
         self._training = training
@@ -340,11 +345,13 @@ class Pipeline(Wrapper):
         if self._bubble_formula is None:
             # Uniform costs, F = 1 and B + W = 2 per stage (halved per chunk when interleaved): the formulas'
             # setting, e.g. (p-1)/(m+p-1) for GPipe and 1F1B.
-            self._bubble_formula = simulate_schedule(self.schedule, 1.0 / self.v, 2.0 / self.v).bubble_fraction
+            v = self.chunks_per_rank
+            self._bubble_formula = simulate_schedule(self.schedule, 1.0 / v, 2.0 / v).bubble_fraction
         _trace.add(_trace.COMPUTE, "pipeline step", f"{self.schedule.name} step {self._step_number}", began,
                    time.monotonic(), {"step": self._step_number, "pipeline": _trace.pipeline_number(self),
-                                      "schedule": self.schedule.name, "p": self.p,
-                                      "m": self.m, "v": self.v, "bubble_formula": self._bubble_formula})
+                                      "schedule": self.schedule.name, "p": self.num_ranks,
+                                      "m": self.num_microbatches, "v": self.chunks_per_rank,
+                                      "bubble_formula": self._bubble_formula})
 
     def _split_batch(self, inputs, targets, name="Pipeline.step"):
         """Return (input micro-batches or None, target micro-batches or None, this rank's error or None)."""
@@ -356,10 +363,10 @@ class Pipeline(Wrapper):
             n_inputs, error = _check_batch("inputs", inputs)
             if error is not None:
                 return None, None, error
-            if n_inputs < self.m:
+            if n_inputs < self.num_microbatches:
                 return None, None, (f"{name}: batch of {n_inputs} is smaller than the number of "
-                                    f"micro-batches ({self.m})")
-            x_mbs = _split(inputs, self.m)
+                                    f"micro-batches ({self.num_microbatches})")
+            x_mbs = _split(inputs, self.num_microbatches)
         if self.rank == self.schedule.rank_of(self.last_stage):
             if targets is None:
                 return None, None, (f"{name}: rank {self.rank} runs the last stage and needs targets "
@@ -367,13 +374,13 @@ class Pipeline(Wrapper):
             n_targets, error = _check_batch("targets", targets)
             if error is not None:
                 return None, None, error
-            if n_targets < self.m:
+            if n_targets < self.num_microbatches:
                 return None, None, (f"{name}: batch of {n_targets} targets is smaller than the "
-                                    f"number of micro-batches ({self.m})")
+                                    f"number of micro-batches ({self.num_microbatches})")
             if n_inputs is not None and n_targets != n_inputs:
                 return None, None, (f"{name}: inputs and targets differ in batch size "
                                     f"({n_inputs} vs {n_targets})")
-            y_mbs = _split(targets, self.m)
+            y_mbs = _split(targets, self.num_microbatches)
         return x_mbs, y_mbs, None
 
     def _run(self, a: Action) -> None:
@@ -509,7 +516,7 @@ class Pipeline(Wrapper):
 
     def _module(self, s: int):
         """Return the module that runs stage s (its DDP wrapper when data-parallel)."""
-        chunk = s // self.p
+        chunk = s // self.num_ranks
         return self._ddp[chunk] if self._ddp is not None else self.stages[chunk]
 
     def _no_sync(self):
