@@ -348,3 +348,16 @@ def test_optimizer_state_equals_one_process_moments(comm, kind):
                 np.testing.assert_allclose(got["state"][name][key], opt.state[i][key], rtol=0, atol=TOL,
                                            err_msg=f"{name} {key}")
     layout.close()
+
+
+@pytest.mark.world_sizes(4)
+def test_a_pipeline_over_dp_and_pp_communicators_needs_comm(comm):
+    """A Pipeline given a dp_comm has no communicator of its own over all its ranks: without comm= the gather
+    would see one stage's tensors only, so it raises on every rank; with the world it equals one process."""
+    layout = Layout(comm, "mesh", (2, 2, 1))
+    with pytest.raises(TypeError, match=r"full_state_dict: the layout of Pipeline spans several ranks .* pass comm="):
+        full_state_dict(layout.wrapped)
+    got = full_state_dict(layout.wrapped, comm)
+    if comm.Get_rank() == 0:
+        assert_state_equals(got, GPT(CONFIG, rng=np.random.default_rng(0)).state_dict(), 0)
+    layout.close()

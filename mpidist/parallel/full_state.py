@@ -31,7 +31,7 @@ from .. import collectives
 from ..comm.agree import describe_ranks, raise_if_any
 from ..nn.placement import boxes, check_tiling, global_shape
 from ..xp import copy_into, get_array_module, to_numpy
-from .interface import as_wrapper
+from .interface import as_wrapper, placement_comms
 
 __all__ = ["iter_full_state", "full_state_dict", "load_full_state_dict", "full_optimizer_state_dict"]
 
@@ -80,6 +80,14 @@ def _optimizer_entry(optimizer, param, index):
     return out
 
 
+def _spans_ranks(wrapper):
+    """Return whether ``wrapper`` holds only part of the model here: pipeline stages, placements over several
+    ranks, or communicators of its own."""
+    placed = wrapper.placed_parameters()
+    return (any(p.stage is not None for p in placed) or bool(wrapper.communicators())
+            or any(c.Get_size() > 1 for c in placement_comms(placed)))
+
+
 def _merge_order(lists):
     """Return the names of ``lists`` (each in one consistent order) merged, each list's order kept."""
     order, known = [], set()
@@ -101,6 +109,10 @@ class _Layout:
     def __init__(self, obj, comm, fn, writable=False, optimizer=None):
         wrapper = as_wrapper(obj)
         self.comm = wrapper.mesh.comm if comm is None else comm
+        if self.comm is None and _spans_ranks(wrapper):
+            raise TypeError(f"{fn}: the layout of {type(obj).__name__} spans several ranks but no one communicator of "
+                            f"its own holds them all (its mesh.comm is None, e.g. a Pipeline given a dp_comm): pass "
+                            f"comm=, the communicator over every rank holding a part of the model")
         self.size = 1 if self.comm is None else self.comm.Get_size()
         self.me = 0 if self.comm is None else self.comm.Get_rank()
         problem, entries = None, []
