@@ -559,3 +559,35 @@ def test_evaluate_errors_raise_on_every_rank(comm):
     x, y = batch(0, 3)
     with pytest.raises(ValueError, match=r"Pipeline.evaluate: rank 0: batch of 3 is smaller than the number of micro-batches \(4\)"):
         pipe.evaluate(x, y)
+
+
+# -- global names (Pipeline as a Wrapper) -----------------------------------------------------------------------
+def test_sequential_names_are_checked_and_kept_by_slices():
+    layers = [Linear(2, 2), Tanh(), Linear(2, 2)]
+    seq = Sequential(*layers, names=["a", "b.0", "c"])
+    assert seq.names == ("a", "b.0", "c") and Sequential(*layers).names is None
+    assert [n for n, _ in seq.named_parameters()] == ["0.weight", "0.bias", "2.weight", "2.bias"]  # module paths
+    assert seq[1:].names == ("b.0", "c") and Sequential(*layers)[1:].names is None
+    for bad in (["a", "b"], ["a", "a", "c"], ["a", "", "c"], ["a", 1, "c"]):
+        with pytest.raises(ValueError, match=r"Sequential: names must be 3 distinct non-empty strings, one per "
+                                             r"module \(got "):
+            Sequential(*layers, names=bad)
+
+
+@pytest.mark.world_sizes(2, 3)
+def test_unnamed_stages_are_numbered_as_the_layers_of_one_sequential(comm):
+    """Stages cut from a Sequential without names: layer i of the concatenation is "i." wherever it lies, so the
+    primary names over all stages are the one-process Sequential's, with its values."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    rng = np.random.default_rng(3)
+    model = Sequential(*[Linear(3, 3, rng=rng) if i % 2 == 0 else Tanh() for i in range(2 * p + 1)])
+    cuts = [0, *range(2, 2 * p, 2), 2 * p + 1]  # uneven: the last stage gets one layer more
+    stage = model[cuts[r]:cuts[r + 1]]
+    pipe = Pipeline(stage, comm, 2, loss_fn=lambda out, y: ((out - y) ** 2).mean())
+    placed = pipe.placed_parameters()
+    assert all(q.stage == r and q.primary for q in placed)
+    names = [n for part in comm.allgather([(q.name, q.parameter.data) for q in placed]) for n in part]
+    expected = list(model.named_parameters())
+    assert [n for n, _ in names] == [n for n, _ in expected]
+    for (n, a), (_, ref) in zip(names, expected):
+        np.testing.assert_array_equal(a, ref.data, err_msg=n)
