@@ -75,17 +75,14 @@ def _temporary_name(path):
 
 
 @contextlib.contextmanager
-def atomic_path(path, *, fsync=True):
-    """Yield a temporary name beside ``path`` to write with any library; then fsync it, rename it over ``path``.
+def _renamed_into_place(path, fsync):
+    """Yield a temporary name for ``path``; once written, fsync it, rename it over ``path``, fsync the directory.
 
-    For writers that take a file name (``safetensors.numpy.save_file``); ``write_atomic`` writes byte chunks.
-    If the block raises, the temporary file is removed and ``path`` keeps its old content.
+    If the block raises, the temporary file is removed (unless a hook simulated a crash: a crash cleans nothing).
     """
-    path = os.fspath(path)
     tmp = _temporary_name(path)
     try:
         yield tmp
-        notify("create", tmp)
         if fsync:
             fd = os.open(tmp, os.O_RDONLY)
             try:
@@ -103,6 +100,18 @@ def atomic_path(path, *, fsync=True):
         fsync_dir(os.path.dirname(path) or ".")
 
 
+@contextlib.contextmanager
+def atomic_path(path, *, fsync=True):
+    """Yield a temporary name beside ``path`` to write with any library; then fsync it, rename it over ``path``.
+
+    For writers that take a file name (``safetensors.numpy.save_file``); ``write_atomic`` writes byte chunks.
+    If the block raises, the temporary file is removed and ``path`` keeps its old content.
+    """
+    with _renamed_into_place(os.fspath(path), fsync) as tmp:
+        yield tmp
+        notify("create", tmp)
+
+
 def write_atomic(path, chunks, *, fsync=True):
     """Write byte chunks to ``path``: to a temporary name, fsync it, rename it over ``path``, fsync the directory.
 
@@ -111,10 +120,8 @@ def write_atomic(path, chunks, *, fsync=True):
     skips both fsyncs: still atomic, not durable). On failure (a chunk iterator that raises, a full disk) the
     temporary file is removed (a full disk must not fill up further with each retry).
     """
-    path = os.fspath(path)
-    tmp = _temporary_name(path)
     crc, total = 0, 0
-    try:
+    with _renamed_into_place(os.fspath(path), fsync) as tmp:
         with open(tmp, "wb") as f:
             notify("create", tmp)
             for chunk in chunks:
@@ -124,17 +131,6 @@ def write_atomic(path, chunks, *, fsync=True):
                 notify("write", tmp)
                 crc = zlib.crc32(view, crc)
                 total += view.nbytes
-            if fsync:
-                os.fsync(f.fileno())
-                notify("fsync", tmp)
-        os.replace(tmp, path)
-        notify("rename", path)
-    except BaseException:
-        if not getattr(_this_thread, "crashed", False):
-            remove_quietly(tmp)
-        raise
-    if fsync:
-        fsync_dir(os.path.dirname(path) or ".")
     return total, crc
 
 
