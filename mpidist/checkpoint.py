@@ -14,7 +14,7 @@ Glossary:
   blocks of their own key in the same place.
 - segment: a flat range of a local array that holds part of one key, and the boxes of the global tensor it
   holds (``mpidist.nn.placement.boxes``: padding left out). An FSDP shard holds a segment of each parameter
-  it overlaps (a ``FlatShard``, read from FSDP's public ``shard_layout()``); every other array holds one
+  it overlaps (a ``FlatShard``, read from FSDP's ``placed_parameters()``); every other array holds one
   segment, its whole block. Each box becomes a chunk.
 - slot: a local array and the segments it holds.
 - commit point: ``manifest.json``. Every checkpoint file goes through one writer (temporary name, fsync,
@@ -80,8 +80,7 @@ import numpy as np
 from . import files, guard, standard_json
 from .comm import check_comm
 from .comm.agree import agreed, describe_ranks
-from .nn.placement import (Box, FlatShard, boxes, check_tiling, describe_box, first_overlap, global_shape, intersect,
-                           placement_of)
+from .nn.placement import Box, FlatShard, boxes, check_tiling, describe_box, first_overlap, global_shape, intersect
 from .nn.module import Module
 from .optim import is_held
 from .parallel.interface import Wrapper, as_wrapper
@@ -156,51 +155,45 @@ class _Registry:
         self.by_param[id(param)] = (keys, segments)
 
 
-def _shard_segments(fsdp, unit_shard, prefix):
-    """Return the segments of one FSDP unit's shard, from FSDP's public shard layout.
+def _placed_segments(prefix, placed, local_shape):
+    """Return the segments of one local array that the PlacedParameters ``placed`` share.
 
-    A piece's shape is the parameter's local shape: with tensor parallelism inside FSDP, a block whose
-    placement (on the wrapped module's parameter) says where it lies in the global tensor.
+    One, the whole array, for an ordinary or tensor-parallel parameter; one per piece for an FSDP shard,
+    whose ``FlatShard`` placements say which elements are whose (a piece's block may itself be a
+    tensor-parallel shard of the global tensor). A parameter of which the shard holds nothing has none.
     """
-    placements = {name: placement_of(p) for name, p in fsdp.module.named_parameters()}
-    local_shape = unit_shard.parameter.data.shape
-    return [_segment(f"{prefix}{piece.name}",
-                     FlatShard(placements.get(piece.name), piece.shape, piece.start, piece.count, piece.offset),
-                     local_shape, local_start=piece.offset, count=piece.count)
-            for piece in unit_shard.pieces()]
-
-
-def _is_fsdp(obj):
-    return callable(getattr(obj, "shard_layout", None))
+    segments = []
+    for p in placed:
+        if not isinstance(p.placement, FlatShard):
+            segments.append(_segment(f"{prefix}{p.name}", p.placement, local_shape))
+        elif p.placement.count:
+            segments.append(_segment(f"{prefix}{p.name}", p.placement, local_shape,
+                                     local_start=p.placement.offset, count=p.placement.count))
+    return segments
 
 
 def _model_slots(name, obj, registry):
     """Return the slots of a model-like object (Module, DDP, FSDP, Pipeline) and register its parameters."""
     slots = []
-    if _is_fsdp(obj):
-        for unit_shard in obj.shard_layout():
-            segments = _shard_segments(obj, unit_shard, f"{name}.")
-            slots.append(_Slot(unit_shard.parameter.data, segments))
-            registry.add(unit_shard.parameter, [f"{name}.{span.name}" for span in unit_shard.params], segments)
-        module = obj.module
-        for bname, buf in module.named_buffers():
-            slots.append(_full_slot(f"{name}.{bname}", buf))
-        return slots
-    # DDP, Pipeline, a plain or tensor-parallel module: read through the interface. A further copy of a tied
-    # weight (a pipeline's last-stage head) has the tied weight's own name: it declares the same chunk.
+    # DDP, FSDP, Pipeline, a plain or tensor-parallel module: read through the interface. A further copy of a
+    # tied weight (a pipeline's last-stage head) has the tied weight's own name: it declares the same chunk.
     wrapper = as_wrapper(obj)
-    for placed in wrapper.placed_parameters():
-        key = f"{name}.{placed.name}"
-        slot = _full_slot(key, placed.parameter.data, placed.placement)
-        slots.append(slot)
-        registry.add(placed.parameter, [key], slot.segments)
+    sharing = {}  # the PlacedParameters of one slot: an FSDP shard holds pieces of several
+    for i, placed in enumerate(wrapper.placed_parameters()):
+        flat = isinstance(placed.placement, FlatShard)
+        sharing.setdefault(("flat", id(placed.parameter)) if flat else i, []).append(placed)
+    for placed in sharing.values():
+        param = placed[0].parameter
+        segments = _placed_segments(f"{name}.", placed, param.data.shape)
+        slots.append(_Slot(param.data, segments))
+        registry.add(param, [f"{name}.{p.name}" for p in placed], segments)
     for bname, buf in wrapper.named_buffers_global():
         slots.append(_full_slot(f"{name}.{bname}", buf))
     return slots
 
 
 def _is_model(obj):
-    return _is_fsdp(obj) or isinstance(obj, (Wrapper, Module))
+    return isinstance(obj, (Wrapper, Module))
 
 
 def _is_optimizer(obj):

@@ -15,7 +15,8 @@ Columns:
   averaged over ranks; comm_bytes: the payload bytes of those calls, summed over ranks. Both are read from
   the flight recorder (``guard.record``): they cover its last ``flight_size`` calls (MPIDIST_FLIGHT_SIZE);
 - memory_bytes_rank{r}: each rank's bytes by the wrapper's own accounting (``memory=``: a callable returning
-  bytes, or a wrapper with ``memory_stats()``, whose ``peak_bytes`` is used), when given.
+  bytes, or a parallel wrapper (``mpidist.parallel.interface.Wrapper``: DDP, FSDP, Pipeline), whose
+  ``memory_stats()["peak_bytes"]`` is used), when given.
 """
 
 import csv
@@ -29,6 +30,7 @@ from mpi4py import MPI
 
 from . import collectives
 from .guard import record as _record
+from .parallel.interface import Wrapper
 
 __all__ = ["Logger", "measure_matmul_peak"]
 
@@ -64,8 +66,8 @@ class Logger:
         for name, value in (("flops_per_sample", flops_per_sample), ("flops_per_token", flops_per_token),
                             ("peak_flops", peak_flops)):
             _positive(name, value)
-        if memory is not None and not callable(memory) and not hasattr(memory, "memory_stats"):
-            raise TypeError(f"metrics.Logger: memory must be a callable returning bytes or have memory_stats() "
+        if memory is not None and not callable(memory) and not isinstance(memory, Wrapper):
+            raise TypeError(f"metrics.Logger: memory must be a callable returning bytes or a parallel wrapper "
                             f"(got {type(memory).__name__})")
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -124,7 +126,7 @@ class Logger:
     def _memory_bytes(self):
         if self._memory is None:
             return None
-        if hasattr(self._memory, "memory_stats"):  # first: a wrapper (FSDP) is callable too, as the model
+        if isinstance(self._memory, Wrapper):  # first: a wrapper (FSDP) is callable too, as the model
             return float(self._memory.memory_stats()["peak_bytes"])
         return float(self._memory())
 

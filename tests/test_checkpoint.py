@@ -12,6 +12,7 @@ from mpidist import checkpoint, nn, optim
 from mpidist.checkpoint import CheckpointError
 from mpidist.data import DistributedSampler
 from mpidist.parallel.ddp import DDP
+from mpidist.parallel.interface import Wrapper
 
 
 def make_model(seed=0):
@@ -625,19 +626,40 @@ def test_fsdp_with_tied_weights_reshards_to_other_sizes_strategies_and_units(tmp
         np.testing.assert_allclose(got[k], v, rtol=0, atol=1e-10, err_msg=k)
 
 
-class PublicOnly:
-    """Stand-in for an FSDP that refuses every private attribute: what checkpoint may use is its public API."""
+class PublicOnly(Wrapper):
+    """Stand-in for an FSDP that answers the Wrapper interface and refuses every other attribute: what checkpoint
+    may use is that interface."""
 
     def __init__(self, fsdp):
         self.__dict__["wrapped"] = fsdp
+        self.__dict__["mesh"] = fsdp.mesh
 
     def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(f"checkpoint read the private attribute FSDP.{name}")
-        return getattr(self.__dict__["wrapped"], name)
+        raise AttributeError(f"checkpoint read FSDP.{name}, which is not in the Wrapper interface")
+
+    def placed_parameters(self):
+        return self.wrapped.placed_parameters()
+
+    def named_buffers_global(self):
+        return self.wrapped.named_buffers_global()
+
+    def communicators(self):
+        return self.wrapped.communicators()
+
+    def grad_norm_comms(self):
+        return self.wrapped.grad_norm_comms()
+
+    def no_sync(self):
+        return self.wrapped.no_sync()
+
+    def sync_gradients(self):
+        self.wrapped.sync_gradients()
+
+    def remove(self):
+        self.wrapped.remove()
 
 
-def test_checkpoint_reads_fsdp_only_through_its_public_layout(comm, tmp_path):
+def test_checkpoint_reads_fsdp_only_through_the_wrapper_interface(comm, tmp_path):
     from mpidist.parallel.fsdp import FSDP
     root = shared_dir(comm, tmp_path)
     fsdp = FSDP(make_model(), comm)

@@ -549,7 +549,7 @@ def test_sharded_state_starts_again_from_the_module_s_starting_values_until_the_
             fsdp = state.start(lambda c: FSDP(model, c), comm)
             sampler.advance()
             assert all(p.data.size == 0 for p in model.parameters())  # sharded: placeholders
-            fsdp.remove_hooks()
+            fsdp.remove()
             assert state.cannot_start_again() is None
             state.forget_commits()
             results.append(all(np.array_equal(p.data, start[n]) for n, p in model.named_parameters())

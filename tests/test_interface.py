@@ -14,9 +14,10 @@ import pytest
 
 from mpidist import nn
 from mpidist.models import GPT, GPTConfig, lm_loss
-from mpidist.nn.placement import Replicate, Shard, set_placement
+from mpidist.nn.placement import FlatShard, Replicate, Shard, boxes, global_shape, set_placement
 from mpidist.optim import Adam
 from mpidist.parallel import DDP, Pipeline, mesh, tensor_parallel
+from mpidist.parallel.fsdp import FSDP
 from mpidist.parallel.interface import CommMesh, LocalModule, PlacedParameter, Wrapper, as_wrapper
 
 CONFIG = GPTConfig(vocab_size=61, block_size=8, n_layer=1, n_head=4, n_embd=16, dropout=0.0, tie_weights=False,
@@ -414,3 +415,143 @@ def test_pipeline_no_sync_accumulates_and_the_next_step_reduces(comm):
         if not p.primary:
             np.testing.assert_allclose(p.parameter.grad, 2 * ref.embed.wte.weight.grad, rtol=0, atol=1e-12)
     layout.close()
+
+
+# -- FSDP -------------------------------------------------------------------------------------------------------
+# FSDP over every rank with one unit per layer (embedding, block, head), and "tp" FSDP over the data-parallel ranks
+# of a dp x tp mesh around a tensor-parallel GPT: its FlatShards then cut tensor-parallel blocks.
+FSDP_KINDS = ["full_shard", "shard_grad_op", "no_shard", "tp"]
+
+
+class FSDPLayout:
+    def __init__(self, comm, kind):
+        model = reference_model()
+        self.grid, self.loss, self.dp_comm = None, lm_loss, comm
+        if kind == "tp":
+            self.grid = mesh(comm, tp=2)
+            model = tensor_parallel(model, self.grid.tp_comm, sequence_parallel=False)
+            self.loss, self.dp_comm = model.loss, self.grid.dp_comm
+        self.model = model
+        self.fsdp = FSDP(model, self.dp_comm, strategy="full_shard" if kind == "tp" else kind,
+                         units=model.fsdp_units())
+
+    def backward(self):
+        x, y = batch()
+        n = BATCH // self.dp_comm.Get_size()
+        mine = slice(self.dp_comm.Get_rank() * n, (self.dp_comm.Get_rank() + 1) * n)
+        self.loss(self.fsdp(x[mine]), y[mine]).backward()
+
+    def close(self):
+        self.fsdp.remove()
+        if self.grid is not None:
+            self.grid.free()
+
+
+def fsdp_sizes(kind):
+    return (2, 4) if kind == "tp" else (1, 2, 4)
+
+
+def assemble_by_boxes(comm, placed, read):
+    """Return {name: global array} from every rank's ``read(parameter)``, cut into boxes by ``boxes()`` alone.
+
+    Elements held by several ranks (replicas) must agree; an element no rank holds stays NaN.
+    """
+    mine = []
+    for p in placed:
+        local = np.asarray(read(p.parameter))
+        shape = global_shape(p.placement, local.shape)
+        mine.append((p.name, shape, [(b.offsets, b.sizes, b.view(local).copy())
+                                     for b in boxes(p.placement, local.shape, name=p.name)]))
+    full = {}
+    for items in comm.allgather(mine):
+        for name, shape, pieces in items:
+            out = full.setdefault(name, np.full(shape, np.nan))
+            for off, size, data in pieces:
+                region = out[tuple(slice(a, a + s) for a, s in zip(off, size))]
+                held = ~np.isnan(region)
+                np.testing.assert_array_equal(region[held], data[held], err_msg=f"{name}: replicas differ")
+                region[...] = data
+    return full
+
+
+@pytest.mark.world_sizes(1, 2, 4)
+@pytest.mark.parametrize("kind", FSDP_KINDS)
+def test_fsdp_placed_parameters_reassemble_the_unsplit_model(comm, kind):
+    if comm.Get_size() not in fsdp_sizes(kind):
+        pytest.skip(f"{kind} needs an even world")
+    layout = FSDPLayout(comm, kind)
+    fsdp, ref = layout.fsdp, reference_model()
+    placed = fsdp.placed_parameters()
+    assert isinstance(fsdp, Wrapper)
+    assert [p.name for p in placed] == [name for name, _ in ref.named_parameters()]
+    assert all(isinstance(p.placement, FlatShard) for p in placed)
+    assert {id(p.parameter) for p in placed} == {id(s) for s in fsdp.parameters()}
+    assert list(fsdp.parameters()) == list(Wrapper.parameters(fsdp))
+    full = assemble_by_boxes(comm, placed, lambda p: p.data)
+    for name, p in ref.named_parameters():
+        np.testing.assert_array_equal(full[name], p.data, err_msg=name)
+    layout.close()
+
+
+@pytest.mark.world_sizes(1, 2, 4)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("kind", FSDP_KINDS)
+def test_fsdp_clip_grad_norm_equals_the_norm_of_the_global_gradient(comm, kind, norm_type):
+    if comm.Get_size() not in fsdp_sizes(kind):
+        pytest.skip(f"{kind} needs an even world")
+    ref = reference_model()
+    x, y = batch()
+    lm_loss(ref(x), y).backward()
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    total = float(np.linalg.norm(np.concatenate([g.ravel() for g in ref_grads.values()]), ord=norm_type))
+    layout = FSDPLayout(comm, kind)
+    layout.backward()
+    max_norm = total / 4
+    norm = layout.fsdp.clip_grad_norm_(max_norm, norm_type=norm_type)
+    assert norm == pytest.approx(total, rel=1e-10)
+    scale = max_norm / (total + 1e-6)
+    clipped = assemble_by_boxes(comm, layout.fsdp.placed_parameters(), lambda p: p.grad)
+    for name, g in ref_grads.items():
+        np.testing.assert_allclose(clipped[name], g * scale, rtol=0, atol=1e-12, err_msg=name)
+    layout.close()
+
+
+@pytest.mark.world_sizes(1, 2, 4)
+@pytest.mark.parametrize("kind", FSDP_KINDS)
+def test_fsdp_mesh_and_communicators(comm, kind):
+    if comm.Get_size() not in fsdp_sizes(kind):
+        pytest.skip(f"{kind} needs an even world")
+    layout = FSDPLayout(comm, kind)
+    fsdp = layout.fsdp
+    assert fsdp.communicators() == ()  # it made none: full_shard shards over comm, no_shard replicates over it
+    assert fsdp.mesh.comm is layout.dp_comm
+    # The norm adds up over the ranks holding disjoint pieces: tensor-parallel ranks, then the shard group.
+    expected = {"no_shard": (), "tp": (layout.grid and layout.grid.tp_comm, layout.dp_comm)}.get(kind, (comm,))
+    assert len(fsdp.grad_norm_comms()) == len(expected)
+    assert all(a is b for a, b in zip(fsdp.grad_norm_comms(), expected))
+    assert all(p.placement.comm is (None if kind == "no_shard" else layout.dp_comm) for p in fsdp.placed_parameters())
+    assert [name for name, _ in fsdp.named_buffers_global()] == [name for name, _ in layout.model.named_buffers()]
+    layout.close()
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_fsdp_remove_lets_the_module_be_wrapped_again(comm):
+    """After remove() the module carries no FSDP hooks or mark: given its full values back, a new FSDP wraps it."""
+    layout = FSDPLayout(comm, "full_shard")
+    model, ref = layout.model, reference_model()
+    layout.fsdp.remove()
+    with pytest.raises(AttributeError):
+        layout.fsdp.remove_hooks  # renamed: one name, the interface's
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        p.data = r.data.copy()
+    lm_loss(model(batch()[0]), batch()[1]).backward()  # no hook gathers or reduces: plain local gradients
+    lm_loss(ref(batch()[0]), batch()[1]).backward()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        np.testing.assert_array_equal(p.grad, r.grad, err_msg=name)
+        p.grad = None
+    again = FSDP(model, comm, units=model.fsdp_units())
+    full = assemble_by_boxes(comm, again.placed_parameters(), lambda p: p.data)
+    for name, p in ref.named_parameters():
+        np.testing.assert_array_equal(full[name], p.data, err_msg=name)
+    again.remove()
+    layout.fsdp.remove()  # twice: nothing left to remove

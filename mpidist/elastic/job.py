@@ -85,8 +85,7 @@ class Elastic:
         """Track the communicators the wrapper made for itself (``communicators()``: hybrid FSDP's groups), then
         wait for every rank to have done so: a rank that went on into one of them while another was lost before
         tracking it would wait there, told by nobody."""
-        # FSDP answers through its own method until it implements Wrapper (issue 27, B3).
-        own = wrapper.communicators() if isinstance(wrapper, Wrapper) else getattr(wrapper, "communicators", tuple)()
+        own = wrapper.communicators() if isinstance(wrapper, Wrapper) else ()
         if own:
             self.track(*own)
         # On every rank, also one holding none (a pipeline's middle stages hold no tied weight's group).
@@ -226,13 +225,9 @@ def _check_save_faults(faults, state, steps):
 
 
 def _release(wrapper):
-    """Detach a wrapper built on the dead communicator from its module (DDP's gradient hooks)."""
+    """Detach a wrapper built on the dead communicator from its module (DDP's and FSDP's hooks)."""
     if isinstance(wrapper, Wrapper):
         wrapper.remove()
-        return
-    remove = getattr(wrapper, "remove_hooks", None)  # FSDP until it implements Wrapper (issue 27, B3)
-    if remove is not None:
-        remove()
 
 
 def init(comm=None, **options):

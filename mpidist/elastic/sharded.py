@@ -19,7 +19,7 @@ A failure: the survivors agree on a commit that all of them hold (ranks are at m
 two are kept). For every chunk of that commit's layout, the first live rank among its holders (the positions
 holding it, then their buddies) provides its packet; one ``Allgatherv`` over the survivors gives every survivor
 every chunk, from which it rebuilds each unit's full flat parameter and optimizer arrays. The old FSDP lets go of
-the module (``FSDP.remove_hooks``), the module's parameters get their full values, ``build(comm)`` wraps it
+the module (``FSDP.remove``), the module's parameters get their full values, ``build(comm)`` wraps it
 again over the survivors (a new FSDP, its shards cut for the new size), and the optimizer and schedule are
 made anew by the given factories and loaded with the re-cut arrays. The survivors then commit at once in the
 new layout without communicating (every survivor holds the full arrays, so it cuts its buddies' packets
@@ -147,8 +147,7 @@ class ShardedState(Replicated):
         self.wrapper, self.comm = wrapper, comm
         self._world = _world_ranks(comm)
         # Which chunk each position holds: under hybrid sharding the replicas of a chunk are natural holders.
-        groups = getattr(wrapper, "groups", None)
-        self._shard_of = list(groups.shard_of) if groups is not None else list(range(size))
+        self._shard_of = list(wrapper.groups.shard_of)
         self._copies = size // (max(self._shard_of) + 1)  # ranks holding each chunk without any buddy
         self.optimizer = self._make_optimizer(list(wrapper.parameters()))
         shards = [s.parameter for s in layout]
@@ -224,7 +223,7 @@ class ShardedState(Replicated):
         full, how = self._gather_full(record, comm)
         old = self.wrapper
         if old is not None:
-            old.remove_hooks()
+            old.remove()
         layout = record["layout"]
         for u, (label, spans, numel, _, _) in enumerate(layout.units):
             for span in spans:

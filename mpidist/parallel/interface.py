@@ -9,12 +9,13 @@ Glossary:
 - unsplit model: the model as one process would build it; its ``named_parameters()`` names are the global names
   every layout shares (a checkpoint saved at one layout loads at another by them).
 - placement: where a parameter's elements lie across ranks (``mpidist.nn.placement``): None (whole here),
-  ``Replicate`` (every rank of a communicator holds the same values), ``Shard`` (a block of the global tensor).
+  ``Replicate`` (every rank of a communicator holds the same values), ``Shard`` (a block of the global tensor),
+  ``FlatShard`` (a flat range of such a block inside a flat buffer several parameters share: FSDP's shards).
   A data-parallel replica is not a placement: DDP's ranks all hold the same layout.
 - mesh: the ranks the layout spans; ``mesh.comm`` holds them all. Until the named ``DeviceMesh`` lands
   (issue 27, step A1) a wrapper's mesh is a ``CommMesh`` with that one communicator: DDP's data-parallel
   communicator (tensor-parallel ranks live in the placements), or a tensor-parallel module's placement
-  communicator. FSDP's flat shards (``FlatShard``) and pipeline stages join as their wrappers implement this.
+  communicator, or FSDP's communicator (its shard group is in each ``FlatShard``).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Tuple
 
 from ..nn.module import Module, Parameter
-from ..nn.placement import Replicate, placement_of
+from ..nn.placement import FlatShard, Replicate, placement_of
 from ..nn.utils import GradParts, clip_coefficient, clip_grad_norm_
 
 __all__ = ["Wrapper", "PlacedParameter", "LocalModule", "CommMesh", "as_wrapper", "placement_comms"]
@@ -43,9 +44,13 @@ class PlacedParameter:
 
     name: str                     # the unsplit model's named_parameters() name
     parameter: Parameter          # the local storage the optimizer steps
-    placement: Any                # None | Replicate | Shard (mpidist.nn.placement)
+    placement: Any                # None | Replicate | Shard | FlatShard (mpidist.nn.placement)
     stage: Optional[int] = None   # the pipeline stage holding it (None: no pipeline)
     primary: bool = True          # False: a further copy of a tied weight (a norm counts it 0 times)
+    # A FlatShard placement (FSDP) names the part of ``parameter`` that is this parameter's: its ``offset`` and
+    # ``count`` elements of the flat shard, which several PlacedParameters share (one per parameter of the
+    # unit; a parameter lies contiguously in its unit's flat buffer, so one rank holds at most one piece of it).
+    # Every rank lists every parameter; ``count`` 0 where its shard holds none of it.
 
 
 def placement_comms(placed):
@@ -106,15 +111,22 @@ class Wrapper(abc.ABC):
 
     def grad_parts(self) -> GradParts:
         """Return this rank's gradients with their weights in a global norm (a replicated one counts 1/n per rank,
-        a non-primary copy not at all) and ``grad_norm_comms()``."""
+        a non-primary copy not at all; a FlatShard contributes its piece of the flat shard) and
+        ``grad_norm_comms()``."""
         grads, weights, seen = [], [], set()
         for p in self.placed_parameters():
             grad = p.parameter.grad
             if not p.primary or grad is None or id(p.parameter) in seen:
                 continue
+            where = p.placement
+            if isinstance(where, FlatShard):  # its piece of a flat shard (a view: clipping scales it in place)
+                if where.count:
+                    grads.append(grad.reshape(-1)[where.offset:where.offset + where.count])
+                    weights.append(_norm_weight(where.block))
+                continue
             seen.add(id(p.parameter))
             grads.append(grad)
-            weights.append(1.0 / p.placement.comm.Get_size() if isinstance(p.placement, Replicate) else 1.0)
+            weights.append(_norm_weight(where))
         return GradParts(grads, weights, self.grad_norm_comms())
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False) -> float:
@@ -154,6 +166,11 @@ class Wrapper(abc.ABC):
         persistent = param_bytes + grad_bytes + optimizer_bytes
         return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_state_bytes": optimizer_bytes,
                 "persistent_bytes": persistent, "peak_bytes": persistent}
+
+
+def _norm_weight(placement):
+    """Return how often one rank's copy of a gradient under ``placement`` counts in a norm's sum."""
+    return 1.0 / placement.comm.Get_size() if isinstance(placement, Replicate) else 1.0
 
 
 class LocalModule(Wrapper):

@@ -46,15 +46,13 @@ import itertools
 import weakref
 from dataclasses import dataclass
 
-import numpy as np
-
 from ...comm import check_comm
 from ...nn.autograd import Tensor, is_grad_enabled, queue_callback, queue_weight_callback, weights_deferred
 from ...nn.module import Module
-from ...nn.placement import placement_of
-from ...nn.utils import clip_grad_norm_
+from ...nn.placement import FlatShard, placement_of
 from ..agreement import TrainableAtBuild, check_same_shards, check_same_structure
 from ..grad_sync import GradSync
+from ..interface import CommMesh, PlacedParameter, Wrapper, placement_comms
 from . import state_dict as _state
 from .groups import build_groups
 from .lifecycle import GradState, ParamState, Unit
@@ -114,7 +112,7 @@ class _Session:
         self.pass_id = None   # the backward pass that reached it
 
 
-class FSDP:
+class FSDP(Wrapper):
     """Wrap ``module`` for fully sharded data-parallel training over ``comm``.
 
     Args:
@@ -144,6 +142,10 @@ class FSDP:
     ``loss = crit(fsdp(x), y); loss.backward(); opt.step()``. Parameters frozen (``requires_grad=False``)
     at construction live in frozen shard Parameters (a unit's frozen part, labelled "<unit> (frozen)", when
     the unit also holds trainable ones) that never get a gradient; freeze alike on every rank, before wrapping.
+
+    As a ``mpidist.parallel.interface.Wrapper`` (what checkpoints, elastic states and clipping read):
+    ``mesh.comm`` is ``comm``; ``placed_parameters()`` names every parameter of the wrapped module with the
+    shard Parameter holding it and a ``FlatShard`` saying which of its elements this rank's shard holds.
     """
 
     def __init__(self, module, comm, strategy="full_shard", units=None, prefetch=True, backward_prefetch="pre",
@@ -157,6 +159,7 @@ class FSDP:
         strategy = ShardingStrategy.parse(strategy)
         groups = build_groups(comm, strategy, shard_size, shard_comm, replicate_comm)
         self.module, self.comm = module, comm
+        self.mesh = CommMesh(comm)
         self.settings = FSDPSettings(strategy, prefetch, comm.Get_size(), groups.num_shards, backward_prefetch,
                                      groups.num_replicas)
         self.check_finite = check_finite
@@ -281,6 +284,36 @@ class FSDP:
         return tuple(c for c in (self.groups.shard_comm, self.groups.replicate_comm)
                      if c is not None and c is not self.comm)
 
+    def placed_parameters(self):
+        """Return a ``PlacedParameter`` per parameter of the wrapped module, in its ``named_parameters()`` order.
+
+        Each holds the shard Parameter of the unit owning the parameter (the units' parameters share it) and a
+        ``FlatShard``: ``block`` the parameter's own placement (tensor parallelism inside FSDP; None for a
+        whole tensor), ``block_shape`` its local shape, and the elements of that block this rank's shard holds
+        (``count`` 0 where it holds none: every rank lists every parameter). ``comm`` is the shard group
+        (``shard_comm``; None under NO_SHARD, where every rank holds whole units).
+        """
+        placements = {name: placement_of(p) for name, p in self.module.named_parameters()}
+        placed = {}
+        for shard in self.shard_layout():
+            held = {piece.name: piece for piece in shard.pieces()}
+            for span in shard.params:
+                piece = held.get(span.name)
+                where = (piece.start, piece.count, piece.offset) if piece is not None else (0, 0, 0)
+                flat = FlatShard(placements[span.name], span.shape, *where, comm=self.shard_comm)
+                placed[span.name] = PlacedParameter(span.name, shard.parameter, flat)
+        return tuple(placed[name] for name in placements)
+
+    def named_buffers_global(self):
+        """Yield ``(name, buffer)`` of the wrapped module: FSDP leaves buffers whole on every rank."""
+        return self.module.named_buffers()
+
+    def grad_norm_comms(self):
+        """Return the tensor-parallel communicators of the wrapped parameters' placements (in the module's order),
+        then the shard group: the ranks whose gradient pieces are disjoint."""
+        own = placement_comms(PlacedParameter(name, p, placement_of(p)) for name, p in self.module.named_parameters())
+        return own + ((self.shard_comm,) if self.shard_comm is not None else ())
+
     def shard_layout(self):
         """Return a ``UnitShard`` per unit with parameters: its flat layout and this rank's shard Parameter."""
         return tuple(u.layout() for u in self._param_units)
@@ -320,31 +353,14 @@ class FSDP:
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """Clip the gradients to global norm ``max_norm`` over the whole model; return the norm before.
 
-        Each rank holds a shard of every gradient (padding is zero), so the ranks of a shard group add up
-        their shards' contributions: the norm and scale equal those of the unsharded model. Replicas hold the
-        same reduced gradients, so the sum runs over the shard group only. Call after backward.
+        ``Wrapper.clip_grad_norm_`` over the shards' pieces: the ranks of a shard group add up their pieces'
+        contributions (padding is left out), so the norm and scale equal those of the unsharded model. Replicas
+        hold the same reduced gradients, so the sum runs over the shard group only. Call after backward.
         """
         self._check_at_rest("clip_grad_norm_")
-        return clip_grad_norm_(self._norm_parts(), max_norm, norm_type, self.shard_comm, error_if_nonfinite)
+        return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
-    def _norm_parts(self):
-        """The gradients a norm adds up: the flat shards, or, when the wrapped parameters carry tensor-parallel
-        placements, each parameter's piece of its shard with that placement (a replicated piece counts once)."""
-        placements = {name: placement_of(p) for name, p in self.module.named_parameters()}
-        if all(where is None for where in placements.values()):
-            return list(self.parameters())
-        # One empty part per placement first, in the module's order: every rank then reduces over the same
-        # communicators in the same order, whichever pieces its shards happen to hold.
-        parts = [_GradPart(None, where) for where in placements.values() if where is not None]
-        for shard in self.shard_layout():
-            grad = shard.parameter.grad
-            if grad is None:
-                continue
-            for piece in shard.pieces():
-                parts.append(_GradPart(grad[piece.offset:piece.offset + piece.count], placements.get(piece.name)))
-        return parts
-
-    def remove_hooks(self):
+    def remove(self):
         """Detach this FSDP from the module (its hooks, and the mark that it is wrapped), without communicating.
 
         For wrapping the module again over another communicator, e.g. after ranks were lost
@@ -719,10 +735,3 @@ def _tensors(out):
         for o in out.values():
             yield from _tensors(o)
 
-
-class _GradPart:
-    """A view of part of a flat shard's gradient, with the placement of the parameter it belongs to."""
-
-    def __init__(self, grad, placement):
-        self.grad = np.zeros(0) if grad is None else grad
-        self.placement = placement

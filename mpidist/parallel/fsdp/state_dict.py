@@ -1,4 +1,8 @@
-"""FSDP's state dicts: the full one (gathered on rank 0) and the sharded one (this rank's shards)."""
+"""FSDP's state dicts: the full one (gathered on rank 0) and the sharded one (this rank's shards).
+
+They read the wrapper through its public layout only: ``FSDP.shard_layout()`` (each unit's flat layout and this
+rank's shard Parameter), ``FSDP.groups`` (which rank holds which chunk) and ``FSDP.settings``.
+"""
 
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -6,11 +10,22 @@ from collections.abc import Mapping
 from ... import collectives
 from ...comm.agree import raise_if_any
 from ...xp import asarray_like, copy_into, get_array_module
+from .settings import ShardingStrategy
 
 __all__ = ["full_state_dict", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict"]
 
 # Point-to-point tag of state-dict transfers; far from the small tags user code tends to pick.
 _STATE_TAG = 0x5D5D
+
+
+def _whole(fsdp):
+    """Return whether every rank holds whole units (NO_SHARD): then there is nothing to gather or scatter."""
+    return fsdp.settings.strategy is ShardingStrategy.NO_SHARD
+
+
+def _views(unit, flat):
+    """Return ``[(name, view)]``: each parameter of ``unit`` (a ``UnitShard``) as a view of its flat parameter."""
+    return [(span.name, flat[span.offset: span.offset + span.numel].reshape(span.shape)) for span in unit.params]
 
 
 def full_state_dict(fsdp):
@@ -20,24 +35,24 @@ def full_state_dict(fsdp):
     """
     comm = fsdp.comm
     rank = comm.Get_rank()
-    groups = fsdp._ctx.groups
+    groups, whole = fsdp.groups, _whole(fsdp)
     holders = [groups.holder_of(i) for i in range(groups.num_shards)]
     gathered = {}
-    for u in fsdp._param_units:
-        if u.no_shard:
-            full = u.shard.data
+    for u in fsdp.shard_layout():
+        shard = u.parameter.data
+        if whole:
+            full = shard
         elif rank == 0:
-            xp = get_array_module(u.shard.data)
-            full = xp.empty(u.padded, dtype=u.shard.data.dtype)
+            full = get_array_module(shard).empty(u.shard_numel * u.num_shards, dtype=shard.dtype)
             for i, holder in enumerate(holders):
                 chunk = full[i * u.shard_numel: (i + 1) * u.shard_numel]
-                copy_into(chunk, u.shard.data if holder == 0 else collectives.recv(holder, comm, tag=_STATE_TAG))
+                copy_into(chunk, shard if holder == 0 else collectives.recv(holder, comm, tag=_STATE_TAG))
         else:
             if rank in holders:
-                collectives.send(u.shard.data, 0, comm, tag=_STATE_TAG)
+                collectives.send(shard, 0, comm, tag=_STATE_TAG)
             continue
         if rank == 0:
-            for name, view in zip(u.names, u.views(full)):
+            for name, view in _views(u, full):
                 gathered[name] = view.copy()
     if rank != 0:
         return OrderedDict()
@@ -51,7 +66,7 @@ def _validate_full(fsdp, state_dict):
     fn = "FSDP.load_full_state_dict"
     if not isinstance(state_dict, Mapping):
         return f"{fn}: rank 0 must pass a mapping of name -> array (got {type(state_dict).__name__})"
-    shapes = OrderedDict((n, s) for u in fsdp._param_units for n, s in zip(u.names, u.shapes))
+    shapes = OrderedDict((span.name, tuple(span.shape)) for u in fsdp.shard_layout() for span in u.params)
     shapes.update((n, tuple(b.shape)) for n, b in fsdp.module.named_buffers())
     missing = [k for k in shapes if k not in state_dict]
     unexpected = [k for k in state_dict if k not in shapes]
@@ -68,25 +83,25 @@ def load_full_state_dict(fsdp, state_dict):
     """Load rank 0's full ``state_dict`` (other ranks may pass None) and re-shard it unit by unit."""
     comm = fsdp.comm
     rank, size = comm.Get_rank(), comm.Get_size()
-    shard_of = fsdp._ctx.groups.shard_of  # every rank gets its chunk from rank 0, replicas included
+    shard_of, whole = fsdp.groups.shard_of, _whole(fsdp)  # every rank gets its chunk from rank 0, replicas included
     # Rank 0 validates; every rank raises the same ValueError (none is left waiting in a transfer).
     raise_if_any(comm, _validate_full(fsdp, state_dict) if rank == 0 else None, "")
-    for u in fsdp._param_units:
+    for u in fsdp.shard_layout():
+        shard, n = u.parameter.data, u.shard_numel
         if rank == 0:
-            flat = u.shard.data if u.no_shard else get_array_module(u.shard.data).zeros(u.padded, u.shard.data.dtype)
-            for name, view in zip(u.names, u.views(flat)):
+            flat = shard if whole else get_array_module(shard).zeros(n * u.num_shards, shard.dtype)
+            for name, view in _views(u, flat):
                 copy_into(view, state_dict[name])
-        if u.no_shard:
-            collectives.broadcast(u.shard.data, comm)
+        if whole:
+            collectives.broadcast(shard, comm)
         elif rank == 0:
-            n = u.shard_numel
             pending = [collectives.isend(flat[shard_of[r] * n: (shard_of[r] + 1) * n], r, comm, tag=_STATE_TAG)
                        for r in range(1, size)]
-            u.shard.data[...] = flat[shard_of[0] * n: (shard_of[0] + 1) * n]
+            shard[...] = flat[shard_of[0] * n: (shard_of[0] + 1) * n]
             for handle in pending:
                 handle.wait()
         else:
-            copy_into(u.shard.data, collectives.recv(0, comm, tag=_STATE_TAG))
+            copy_into(shard, collectives.recv(0, comm, tag=_STATE_TAG))
     for name, b in fsdp.module.named_buffers():
         if rank == 0:
             copy_into(b, state_dict[name])
