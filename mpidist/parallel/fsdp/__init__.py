@@ -2,9 +2,9 @@
 
 One module per concept: ``api`` (the FSDP wrapper and its hooks), ``lifecycle`` (a unit's gather/free and
 gradient states), ``selection`` (which modules form units; who owns tied parameters), ``state_dict`` (full
-and sharded state dicts), ``memory`` (byte accounting), ``layout`` (the public shard layout checkpoints
-read), ``groups`` (which ranks shard and which replicate: hybrid sharding), ``settings`` (strategy enums and
-the frozen settings).
+and sharded state dicts), ``memory`` (byte accounting), ``layout`` (the public shard layout, from which
+``FSDP.placed_parameters()`` is built), ``groups`` (which ranks shard and which replicate: hybrid sharding),
+``settings`` (strategy enums and the frozen settings).
 """
 
 from .api import FSDP, UnitInfo

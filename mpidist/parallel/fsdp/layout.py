@@ -9,7 +9,9 @@ Glossary:
 - piece: the part of one parameter that falls into this rank's shard: ``count`` elements starting at element
   ``start`` of the flattened parameter and at element ``offset`` of the shard.
 
-Checkpoints and other tools read shards through ``FSDP.shard_layout()`` and never through FSDP's internals.
+Other tools read shards through this layout (``FSDP.shard_layout()``) or through the ``Wrapper`` interface built
+from it (``FSDP.placed_parameters()``: a ``FlatShard`` per piece; checkpoints read that), never through FSDP's
+internals.
 """
 
 from dataclasses import dataclass
