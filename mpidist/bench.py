@@ -14,6 +14,7 @@ see the same machine state; the ratio mpidist busbw / raw busbw is mpidist's ove
 
 import csv
 import dataclasses
+import io
 import re
 import statistics
 import time
@@ -23,6 +24,7 @@ from mpi4py import MPI
 
 from . import collectives
 from . import xp as _xp
+from .files import write_text_atomic
 
 __all__ = ["OPS", "BUS_FACTOR", "BenchError", "Result", "parse_sizes", "format_size", "run", "table",
            "write_json", "write_csv", "plot", "device_module", "FIELDS"]
@@ -291,17 +293,17 @@ def table(results):
 def write_json(path, results, meta=None):
     """Write ``{"meta": ..., "rows": [...]}`` with one row per (op, size)."""
     import json
-    with open(path, "w") as f:
-        json.dump({"meta": meta or {}, "rows": [r.row() for r in results]}, f, indent=1)
+    write_text_atomic(path, json.dumps({"meta": meta or {}, "rows": [r.row() for r in results]}, indent=1))
 
 
 def write_csv(path, results):
     """Write one CSV row per (op, size) with the columns in ``FIELDS``."""
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        for r in results:
-            writer.writerow(r.row())
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=FIELDS)
+    writer.writeheader()
+    for r in results:
+        writer.writerow(r.row())
+    write_text_atomic(path, text.getvalue())
 
 
 def require_matplotlib():

@@ -190,3 +190,21 @@ def test_safetensors_export_and_config_are_written_atomically(tmp_path):
     loaded = safetensors.numpy.load_file(str(path))
     assert sorted(loaded) == ["b", "w"] and all(np.array_equal(loaded[k], state[k]) for k in state)
     assert sorted(os.listdir(tmp_path)) == sorted(["model.safetensors", os.path.basename(config_path(str(path)))])
+
+
+def test_benchmark_json_and_csv_are_written_atomically(tmp_path):
+    import csv
+    from mpidist import bench
+    results = [bench.Result("allreduce", 1024, 256, "float32", 2, 10, 2e-6, 1e-6)]
+    _, heard = _recorded(lambda: bench.write_json(str(tmp_path / "b.json"), results, {"host": "h"}))
+    _assert_went_through_the_writer(heard, "b.json")
+    with open(tmp_path / "b.json") as f:
+        content = json.load(f)
+    assert content["meta"] == {"host": "h"} and content["rows"][0]["bytes"] == 1024
+    assert content["rows"][0]["ratio"] == pytest.approx(0.5)
+    _, heard = _recorded(lambda: bench.write_csv(str(tmp_path / "b.csv"), results))
+    _assert_went_through_the_writer(heard, "b.csv")
+    with open(tmp_path / "b.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1 and rows[0]["op"] == "allreduce" and float(rows[0]["mpidist_us"]) == pytest.approx(2.0)
+    assert sorted(os.listdir(tmp_path)) == ["b.csv", "b.json"]
