@@ -1,13 +1,18 @@
 """Communicators: any mpi4py intracommunicator, or the in-process ``SimComm``.
 
-Code above this package never asks which one it holds: both answer the same mpi4py methods.
+Code above this package never asks which one it holds: both answer the same mpi4py methods. Where it must
+know what a communicator is, it asks here (``is_simulated``, ``comm_key``, ``world_ranks``, ``simulated_rank``,
+``world_comm``, ``node_comm``) and never imports the simulator.
 """
 
 from .errors import CollectiveMismatchError, CommError, DeadlockError, RankFailedError, SimAbort, WatchdogTimeout
 from .sim import SimComm, SimRequest, simulate
+from .identity import comm_key, is_simulated, simulated_rank, world_comm, world_ranks
+from .nodes import node_comm
 
 __all__ = ["SimComm", "SimRequest", "simulate", "CommError", "CollectiveMismatchError",
-           "RankFailedError", "DeadlockError", "SimAbort", "WatchdogTimeout", "is_comm", "check_comm", "DeviceMesh"]
+           "RankFailedError", "DeadlockError", "SimAbort", "WatchdogTimeout", "is_comm", "check_comm",
+           "is_simulated", "comm_key", "world_ranks", "simulated_rank", "world_comm", "node_comm", "DeviceMesh"]
 
 
 def is_comm(obj):
