@@ -16,7 +16,7 @@ import traceback
 import warnings
 
 from . import guard
-from .comm import SimComm, check_comm
+from .comm import check_comm, is_simulated, node_comm
 
 __all__ = ["LaunchInfo", "LaunchError", "init", "detect_launcher", "expected_world_size", "install_abort_on_error",
            "select_device"]
@@ -209,15 +209,14 @@ def init(comm=None, *, abort_on_error=True, collective_timeout=None, checkpoint_
     size, rank = comm.Get_size(), comm.Get_rank()
     # Under `mpidist sim`, mpi4py.MPI is the simulated namespace (its Comm is SimComm): the simulator itself ends
     # every rank on an uncaught exception and times waits out, and the hooks and watchdog below are per process.
-    real = isinstance(comm, MPI.Comm) and not isinstance(comm, SimComm)
+    real = not is_simulated(comm)
     if real:
         # The launcher counts processes in the world, whatever communicator the caller hands in.
         _check_world(MPI.COMM_WORLD.Get_size())
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    local_rank, local_size = local.Get_rank(), local.Get_size()
-    nodes = comm.allreduce(1 if local_rank == 0 else 0)
-    device = select_device(local, local_rank)
-    local.Free()
+    with node_comm(comm) as local:
+        local_rank, local_size = local.Get_rank(), local.Get_size()
+        nodes = comm.allreduce(1 if local_rank == 0 else 0)
+        device = select_device(local, local_rank)
     # replace: Open MPI 4 counts the C string's terminating NUL in the version it returns.
     library = (MPI.Get_library_version().replace("\0", "").strip().splitlines() or ["unknown"])[0] if hasattr(MPI, "Get_library_version") else "unknown"
     version = "%d.%d" % MPI.Get_version()

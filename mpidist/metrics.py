@@ -26,9 +26,9 @@ import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from . import collectives
+from .comm import is_simulated
 from .guard import record as _record
 from .parallel.interface import Wrapper
 
@@ -77,7 +77,7 @@ class Logger:
         self._memory = memory
         # Whose calls count as this rank's: under MPI every call this process made; simulated ranks share a
         # process (and its flight recorder), so there only calls on these communicators count.
-        self._comms = None if comms is None and isinstance(comm, MPI.Comm) else list(comms or [comm])
+        self._comms = None if comms is None and not is_simulated(comm) else list(comms or [comm])
         self._started = self._last = time.monotonic()
         self._stream = stream if stream is not None else sys.stdout
         self.rows = []

@@ -416,3 +416,117 @@ def test_what_is_not_a_communicator_is_refused_by_name(comm):
                 calls[name](inter)
         inter.Free()
         half.Free()
+
+
+# -- what a communicator is: mpidist.comm's is_simulated, comm_key, world_ranks, simulated_rank, node_comm -----
+def test_is_simulated_tells_simulated_ranks_from_mpi_processes(comm):
+    from mpidist.comm import is_simulated
+    # independent fact: an mpi4py communicator is an MPI.Intracomm; a SimComm is not
+    assert is_simulated(comm) is (not isinstance(comm, MPI.Intracomm))
+    assert is_simulated(MPI.COMM_SELF) is False
+    assert is_simulated(MPI.COMM_WORLD) is False
+
+
+def test_comm_key_is_equal_on_every_rank_and_differs_between_live_communicators(comm):
+    from mpidist.comm import comm_key
+    rank, size = comm.Get_rank(), comm.Get_size()
+    first, second = comm.Dup(), comm.Dup()
+    halves = comm.Split(rank % 2, rank)
+    keys = [comm_key(c) for c in (comm, first, second, halves)]
+    assert [comm_key(c) for c in (comm, first, second, halves)] == keys  # stable: the same on a second call
+    everyone = comm.allgather(keys)
+    for position in range(3):  # comm and its two duplicates: one key on every rank
+        assert len({k[position] for k in everyone}) == 1, everyone
+    assert len(set(keys[:3])) == 3, keys  # a Dup is another communicator
+    # each half has one key on its members; the two halves (alive at once) have different keys
+    by_color = {}
+    for r, k in enumerate(everyone):
+        by_color.setdefault(r % 2, set()).add(k[3])
+    assert all(len(ks) == 1 for ks in by_color.values()), by_color
+    assert len(set().union(*by_color.values())) == min(size, 2), by_color
+    for c in (first, second, halves):
+        c.Free()
+
+
+def test_world_ranks_of_a_split_are_the_members_computed_by_hand(comm):
+    from mpidist.comm import is_simulated, world_ranks
+    rank, size = comm.Get_rank(), comm.Get_size()
+    sub = comm.Split(rank % 2, -rank)  # members of my color, highest rank first
+    try:
+        if is_simulated(comm):
+            assert world_ranks(comm) is None and world_ranks(sub) is None
+        else:
+            world = comm.allgather(MPI.COMM_WORLD.Get_rank())  # comm's rank r is world rank world[r]
+            assert world_ranks(comm) == tuple(world)
+            mine = [world[r] for r in range(size) if r % 2 == rank % 2][::-1]
+            assert world_ranks(sub) == tuple(mine)
+    finally:
+        sub.Free()
+
+
+def test_simulated_rank_and_world_comm_name_the_thread_s_simulated_rank(comm):
+    from mpidist.comm import is_simulated, simulated_rank, world_comm
+    if is_simulated(comm):  # the fixture runs each simulated rank's body in that rank's thread
+        assert simulated_rank() == comm.Get_rank()
+        assert world_comm().Get_size() == comm.Get_size()
+    else:
+        assert simulated_rank() is None
+        assert world_comm() is MPI.COMM_WORLD
+    assert simulate(3, lambda c: (simulated_rank(), world_comm() is c)) == [(0, True), (1, True), (2, True)]
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(simulated_rank()))
+    thread.start()
+    thread.join()
+    # a thread a simulated rank starts runs as that rank (mpidist sim's rule); under MPI there is none
+    assert seen == [comm.Get_rank() if is_simulated(comm) else None]
+
+
+def test_node_comm_yields_the_ranks_of_this_node_and_frees_them():
+    from mpidist.comm import node_comm
+
+    def body(comm):
+        with node_comm(comm) as local:
+            members = local.allgather(comm.Get_rank())
+            held = local
+        return members, held == MPI.COMM_NULL
+
+    # ranks_per_node=2 puts ranks 2k and 2k+1 on node k
+    assert simulate(6, body, ranks_per_node=2) == [([2 * (r // 2), 2 * (r // 2) + 1], True) for r in range(6)]
+
+
+@pytest.mark.world_sizes(2, 3, 4)
+def test_node_comm_under_mpi_groups_the_ranks_of_one_host(comm):
+    from mpidist.comm import is_simulated, node_comm
+    if is_simulated(comm):
+        pytest.skip("simulated ranks: test_node_comm_yields_the_ranks_of_this_node_and_frees_them")
+    hosts = comm.allgather(MPI.Get_processor_name())
+    with node_comm(comm) as local:
+        members = local.allgather(comm.Get_rank())
+        held = local
+    assert members == [r for r, host in enumerate(hosts) if host == hosts[comm.Get_rank()]]
+    assert held == MPI.COMM_NULL
+
+
+def test_nothing_above_comm_imports_the_simulator():
+    """Only mpidist/comm knows the simulator; cli.py's ``mpidist sim`` command runs it and is the one exception."""
+    import ast
+    import pathlib
+    root = pathlib.Path(mpidist.__file__).parent
+    allowed = {root / "cli.py"}  # `mpidist sim prog.py`: the simulator's own command line
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        if root / "comm" in path.parents or path in allowed:
+            continue
+        package = ".".join(("mpidist",) + path.relative_to(root).parent.parts)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+                module = ".".join(filter(None, (base, node.module)))
+                names = [module] + [f"{module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            if any(n == "mpidist.comm.sim" or n.startswith("mpidist.comm.sim.") for n in names):
+                offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert offenders == [], offenders

@@ -49,7 +49,9 @@ def check_support(comm=None, environ=None):
     """Raise ``FaultToleranceUnavailable`` (on every rank alike: no messages) unless ULFM can work here."""
     from mpi4py import MPI
 
-    if comm is not None and not isinstance(comm, MPI.Comm):
+    from ..comm import is_simulated
+
+    if comm is not None and is_simulated(comm):
         raise FaultToleranceUnavailable(f"mpidist.elastic: needs a real MPI communicator (got {type(comm).__name__}): "
                                         f"a simulated world cannot lose a process")
     size = (MPI.COMM_WORLD if comm is None else comm).Get_size()

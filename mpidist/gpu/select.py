@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import config, xp as _xp
+from ..comm import is_simulated, node_comm
 from .base import Op, SelfPath, Settings
 from .direct import DirectPath
 from .hierarchical import HierarchicalPath
@@ -188,7 +189,8 @@ _lock = threading.Lock()  # simulated ranks are threads of one process
 
 
 def _key(comm):
-    return ("mpi", comm.handle) if isinstance(comm, MPI.Comm) else ("obj", id(comm))
+    # An MPI handle names the communicator in this process, whichever mpi4py object holds it.
+    return ("obj", id(comm)) if is_simulated(comm) else ("mpi", comm.handle)
 
 
 def _lookup(comm):
@@ -216,12 +218,9 @@ def attach(comm, device=None, *, path=None, probe=None, settings=None):
         device = CupyDevice()
     release(comm)
     settings = settings or Settings()
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    try:
+    with node_comm(comm) as local:
         facts = comm.allgather(_my_facts(comm, local, device, probe))
         chosen, choice = _choose(comm, device, settings, facts, local, forced)
-    finally:
-        local.Free()
     log.info("rank %d of %d: GPU collectives use path %s", comm.Get_rank(), comm.Get_size(), choice)
     key = _key(comm)
 

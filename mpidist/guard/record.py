@@ -26,6 +26,8 @@ import weakref
 
 from mpi4py import MPI
 
+from mpidist.comm import comm_key, is_simulated, world_ranks
+
 from . import fingerprint
 
 __all__ = ["enter", "enter_p2p", "leave", "hold", "in_flight", "sequence", "entry_of", "snapshot", "summary", "started",
@@ -68,18 +70,6 @@ def span(ranks):
     return ",".join(map(str, ranks))
 
 
-def _members(comm):
-    """Return the world ranks of ``comm``'s members in its rank order, or None when they cannot be known."""
-    if not isinstance(comm, MPI.Comm):
-        return None  # SimComm: every simulated rank lives in this process; names identify its communicators
-    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        return tuple(int(r) for r in MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world))
-    finally:
-        group.Free()
-        world.Free()
-
-
 class Entry:
     """What this process knows of one communicator (see the glossary)."""
 
@@ -90,7 +80,9 @@ class Entry:
         self.ref = self.owner
         self.seq = 0
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
-        self.members = _members(comm)
+        # None under SimComm (every simulated rank lives in this process; names identify its communicators)
+        # and for objects that only answer like a communicator
+        self.members = world_ranks(comm)
         try:
             label = comm.Get_name()
         except Exception:  # noqa: BLE001 - a name only labels reports
@@ -98,11 +90,12 @@ class Entry:
         basis = (self.members, label, self.rank)
         ordinal = _ordinals[basis]
         _ordinals[basis] += 1
-        if self.members is None:
-            # SimComm: one process holds every rank, so a per-process ordinal depends on which ranks used
-            # which communicators before; the shared context's id is the same on every rank and unique.
-            context = getattr(comm, "_ctx", None)
-            self.key = f"{label}#{context.id if context is not None else ordinal}"
+        if is_simulated(comm):
+            # One process holds every rank, so a per-process ordinal depends on which ranks used which
+            # communicators before; comm_key is the same on every rank and unique (and local there).
+            self.key = f"{label}#{comm_key(comm)[-1]}"
+        elif self.members is None:  # an object that answers like a communicator: its members are unknown
+            self.key = f"{label}#{ordinal}"
         else:
             self.key = f"{span(self.members)}{':' + label if label else ''}#{ordinal}"
         self.name = label or f"comm {self.key}"
@@ -116,7 +109,7 @@ class Entry:
         if shadow is None:
             return
         try:
-            if isinstance(shadow, MPI.Comm) and not MPI.Is_finalized():
+            if self.members is not None and not MPI.Is_finalized():  # an MPI communicator (or our Dup of one)
                 shadow.Free()
         except Exception:  # noqa: BLE001 - MPI refused, or interpreter exit already cleared this module's globals
             pass

@@ -33,6 +33,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..comm import is_simulated
 from . import fingerprint, flight, record as _record
 from .phases import active_phases, innermost_limit
 
@@ -423,7 +424,7 @@ def start_watchdog(world, timeout=None, **kwargs):
     global _watchdog
     if _watchdog is not None:
         return _watchdog
-    if isinstance(world, MPI.Comm) and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+    if not is_simulated(world) and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         # The watchdog thread talks MPI while the main thread may be blocked in MPI.
         sys.stderr.write("mpidist: watchdog disabled: MPI was not initialized with MPI_THREAD_MULTIPLE\n")
         return None

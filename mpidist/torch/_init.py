@@ -18,6 +18,7 @@ import importlib
 from mpi4py import MPI
 
 from .. import config
+from ..comm import node_comm
 from . import _c10d, _work
 from ._backend import BACKEND_NAME, ProcessGroupMPI
 
@@ -94,9 +95,8 @@ def _create(options, backend_options=None):
         everyone.Free()
     comm.Set_name(f"torch:{options.group_id}")
     if _work.PROGRESS == "auto":  # the first mpidist group decides (collective over its members)
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        _work.decide_progress(node.Get_size(), os.cpu_count() or 1)
-        node.Free()
+        with node_comm(comm) as node:
+            _work.decide_progress(node.Get_size(), os.cpu_count() or 1)
     return ProcessGroupMPI(comm, options.group_rank, options.group_size, name=str(options.group_id),
                            store=options.store, timeout=options.timeout)
 

@@ -20,8 +20,7 @@ import threading
 from mpi4py import MPI
 
 from mpidist import config
-from mpidist.comm import check_comm
-from mpidist.comm.sim.runner import current as _simulated_rank
+from mpidist.comm import check_comm, is_simulated, world_comm
 
 from . import analysis, chrome, clock, recorder as _recorder
 from .chrome import load, merge
@@ -56,8 +55,7 @@ def start(directory, comm=None, depth=1, limit=1 << 20, **meta):
     _check("depth", depth, 0)
     _check("limit", limit, 1)
     if comm is None:
-        comms = _simulated_rank()
-        comm = comms[0] if comms is not None else MPI.COMM_WORLD
+        comm = world_comm()
     check_comm("trace.start", comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     _recorder.install(depth, limit, rank)
@@ -66,7 +64,7 @@ def start(directory, comm=None, depth=1, limit=1 << 20, **meta):
     _recorder.bind(recorder)
     session = (os.fspath(directory), comm, rank)
     _sessions.value = session
-    if isinstance(comm, MPI.Comm):
+    if not is_simulated(comm):
         _process_session = session
     comm.Barrier()  # every rank's recorder exists before any rank can stop (the last to stop switches off)
 
@@ -87,7 +85,7 @@ def stop():
     recorder = _recorder.take(rank)
     events = list(recorder.events) if recorder is not None else []
     # Simulated ranks are threads sharing this process's clock: offset 0 by construction.
-    offset, round_trip = clock.measure_offset(comm) if isinstance(comm, MPI.Comm) else (0.0, 0.0)
+    offset, round_trip = (0.0, 0.0) if is_simulated(comm) else clock.measure_offset(comm)
     if recorder is not None:
         chrome.write_rank(directory, recorder, offset, round_trip, events)
     comm.Barrier()

@@ -26,9 +26,7 @@ import threading
 import time
 import weakref
 
-from mpi4py import MPI
-
-from mpidist.comm.sim.runner import current as _simulated_rank
+from mpidist.comm import world_comm
 from mpidist.guard import record as _record
 from mpidist.nn import autograd as _autograd
 from mpidist.nn import module as _module
@@ -95,8 +93,7 @@ class _Binding:
 
 
 def _world_rank():
-    comms = _simulated_rank()
-    world = comms[0] if comms is not None else MPI.COMM_WORLD
+    world = world_comm()
     return world.Get_rank(), world.Get_size()
 
 
