@@ -470,7 +470,7 @@ def test_state_dict_errors_fail_on_every_rank(comm):
     with pytest.raises(TypeError, match=r"use full_state_dict\(\)"):
         fsdp.state_dict()
     module_opt = Adam(list(make_model().parameters()))
-    with pytest.raises(ValueError, match=r"Adam holds none of this FSDP's shard parameters"):
+    with pytest.raises(ValueError, match=r"FSDP.memory_stats: Adam holds none of this wrapper's parameters"):
         fsdp.memory_stats(module_opt)
     fsdp(next(batches(1))[0])
     with pytest.raises(RuntimeError, match=r"in flight .*training forwards awaiting backward: 1"):

@@ -35,11 +35,10 @@ import numpy as np
 from .. import collectives
 from ..comm import check_comm
 from ..nn import is_grad_enabled, queue_callback
-from ..nn.placement import placement_of
 from ..xp import get_array_module, to_numpy
 from .agreement import StepStamp, TrainableAtBuild, check_same_shards, check_same_structure
 from .grad_sync import GradSync
-from .interface import CommMesh, PlacedParameter, Wrapper, placement_comms
+from .interface import CommMesh, WholeModuleWrapper
 
 __all__ = ["DDP", "GradientBucket"]
 
@@ -112,7 +111,7 @@ class GradientBucket:
             self.attach(p)
 
 
-class DDP(Wrapper):
+class DDP(WholeModuleWrapper):
     """Wrap ``module`` for data-parallel training over ``comm``.
 
     Every rank holds a full replica; at construction parameters and buffers are broadcast from rank 0.
@@ -270,23 +269,7 @@ class DDP(Wrapper):
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
 
-    # -- the Wrapper interface ------------------------------------------------------------------------
-    def placed_parameters(self):
-        """Return the module's parameters under their names, with their (tensor-parallel) placements."""
-        return tuple(PlacedParameter(name, p, placement_of(p)) for name, p in self.module.named_parameters())
-
-    def named_buffers_global(self):
-        """Yield the module's buffers (every rank holds all of them)."""
-        return self.module.named_buffers()
-
-    def communicators(self):
-        """Return () : DDP makes no communicator of its own."""
-        return ()
-
-    def grad_norm_comms(self):
-        """Return the communicators of the parameters' placements (tensor parallel), in the module's order."""
-        return placement_comms(self.placed_parameters())
-
+    # -- the Wrapper interface (placed_parameters etc.: WholeModuleWrapper's) ----------------------------
     def remove(self):
         """Detach this DDP from the module's parameters, e.g. before wrapping the module again over another comm."""
         for handle in self._hooks:

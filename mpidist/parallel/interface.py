@@ -152,15 +152,7 @@ class Wrapper(abc.ABC):
         bytes: a wrapper without transient buffers of its own peaks at them).
         """
         params = list(self.parameters())
-        optimizer_bytes = 0
-        if optimizer is not None:
-            mine = {id(p) for p in params}
-            held = [i for i, p in enumerate(optimizer.params) if id(p) in mine]
-            if not held:
-                raise ValueError(f"{type(self).__name__}.memory_stats: {type(optimizer).__name__} holds none of this "
-                                 f"wrapper's parameters; build it on wrapper.parameters()")
-            optimizer_bytes = sum(int(v.nbytes) for i in held for v in optimizer.state.get(i, {}).values()
-                                  if hasattr(v, "nbytes"))
+        optimizer_bytes = optimizer_state_bytes(optimizer, params, f"{type(self).__name__}.memory_stats")
         param_bytes = sum(int(p.data.nbytes) for p in params)
         grad_bytes = sum(int(p.grad.nbytes) for p in params if p.grad is not None)
         persistent = param_bytes + grad_bytes + optimizer_bytes
@@ -168,12 +160,44 @@ class Wrapper(abc.ABC):
                 "persistent_bytes": persistent, "peak_bytes": persistent}
 
 
+def optimizer_state_bytes(optimizer, params, context):
+    """Return the bytes of ``optimizer``'s state for ``params`` (0 without an optimizer); raise if it holds none."""
+    if optimizer is None:
+        return 0
+    mine = {id(p) for p in params}
+    held = [i for i, p in enumerate(optimizer.params) if id(p) in mine]
+    if not held:
+        raise ValueError(f"{context}: {type(optimizer).__name__} holds none of this wrapper's parameters; "
+                         f"build it on wrapper.parameters()")
+    return sum(int(v.nbytes) for i in held for v in optimizer.state.get(i, {}).values() if hasattr(v, "nbytes"))
+
+
+class WholeModuleWrapper(Wrapper):
+    """A wrapper whose rank holds every parameter of ``self.module`` (whole, or as its tensor-parallel slice)."""
+
+    def placed_parameters(self):
+        """Return the module's parameters under their names, with their (tensor-parallel) placements."""
+        return tuple(PlacedParameter(name, p, placement_of(p)) for name, p in self.module.named_parameters())
+
+    def named_buffers_global(self):
+        """Yield the module's buffers (every rank holds all of them)."""
+        return self.module.named_buffers()
+
+    def communicators(self):
+        """Return () : the wrapper makes no communicator of its own."""
+        return ()
+
+    def grad_norm_comms(self):
+        """Return the communicators of the parameters' placements (tensor parallel), in the module's order."""
+        return placement_comms(self.placed_parameters())
+
+
 def _norm_weight(placement):
     """Return how often one rank's copy of a gradient under ``placement`` counts in a norm's sum."""
     return 1.0 / placement.comm.Get_size() if isinstance(placement, Replicate) else 1.0
 
 
-class LocalModule(Wrapper):
+class LocalModule(WholeModuleWrapper):
     """A module not wrapped for data or pipeline parallelism: plain, or tensor-parallel through its placements.
 
     Its gradients are final after backward (tensor-parallel layers reduce inside backward), so ``no_sync`` and
@@ -191,18 +215,6 @@ class LocalModule(Wrapper):
                              f"{len(comms)} different communicators (sizes {[c.Get_size() for c in comms]}); "
                              f"a module without a wrapper may span one")
         self.mesh = CommMesh(comms[0] if comms else None)
-
-    def placed_parameters(self):
-        return tuple(PlacedParameter(name, p, placement_of(p)) for name, p in self.module.named_parameters())
-
-    def named_buffers_global(self):
-        return self.module.named_buffers()
-
-    def communicators(self):
-        return ()
-
-    def grad_norm_comms(self):
-        return placement_comms(self.placed_parameters())
 
     def no_sync(self):
         return contextlib.nullcontext()

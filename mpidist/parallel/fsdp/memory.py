@@ -1,5 +1,7 @@
 """Memory accounting: bytes FSDP owns, counted from its arrays (not from the process's RSS)."""
 
+from ..interface import optimizer_state_bytes
+
 __all__ = ["Transient", "memory_stats"]
 
 
@@ -25,15 +27,7 @@ class Transient:
 
 def memory_stats(shards, transient, optimizer=None):
     """Return this rank's bytes for the shard Parameters ``shards`` (see ``FSDP.memory_stats``)."""
-    optimizer_bytes = 0
-    if optimizer is not None:
-        mine = {id(s) for s in shards}
-        held = [i for i, p in enumerate(optimizer.params) if id(p) in mine]
-        if not held:
-            raise ValueError(f"FSDP.memory_stats: {type(optimizer).__name__} holds none of this FSDP's shard "
-                             f"parameters; build it on fsdp.parameters()")
-        optimizer_bytes = sum(int(v.nbytes) for i in held for v in optimizer.state.get(i, {}).values()
-                              if hasattr(v, "nbytes"))
+    optimizer_bytes = optimizer_state_bytes(optimizer, shards, "FSDP.memory_stats")
     param_bytes = sum(int(s.data.nbytes) for s in shards)
     grad_bytes = sum(int(s.grad.nbytes) for s in shards if s.grad is not None)
     persistent = param_bytes + grad_bytes + optimizer_bytes
