@@ -21,13 +21,7 @@ CONFIG = GPTConfig(vocab_size=61, block_size=8, n_layer=2, n_head=4, n_embd=16, 
 UNTIED = GPTConfig(vocab_size=61, block_size=8, n_layer=2, n_head=4, n_embd=16, dtype="float64", tie_weights=False)
 BATCH, STEPS, TOL = 8, 2, 1e-12
 
-_FSDP_PENDING = pytest.mark.xfail(not issubclass(FSDP, Wrapper), strict=True,
-                                  reason="FSDP implements the Wrapper interface in issue 27 step B3 (pending)")
-_PIPELINE_PENDING = pytest.mark.xfail(not issubclass(Pipeline, Wrapper), strict=True,
-                                      reason="Pipeline implements the Wrapper interface in issue 27 step B4 (pending)")
-KINDS = ["plain", "ddp", "tp", "dp_tp",
-         pytest.param("fsdp", marks=_FSDP_PENDING), pytest.param("hybrid", marks=_FSDP_PENDING),
-         pytest.param("pp", marks=_PIPELINE_PENDING), pytest.param("pp_tied", marks=_PIPELINE_PENDING)]
+KINDS = ["plain", "ddp", "tp", "dp_tp", "fsdp", "hybrid", "pp", "pp_tied"]
 
 
 def batch():
@@ -138,7 +132,7 @@ def test_full_state_dict_equals_one_process_at_every_layout(comm, kind):
 
 
 @pytest.mark.world_sizes(2, 4)
-@pytest.mark.parametrize("kind", ["dp_tp", pytest.param("fsdp", marks=_FSDP_PENDING)])
+@pytest.mark.parametrize("kind", ["dp_tp", "fsdp"])
 def test_full_state_dict_on_another_rank_and_on_all_ranks(comm, kind):
     layout = Layout(comm, kind)
     check_gather(layout, CONFIG, root=comm.Get_size() - 1)
@@ -150,7 +144,6 @@ def test_full_state_dict_on_another_rank_and_on_all_ranks(comm, kind):
 
 @pytest.mark.world_sizes(4)
 @pytest.mark.parametrize("dims", [(1, 2, 2), (2, 2, 1)], ids=["pp2_tp2", "dp2_pp2"])
-@_PIPELINE_PENDING
 def test_full_state_dict_equals_one_process_on_a_pipeline_mesh(comm, dims):
     layout = Layout(comm, "mesh", dims)
     check_gather(layout, CONFIG, root=0)
@@ -164,7 +157,6 @@ def _gather_3d(comm):
 
 
 @pytest.mark.mpi_skip  # simulated ranks only: under mpiexec every rank would run all eight again
-@_PIPELINE_PENDING
 def test_full_state_dict_equals_one_process_at_dp2_pp2_tp2():
     mpidist.simulate(8, _gather_3d)
 
