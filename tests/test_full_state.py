@@ -144,9 +144,12 @@ def test_full_state_dict_on_another_rank_and_on_all_ranks(comm, kind):
 
 @pytest.mark.world_sizes(4)
 @pytest.mark.parametrize("dims", [(1, 2, 2), (2, 2, 1)], ids=["pp2_tp2", "dp2_pp2"])
-def test_full_state_dict_equals_one_process_on_a_pipeline_mesh(comm, dims):
+def test_full_state_and_load_equal_one_process_on_a_pipeline_mesh(comm, dims):
     layout = Layout(comm, "mesh", dims)
     check_gather(layout, CONFIG, root=0)
+    layout.close()
+    layout = Layout(comm, "mesh", dims)
+    check_load(layout, CONFIG)
     layout.close()
 
 
@@ -154,10 +157,13 @@ def _gather_3d(comm):
     layout = Layout(comm, "mesh", (2, 2, 2))
     check_gather(layout, CONFIG, root=0)
     layout.close()
+    layout = Layout(comm, "mesh", (2, 2, 2))
+    check_load(layout, CONFIG)
+    layout.close()
 
 
 @pytest.mark.mpi_skip  # simulated ranks only: under mpiexec every rank would run all eight again
-def test_full_state_dict_equals_one_process_at_dp2_pp2_tp2():
+def test_full_state_and_load_equal_one_process_at_dp2_pp2_tp2():
     mpidist.simulate(8, _gather_3d)
 
 
@@ -166,12 +172,9 @@ def other_state(config=CONFIG):
     return GPT(config, rng=np.random.default_rng(3)).state_dict()
 
 
-@pytest.mark.world_sizes(1, 2, 4)
-@pytest.mark.parametrize("kind", KINDS)
-def test_load_full_state_dict_then_training_equals_one_process(comm, kind):
-    layout = Layout(comm, kind)
-    config = UNTIED if kind == "pp" else CONFIG
-    me = 0 if layout.comm is None else comm.Get_rank()
+def check_load(layout, config):
+    """Load another state from rank 0, check every copy, train, and compare with one process from that state."""
+    me = 0 if layout.comm is None else layout.comm.Get_rank()
     state = other_state(config)
     load_full_state_dict(layout.wrapped, state if me == 0 else None, layout.comm)
     got = full_state_dict(layout.wrapped, layout.comm, all_ranks=True)
@@ -180,6 +183,13 @@ def test_load_full_state_dict_then_training_equals_one_process(comm, kind):
     got = full_state_dict(layout.wrapped, layout.comm)
     if me == 0:
         assert_state_equals(got, one_process(config, state), TOL)
+
+
+@pytest.mark.world_sizes(1, 2, 4)
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_full_state_dict_then_training_equals_one_process(comm, kind):
+    layout = Layout(comm, kind)
+    check_load(layout, UNTIED if kind == "pp" else CONFIG)
     layout.close()
 
 
