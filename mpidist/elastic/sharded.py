@@ -41,6 +41,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..comm import world_ranks
 from .state import Replicated, _param_groups
 
 __all__ = ["ShardedState", "ID_SCALE"]
@@ -145,7 +146,7 @@ class ShardedState(Replicated):
                              f"(shards x replicas = {size}: full_shard, shard_grad_op or a hybrid strategy); units "
                              f"(label, shards, replicas): {[(s.label, s.num_shards, s.num_replicas) for s in layout]}")
         self.wrapper, self.comm = wrapper, comm
-        self._world = _world_ranks(comm)
+        self._world = world_ranks(comm)
         # Which chunk each position holds: under hybrid sharding the replicas of a chunk are natural holders.
         self._shard_of = list(wrapper.groups.shard_of)
         self._copies = size // (max(self._shard_of) + 1)  # ranks holding each chunk without any buddy
@@ -257,7 +258,7 @@ class ShardedState(Replicated):
     def _gather_full(self, record, comm):
         """Return ``({(unit, key): full flat array}, description)`` of ``record``, gathered over ``comm``."""
         world, replicas, layout, shard_of = record["world"], record["replicas"], record["layout"], record["shard_of"]
-        alive = _world_ranks(comm)
+        alive = world_ranks(comm)
         where = {w: r for r, w in enumerate(alive)}
         n = len(world)
         chunks = max(shard_of) + 1
@@ -330,13 +331,3 @@ def _buffer(spare, name, nbytes):
         if old is not None and old.nbytes == nbytes:
             return old
     return np.empty(nbytes, np.uint8)
-
-
-def _world_ranks(comm):
-    """World rank of each rank of ``comm``."""
-    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        return [int(r) for r in MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world)]
-    finally:
-        group.Free()
-        world.Free()

@@ -30,7 +30,8 @@ from mpi4py import MPI
 
 from .. import checkpoint as disk, standard_json
 from .fault import failing_save
-from .sharded import ID_SCALE, _param_groups, _world_ranks
+from ..comm import world_ranks
+from .sharded import ID_SCALE, _param_groups
 from .state import Replicated, refuse_tensor_parallel
 
 __all__ = ["StageState"]
@@ -93,7 +94,7 @@ class StageState(Replicated):
             raise ValueError(f"StageState: build(comm) must use all {comm.Get_size()} ranks (pipeline of "
                              f"{wrapper.comm.Get_size()} x {1 if wrapper.dp_comm is None else wrapper.dp_comm.Get_size()} replicas)")
         self.wrapper, self.comm = wrapper, comm
-        self._world = _world_ranks(comm)
+        self._world = world_ranks(comm)
         self._named = {}
         for placed in wrapper.placed_parameters():  # a further copy of a tied weight under the tied weight's name
             self._named[placed.name] = placed.parameter
@@ -187,7 +188,7 @@ class StageState(Replicated):
                                f"{[c['id'] for c in self._commits]})")
         record = where[0]
         del self._commits[self._commits.index(record) + 1:]
-        alive = _world_ranks(comm)
+        alive = world_ranks(comm)
         rank_of = {w: r for r, w in enumerate(alive)}
         lost = sorted(name for name, holders in record["holders"].items() if not any(w in rank_of for w in holders))
         if lost:
