@@ -268,11 +268,14 @@ def _bad_states():
     return {"missing": (missing, r"missing: \['blocks.0.mlp.fc.weight'\]"),
             "unexpected": (extra, r"unexpected: \['blocks.9.bias'\]"),
             "shape": (wrong, r"shape mismatch for 'embed.wpe.weight' \(state_dict: \(9, 16\), model: \(8, 16\)\)"),
-            "not_a_mapping": ([1, 2], "mapping of name -> array")}
+            "not_a_mapping": ([1, 2], "mapping of name -> array"),
+            "dtype": (dict(good, **{"blocks.1.ln1.weight": np.full(16, "x")}),
+                      r"'blocks.1.ln1.weight' has dtype <U1 in the state_dict, which does not cast to the model's "
+                      r"float64")}
 
 
 @pytest.mark.world_sizes(1, 2, 4)
-@pytest.mark.parametrize("case", ["missing", "unexpected", "shape", "not_a_mapping"])
+@pytest.mark.parametrize("case", ["missing", "unexpected", "shape", "not_a_mapping", "dtype"])
 def test_bad_full_state_raises_on_every_rank_and_changes_nothing(comm, case):
     layout = Layout(comm, "dp_tp")
     before = full_state_dict(layout.wrapped, comm, all_ranks=True)

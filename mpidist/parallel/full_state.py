@@ -272,6 +272,11 @@ def _check_state(fn, state, tensors, strict):
         got = tuple(getattr(value, "shape", ()))
         if got != known[name].shape:
             return f"{fn}: shape mismatch for {name!r} (state_dict: {got}, model: {known[name].shape})"
+        dtype = getattr(value, "dtype", None)
+        # Checked here, not where the root sends: a cast failing there would leave the receivers waiting.
+        if dtype is None or not np.can_cast(dtype, known[name].dtype, casting="same_kind"):
+            return (f"{fn}: {name!r} has dtype {dtype} in the state_dict, which does not cast to the model's "
+                    f"{known[name].dtype}")
     return None
 
 
@@ -300,7 +305,7 @@ def load_full_state_dict(obj, state, comm=None, *, rank=0, strict=True, context=
             continue
         mine = layout.all_boxes(t.name)
         if layout.me == rank:
-            full = to_numpy(state[t.name])
+            full = to_numpy(state[t.name]).astype(t.dtype, copy=False)
             pending = []
             for key in sorted(t.holders):
                 for holder in sorted(set(t.holders[key])):
