@@ -530,3 +530,20 @@ def test_nothing_above_comm_imports_the_simulator():
             if any(n == "mpidist.comm.sim" or n.startswith("mpidist.comm.sim.") for n in names):
                 offenders.append(f"{path.relative_to(root)}:{node.lineno}")
     assert offenders == [], offenders
+
+
+def test_only_comm_asks_whether_an_object_is_an_mpi4py_communicator():
+    """Above mpidist/comm, "is it simulated?" is ``mpidist.comm.is_simulated``, not an isinstance of MPI.Comm."""
+    import pathlib
+    import re
+    root = pathlib.Path(mpidist.__file__).parent
+    allowed = {
+        "data.py",               # DistributedSampler: an mpi4py object may be COMM_NULL or an intercomm: check_comm it
+        "guard/fingerprint.py",  # the desync waker (issue 27 A4 moves it)
+    }
+    pattern = re.compile(r"isinstance\([^)]*MPI\.(Comm|Intracomm)\b")
+    offenders = [f"{path.relative_to(root)}:{number}"
+                 for path in sorted(root.rglob("*.py"))
+                 if root / "comm" not in path.parents and path.relative_to(root).as_posix() not in allowed
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == [], offenders
