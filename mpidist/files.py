@@ -11,8 +11,10 @@ This module imports nothing else of mpidist.
 """
 
 import contextlib
+import errno
 import itertools
 import os
+import socket
 import threading
 import zlib
 
@@ -20,7 +22,7 @@ __all__ = ["write_atomic", "write_text_atomic", "atomic_path", "file_operation_h
            "fsync_dir", "make_dir", "remove_quietly", "remove_tree", "notify"]
 
 FILE_OPERATIONS = ("mkdir", "create", "write", "fsync", "rename", "fsync_dir", "remove", "rmdir")
-TMP_MARK = ".tmp."  # in the name of every file not yet renamed into place: "rank00003.bin.tmp.<pid>.<n>"
+TMP_MARK = ".tmp."  # in the name of every file not yet renamed into place: "rank00003.bin.tmp.<host>.<pid>.<n>.<random>"
 _this_thread = threading.local()  # .hook: the installed hook; .crashed: it raised (a simulated crash)
 _temporary_numbers = itertools.count()  # SimComm ranks are threads of one process: the pid alone is not unique
 
@@ -65,13 +67,19 @@ def fsync_dir(path):
         return
     try:
         os.fsync(fd)
+    except OSError as exc:
+        # Some file systems (FUSE object-store mounts, some CIFS) cannot fsync a directory; the rename is done,
+        # so failing now would report a save that did happen as failed.
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.ENOSYS, errno.EBADF):
+            raise
     finally:
         os.close(fd)
     notify("fsync_dir", path)
 
 
 def _temporary_name(path):
-    return f"{path}{TMP_MARK}{os.getpid()}.{next(_temporary_numbers)}"
+    # Unique across the processes of every node sharing the directory: containers reuse pids across nodes.
+    return f"{path}{TMP_MARK}{socket.gethostname()}.{os.getpid()}.{next(_temporary_numbers)}.{os.urandom(4).hex()}"
 
 
 @contextlib.contextmanager
@@ -122,7 +130,7 @@ def write_atomic(path, chunks, *, fsync=True):
     """
     crc, total = 0, 0
     with _renamed_into_place(os.fspath(path), fsync) as tmp:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:
             notify("create", tmp)
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")

@@ -133,6 +133,61 @@ def test_threads_writing_one_path_at_once_use_distinct_temporary_names(tmp_path)
     assert errors == [] and path.read_bytes() == content and os.listdir(tmp_path) == ["cache.bin"]
 
 
+def test_writers_on_other_hosts_with_the_same_pid_never_share_a_temporary_file(tmp_path, monkeypatch):
+    """Containers on two nodes may run writers with the same pid over one shared directory (a data cache): the
+    temporary name carries the host and a random part, and the file is created exclusively, never truncated."""
+    target = tmp_path / "cache.bin"
+    names = []
+    real_open = open
+
+    def recording_open(path, mode="r", *args, **kwargs):
+        if files.TMP_MARK in str(path):
+            names.append(str(path))
+            assert mode == "xb", mode  # O_EXCL: a clash fails loudly instead of truncating the other writer's file
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", recording_open)
+    for host in ("node1", "node2"):
+        monkeypatch.setattr(files.socket, "gethostname", lambda host=host: host)
+        monkeypatch.setattr(files, "_temporary_numbers", iter([0]))  # a fresh process on each node
+        files.write_atomic(str(target), [host.encode()])
+    assert len(names) == 2 and names[0] != names[1]
+    assert ".node1." in names[0] and ".node2." in names[1]
+    assert target.read_bytes() == b"node2"
+
+
+@pytest.mark.parametrize("code", ["EINVAL", "ENOTSUP"])
+def test_a_directory_that_cannot_be_fsynced_does_not_fail_a_write_that_happened(tmp_path, monkeypatch, code):
+    """Object-store FUSE mounts refuse fsync on a directory; the rename already happened, so the write succeeded."""
+    import errno
+
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    files.write_text_atomic(str(tmp_path / "out.json"), "{}")
+    assert (tmp_path / "out.json").read_text() == "{}"
+
+
+def test_a_directory_fsync_failing_otherwise_is_reported(tmp_path, monkeypatch):
+    import errno
+
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, "I/O error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError, match="I/O error"):
+        files.write_text_atomic(str(tmp_path / "out.json"), "{}")
+
+
 def test_checkpoint_reexports_the_hook():
     from mpidist import checkpoint
     assert checkpoint.file_operation_hook is files.file_operation_hook

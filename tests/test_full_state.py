@@ -271,11 +271,23 @@ def _bad_states():
             "not_a_mapping": ([1, 2], "mapping of name -> array"),
             "dtype": (dict(good, **{"blocks.1.ln1.weight": np.full(16, "x")}),
                       r"'blocks.1.ln1.weight' has dtype <U1 in the state_dict, which does not cast to the model's "
-                      r"float64")}
+                      r"float64"),
+            # Shaped and typed like the model's array, but numpy cannot read it (as a torch tensor that requires
+            # grad): the root must find out before the ranks agree, or the others wait for a send that never comes.
+            "unreadable": (dict(good, **{"blocks.1.ln1.weight": _Unreadable((16,), np.float64)}),
+                           r"'blocks.1.ln1.weight' is not an array numpy can read \(_Unreadable: no numpy for you\)")}
+
+
+class _Unreadable:
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, np.dtype(dtype)
+
+    def __array__(self, *args, **kwargs):
+        raise RuntimeError("no numpy for you")
 
 
 @pytest.mark.world_sizes(1, 2, 4)
-@pytest.mark.parametrize("case", ["missing", "unexpected", "shape", "not_a_mapping", "dtype"])
+@pytest.mark.parametrize("case", ["missing", "unexpected", "shape", "not_a_mapping", "dtype", "unreadable"])
 def test_bad_full_state_raises_on_every_rank_and_changes_nothing(comm, case):
     layout = Layout(comm, "dp_tp")
     before = full_state_dict(layout.wrapped, comm, all_ranks=True)
@@ -283,6 +295,28 @@ def test_bad_full_state_raises_on_every_rank_and_changes_nothing(comm, case):
     with pytest.raises(ValueError, match=message):
         load_full_state_dict(layout.wrapped, state if comm.Get_rank() == 0 else None, comm)
     assert_state_equals(full_state_dict(layout.wrapped, comm, all_ranks=True), before, 0)
+    layout.close()
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_a_dtype_the_collectives_do_not_carry_raises_on_every_rank(comm):
+    """A float128 parameter cannot travel: every rank says so from the catalog (a send of it would fail on the
+    sending rank only and leave the root waiting)."""
+    module = nn.Linear(2, 2, dtype=np.float64)
+    module.weight = nn.Parameter(np.zeros((2, 2), dtype=np.longdouble))
+    for call in (lambda: full_state_dict(module, comm, rank=1),
+                 lambda: load_full_state_dict(module, None, comm, rank=1)):
+        with pytest.raises(ValueError, match=r"'weight' has dtype float128 on rank 0, which mpidist's collectives "
+                                             r"do not carry"):
+            call()
+
+
+def test_a_parameter_without_optimizer_state_yet_is_left_out(comm):
+    """Before the first step AdamW holds no state: the gathered state names no parameter."""
+    layout = Layout(comm, "ddp")
+    got = full_optimizer_state_dict(layout.wrapped, layout.opt, comm)
+    if comm.Get_rank() == 0:
+        assert got["state"] == {}
     layout.close()
 
 

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
-from .. import collectives
+from .. import collectives, wire
 from ..comm.agree import describe_ranks, raise_if_any
 from ..nn.placement import boxes, check_tiling, global_shape
 from ..xp import copy_into, get_array_module, to_numpy
@@ -65,12 +65,12 @@ def _local_entries(wrapper, writable):
 
 def _optimizer_entry(optimizer, param, index):
     """Return ``{key: ("array", dtype) | ("value", value)}`` of ``optimizer``'s state for ``param``, or None when
-    ``param`` is not one of its parameters; arrays are those shaped like the parameter (moments), the rest values."""
+    ``param`` is not one of its parameters or has no state yet; arrays are those shaped like the parameter (moments), the rest values."""
     i = index.get(id(param))
-    if i is None:
+    if i is None or not optimizer.state.get(i):  # not its parameter, or no state yet (before the first step)
         return None
     out = {}
-    for key, value in optimizer.state.get(i, {}).items():
+    for key, value in optimizer.state[i].items():
         if key.startswith("_"):
             continue
         if hasattr(value, "shape") and tuple(value.shape) == tuple(param.data.shape) and value.ndim:
@@ -146,6 +146,9 @@ class _Layout:
             param_lists.append([e[0] for e in catalog if not e[5] and e[4]])
             buffer_lists.append([e[0] for e in catalog if e[5]])
             for name, shape, dtype, stage, primary, is_buffer, held, opt in catalog:
+                if dtype not in wire.SUPPORTED_DTYPES:  # found here, on every rank: a send of it fails on one side
+                    raise ValueError(f"{fn}: {name!r} has dtype {dtype} on rank {rank}, which mpidist's collectives "
+                                     f"do not carry (supported: {', '.join(d.name for d in wire.SUPPORTED_DTYPES)})")
                 t = tensors.get(name)
                 if t is None:
                     t = tensors[name] = _Tensor(name, tuple(shape), dtype, stage, is_buffer)
@@ -258,26 +261,33 @@ def full_state_dict(obj, comm=None, *, rank=0, all_ranks=False) -> Dict[str, np.
 
 
 def _check_state(fn, state, tensors, strict):
-    """Return what is wrong with ``state`` for the model of ``tensors`` (a message), or None."""
+    """Return (what is wrong with ``state`` for the model of ``tensors`` or None, its arrays as numpy by name).
+
+    Everything that could fail on the root (converting a value to numpy, checking its cast) happens here, before
+    the ranks agree: a failure after that point would leave the receivers waiting.
+    """
     if not isinstance(state, Mapping):
-        return f"{fn}: the root must pass a mapping of name -> array (got {type(state).__name__})"
+        return f"{fn}: the root must pass a mapping of name -> array (got {type(state).__name__})", {}
     known = {t.name: t for t in tensors}
     missing = [name for name in known if name not in state]
     unexpected = [name for name in state if name not in known]
     if strict and (missing or unexpected):
-        return f"{fn}: keys do not match the model (missing: {missing}, unexpected: {unexpected})"
+        return f"{fn}: keys do not match the model (missing: {missing}, unexpected: {unexpected})", {}
+    arrays = {}
     for name, value in state.items():
         if name not in known:
             continue
-        got = tuple(getattr(value, "shape", ()))
-        if got != known[name].shape:
-            return f"{fn}: shape mismatch for {name!r} (state_dict: {got}, model: {known[name].shape})"
-        dtype = getattr(value, "dtype", None)
-        # Checked here, not where the root sends: a cast failing there would leave the receivers waiting.
-        if dtype is None or not np.can_cast(dtype, known[name].dtype, casting="same_kind"):
-            return (f"{fn}: {name!r} has dtype {dtype} in the state_dict, which does not cast to the model's "
-                    f"{known[name].dtype}")
-    return None
+        try:
+            array = np.asarray(to_numpy(value))
+        except Exception as exc:  # noqa: BLE001 - any value numpy cannot take is the user's error, on every rank
+            return f"{fn}: {name!r} is not an array numpy can read ({type(value).__name__}: {exc})", {}
+        if array.shape != known[name].shape:
+            return f"{fn}: shape mismatch for {name!r} (state_dict: {array.shape}, model: {known[name].shape})", {}
+        if array.dtype.kind not in "biufc" or not np.can_cast(array.dtype, known[name].dtype, casting="same_kind"):
+            return (f"{fn}: {name!r} has dtype {array.dtype} in the state_dict, which does not cast to the model's "
+                    f"{known[name].dtype}"), {}
+        arrays[name] = array
+    return None, arrays
 
 
 def load_full_state_dict(obj, state, comm=None, *, rank=0, strict=True, context="load_full_state_dict") -> None:
@@ -290,7 +300,7 @@ def load_full_state_dict(obj, state, comm=None, *, rank=0, strict=True, context=
     """
     layout = _Layout(obj, comm, context, writable=True)
     _check_root(context, layout.comm, rank)
-    problem = _check_state(context, state, layout.tensors, strict) if layout.me == rank else None
+    problem, arrays = _check_state(context, state, layout.tensors, strict) if layout.me == rank else (None, {})
     if layout.comm is None:
         if problem:
             raise ValueError(problem)
@@ -305,13 +315,13 @@ def load_full_state_dict(obj, state, comm=None, *, rank=0, strict=True, context=
             continue
         mine = layout.all_boxes(t.name)
         if layout.me == rank:
-            full = to_numpy(state[t.name]).astype(t.dtype, copy=False)
+            full = arrays[t.name].astype(t.dtype, copy=False)
             pending = []
             for key in sorted(t.holders):
-                for holder in sorted(set(t.holders[key])):
-                    if holder != rank:
-                        piece = np.ascontiguousarray(full[_index(*key)])
-                        pending.append(collectives.isend(piece, holder, layout.comm, tag=_TAG))
+                others = [holder for holder in sorted(set(t.holders[key])) if holder != rank]
+                piece = np.ascontiguousarray(full[_index(*key)]) if others else None  # one copy per box, not per holder
+                for holder in others:
+                    pending.append(collectives.isend(piece, holder, layout.comm, tag=_TAG))
             for key, copies in mine.items():
                 for array, box in copies:
                     copy_into(box.view(array), full[_index(*key)])
