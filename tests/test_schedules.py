@@ -2,7 +2,7 @@
 import pytest
 
 from mpidist.parallel.pipeline.schedules import (
-    Action, DeadlockError, Kind, Schedule, format_grid, gpipe, insert_comms, interleaved_1f1b, one_f_one_b,
+    Action, ScheduleDeadlockError, Kind, Schedule, format_grid, gpipe, insert_comms, interleaved_1f1b, one_f_one_b,
     simulate_schedule, validate, zero_bubble_h1,
 )
 
@@ -144,7 +144,7 @@ def test_deadlock_in_compute_order_is_reported():
     # Stage 1 wants mb 1 first, but rank 0 only forwards mb 1 after 0B0, which needs 1B0: a cycle.
     bad = Schedule("bad", 2, 2, 1, [["0F0", "0B0", "0F1", "0B1"], ["1F1", "1F0", "1B0", "1B1"]])
     validate(bad)  # every action present, in F-before-B order per stage: the cycle is only visible in time
-    with pytest.raises(DeadlockError, match=r"rank 0 waits at step 1 on 0B0; rank 1 waits at step 0 on 1F1"):
+    with pytest.raises(ScheduleDeadlockError, match=r"rank 0 waits at step 1 on 0B0; rank 1 waits at step 0 on 1F1"):
         simulate_schedule(bad)
 
 
@@ -155,7 +155,7 @@ def test_deadlock_from_swapped_comms_is_reported():
     rank0[1], rank0[2] = rank0[2], rank0[1]  # receive the gradient before sending the activation it depends on
     bad = good.replace_actions([rank0, good.actions[1]], name="swapped")
     validate(bad)
-    with pytest.raises(DeadlockError, match=r"rank 0 waits at step 1 on 0rB0; rank 1 waits at step 0 on 1rF0"):
+    with pytest.raises(ScheduleDeadlockError, match=r"rank 0 waits at step 1 on 0rB0; rank 1 waits at step 0 on 1rF0"):
         simulate_schedule(bad)
 
 
@@ -189,3 +189,12 @@ def test_bad_arguments_are_rejected():
         Schedule("short", 2, 1, 1, [["0F0", "0B0"]])
     with pytest.raises(ValueError, match="already has send/recv"):
         insert_comms(insert_comms(gpipe(2, 1)))
+
+
+def test_a_schedule_deadlock_and_a_communication_deadlock_have_distinct_names():
+    """One name, one meaning: the schedule simulator's error is not the simulated communicator's."""
+    import mpidist
+    from mpidist.parallel import pipeline
+
+    assert pipeline.ScheduleDeadlockError is not mpidist.DeadlockError
+    assert not hasattr(pipeline, "DeadlockError")

@@ -252,7 +252,7 @@ class Pipeline(Wrapper):
         if not schedule.has_comms:
             schedule = insert_comms(schedule)
         validate(schedule)
-        simulate_schedule(schedule)  # raises DeadlockError instead of hanging the ranks
+        simulate_schedule(schedule)  # raises ScheduleDeadlockError instead of hanging the ranks
         return schedule
 
     # -- the step ----------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from enum import Enum
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = [
-    "Kind", "Action", "Schedule", "SimResult", "DeadlockError",
+    "Kind", "Action", "Schedule", "SimResult", "ScheduleDeadlockError",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1",
     "insert_comms", "validate", "simulate_schedule", "format_grid",
 ]
@@ -342,7 +342,7 @@ class SimResult:
         return (self.makespan - mean_busy) / mean_busy
 
 
-class DeadlockError(RuntimeError):
+class ScheduleDeadlockError(RuntimeError):
     """No rank can run its next action."""
 
 
@@ -354,7 +354,7 @@ def simulate_schedule(schedule: Schedule, f_cost: float = 1.0, b_cost: float = 2
     b_cost / 2) and B the rest, so f=1, b=2 gives B=1, W=1. Passing w_cost to an unsplit schedule is an error.
     Dependencies: F(s, k) needs F(s-1, k); B(s, k) needs F(s, k) and B(s+1, k); W(s, k) needs B(s, k).
     A receive additionally waits for its send plus comm_cost; sends do not block (see module notes).
-    Raises DeadlockError naming each rank's stuck action when no rank can proceed.
+    Raises ScheduleDeadlockError naming each rank's stuck action when no rank can proceed.
     """
     s = schedule
     if s.split_backward:
@@ -411,7 +411,7 @@ def simulate_schedule(schedule: Schedule, f_cost: float = 1.0, b_cost: float = 2
         if not progressed:
             stuck = "; ".join(f"rank {r} waits at step {step[r]} on {row[step[r]]}"
                               for r, row in enumerate(s.actions) if step[r] < len(row))
-            raise DeadlockError(f"schedule {s.name} (p={s.p}, m={s.m}, v={s.v}) deadlocks: {stuck}")
+            raise ScheduleDeadlockError(f"schedule {s.name} (p={s.p}, m={s.m}, v={s.v}) deadlocks: {stuck}")
 
     makespan = max(clock)
     busy = tuple(sum(e - b for b, e, a in tl if a.kind.is_compute) for tl in timelines)
