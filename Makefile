@@ -74,7 +74,7 @@ endif
 # The single-process tests that start their own mpiexec: the test files that import tests/launcher.py.
 LAUNCH_TESTS = $(shell grep -l '^import launcher' tests/test_*.py)
 
-.PHONY: venv test test-sim test-mpi test-launch demo demo-digits bench clean test-slurm bench-plot test-mpi4py \
+.PHONY: venv test lint test-sim test-mpi test-launch demo demo-digits bench clean test-slurm bench-plot test-mpi4py \
         test-elastic demo-elastic test-cluster test-hf
 
 $(MARKER): setup.cfg pyproject.toml
@@ -88,7 +88,11 @@ endif
 
 venv: $(MARKER)
 
-test: test-sim test-mpi
+test: lint test-sim test-mpi
+
+# Errors only (undefined or unused names, bad imports, syntax): the rules are in pyproject.toml.
+lint: venv
+	$(VENV)/bin/ruff check mpidist tests benchmarks examples
 
 test-sim: venv
 	$(PY) $(PYTEST)

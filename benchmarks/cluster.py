@@ -143,7 +143,7 @@ def driver(args):
     for row in flat["allreduce"]:
         print(f"{row['bytes']:>10}{row['mpidist_us']:>13.1f}{row['raw_us']:>12.1f}{row['mpidist_algbw_GBps']:>12.3f}"
               f"{row['mpidist_busbw_GBps']:>12.3f}{row['mpidist_of_link_limit']:>9.2f}")
-    print(f"DDP step, MLP 784-1024-1024-10 (7.45 MB of float32 gradients), batch 64 per rank")
+    print("DDP step, MLP 784-1024-1024-10 (7.45 MB of float32 gradients), batch 64 per rank")
     print(f"{'nodes x ranks':>14}{'local ms':>10}{'DDP ms':>10}{'exposed sync':>14}{'no overlap ms':>15}"
           f"{'its sync':>10}{'hidden':>8}")
     for layout, run in ddp.items():

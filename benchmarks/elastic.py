@@ -118,7 +118,6 @@ def worker(args):
                       "commit_bytes": state.stats["commit_bytes"]}
     else:
         comm = MPI.COMM_WORLD
-        started = time.time()
         ddp = DDP(model, comm)
         faults = elastic.faults_from_env()
         state = {"model": ddp, "optim": opt, "sampler": sampler}

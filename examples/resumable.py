@@ -19,7 +19,7 @@ import numpy as np
 
 import mpidist
 from mpidist import checkpoint, nn, optim
-from mpidist.preemption import PREEMPTED_EXIT, Preemption
+from mpidist.preemption import Preemption
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 24
 

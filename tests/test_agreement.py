@@ -98,7 +98,7 @@ def test_skipped_optimizer_step_is_caught_at_the_next_sync(comm, wrapper):
     crit(model(x[rank::size]), y[rank::size]).backward()
     if rank != size - 1:  # the last rank skips opt.step(): its parameters would silently diverge
         opt.step()
-    ahead = "rank 0" if size == 2 else f"ranks 0,1,2"
+    ahead = "rank 0" if size == 2 else "ranks 0,1,2"
     # DDP sees it at the synchronization; FSDP already at the next training forward (it gathers there).
     where, backwards, syncs = ("gradient synchronization", 3, 3) if wrapper == "ddp" else ("training forward", 2, 2)
     with pytest.raises(DesyncError, match=rf"{where} #3 \({ahead}: 3 training forwards, {backwards} backwards \({syncs} synchronizing\), 2 optimizer "
@@ -228,7 +228,7 @@ def test_stamp_sums_tell_equal_counts_from_different_ones():
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_ddp_carries_the_stamp_in_its_last_bucket(comm, dtype):
     """No message of its own where the bucket dtype holds the sums; a skipped step is still caught."""
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
     model = DDP(make_model(dtype=dtype), comm)
     assert model._stamp_mod is not None and model.buckets[-1].stamp_view is not None
     x = np.ones((4, IN), dtype=dtype)

@@ -4,7 +4,6 @@ Gradient checks use random shapes with broadcasting and non-contiguous inputs (F
 strided views); the reference is ``tests/gradcheck.py`` (finite differences of the forward alone).
 """
 
-import sys
 import tracemalloc
 
 import numpy as np

@@ -414,8 +414,8 @@ def test_tensor_parallel_gpt_checkpoint_loads_at_every_layout(comm, tmp_path_fac
     for i, p in enumerate(params):
         name = names[id(p)]
         ref_param, ref_state = expected[name]
-        for g, l in _global_view(p, p.data):
-            assert np.array_equal(p.data[l], ref_param.data[g]), name
+        for g, local in _global_view(p, p.data):
+            assert np.array_equal(p.data[local], ref_param.data[g]), name
             for k in ("exp_avg", "exp_avg_sq"):
-                assert np.array_equal(opt.state[i][k][l], ref_state[k][g]), (name, k)
+                assert np.array_equal(opt.state[i][k][local], ref_state[k][g]), (name, k)
     grid.free()

@@ -92,7 +92,6 @@ def test_norm_over_ranks_equals_the_norm_of_the_whole(comm, norm_type):
 # -- parity -------------------------------------------------------------------------------------------------
 @pytest.mark.world_sizes(2, 3, 4)
 def test_ddp_with_clipping_matches_single_process(comm):
-    size, rank = comm.Get_size(), comm.Get_rank()
     ddp = DDP(test_fsdp.make_model(), comm)
     ref = test_fsdp.make_model()
     opt, ref_opt = SGD(list(ddp.parameters()), lr=0.5), SGD(list(ref.parameters()), lr=0.5)

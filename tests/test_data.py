@@ -294,7 +294,7 @@ def test_bad_loader_settings_are_refused_with_their_values(comm):
     state = DataLoader(ds, 2, comm, seed=1).state_dict()
     with pytest.raises(ValueError, match=r"seed=1 \(this loader: 2\)"):
         DataLoader(ds, 2, comm, seed=2).load_state_dict(state)
-    with pytest.raises(ValueError, match=rf"batch_size=2 \(this loader: 3\)"):
+    with pytest.raises(ValueError, match=r"batch_size=2 \(this loader: 3\)"):
         DataLoader(ds, 3, comm, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match=rf"position 99 is outside an epoch of {(50 // size) // 2} batches"):
         DataLoader(ds, 2, comm, seed=1).load_state_dict(dict(state, position=99))

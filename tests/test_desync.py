@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from mpi4py import MPI
+from mpi4py import MPI  # noqa: F401 - MPI initialized before the launcher tests start jobs
 
 import launcher
 import mpidist

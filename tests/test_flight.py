@@ -185,7 +185,7 @@ def test_watchdog_timeout_writes_every_rank_and_the_report_names_who_never_arriv
     assert f"flight records: {tmp_path}/" in out and "python -m mpidist flight" in out, out
     text = report(tmp_path)
     assert f"flight records of {n} of {n} ranks" in text, text
-    assert f"first difference at #3" in text and f"rank {n - 1} never arrived; its last call here: #2 allreduce, " \
+    assert "first difference at #3" in text and f"rank {n - 1} never arrived; its last call here: #2 allreduce, " \
            f"completed" in text, text
     assert f"ranks {list(range(n - 1))}: allreduce(float64, count=16, 128 B, op=sum), in flight" in text, text
 

@@ -354,7 +354,7 @@ def test_a_reduce_scatter_of_different_row_counts_times_out_naming_how_the_ranks
     assert proc.returncode != 0 and "mpidist watchdog: reduce_scatter #0 on MPI_COMM_WORLD did not complete" in out, out
     assert "ranks that did not: []" not in out, out
     odd, others = n - 1, ",".join(map(str, range(n - 1)))
-    assert (f"every member is in #0 but the calls differ" in out
+    assert ("every member is in #0 but the calls differ" in out
             and f"{'ranks' if n > 2 else 'rank'} {others}: #0 reduce_scatter(dtype=float64, count=12, op=sum); "
                 f"rank {odd}: #0 reduce_scatter(dtype=float64, count=15, op=sum)" in out), out
 

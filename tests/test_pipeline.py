@@ -467,7 +467,7 @@ def test_a_stage_that_is_not_a_module_raises_on_every_rank(comm):
 
 @pytest.mark.world_sizes(2, 4)
 def test_step_errors_raise_on_every_rank(comm):
-    p, rank = comm.Get_size(), comm.Get_rank()
+    p = comm.Get_size()
     chunks, _ = split_model(comm, "1f1b")
     pipe = Pipeline(chunks[0], comm, 4, loss_fn=CrossEntropyLoss())
     x, y = batch(0, 9)

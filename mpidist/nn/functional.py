@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from mpidist.nn.autograd import Tensor, as_tensor, make_result, make_results, unbroadcast
+from mpidist.nn.autograd import Tensor, make_result, make_results, unbroadcast
 from mpidist.nn.random import generator_for_draw
 from mpidist.xp import get_array_module, scatter_add
 

@@ -3,7 +3,7 @@ import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
+from mpi4py import MPI  # noqa: F401 - initializes MPI before mpidist, as a user program does
 
 import mpidist
 

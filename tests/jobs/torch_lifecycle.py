@@ -93,7 +93,7 @@ def split():
 
 
 def monitor():
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     dist.monitored_barrier(timeout=timedelta(seconds=30))
     dist.monitored_barrier(timeout=timedelta(seconds=30), wait_all_ranks=True)
     limit = 1.0

@@ -13,7 +13,6 @@ Scenarios (float64, fixed seeds; every rank builds the same initial model and ta
 """
 
 import argparse
-import copy
 import os
 import sys
 

@@ -11,7 +11,6 @@ them; so a standard ``Send`` never blocks here although a large one may block un
 import threading
 import time
 
-import numpy as np
 from mpi4py import MPI
 
 from ..errors import CollectiveMismatchError, SimAbort

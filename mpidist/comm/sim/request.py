@@ -4,7 +4,6 @@ A request is active until a Wait/Test completes it; it then becomes null (false,
 ``MPI.REQUEST_NULL``) like mpi4py's. Persistent requests stay valid (inactive) until ``Free``.
 """
 
-import pickle
 import threading
 
 from mpi4py import MPI

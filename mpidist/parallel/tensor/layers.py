@@ -20,7 +20,6 @@ replicated biases and position embeddings.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
