@@ -249,7 +249,7 @@ def run_worker(args):
     from mpi4py import MPI
 
     from mpidist import DDP, mesh
-    from mpidist.parallel import tensor_parallel
+    from mpidist.models import tensor_parallel
 
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()

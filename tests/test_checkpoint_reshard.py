@@ -334,7 +334,8 @@ def _gpt_config():
 def _gpt_layout(comm, dp, tp, pp, sequence_parallel=True):
     """This rank's model (what it trains and checkpoints) and optimizer at (dp, tp, pp), built from seed 0."""
     from mpidist.models import GPT
-    from mpidist.parallel import DDP, Pipeline, mesh, tensor_parallel
+    from mpidist.models import tensor_parallel
+    from mpidist.parallel import DDP, Pipeline, mesh
     grid = mesh(comm, dp=dp, pp=pp, tp=tp)
     model = GPT(_gpt_config(), rng=np.random.default_rng(0))
     if tp > 1:

@@ -27,7 +27,8 @@ from mpidist import simulate
 from mpidist.guard import record
 from mpidist.models import GPT, GPTConfig, lm_loss
 from mpidist.optim import SGD, AdamW
-from mpidist.parallel import DDP, FSDP, Pipeline, mesh, tensor_parallel
+from mpidist.models import tensor_parallel
+from mpidist.parallel import DDP, FSDP, Pipeline, mesh
 
 TOL = 1e-10
 STEPS = 3

@@ -13,7 +13,8 @@ import mpidist
 from mpidist import nn, optim
 from mpidist.models import GPT, GPTConfig
 from mpidist.nn.placement import Shard
-from mpidist.parallel import DDP, FSDP, Pipeline, Wrapper, mesh, tensor_parallel
+from mpidist.models import tensor_parallel
+from mpidist.parallel import DDP, FSDP, Pipeline, Wrapper, mesh
 from mpidist.parallel import full_optimizer_state_dict, full_state_dict, iter_full_state, load_full_state_dict
 
 # vocabulary 61: padded rows at tp 2 and 4; float64 so that layouts agree with one process to 1e-12.

@@ -16,7 +16,8 @@ from mpidist import nn
 from mpidist.models import GPT, GPTConfig, lm_loss
 from mpidist.nn.placement import FlatShard, Replicate, Shard, boxes, global_shape, set_placement
 from mpidist.optim import Adam
-from mpidist.parallel import DDP, Pipeline, mesh, tensor_parallel
+from mpidist.models import tensor_parallel
+from mpidist.parallel import DDP, Pipeline, mesh
 from mpidist.parallel.fsdp import FSDP
 from mpidist.parallel.interface import CommMesh, LocalModule, PlacedParameter, Wrapper, as_wrapper
 

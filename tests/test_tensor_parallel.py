@@ -26,7 +26,8 @@ from mpidist.models import GPT, GPTConfig, lm_loss
 from mpidist.nn import functional as F
 from mpidist.nn.placement import Replicate, Shard, placement_of
 from mpidist.optim import AdamW
-from mpidist.parallel import DDP, FSDP, Pipeline, mesh, tensor_parallel
+from mpidist.models import tensor_parallel
+from mpidist.parallel import DDP, FSDP, Pipeline, mesh
 from mpidist.parallel.tensor import (ColumnParallelLinear, ParallelAttention, ParallelLayerNorm, ParallelMLP,
                                      RowParallelLinear, VocabParallelEmbedding, copy_to_tp, gather_last,
                                      gather_sequence, padded_split, reduce_from_tp, scatter_sequence,
@@ -533,3 +534,23 @@ def test_mesh_sizes_must_multiply_to_the_world(comm):
         mesh(comm, tp=3)
     with pytest.raises(ValueError, match=r"tp must be an int >= 1 \(got 0\)"):
         mesh(comm, tp=0)
+
+
+def test_parallel_never_imports_models():
+    """The model says how it is cut (mpidist.models.tensor_parallel); mpidist.parallel provides only the layers."""
+    import ast
+    import pathlib
+
+    import mpidist.parallel
+
+    root = pathlib.Path(mpidist.parallel.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            if isinstance(node, ast.ImportFrom) and node.level >= 2 and (node.module or "").startswith("models"):
+                names = ["mpidist.models"]
+            offenders += [f"{path.relative_to(root)}: {n}" for n in names if n.startswith("mpidist.models")]
+    assert offenders == []
+    assert not hasattr(mpidist.parallel, "tensor_parallel")

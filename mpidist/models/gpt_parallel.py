@@ -1,5 +1,8 @@
 """``tensor_parallel(model, tp_comm)``: split a GPT built from a seed into this rank's tensor-parallel slice.
 
+It lives with the model, not in ``mpidist.parallel``: the conversion knows the GPT's layout, and parallel never
+imports models (it provides the layers, ``mpidist.parallel.tensor``; the model says how it is cut).
+
 Every TP rank builds the same unsharded GPT (same config, same seed) and converts it in place; each keeps its
 slice, so a TP run starts from exactly the weights of the single-process model it is compared with. The
 converted model keeps the GPT's layout (``embed``, ``blocks``, ``head``; parameter names unchanged), so FSDP
@@ -20,11 +23,12 @@ from mpidist.nn.autograd import Tensor
 from mpidist.nn.module import Module, ModuleList, Parameter
 from mpidist.nn.placement import placement_of, set_placement
 from mpidist.parallel.agreement import check_same_structure
+from mpidist.parallel.tensor.layers import (ParallelAttention, ParallelLayerNorm, ParallelMLP, VocabParallelEmbedding,
+                                            _replicated, _rows, _sharded, _TPModule, vocab_parallel_cross_entropy)
+from mpidist.parallel.tensor.ops import gather_last
 from mpidist.xp import asarray_like
 
-from .layers import (ParallelAttention, ParallelLayerNorm, ParallelMLP, VocabParallelEmbedding, _replicated, _rows,
-                     _sharded, _TPModule, vocab_parallel_cross_entropy)
-from .ops import gather_last
+from .gpt import GPT
 
 __all__ = ["tensor_parallel", "ParallelBlock", "ParallelGPTEmbedding", "ParallelGPTHead"]
 
@@ -118,7 +122,6 @@ def tensor_parallel(model, tp_comm, sequence_parallel=True):
     dtype or ``requires_grad``, raises on every rank). Parameter names stay those of the unsharded model; each
     parameter's ``placement`` says whether it is a slice or replicated; a slice of a frozen parameter is frozen.
     """
-    from mpidist.models.gpt import GPT  # models sit above nn; the conversion knows the GPT's layout
     check_comm("tensor_parallel", tp_comm)
     if not isinstance(model, GPT):
         raise TypeError(f"tensor_parallel: model must be an mpidist.models.GPT (got {type(model).__name__})")
