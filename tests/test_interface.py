@@ -271,6 +271,23 @@ def test_clip_counts_a_tied_copy_once_and_scales_it_alike():
         np.testing.assert_allclose(p.grad, grad / (5.0 + 1e-6), rtol=1e-12)
 
 
+@pytest.mark.parametrize("layout", ["copy_listed_twice", "copy_is_the_primary_object"])
+def test_clip_scales_each_parameter_once_however_often_it_is_listed(layout):
+    """A tied weight in two chunks of one interleaved pipeline rank is listed twice (or the primary object is
+    also listed as a copy): its gradient is scaled once, not squared."""
+    grad = np.array([3.0, 4.0])
+    primary, copy = nn.Parameter(np.zeros(2)), nn.Parameter(np.zeros(2))
+    primary.grad, copy.grad = grad.copy(), grad.copy()
+    wrapper = _TiedCopy(primary, copy)
+    if layout == "copy_listed_twice":
+        wrapper.placed += (PlacedParameter("w", copy, None, primary=False),)
+    else:
+        wrapper.placed += (PlacedParameter("w", primary, None, primary=False),)
+    assert wrapper.clip_grad_norm_(1.0) == pytest.approx(5.0, rel=1e-12)
+    for p in (primary, copy):
+        np.testing.assert_allclose(p.grad, grad / (5.0 + 1e-6), rtol=1e-12)
+
+
 # -- Pipeline ---------------------------------------------------------------------------------------------------
 # A GPT cut by pipeline_stages over the pipeline ranks of a mesh: "pp" and "pp_tied" over all ranks (a world of 4
 # cuts one block into stages [embed], [block], [], [head]), "dp_pp_tied" with two data-parallel replicas.

@@ -140,8 +140,13 @@ class Wrapper(abc.ABC):
         # Non-primary copies of a tied weight hold the same gradient as the primary: scale them alike.
         scale = clip_coefficient(total, max_norm)
         if scale < 1.0:
-            for p in self.placed_parameters():
-                if not p.primary and p.parameter.grad is not None:
+            placed = self.placed_parameters()
+            # Each Parameter once: one object may be listed as several copies (a tied weight in two chunks of an
+            # interleaved pipeline rank), or as the primary the clip above already scaled.
+            scaled = {id(p.parameter) for p in placed if p.primary}
+            for p in placed:
+                if not p.primary and p.parameter.grad is not None and id(p.parameter) not in scaled:
+                    scaled.add(id(p.parameter))
                     p.parameter.grad *= scale
         return total
 
