@@ -25,6 +25,23 @@ from .request import SimRequest
 
 __all__ = ["SimComm", "SimIntercomm", "COMM_NULL"]
 
+# MPI_Comm_get_errhandler hands out a new reference that the caller frees. A copy of the Python handle is not
+# one: a program freeing it (as it must) drops the library's own reference, and Open MPI then crashes in the
+# next call that uses that handler (MPICH ignores the free of a predefined one). A private duplicate of COMM_SELF
+# per error handler lets the library itself give out the references.
+_errhandler_holders = {}  # Fortran handle of an error handler -> a private COMM_SELF duplicate carrying it
+_errhandler_lock = threading.Lock()
+
+
+def _new_reference(errhandler):
+    """Return a new reference to ``errhandler`` from the MPI library (the caller frees it, as under MPI)."""
+    with _errhandler_lock:
+        holder = _errhandler_holders.get(errhandler.py2f())
+        if holder is None:
+            holder = _errhandler_holders[errhandler.py2f()] = MPI.COMM_SELF.Dup()
+            holder.Set_errhandler(errhandler)
+        return holder.Get_errhandler()
+
 
 
 def _describe(name, sig):
@@ -198,7 +215,7 @@ class SimComm(Handles, PointToPoint, Collectives):
     def Get_errhandler(self):
         """Return a new handle on the error handler (whatever it is, errors raise ``MPI.Exception`` here)."""
         self._live("Get_errhandler")
-        return MPI.Errhandler(rc_errhandler() if self._errhandler is None else self._errhandler)
+        return _new_reference(rc_errhandler() if self._errhandler is None else self._errhandler)
 
     def Set_errhandler(self, errhandler):
         self._live("Set_errhandler")

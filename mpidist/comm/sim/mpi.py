@@ -188,8 +188,8 @@ class Session(_MPI.Session):
 
     @classmethod
     def Init(cls, info=_MPI.INFO_NULL, errhandler=None):
-        session = super().Init(info, errhandler)
         import mpi4py
+        session = super().Init(info, errhandler)
         if getattr(getattr(mpi4py, "rc", None), "errors", "exception") != "default":
             session.Set_errhandler(rc_errhandler())
         else:
@@ -197,10 +197,13 @@ class Session(_MPI.Session):
         return session
 
     def Get_pset_info(self, pset_name):
-        info = super().Get_pset_info(pset_name)
         comm = _pset_comm(pset_name)
-        if comm is not None:
-            info.Set("mpi_size", str(comm.Get_size()))
+        if comm is None:
+            return super().Get_pset_info(pset_name)
+        # Not asked of the library: a simulation runs as a singleton, where Open MPI 5 fails the query of
+        # mpi://WORLD (an error its fatal handler turns into an abort), and the answer is the simulated world's.
+        info = _MPI.Info.Create()
+        info.Set("mpi_size", str(comm.Get_size()))
         return info
 
     def Create_group(self, pset_name):
