@@ -394,6 +394,9 @@ def main(argv=None):
         return 0
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    # A job started in the background of a non-interactive shell (as CI ran it) inherits SIGINT ignored, and
+    # Python then installs no handler of its own (seen: SigIgn had SIGINT, the harness outlived a Ctrl-C by 60 s).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with VirtualCluster(args.nodes, None if args.rate in ("0", "none") else args.rate) as cluster:
         env = dict(os.environ, VCLUSTER_HOSTS=",".join(cluster.hosts), VCLUSTER_RSH=cluster.rsh,
                    VCLUSTER_NAME=cluster.name,
