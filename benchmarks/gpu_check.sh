@@ -7,7 +7,10 @@
 #   OUT=out/gpu bash benchmarks/gpu_check.sh [steps...]     # steps: info bench gpt sim mpi2 mpi4 (default all)
 #
 # Wheels the machine lacks (pytest, pytest-mpi, pytest-timeout, hypothesis, ...) are read from .gpuwheels/ when
-# that folder exists: they are unpacked onto PYTHONPATH, so no pip and no network is needed.
+# that folder exists: they are unpacked onto PYTHONPATH, so no pip and no network is needed. Make it here first
+# (pure-Python wheels; add .gpuwheels/ to .git/info/exclude and name it in the device tool's carry):
+#   pip download --only-binary :all: --no-deps -d .gpuwheels pytest pytest-mpi pytest-timeout \
+#       'hypothesis==6.100.0' pluggy iniconfig packaging attrs sortedcontainers pygments exceptiongroup
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
