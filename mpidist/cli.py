@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from . import bench, collectives, guard, xp
 from .comm import simulate
-from .comm.agree import raise_if_any
+from .comm.agree import describe_ranks, raise_if_any
 from .launch import LaunchError, init
 
 __all__ = ["main", "build_parser", "gpu_path_name"]
@@ -423,11 +423,11 @@ def cmd_check(args):
             ran, detail = outcome if isinstance(outcome, tuple) else (True, outcome)
         except Exception as exc:  # noqa: BLE001 - reported below, once, with the rank it happened on
             error = f"{type(exc).__name__}: {exc}"
-        errors = [(r, e) for r, e in enumerate(comm.allgather(error)) if e]
+        errors = describe_ranks(comm.allgather(error))  # every rank reports every rank's failure
         status = "FAIL" if errors else ("ok" if ran else "skip")
         counts[status] += 1
         if errors:
-            detail = "; ".join(f"rank {r}: {e}" for r, e in errors)
+            detail = errors
         _say(f"  {status:<5} {name:<15} {detail}")
     _say(f"mpidist check: {counts['ok']} ok, {counts['FAIL']} failed, {counts['skip']} skipped "
          f"in {time.perf_counter() - started:.2f} s")

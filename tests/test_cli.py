@@ -187,6 +187,23 @@ def test_check_passes(ranks):
 
 
 @pytest.mark.mpi_skip
+def test_check_failing_on_some_ranks_fails_on_every_rank_naming_them(tmp_path):
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import sys\nimport mpidist.cli as cli\n\n"
+        "def broken_on_1_and_2(comm):\n"
+        "    if comm.Get_rank() in (1, 2):\n        raise ValueError('broken')\n    return 'fine'\n\n"
+        "cli._CHECKS = (('ranks', cli._check_ranks), ('broken', broken_on_1_and_2))\n"
+        "sys.exit(cli.main(['check']))\n")
+    result = subprocess.run([sys.executable, "-m", "mpidist", "sim", "-n", "3", str(script)], capture_output=True,
+                            text=True, timeout=120, env=launcher.env(OMP_NUM_THREADS="1"))
+    assert result.returncode == 1, result.stdout + result.stderr
+    # under the simulator every rank prints: each says the same, naming the two ranks once
+    assert result.stdout.count("  FAIL  broken          ranks 1,2: ValueError: broken\n") == 3, result.stdout
+    assert result.stdout.count("1 ok, 1 failed, 0 skipped") == 3, result.stdout
+
+
+@pytest.mark.mpi_skip
 def test_bench_under_mpiexec_writes_json_and_csv(tmp_path):
     json_path, csv_path = tmp_path / "b.json", tmp_path / "b.csv"
     result = run_cli("bench", "allreduce", "reduce_scatter", "sendrecv", "--sizes", "8,4K", "--iters", "3", "--reps", "1",

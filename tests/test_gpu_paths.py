@@ -134,6 +134,20 @@ def test_selection_refuses_impossible_or_unsafe_requests(monkeypatch):
         gpu.attach(None, FakeDevice(), path="fast")
 
 
+@pytest.mark.mpi_skip
+def test_a_failed_self_test_names_what_every_rank_got():
+    """The lying MPI hands each rank its own input back: rank r gets arange(7) + r, not the sum."""
+    def body(comm):
+        choice = gpu.attach(comm, fake_for(comm, lying=True, nccl=True), probe=YES)
+        gpu.release(comm)
+        return str(choice)
+
+    text = mpidist.simulate(4, body)[0]
+    assert f"self-test failed (expected {(np.arange(7.0) * 4 + 6).tolist()}; " in text, text
+    for rank in range(4):
+        assert f"rank {rank}: got {(np.arange(7.0) + rank).tolist()}" in text, text
+
+
 def test_selection_under_any_comm(comm):
     """cuda-aware yes/lying and NCCL also choose right under real MPI (no IPC across processes)."""
     rank = comm.Get_rank()

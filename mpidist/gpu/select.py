@@ -26,6 +26,7 @@ from mpi4py import MPI
 
 from .. import config, xp as _xp
 from ..comm import is_simulated, node_comm
+from ..comm.agree import describe_ranks
 from .base import Op, SelfPath, Settings
 from .direct import DirectPath
 from .hierarchical import HierarchicalPath
@@ -83,14 +84,6 @@ def _my_facts(comm, local, device, probe):
                   claim, source, bool(nccl), nccl_reason)
 
 
-def _summary(errors):
-    """Join per-rank errors, keeping the message short when many ranks say the same thing."""
-    errors = [e for e in errors if e]
-    if len(errors) <= 2:
-        return "; ".join(errors) or None
-    return f"{errors[0]}; and {len(errors) - 1} more ranks"
-
-
 def self_test(path):
     """Run a tiny allreduce on ``path``; return None if every rank got the right values, else what went wrong."""
     d, size = path.device, path.size
@@ -102,10 +95,11 @@ def self_test(path):
         path.allreduce(x, Op(MPI.SUM, "SUM"))
         got = d.to_numpy(x)
         if not np.array_equal(got, want):
-            error = f"rank {path.rank} got {got.tolist()}, expected {want.tolist()}"
+            error = f"got {got.tolist()}"
     except IpcUnavailable as exc:
         return str(exc)  # raised on every rank together
-    return _summary(path.comm.allgather(error))
+    wrong = describe_ranks(path.comm.allgather(error))  # ranks that got the same values are named once
+    return f"expected {want.tolist()}; {wrong}" if wrong else None
 
 
 def _layout(facts):
