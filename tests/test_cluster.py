@@ -84,16 +84,32 @@ def test_teardown_removes_namespaces_host_files_and_daemons():
     assert "tonode" not in host_links and c.name not in host_links
 
 
-@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("how", ["SIGINT", "SIGINT-inherited-ignored", "SIGTERM", "SIGKILL"])
 def test_a_stopped_harness_leaves_nothing_behind(how):
-    """Ctrl-C or SIGTERM: the harness tears down itself; kill -9: ``--reap`` does."""
-    proc = subprocess.Popen([PYTHON, os.path.join(HERE, "cluster", "vcluster.py"), "--nodes", "2", "--",
-                             "sleep", "300"], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line.startswith("vcluster: mpd-"), line
-    name = line.split()[1]
-    proc.send_signal(getattr(signal, how))
-    proc.wait(timeout=60)
+    """Ctrl-C or SIGTERM: the harness tears down itself; kill -9: ``--reap`` does.
+
+    SIGINT-inherited-ignored starts the harness as a non-interactive shell starts a background job (and as the
+    CI shell that once saw it outlive a Ctrl-C did): with SIGINT ignored, a disposition Python keeps at startup.
+    """
+    argv = [PYTHON, os.path.join(HERE, "cluster", "vcluster.py"), "--nodes", "2", "--", "sleep", "300"]
+    if how == "SIGINT-inherited-ignored":
+        ignoring = ["sh", "-c", 'trap "" INT; exec "$@"', "sh"]
+        # the situation is real: a Python started this way keeps SIGINT ignored
+        seen = subprocess.run(ignoring + [PYTHON, "-c", "import signal; print(signal.getsignal(signal.SIGINT) is "
+                                          "signal.SIG_IGN)"], capture_output=True, text=True, timeout=60).stdout
+        assert seen.strip() == "True", seen
+        argv = ignoring + argv
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("vcluster: mpd-"), line
+        name = line.split()[1]
+        proc.send_signal(getattr(signal, how.split("-")[0]))
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:  # it outlived the signal: end it the way that still tears down, then fail above
+            proc.terminate()
+            proc.wait(timeout=60)
     if how == "SIGKILL":
         assert vcluster._leftovers(name, [], None), "kill -9 cannot tear down: something must be left to reap"
         reaped = subprocess.run([PYTHON, os.path.join(HERE, "cluster", "vcluster.py"), "--reap"],
