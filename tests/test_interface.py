@@ -6,12 +6,15 @@ and compares them with the reference's parameters and, after a backward and ``cl
 reference's gradients scaled by the formula of ``torch.nn.utils.clip_grad_norm_`` (norm by ``np.linalg.norm``).
 Runs on SimComm worlds and under ``mpiexec -n 2 / -n 4 pytest --with-mpi``.
 """
+import ast
 import dataclasses
 import math
+import pathlib
 
 import numpy as np
 import pytest
 
+import mpidist
 from mpidist import nn
 from mpidist.models import GPT, GPTConfig, lm_loss
 from mpidist.nn.placement import FlatShard, Replicate, Shard, boxes, global_shape, set_placement
@@ -573,3 +576,33 @@ def test_fsdp_remove_lets_the_module_be_wrapped_again(comm):
         np.testing.assert_array_equal(full[name], p.data, err_msg=name)
     again.remove()
     layout.fsdp.remove()  # twice: nothing left to remove
+
+
+# -- package boundaries -------------------------------------------------------------------------------------------
+def _private_imports_across_packages():
+    """Return "path:line module.name" for every private name a module of mpidist imports from another subpackage
+    (mpidist.models from mpidist.parallel, say): what one package offers another must be public."""
+    root = pathlib.Path(mpidist.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = module if parts[-1] == "__init__" else module.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source.split(".")[:2] == module.split(".")[:2] or not source.startswith("mpidist"):
+                continue
+            found += [f"{path.relative_to(root.parent)}:{node.lineno} {source}.{alias.name}" for alias in node.names
+                      if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+@pytest.mark.mpi_skip
+def test_no_package_imports_private_names_of_another():
+    assert _private_imports_across_packages() == []

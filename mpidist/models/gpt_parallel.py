@@ -23,9 +23,9 @@ from mpidist.nn.autograd import Tensor
 from mpidist.nn.module import Module, ModuleList, Parameter
 from mpidist.nn.placement import placement_of, set_placement
 from mpidist.parallel.agreement import check_same_structure
-from mpidist.parallel.tensor.layers import (ParallelAttention, ParallelLayerNorm, ParallelMLP, VocabParallelEmbedding,
-                                            _replicated, _rows, _sharded, _TPModule, vocab_parallel_cross_entropy)
-from mpidist.parallel.tensor.ops import gather_last
+from mpidist.parallel.tensor import (ParallelAttention, ParallelLayerNorm, ParallelMLP, TensorParallelModule,
+                                     VocabParallelEmbedding, gather_last, padded_rows, replicated_parameter,
+                                     sharded_parameter, vocab_parallel_cross_entropy)
 from mpidist.xp import asarray_like
 
 from .gpt import GPT
@@ -33,7 +33,7 @@ from .gpt import GPT
 __all__ = ["tensor_parallel", "ParallelBlock", "ParallelGPTEmbedding", "ParallelGPTHead"]
 
 
-class ParallelBlock(_TPModule):
+class ParallelBlock(TensorParallelModule):
     """A pre-norm transformer block whose attention and MLP are split over the TP ranks."""
 
     def __init__(self, block, comm, sequence_parallel):
@@ -49,7 +49,7 @@ class ParallelBlock(_TPModule):
         return x + self.mlp(self.ln2(x))
 
 
-class ParallelGPTEmbedding(_TPModule):
+class ParallelGPTEmbedding(TensorParallelModule):
     """Vocab-parallel token embedding plus the (replicated) position embedding of this rank's positions."""
 
     def __init__(self, embed, comm, sequence_parallel):
@@ -57,7 +57,7 @@ class ParallelGPTEmbedding(_TPModule):
         self.block_size = embed.block_size
         self.wte = VocabParallelEmbedding(embed.wte, comm, sequence_parallel)
         self.wpe = Module()
-        self.wpe.weight = _replicated(embed.wpe.weight, comm)
+        self.wpe.weight = replicated_parameter(embed.wpe.weight, comm)
         self.drop = embed.drop
 
     def forward(self, idx):
@@ -79,10 +79,10 @@ class ParallelGPTEmbedding(_TPModule):
             positions = np.arange(t)
         if not isinstance(ids, np.ndarray):
             positions = asarray_like(positions, ids)
-        return self.drop(x + F.embedding(positions, self._replicated(self.wpe.weight)))
+        return self.drop(x + F.embedding(positions, self.read_replicated(self.wpe.weight)))
 
 
-class ParallelGPTHead(_TPModule):
+class ParallelGPTHead(TensorParallelModule):
     """Final norm and the vocabulary projection, vocabulary-parallel: logits come out as this rank's slice."""
 
     def __init__(self, head, comm, sequence_parallel, vocab_size, vocab_start, weight):
@@ -92,7 +92,7 @@ class ParallelGPTHead(_TPModule):
         self.weight = weight
 
     def forward(self, x):
-        return F.linear(self._enter(self.ln_f(x)), self.weight)
+        return F.linear(self.column_input(self.ln_f(x)), self.weight)
 
     def loss(self, logits, targets, ignore_index=-100):
         """Mean next-token cross-entropy of this rank's logit slice (see ``vocab_parallel_cross_entropy``)."""
@@ -107,7 +107,7 @@ class ParallelGPTHead(_TPModule):
     def with_own_weight(self):
         """A copy of this head with its own copy of the (tied) weight, for a pipeline's last stage."""
         twin = ParallelGPTHead.__new__(ParallelGPTHead)
-        _TPModule.__init__(twin, self.comm, self.sequence_parallel)
+        TensorParallelModule.__init__(twin, self.comm, self.sequence_parallel)
         twin.vocab_size, twin.vocab_start = self.vocab_size, self.vocab_start
         twin.ln_f = self.ln_f
         twin.weight = set_placement(Parameter(self.weight.data.copy(), requires_grad=self.weight.requires_grad),
@@ -146,7 +146,7 @@ def tensor_parallel(model, tp_comm, sequence_parallel=True):
         full = model.head.weight.data
         local = embed.wte.local
         start = tp_comm.Get_rank() * local
-        weight = _sharded(model.head.weight, _rows(full, start, local), tp_comm, 0, start)
+        weight = sharded_parameter(model.head.weight, padded_rows(full, start, local), tp_comm, 0, start)
     head = ParallelGPTHead(model.head, tp_comm, sequence_parallel, c.vocab_size, embed.wte.vocab_start, weight)
     model.embed, model.blocks, model.head = embed, blocks, head
     object.__setattr__(model, "tp_comm", tp_comm)

@@ -33,7 +33,8 @@ from mpidist.xp import get_array_module
 from .ops import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelAttention", "ParallelMLP", "VocabParallelEmbedding",
-           "ParallelLayerNorm", "vocab_parallel_cross_entropy", "padded_split"]
+           "ParallelLayerNorm", "vocab_parallel_cross_entropy", "padded_split", "padded_rows", "sharded_parameter",
+           "replicated_parameter", "TensorParallelModule"]
 
 
 def padded_split(n, size, what):
@@ -43,8 +44,8 @@ def padded_split(n, size, what):
     return -(-n // size)
 
 
-def _rows(array, start, length, axis=0):
-    """``array``'s rows ``start .. start + length`` along ``axis``, zero-padded past its end."""
+def padded_rows(array, start, length, axis=0):
+    """Return ``array``'s rows ``start .. start + length`` along ``axis``, zero-padded past its end."""
     xp = get_array_module(array)
     shape = list(array.shape)
     shape[axis] = length
@@ -58,39 +59,49 @@ def _rows(array, start, length, axis=0):
     return out
 
 
-def _sharded(source, array, comm, dim, start, pieces=None):
-    """This rank's slice ``array`` of the unsharded Parameter ``source`` as a Parameter: frozen if ``source`` is."""
+def sharded_parameter(source, array, comm, dim, start, pieces=None):
+    """Return this rank's slice ``array`` of the unsharded Parameter ``source`` as a Parameter placed ``Shard``.
+
+    ``dim``, ``start`` and ``pieces`` are those of ``nn.placement.Shard``; the Parameter is frozen if ``source`` is.
+    """
     return set_placement(Parameter(array, requires_grad=source.requires_grad),
                          Shard(dim, comm, tuple(source.data.shape), start, pieces))
 
 
-def _replicated(param, comm):
-    """The same Parameter, marked as replicated over ``comm``."""
+def replicated_parameter(param, comm):
+    """Return ``param`` itself, marked as replicated over ``comm`` (every TP rank holds the same values)."""
     return set_placement(param, Replicate(comm))
 
 
-class _TPModule(Module):
+class TensorParallelModule(Module):
+    """Base of a module split over the tensor-parallel ranks of ``comm``: the entry and exit of its activations.
+
+    A subclass (these layers, or a model's own blocks: ``mpidist.models.gpt_parallel``) calls ``column_input``
+    on what a column-parallel layer reads, ``row_output`` on a row-parallel layer's partial result, and
+    ``read_replicated`` on a replicated parameter it uses; all three follow ``sequence_parallel``.
+    """
+
     def __init__(self, comm, sequence_parallel):
         super().__init__()
         object.__setattr__(self, "comm", comm)
         object.__setattr__(self, "sequence_parallel", bool(sequence_parallel))
 
-    def _enter(self, x):
-        """The full activation for a column-parallel layer."""
+    def column_input(self, x):
+        """Return the full activation a column-parallel layer reads (gathered along the sequence under SP)."""
         return gather_sequence(x, self.comm) if self.sequence_parallel else copy_to_tp(x, self.comm)
 
-    def _leave(self, partial):
-        """The sum of the row-parallel partial results (sequence parallel: this rank's sequence shard of it)."""
+    def row_output(self, partial):
+        """Return the sum of the row-parallel partial results (sequence parallel: this rank's sequence shard of it)."""
         return scatter_sequence(partial, self.comm) if self.sequence_parallel else reduce_from_tp(partial, self.comm)
 
-    def _replicated(self, param):
-        """A replicated parameter as read on this rank: under sequence parallelism its gradient is partial."""
+    def read_replicated(self, param):
+        """Return a replicated parameter as read on this rank: under sequence parallelism its gradient is partial."""
         if param is None:
             return None
         return copy_to_tp(param, self.comm) if self.sequence_parallel else param
 
 
-class ColumnParallelLinear(_TPModule):
+class ColumnParallelLinear(TensorParallelModule):
     """``y[..., slice] = x @ W[slice].T + b[slice]``: this rank's rows of the weight (output features)."""
 
     def __init__(self, linear, comm, sequence_parallel=False):
@@ -99,15 +110,16 @@ class ColumnParallelLinear(_TPModule):
         self.local = padded_split(out, size, "ColumnParallelLinear (out_features)")
         self.in_features, self.out_features = linear.in_features, out
         start = rank * self.local
-        self.weight = _sharded(linear.weight, _rows(linear.weight.data, start, self.local), comm, 0, start)
+        self.weight = sharded_parameter(linear.weight, padded_rows(linear.weight.data, start, self.local), comm, 0,
+                                        start)
         self.bias = (None if linear.bias is None else
-                     _sharded(linear.bias, _rows(linear.bias.data, start, self.local), comm, 0, start))
+                     sharded_parameter(linear.bias, padded_rows(linear.bias.data, start, self.local), comm, 0, start))
 
     def forward(self, x):
-        return F.linear(self._enter(x), self.weight, self.bias)
+        return F.linear(self.column_input(x), self.weight, self.bias)
 
 
-class RowParallelLinear(_TPModule):
+class RowParallelLinear(TensorParallelModule):
     """``y = sum over ranks of x[..., slice] @ W[:, slice].T``, then ``+ b`` (replicated)."""
 
     def __init__(self, linear, comm, sequence_parallel=False, local_in=None):
@@ -116,28 +128,29 @@ class RowParallelLinear(_TPModule):
         self.local = local_in or padded_split(n_in, size, "RowParallelLinear (in_features)")
         self.in_features, self.out_features = n_in, linear.out_features
         start = rank * self.local
-        self.weight = _sharded(linear.weight, _rows(linear.weight.data, start, self.local, axis=1), comm, 1, start)
-        self.bias = None if linear.bias is None else _replicated(linear.bias, comm)
+        self.weight = sharded_parameter(linear.weight, padded_rows(linear.weight.data, start, self.local, axis=1),
+                                        comm, 1, start)
+        self.bias = None if linear.bias is None else replicated_parameter(linear.bias, comm)
 
     def forward(self, x):
-        y = self._leave(F.linear(x, self.weight))
-        return y if self.bias is None else y + self._replicated(self.bias)
+        y = self.row_output(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.read_replicated(self.bias)
 
 
-class ParallelLayerNorm(_TPModule):
+class ParallelLayerNorm(TensorParallelModule):
     """A LayerNorm whose (replicated) gain and shift see a sequence shard under sequence parallelism."""
 
     def __init__(self, norm, comm, sequence_parallel=False):
         super().__init__(comm, sequence_parallel)
         self.eps = norm.eps
-        self.weight = _replicated(norm.weight, comm)
-        self.bias = None if norm.bias is None else _replicated(norm.bias, comm)
+        self.weight = replicated_parameter(norm.weight, comm)
+        self.bias = None if norm.bias is None else replicated_parameter(norm.bias, comm)
 
     def forward(self, x):
-        return F.layer_norm(x, self._replicated(self.weight), self._replicated(self.bias), self.eps)
+        return F.layer_norm(x, self.read_replicated(self.weight), self.read_replicated(self.bias), self.eps)
 
 
-class ParallelAttention(_TPModule):
+class ParallelAttention(TensorParallelModule):
     """Causal self-attention with this rank's heads; input and output as the block's residual stream."""
 
     def __init__(self, attn, comm, sequence_parallel=False):
@@ -156,12 +169,13 @@ class ParallelAttention(_TPModule):
         xp = get_array_module(w.data)
         take = np.concatenate([np.arange(g, g + n) for g, _, n in pieces])
         self.qkv = Module()
-        self.qkv.weight = _sharded(w, xp.ascontiguousarray(w.data[take]), comm, 0, start, pieces)
-        self.qkv.bias = None if b is None else _sharded(b, xp.ascontiguousarray(b.data[take]), comm, 0, start, pieces)
+        self.qkv.weight = sharded_parameter(w, xp.ascontiguousarray(w.data[take]), comm, 0, start, pieces)
+        self.qkv.bias = None if b is None else sharded_parameter(b, xp.ascontiguousarray(b.data[take]), comm, 0, start,
+                                                                 pieces)
         self.proj = RowParallelLinear(attn.proj, comm, sequence_parallel, local_in=width)
 
     def forward(self, x):
-        full = self._enter(x)
+        full = self.column_input(x)
         b, t, _ = full.shape
         h, dh = self.local_heads, self.head_dim
         qkv = F.permute(F.reshape(F.linear(full, self.qkv.weight, self.qkv.bias), (b, t, 3, h, dh)), (2, 0, 3, 1, 4))
@@ -171,7 +185,7 @@ class ParallelAttention(_TPModule):
         return self.proj(F.reshape(F.permute(y, (0, 2, 1, 3)), (b, t, h * dh)))
 
 
-class ParallelMLP(_TPModule):
+class ParallelMLP(TensorParallelModule):
     """fc (column-parallel, hidden units padded to a multiple of the TP size), GELU, proj (row-parallel)."""
 
     def __init__(self, mlp, comm, sequence_parallel=False):
@@ -184,7 +198,7 @@ class ParallelMLP(_TPModule):
         return self.drop(self.proj(F.gelu(self.fc(x))))
 
 
-class VocabParallelEmbedding(_TPModule):
+class VocabParallelEmbedding(TensorParallelModule):
     """Token embedding with vocabulary rows split: each rank looks up the ids in its range, the ranks add.
 
     The output is the full embedding (plain TP) or this rank's sequence shard of it (sequence parallel).
@@ -196,8 +210,8 @@ class VocabParallelEmbedding(_TPModule):
         self.num_embeddings, self.embedding_dim = v, embedding.embedding_dim
         self.local = padded_split(v, size, "VocabParallelEmbedding (vocabulary)")
         self.vocab_start = rank * self.local
-        self.weight = _sharded(embedding.weight, _rows(embedding.weight.data, self.vocab_start, self.local), comm, 0,
-                               self.vocab_start)
+        rows = padded_rows(embedding.weight.data, self.vocab_start, self.local)
+        self.weight = sharded_parameter(embedding.weight, rows, comm, 0, self.vocab_start)
 
     def forward(self, ids):
         ids = ids.data if isinstance(ids, Tensor) else ids
@@ -210,7 +224,7 @@ class VocabParallelEmbedding(_TPModule):
         mine = (ids >= self.vocab_start) & (ids < self.vocab_start + self.local)
         local = xp.where(mine, ids - self.vocab_start, 0)
         rows = F.embedding(local, self.weight) * mine[..., None].astype(self.weight.data.dtype)
-        return self._leave(rows)
+        return self.row_output(rows)
 
 
 def vocab_parallel_cross_entropy(logits, target, comm, vocab_start, vocab_size, ignore_index=-100):
