@@ -1,0 +1,138 @@
+"""A node-aware allreduce on host buffers: reduce in the node, allreduce across node leaders, broadcast in the node.
+
+Across nodes an allreduce is bound by the links between them. A flat allreduce sends every rank's share over
+the node's link (a ring over 2 nodes x 2 ranks moves 1.5x the array over each node's link each way); the
+hierarchical one first combines the node's ranks over shared memory, so only one rank per node (its leader,
+local rank 0) talks across nodes and each node's link carries one array's worth each way: what NCCL and
+Horovod do across nodes. Within a node, and with one rank per node, it would only add steps.
+
+    allreduce = HierarchicalAllreduce(comm)          # collective over comm; "auto": measured, per size
+    allreduce(grad)                                  # in place, as mpidist.allreduce(grad, comm)
+    allreduce.algorithm_for(grad.nbytes)             # "flat" or "hierarchical", the same on every rank
+
+``algorithm="auto"`` times both on the first array of each power-of-two size class (on a copy, every rank
+alike) and keeps the faster by the slowest rank's time, so every rank takes the same path; ``"flat"`` is
+``mpidist.allreduce`` and ``"hierarchical"`` always takes the three steps. Results are those of
+``mpidist.allreduce`` (``mpidist.wire``): float16 sums round once, NaN propagates through min and max,
+``mean`` divides by the size of ``comm``; every rank ends with the same bits (the last step is a broadcast).
+"""
+
+import time
+
+import numpy as np
+
+from . import collectives
+from .comm import check_comm
+from .comm.nodes import node_of_ranks
+from .wire import resolve
+
+__all__ = ["HierarchicalAllreduce", "ALGORITHMS"]
+
+ALGORITHMS = ("auto", "flat", "hierarchical")
+_TRIALS = 3  # timed calls per algorithm when choosing (after one untimed call each)
+
+
+class HierarchicalAllreduce:
+    """Allreduce numpy arrays over ``comm``, through node leaders when that is faster (or when told to)."""
+
+    def __init__(self, comm, algorithm="auto"):
+        check_comm("HierarchicalAllreduce", comm)
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"HierarchicalAllreduce: algorithm must be one of {ALGORITHMS} (got {algorithm!r})")
+        from mpi4py import MPI
+        self.comm = comm
+        self.algorithm = algorithm
+        nodes = node_of_ranks(comm)  # collective; the same list on every rank
+        rank = comm.Get_rank()
+        self.nodes = max(nodes) + 1
+        self.local_rank = sum(1 for r in range(rank) if nodes[r] == nodes[rank])
+        # Ranks in comm's order within their node; leaders in node order: the same on every rank.
+        self.node_comm = comm.Split(color=nodes[rank], key=rank)
+        self.leader_comm = comm.Split(color=0 if self.local_rank == 0 else MPI.UNDEFINED, key=nodes[rank])
+        # Worth doing only with several nodes of which some hold several ranks.
+        self.useful = 1 < self.nodes < comm.Get_size()
+        self._chosen = {}  # size class (bytes rounded up to a power of two) -> "flat" or "hierarchical"
+
+    def __call__(self, x, op="sum"):
+        """Reduce ``x`` over all ranks of ``comm`` in place with ``op``; return ``x``."""
+        if type(x) is not np.ndarray:
+            raise TypeError(f"HierarchicalAllreduce: x must be a numpy array (got {type(x).__name__}); "
+                            f"device arrays go through mpidist.allreduce")
+        if x.dtype not in collectives.SUPPORTED_DTYPES:
+            raise TypeError(f"HierarchicalAllreduce: dtype {x.dtype} is not supported "
+                            f"(supported: {', '.join(d.name for d in collectives.SUPPORTED_DTYPES)})")
+        resolve("HierarchicalAllreduce", op, x.dtype)  # a bad op fails here, before any size class is measured
+        collectives._check_writable("HierarchicalAllreduce", x)
+        if self.algorithm_for(x.nbytes, x, op) == "flat":
+            return collectives.allreduce(x, self.comm, op)
+        return collectives._tracked(collectives._begin(self.comm, "allreduce", x, reduction=op),
+                                    self._hierarchical, x, op)
+
+    def algorithm_for(self, nbytes, x=None, op="sum"):
+        """Return the algorithm used for arrays of ``nbytes`` ("flat" or "hierarchical"); collective under "auto".
+
+        Under "auto" the first call for a size class measures both on a copy of ``x`` (zeros of ``nbytes``
+        float64 bytes when no ``x`` is given); every rank must call it with the same size.
+        """
+        if self.algorithm != "auto":
+            return self.algorithm
+        if not self.useful:
+            return "flat"
+        size_class = 1 << max(int(nbytes) - 1, 0).bit_length()
+        chosen = self._chosen.get(size_class)
+        if chosen is None:
+            chosen = self._chosen[size_class] = self._measure(x, nbytes, op)
+        return chosen
+
+    def _measure(self, x, nbytes, op):
+        probe = np.array(x, copy=True) if x is not None else np.zeros(max(int(nbytes) // 8, 1))
+        seconds = []
+        for run in (lambda: collectives.allreduce(probe, self.comm, op), lambda: self._hierarchical(probe, op)):
+            run()
+            collectives.barrier(self.comm)
+            start = time.perf_counter()
+            for _ in range(_TRIALS):
+                run()
+            seconds.append(time.perf_counter() - start)
+        # The slowest rank's times decide, so every rank decides alike.
+        flat, hier = collectives.allreduce(np.array(seconds), self.comm, "max")
+        return "hierarchical" if hier < flat else "flat"
+
+    def _hierarchical(self, x, op):
+        reduction = resolve("allreduce", op, x.dtype)
+        # The three steps reduce what MPI would (float16 sums in float32, floats' min/max as order keys) and
+        # bring it back once at the end, so the result rounds once, as mpidist.allreduce's does.
+        if reduction.converts or not x.flags.c_contiguous:
+            buf = np.empty(x.shape, dtype=reduction.wire)
+            if reduction.converts:
+                reduction.to_wire(buf, x)
+            else:
+                buf[...] = x
+        else:
+            buf = x
+        step = "sum" if reduction.name == "mean" else reduction.name
+        collectives.allreduce(buf, self.node_comm, step)  # shared memory: as cheap as a reduce to the leader
+        if self.local_rank == 0:
+            collectives.allreduce(buf, self.leader_comm, step)
+        collectives.broadcast(buf, self.node_comm, 0)
+        if reduction.name == "mean":
+            buf /= self.comm.Get_size()
+        if buf is not x:
+            if reduction.converts:
+                reduction.from_wire(x, buf)
+            else:
+                x[...] = buf
+        return x
+
+    def free(self):
+        """Free the node and leader communicators."""
+        from mpi4py import MPI
+        for sub in (self.node_comm, self.leader_comm):
+            if sub != MPI.COMM_NULL:
+                sub.Free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
