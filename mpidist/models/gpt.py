@@ -4,7 +4,8 @@
 multi-head attention, GELU MLP), a final LayerNorm and a language-model head that by default shares the
 token embedding's weight. Initialisation follows GPT-2: weights N(0, 0.02), biases zero, and the two
 projections that write into the residual stream (attention output, MLP output) N(0, 0.02 / sqrt(2 n_layer)),
-so the residual's variance does not grow with depth.
+so the residual's variance does not grow with depth. Built inside ``mpidist.nn.deferred()`` it allocates nothing
+and records these initializers; ``mpidist.nn.materialize`` (or a parallel wrapper) draws them by parameter name.
 
 The model is three kinds of layer in a row, ``pipeline_layers() == [embed, block_0, ..., block_{L-1}, head]``,
 which is what the parallel wrappers cut along: FSDP takes one unit per layer (``fsdp_units()``), a pipeline
@@ -21,6 +22,8 @@ import numpy as np
 
 from mpidist.nn import functional as F
 from mpidist.nn.autograd import Tensor, no_grad
+from mpidist.nn.deferred import deferred_like, is_deferred, new_parameter, set_initializer
+from mpidist.nn.init import Constant, Normal
 from mpidist.nn.layers import Dropout, Embedding, LayerNorm, TransformerBlock
 from mpidist.nn.module import Module, ModuleList, Parameter, Sequential
 from mpidist.nn.random import default_generator
@@ -101,8 +104,8 @@ class GPTHead(Module):
         self.ln_f = LayerNorm(config.n_embd, dtype=dtype, bias=config.bias)
         # A tied head registers the embedding's own Parameter: modules that share it (FSDP units, checkpoints)
         # see one weight, named once, under the embedding (the first to register it).
-        self.weight = weight if weight is not None else Parameter(
-            (rng.standard_normal((config.vocab_size, config.n_embd)) * 0.02).astype(dtype))
+        self.weight = weight if weight is not None else new_parameter(
+            (config.vocab_size, config.n_embd), Normal(0.0, 0.02), dtype, rng)
 
     def forward(self, x):
         return F.linear(self.ln_f(x), self.weight)
@@ -117,7 +120,10 @@ class GPTHead(Module):
         twin = GPTHead.__new__(GPTHead)
         Module.__init__(twin)
         twin.ln_f = self.ln_f
-        twin.weight = Parameter(self.weight.data.copy(), requires_grad=self.weight.requires_grad)  # frozen alike
+        data = self.weight.data
+        # A deferred weight stays deferred: the copy draws the same values under the same name.
+        copy = deferred_like(data, data.shape) if is_deferred(data) else data.copy()
+        twin.weight = Parameter(copy, requires_grad=self.weight.requires_grad)  # frozen alike
         return twin
 
 
@@ -160,10 +166,9 @@ class GPT(Module):
         for block in self.blocks:
             for linear, s in ((block.attn.qkv, std), (block.attn.proj, resid_std),
                               (block.mlp.fc, std), (block.mlp.proj, resid_std)):
-                w = linear.weight.data
-                w[...] = (rng.standard_normal(w.shape) * s).astype(w.dtype)
+                set_initializer(linear.weight, Normal(0.0, s), rng)
                 if linear.bias is not None:
-                    linear.bias.data[...] = 0
+                    set_initializer(linear.bias, Constant(0.0), rng)
 
     def forward(self, idx):
         x = self.embed(idx)

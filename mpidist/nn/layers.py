@@ -1,7 +1,8 @@
 """Layers written as forward code only; autograd derives their backward.
 
 Initial weights come from ``rng`` when given, else from the thread's default generator
-(``mpidist.manual_seed``): no two layers start equal, and one seed gives every rank the same model.
+(``mpidist.manual_seed``): no two layers start equal, and one seed gives every rank the same model. Inside
+``mpidist.nn.deferred()`` they record the initializer instead (``mpidist.nn.init``): nothing is allocated.
 """
 
 import math
@@ -9,7 +10,9 @@ import math
 import numpy as np
 
 from mpidist.nn import functional as F
-from mpidist.nn.module import Module, Parameter
+from mpidist.nn.deferred import new_parameter
+from mpidist.nn.init import Constant, Normal, Uniform
+from mpidist.nn.module import Module
 from mpidist.nn.random import default_generator
 
 __all__ = ["Linear", "ReLU", "GELU", "Tanh", "Sigmoid", "Dropout", "LayerNorm", "RMSNorm", "Embedding", "Flatten",
@@ -30,8 +33,8 @@ class Linear(Module):
         rng = _gen(rng)
         # PyTorch's default init: kaiming_uniform(a=sqrt(5)) reduces to U(-1/sqrt(in), 1/sqrt(in)).
         bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
-        self.weight = Parameter(rng.uniform(-bound, bound, (out_features, in_features)).astype(dtype))
-        self.bias = Parameter(rng.uniform(-bound, bound, (out_features,)).astype(dtype)) if bias else None
+        self.weight = new_parameter((out_features, in_features), Uniform(-bound, bound), dtype, rng)
+        self.bias = new_parameter((out_features,), Uniform(-bound, bound), dtype, rng) if bias else None
 
     def forward(self, x):
         """Return ``x @ W.T + b`` for ``x`` of shape (..., in)."""
@@ -118,8 +121,8 @@ class LayerNorm(Module):
         super().__init__()
         dims = _normalized_dim("LayerNorm", normalized_shape)
         self.eps = eps
-        self.weight = Parameter(np.ones(dims, dtype=dtype))
-        self.bias = Parameter(np.zeros(dims, dtype=dtype)) if bias else None
+        self.weight = new_parameter(dims, Constant(1.0), dtype)
+        self.bias = new_parameter(dims, Constant(0.0), dtype) if bias else None
 
     def forward(self, x):
         """Return ``(x - mean) / sqrt(var + eps) * weight + bias`` over the last axis."""
@@ -136,7 +139,7 @@ class RMSNorm(Module):
         super().__init__()
         dims = _normalized_dim("RMSNorm", normalized_shape)
         self.eps = eps
-        self.weight = Parameter(np.ones(dims, dtype=dtype))
+        self.weight = new_parameter(dims, Constant(1.0), dtype)
 
     def forward(self, x):
         """Return ``x / rms(x) * weight`` over the last axis."""
@@ -153,7 +156,7 @@ class Embedding(Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         # PyTorch's default init: N(0, 1).
-        self.weight = Parameter((_gen(rng).standard_normal((num_embeddings, embedding_dim)) * std).astype(dtype))
+        self.weight = new_parameter((num_embeddings, embedding_dim), Normal(0.0, std), dtype, rng)
 
     def forward(self, x):
         """Return ``weight[x]`` of shape ``x.shape + (dim,)``."""
@@ -235,9 +238,8 @@ class Conv2d(Module):
         # PyTorch's default init, as for Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
         fan_in = in_channels // groups * kh * kw
         bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-        self.weight = Parameter(rng.uniform(-bound, bound, (out_channels, in_channels // groups, kh, kw))
-                                .astype(dtype))
-        self.bias = Parameter(rng.uniform(-bound, bound, (out_channels,)).astype(dtype)) if bias else None
+        self.weight = new_parameter((out_channels, in_channels // groups, kh, kw), Uniform(-bound, bound), dtype, rng)
+        self.bias = new_parameter((out_channels,), Uniform(-bound, bound), dtype, rng) if bias else None
 
     def forward(self, x):
         """Return the convolution of ``x`` (N, C, H, W)."""
@@ -292,8 +294,8 @@ class BatchNorm2d(Module):
         super().__init__()
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.affine, self.track_running_stats = affine, track_running_stats
-        self.weight = Parameter(np.ones(num_features, dtype=dtype)) if affine else None
-        self.bias = Parameter(np.zeros(num_features, dtype=dtype)) if affine else None
+        self.weight = new_parameter((num_features,), Constant(1.0), dtype) if affine else None
+        self.bias = new_parameter((num_features,), Constant(0.0), dtype) if affine else None
         if track_running_stats:
             self.register_buffer("running_mean", np.zeros(num_features, dtype=dtype))
             self.register_buffer("running_var", np.ones(num_features, dtype=dtype))

@@ -20,7 +20,10 @@ keep arrays or shapes of parameters.
 import itertools
 from collections import OrderedDict, namedtuple
 
+import numpy as np
+
 from mpidist.nn.autograd import Tensor, _add_hook, is_grad_enabled, no_grad  # noqa: F401 (re-exported)
+from mpidist.nn.deferred import DeferredArray, _on_child, _on_register
 from mpidist.nn.recompute import recompute
 from mpidist.xp import copy_into
 
@@ -32,7 +35,11 @@ class Parameter(Tensor):
     """A trainable leaf tensor: ``data``, and the ``grad`` that backward accumulates."""
 
     def __init__(self, data, requires_grad=True):
-        super().__init__(data.data if isinstance(data, Tensor) else data)
+        if isinstance(data, DeferredArray):  # no values yet (mpidist.nn.deferred): Tensor would ask for them
+            super().__init__(np.empty((0,), dtype=data.dtype))
+            self.data = data
+        else:
+            super().__init__(data.data if isinstance(data, Tensor) else data)
         self.version = 0
         self.placement = None  # where its values lie across ranks (mpidist.nn.placement); None: whole, here
         self._post_accumulate_grad_hooks = None
@@ -51,7 +58,8 @@ class Parameter(Tensor):
         return _add_hook(self, "_post_accumulate_grad_hooks", fn)
 
     def __repr__(self):
-        return f"Parameter(shape={self.data.shape}, dtype={self.data.dtype})"
+        deferred = ", deferred" if isinstance(self.data, DeferredArray) else ""
+        return f"Parameter(shape={self.data.shape}, dtype={self.data.dtype}{deferred})"
 
 
 _IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
@@ -114,6 +122,8 @@ class Module:
                 (self._children, self._params)
             other.pop(name, None)
             self._buffers.pop(name, None)
+            # A deferred parameter is named by where it is first registered (its initial values depend on it).
+            (_on_register if registry is self._params else _on_child)(self, name, value)
             # Assigning to an existing key keeps its place: replacing Sequential's child "0" must not
             # move it to the end (nor a replaced parameter to the end of state_dict and DDP's buckets).
             registry[name] = value

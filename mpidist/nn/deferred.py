@@ -1,0 +1,201 @@
+"""Deferred parameters: build a model without allocating it, then materialize only what a rank holds.
+
+``with nn.deferred(): model = GPT(cfg)`` builds the module tree with every Parameter's ``data`` a
+``DeferredArray``: shape, dtype, initializer, seed and name, no elements. Anything that reads the values of such
+a parameter (a forward, an optimizer, ``state_dict``) raises ``DeferredParameterError`` naming it.
+``materialize(module)`` then allocates each parameter's local array and fills each box its placement holds
+(``mpidist.nn.placement.boxes``: the whole tensor, a tensor-parallel slice) with the keyed draw of ``init``:
+element values depend on (seed, name) only, so any layout holds bitwise the values of the whole model.
+The parallel wrappers accept deferred modules and materialize the rank's part themselves (FSDP: its shard of
+each unit; DDP and pipeline stages: their modules; tensor parallelism: its slices), with no broadcast.
+
+Names: a deferred parameter's name is its ``named_parameters()`` name in the outermost module it has been
+registered under (``blocks.0.attn.qkv.weight`` in a GPT). A tied parameter keeps the name it got first,
+as ``named_parameters()`` lists it; a copy made for another rank (a pipeline stage's own head weight, a
+tensor-parallel slice) keeps the name of what it copies, so it draws the same values.
+
+The seed is ``deferred(seed=...)``'s, or the ``mpidist.manual_seed`` in force when the block was entered.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import numpy as np
+
+from mpidist.nn.init import Constant, draw_box
+from mpidist.nn.placement import boxes
+
+__all__ = ["deferred", "DeferredArray", "DeferredParameterError", "is_deferred", "materialize", "new_parameter",
+           "set_initializer", "deferred_like", "fill_boxes", "deferred_bytes"]
+
+_local = threading.local()
+
+
+class DeferredParameterError(RuntimeError):
+    """A deferred parameter's values were used before it was materialized."""
+
+
+class _DeferredAttributeError(DeferredParameterError, AttributeError):
+    """An array attribute asked of a deferred parameter's data (an AttributeError too, for ``getattr`` defaults)."""
+
+
+def _seed_now():
+    from mpidist.nn import random as _random
+    return _random._process_seed[0]
+
+
+@contextlib.contextmanager
+def deferred(seed=None):
+    """Build modules inside this block with deferred parameters (no arrays); ``seed`` keys their initial values.
+
+    ``seed`` None: the seed of the last ``mpidist.manual_seed`` (0 if none). Nestable; per thread (each
+    simulated rank builds its own model).
+    """
+    prev = getattr(_local, "seed", None)
+    _local.seed = _seed_now() if seed is None else int(seed)
+    try:
+        yield
+    finally:
+        _local.seed = prev
+
+
+def _deferring():
+    return getattr(_local, "seed", None) is not None
+
+
+class DeferredArray:
+    """The ``data`` of a deferred parameter: its local shape and dtype, how and under which name it is drawn.
+
+    It holds no elements (``nbytes`` 0); using it as an array raises ``DeferredParameterError``.
+    """
+
+
+    def __init__(self, shape, dtype, init, seed, name="?", top=None):
+        self.shape = tuple(int(n) for n in shape)
+        self.dtype = np.dtype(dtype)
+        self.init, self.seed, self.name = init, seed, name
+        self._top = top  # weakref to the module ``name`` is relative to (None: not registered yet)
+
+    ndim = property(lambda self: len(self.shape))
+    size = property(lambda self: int(np.prod(self.shape, dtype=np.int64)))
+    nbytes = 0
+    full_nbytes = property(lambda self: self.size * self.dtype.itemsize, doc="Bytes it takes once materialized.")
+
+    def _message(self):
+        return (f"parameter {self.name!r} (shape {self.shape}, {self.dtype}) is deferred: it has no values until "
+                f"materialized (mpidist.nn.materialize(model), or wrap the model in a parallel wrapper, which "
+                f"materializes its part)")
+
+    def _refuse(self, *args, **kwargs):
+        raise DeferredParameterError(self._message())
+
+    # numpy asks these before treating it as an object scalar: every use of its values raises, naming it.
+    __array_ufunc__ = __array_function__ = __array__ = __getitem__ = __setitem__ = __iter__ = __len__ = __float__ = __index__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __matmul__ = __rmatmul__ = __neg__ = __pow__ = __iadd__ = __isub__ = __imul__ = _refuse
+    reshape = astype = copy = sum = transpose = view = ravel = fill = _refuse
+    T = property(_refuse)
+
+    def __getattr__(self, attr):
+        # Only for attributes it lacks (an array's flags, strides, ...): name the parameter. Protocol probes
+        # (``hasattr(x, "__cuda_array_interface__")``) get a plain AttributeError.
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise _DeferredAttributeError(self._message() + f" (asked for its {attr!r})")
+
+    def __repr__(self):
+        return f"DeferredArray({self.name!r}, shape={self.shape}, dtype={self.dtype}, init={self.init})"
+
+
+def is_deferred(x):
+    """Return True if ``x`` (a Parameter or its data) is deferred: it has no values yet."""
+    return isinstance(getattr(x, "data", x), DeferredArray)
+
+
+def new_parameter(shape, init, dtype, rng=None):
+    """Return a Parameter of ``shape`` initialized by ``init``: drawn now from ``rng`` (or the thread's default
+    generator), or, inside ``deferred()``, deferred with ``init`` recorded."""
+    from mpidist.nn.module import Parameter
+    if _deferring():
+        return Parameter(DeferredArray(shape, dtype, init, _local.seed))
+    if rng is None:
+        from mpidist.nn.random import default_generator
+        rng = default_generator()
+    return Parameter(init.eager(rng, shape, dtype))
+
+
+def set_initializer(param, init, rng=None):
+    """Re-initialize ``param`` by ``init``: draw into it now from ``rng`` (eager), or record ``init`` (deferred)."""
+    data = param.data
+    if isinstance(data, DeferredArray):
+        data.init = init
+        return
+    if rng is None:
+        from mpidist.nn.random import default_generator
+        rng = default_generator()
+    param.make_writable()[...] = init.eager(rng, data.shape, data.dtype)
+
+
+def deferred_like(data, shape):
+    """Return a DeferredArray of local ``shape`` drawing the same parameter as ``data`` (a slice, a copy of it)."""
+    return DeferredArray(shape, data.dtype, data.init, data.seed, data.name, data._top)
+
+
+def _on_register(owner, name, param):
+    """Name a deferred ``param`` registered as ``owner.name``, unless an earlier module registered it (tied)."""
+    data = param.data
+    if isinstance(data, DeferredArray) and data._top is None:
+        data.name, data._top = name, weakref.ref(owner)
+        object.__setattr__(owner, "_holds_deferred", True)
+
+
+def _on_child(owner, name, child):
+    """Prefix with ``name`` the names of ``child``'s deferred parameters that are relative to ``child``."""
+    if not child.__dict__.get("_holds_deferred"):
+        return
+    object.__setattr__(owner, "_holds_deferred", True)
+    for p in child.parameters():
+        data = p.data
+        if isinstance(data, DeferredArray) and data._top is not None and data._top() is child:
+            data.name, data._top = f"{name}.{data.name}", weakref.ref(owner)
+
+
+def fill_boxes(data, placement, local):
+    """Write into ``local`` every box of ``data``'s parameter that ``placement`` says it holds (keyed draws)."""
+    gshape = _global_shape(data, placement)
+    init = data.init
+    for box in boxes(placement, local.shape, data.name):
+        view = box.view(local)
+        if isinstance(init, Constant):
+            view[...] = init.value
+        else:
+            view[...] = draw_box(init, data.seed, data.name, box.offsets, box.sizes, gshape, data.dtype)
+
+
+def _global_shape(data, placement):
+    from mpidist.nn.placement import FlatShard, global_shape
+    if isinstance(placement, FlatShard):
+        return global_shape(placement, (0,))
+    return global_shape(placement, data.shape)
+
+
+def materialize(module):
+    """Allocate and initialize every deferred parameter of ``module`` (its placement's boxes); return ``module``.
+
+    A tensor-parallel slice gets its rows of the whole parameter, padding stays zero. Parameters that hold values
+    already are left alone. Collective-free: every rank draws its own part.
+    """
+    for _, p in module.named_parameters():
+        data = p.data
+        if isinstance(data, DeferredArray):
+            local = np.zeros(data.shape, dtype=data.dtype)
+            fill_boxes(data, p.placement, local)
+            p.data = local
+    return module
+
+
+def deferred_bytes(module):
+    """Return the bytes ``module``'s deferred parameters take once materialized whole (each parameter once)."""
+    return sum(p.data.full_nbytes for p in module.parameters() if isinstance(p.data, DeferredArray))
