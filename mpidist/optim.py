@@ -53,22 +53,24 @@ def register_optimizer_step_post_hook(hook):
 
 # Updating a 16-bit parameter in place loses the update: float16 has 11 bits of mantissa, so lr * step
 # below about 1e-3 of the weight rounds away, and Adam's squared-gradient average underflows to 0
-# (float16's smallest normal is 6e-5), turning the first step into 0/0 = NaN. The fix is an fp32
-# master copy of the weights (mixed precision), which this module does not have yet.
+# (float16's smallest normal is 6e-5), turning the first step into 0/0 = NaN. So a float16 or bfloat16
+# parameter gets a float32 master weight (``state[i]["master_param"]``): the update and the optimizer state
+# are float32, and each step writes the master back to the parameter rounded to its dtype (mixed precision).
 _LOW_PRECISION = ("float16", "bfloat16")
 
 
-def _refuse_low_precision(name, params):
-    """Raise TypeError naming the float16/bfloat16 parameters an optimizer was given."""
-    low = [(i, str(p.data.dtype), tuple(p.data.shape)) for i, p in enumerate(params)
-           if str(getattr(p.data, "dtype", "")) in _LOW_PRECISION]
-    if low:
-        i, dtype, shape = low[0]
-        raise TypeError(f"{name}: parameter {i} (shape {shape}) is {dtype}"
-                        f"{f' and {len(low) - 1} more are 16-bit' if len(low) > 1 else ''}; updating {dtype} "
-                        f"weights in place rounds small steps away and gives NaN with Adam; keep the parameters "
-                        f"in float32 (e.g. dtype=np.float32 for the layers; mixed precision with float32 master "
-                        f"weights is not supported yet)")
+def _is_low(array):
+    return str(getattr(array, "dtype", "")) in _LOW_PRECISION
+
+
+class _MasterParam:
+    """What a pack updates for a 16-bit parameter: its float32 master weight and its gradient in float32."""
+
+    __slots__ = ("data", "grad", "version")
+
+    def __init__(self):
+        self.data = self.grad = None
+        self.version = 0
 
 
 def _address(a):
@@ -330,11 +332,12 @@ class Optimizer:
             group = {**defaults, **g, "params": list(g["params"])}
             self.param_groups.append(group)
             self.params.extend(group["params"])
-        _refuse_low_precision(type(self).__name__, self.params)
         self.state = {}  # index into self.params -> dict of step and buffers
         self._packs = {}  # tuple of indices -> _Pack
         self._spares = _Spares()  # buffers for copy-on-write updates (see the module's docstring)
         self._packed_state = self.state  # the state dict the packs' flat arrays were made from
+        self._masters = {}  # index of a 16-bit parameter -> its _MasterParam (what its packs update)
+        self._written = {}  # index -> the array the last step wrote into the parameter (see _master)
 
     @property
     def lr(self):
@@ -367,6 +370,7 @@ class Optimizer:
         state = dict(self.__dict__)
         state["_packs"] = {}  # scratch and views: rebuilt at the next step
         state["_spares"] = None  # weak references do not pickle; a fresh pool below
+        state["_masters"], state["_written"] = {}, {}  # views of the state, remade at the next step
         return state
 
     def __setstate__(self, state):
@@ -413,14 +417,47 @@ class Optimizer:
                     state = self.state.get(i)
                     if state is None:
                         state = self.state[i] = {}
+                    if _is_low(p.data):
+                        p = self._master(i, p, state)
                     key = (p.data.dtype, p.grad.dtype, type(p.data), self._phase(state))
                     packs.setdefault(key, []).append(i)
                 i += 1
             for indices in packs.values():
                 pack = self._pack(tuple(indices))
                 self._update(pack, group)
-                for p in pack.params:
+                for index, p in zip(pack.indices, pack.params):
+                    if isinstance(p, _MasterParam):
+                        p = self._write_back(index, p)
                     p.version += 1
+
+    def _master(self, i, p, state):
+        """Return the _MasterParam of 16-bit parameter ``i`` ready for this step: its float32 master weight
+        (made from the parameter's values the first time, and again if something else put other values in
+        ``p.data``: a model's ``load_state_dict`` without the optimizer's) and its gradient in float32 (a float32 gradient is used as it is)."""
+        xp = get_array_module(p.data)
+        master = state.get("master_param")
+        if master is None or (self._written.get(i) is not p.data and not bool(
+                (master.astype(p.data.dtype) == p.data).all())):
+            master = state["master_param"] = p.data.astype(xp.float32)
+        proxy = self._masters.get(i)
+        if proxy is None:
+            proxy = self._masters[i] = _MasterParam()
+        proxy.data = master
+        proxy.grad = p.grad if p.grad.dtype == xp.float32 else p.grad.astype(xp.float32)
+        return proxy
+
+    def _write_back(self, i, proxy):
+        """Keep the master the update wrote (maybe moved by copy-on-write), round it into parameter ``i``, and
+        return that parameter."""
+        p = self.params[i]
+        self.state[i]["master_param"] = proxy.data
+        proxy.grad = None
+        if is_held(p.data):
+            p.data = proxy.data.astype(p.data.dtype)
+        else:
+            p.data[...] = proxy.data  # rounds to nearest even; in place: FSDP keeps references to its arrays
+        self._written[i] = p.data
+        return p
 
     def _pack(self, indices):
         pack = self._packs.get(indices)
@@ -430,7 +467,7 @@ class Optimizer:
             members = set(indices)
             for key in [k for k in self._packs if members.intersection(k)]:
                 del self._packs[key]
-            params = [self.params[i] for i in indices]
+            params = [self._masters[i] if _is_low(self.params[i].data) else self.params[i] for i in indices]
             pack = self._packs[indices] = _Pack(indices, params, get_array_module(params[0].data), self._spares)
         return pack
 

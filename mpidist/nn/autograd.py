@@ -262,7 +262,7 @@ class Tensor:
 
     def requires_grad_(self, mode=True):
         """Mark this leaf as needing a gradient (in place); return self."""
-        if mode and self.grad_fn is None and self.data.dtype.kind not in "fc":
+        if mode and self.grad_fn is None and self.data.dtype.kind not in "fc" and self.data.dtype.name != "bfloat16":
             raise TypeError(f"Tensor.requires_grad_: only floating point tensors can require grad "
                             f"(dtype: {self.data.dtype})")
         if not mode and self.grad_fn is not None:

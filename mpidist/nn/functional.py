@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from mpidist.nn.autograd import Tensor, make_result, make_results, unbroadcast
+from mpidist.nn.precision import fp32_op
 from mpidist.nn.random import generator_for_draw
 from mpidist.xp import get_array_module, scatter_add
 
@@ -282,6 +283,7 @@ def _expand_reduced(g, shape, axis, keepdims):
     return g
 
 
+@fp32_op
 def sum(a, axis=None, keepdims=False):
     """Return the sum over ``axis`` (all axes by default)."""
     da = _d(a)
@@ -292,6 +294,7 @@ def sum(a, axis=None, keepdims=False):
         xp.broadcast_to(_expand_reduced(g, shape, axis, keepdims), shape).copy(),))
 
 
+@fp32_op
 def mean(a, axis=None, keepdims=False):
     """Return the mean over ``axis`` (all axes by default)."""
     da = _d(a)
@@ -303,6 +306,7 @@ def mean(a, axis=None, keepdims=False):
         xp.broadcast_to(_expand_reduced(g, shape, axis, keepdims) / count, shape).astype(da.dtype),))
 
 
+@fp32_op
 def var(a, axis=None, keepdims=False, ddof=0):
     """Return the variance over ``axis`` (composite of differentiable ops)."""
     m = mean(a, axis=axis, keepdims=True)
@@ -401,6 +405,7 @@ def gelu(a):
     return make_result("Gelu", out, (a,), backward)
 
 
+@fp32_op
 def softmax(a, axis=-1):
     """Return the softmax along ``axis`` (stable)."""
     x = _d(a)
@@ -411,6 +416,7 @@ def softmax(a, axis=-1):
         out * (g - (g * out).sum(axis=axis, keepdims=True)),))
 
 
+@fp32_op
 def log_softmax(a, axis=-1):
     """Return the log of the softmax along ``axis`` (stable)."""
     x = _d(a)
@@ -423,6 +429,7 @@ def log_softmax(a, axis=-1):
 
 # -- fused layers -----------------------------------------------------------------------------------------
 
+@fp32_op
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
     """Normalize over the last axis, then scale by ``weight`` and shift by ``bias``."""
     dx = _d(x)
@@ -451,6 +458,7 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
     return make_result("LayerNorm", out, (x, weight, bias), backward)
 
 
+@fp32_op
 def rms_norm(x, weight=None, eps=1e-6):
     """Divide by the root mean square over the last axis, then scale by ``weight``."""
     dx = _d(x)
@@ -503,6 +511,7 @@ def dropout(x, p=0.5, training=True, generator=None):
     return make_result("Dropout", dx * mask, (x,), lambda g, n: (g * mask,))
 
 
+@fp32_op(loss=True)
 def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
     """Softmax cross-entropy of ``logits`` (..., C) against integer labels ``target`` (...).
 
@@ -563,6 +572,7 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
 
 
 
+@fp32_op(loss=True)
 def mse_loss(pred, target, reduction="mean"):
     """Return the mean (or summed) squared error between ``pred`` and ``target``."""
     if _shape(pred) != _shape(target):
@@ -576,6 +586,7 @@ def mse_loss(pred, target, reduction="mean"):
     raise ValueError(f"mse_loss: unknown reduction '{reduction}' (expected mean or sum)")
 
 
+@fp32_op
 def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0,
                                  training=True, generator=None):
     """Return ``softmax(q k^T * scale + mask) v`` over the last two axes (fused, with its own backward).
