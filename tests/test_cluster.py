@@ -214,12 +214,13 @@ def test_slurm_on_two_nodes_runs_cpu_sbatch_across_both():
 
 # -- every strategy trains exactly across nodes ----------------------------------------------------------------
 # The suites' own parity tests (float64 training against one process: DDP, FSDP, hybrid FSDP, pipelines, the
-# (dp, tp, pp) GPT mesh), one mpiexec per file with 2 ranks on each of 2 nodes; -k keeps them to their parity
-# tests. Round-robin placement for the files whose groups depend on it.
+# (dp, tp, pp) GPT mesh; the hierarchical allreduce against numpy), one mpiexec per file with 2 ranks on each of 2
+# nodes; -k keeps them to their parity tests. Round-robin placement for the files whose groups depend on it.
 PARITY_SELECT = "matches or equal or parity or single_process"
 PARITY = [("tests/test_ddp.py", "block"), ("tests/test_fsdp.py", "block"), ("tests/test_fsdp_hybrid.py", "block"),
           ("tests/test_pipeline.py", "block"), ("tests/test_gpt.py", "block"),
-          ("tests/test_fsdp_hybrid.py", "cyclic"), ("tests/test_gpt.py", "cyclic")]
+          ("tests/test_fsdp_hybrid.py", "cyclic"), ("tests/test_gpt.py", "cyclic"),
+          ("tests/test_cluster_allreduce.py", "block"), ("tests/test_cluster_allreduce.py", "cyclic")]
 
 
 @pytest.mark.timeout(600)
@@ -247,10 +248,7 @@ for i in range(1000000):
 
 
 def test_a_node_whose_link_goes_down_ends_the_job_with_the_watchdogs_report(cluster, tmp_path):
-    """node2 (rank 1) unreachable mid-training: rank 0's watchdog names rank 1 as missing and aborts; no hang.
-
-    (The report names ranks, not hosts; naming the unreachable node is left to the watchdog's owners.)
-    """
+    """node2 (rank 1) unreachable mid-training: rank 0's watchdog names rank 1 and node2 and aborts; no hang."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cluster.mpiexec([PYTHON, "-c", LINK_JOB], ppn=1), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
@@ -264,5 +262,6 @@ def test_a_node_whose_link_goes_down_ends_the_job_with_the_watchdogs_report(clus
             proc.kill()
             proc.wait()
     assert proc.returncode != 0, log[-3000:]
-    assert "did not complete within 10 s" in log and "ranks that did not: [1]" in log, log[-3000:]
+    assert "did not complete within 10 s" in log and "ranks that did not: [1] (on node2)" in log, log[-3000:]
+    assert "node node2 unreachable: none of its ranks [1] answered" in log, log[-3000:]
 

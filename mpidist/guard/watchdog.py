@@ -122,6 +122,9 @@ class Watchdog:
         self._to_local = {w: int(r) for w, r in enumerate(ranks) if r != MPI.UNDEFINED}
         mine.Free()
         everyone.Free()
+        # The host of every rank, so that a report can name a node whose ranks all went silent (a node down,
+        # or its link): ranks alone do not say which machine to look at.
+        self.hosts = self.world.allgather(MPI.Get_processor_name())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpidist-watchdog", daemon=True)
         self._round = 0
@@ -341,7 +344,8 @@ class Watchdog:
         lines += [f"  rank {r}: left the job (its program ended){self._departure_note(r, rec)}" for r in sorted(self.departed)]
         silent = [r for r in others if r not in replies]
         if silent:
-            lines.append(f"  no answer from ranks {silent} (busy outside MPI, or dead)")
+            lines.append(f"  no answer from ranks {silent} (busy outside MPI, or dead){self._on_hosts(silent)}")
+            lines += self._unreachable_nodes(silent)
         if advice:
             lines.append("  if this wait is legitimate, raise the limit: mpidist.init(collective_timeout=...) or "
                          "MPIDIST_COLLECTIVE_TIMEOUT, or wrap the slow part in guard.phase(name, timeout)")
@@ -352,6 +356,25 @@ class Watchdog:
         self.stream.write("\n".join(lines) + "\n")
         self.stream.flush()
         self.abort()
+
+    def _on_hosts(self, ranks):
+        """Return ' (on node2)' or ' (on node1: 0; node2: 1,3)': the hosts of ``ranks`` when the job spans several."""
+        if len(set(self.hosts)) < 2:
+            return ""
+        by_host = {}
+        for r in ranks:
+            by_host.setdefault(self.hosts[r], []).append(r)
+        if len(by_host) == 1:
+            return f" (on {next(iter(by_host))})"
+        return " (on " + "; ".join(f"{h}: {','.join(map(str, rs))}" for h, rs in by_host.items()) + ")"
+
+    def _unreachable_nodes(self, silent):
+        """Return a line for each other host none of whose ranks answered: that node, or its link, is down."""
+        quiet = set(silent) | set(self.departed)
+        return [f"  node {host} unreachable: none of its ranks {ranks} answered (the node or its network link is down)"
+                for host in dict.fromkeys(self.hosts) if host != self.hosts[self.rank]
+                for ranks in [[r for r, h in enumerate(self.hosts) if h == host]]
+                if all(r in quiet for r in ranks) and any(r in silent for r in ranks)]
 
     def _arrivals(self, rec, replies):
         """Return the report's lines on who is in collective ``rec`` (members of its communicator only).
@@ -371,7 +394,7 @@ class Watchdog:
         missing = [r for r in members if r not in calls]
         lines = [f"  ranks that arrived: {arrived}"]
         if missing:
-            return lines + [f"  ranks that did not: {missing}"]
+            return lines + [f"  ranks that did not: {missing}{self._on_hosts(missing)}"]
         groups = {}
         for r in arrived:
             groups.setdefault(fingerprint.describe_call(calls[r]), []).append(r)
