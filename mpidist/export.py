@@ -7,6 +7,12 @@ dicts; ``mpidist.models.hf_gpt2`` builds Hugging Face GPT-2 checkpoints on it.
 
 Files: ``save_safetensors(model, "out/model.safetensors", config=...)`` writes ``out/model.safetensors`` and
 ``out/config.json`` (the name Hugging Face uses: one model per directory).
+
+Any layout: a model or wrapper spread over ranks (DDP, FSDP, hybrid, tensor parallel, Pipeline, a 3-D mesh) is
+saved in one call by every rank: ``mpidist.full_state_dict`` streams the unsplit tensors to the writing rank, one
+at a time, and that rank writes the file. ``load_safetensors(path, model)`` is the inverse: the reading rank reads
+the file and ``load_full_state_dict`` scatters it into the model's layout. Either raises on every rank when any
+rank fails (``mpidist.comm.agree``).
 """
 
 from __future__ import annotations
@@ -21,11 +27,14 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from mpidist.comm.agree import agreed
 from mpidist.files import atomic_path, write_text_atomic
 from mpidist.nn.module import Module
+from mpidist.parallel.full_state import full_state_dict, load_full_state_dict
+from mpidist.parallel.interface import Wrapper, as_wrapper
 from mpidist.xp import to_numpy
 
-__all__ = ["CONFIG_NAME", "config_path", "save_safetensors", "load_safetensors"]
+__all__ = ["CONFIG_NAME", "config_path", "save_safetensors", "load_safetensors", "read_safetensors"]
 
 CONFIG_NAME = "config.json"
 
@@ -35,23 +44,70 @@ def config_path(path) -> str:
     return os.path.join(os.path.dirname(os.fspath(path)), CONFIG_NAME)
 
 
-def save_safetensors(model_or_state_dict, path, *, config=None, metadata: Optional[Mapping[str, str]] = None) -> None:
-    """Write a plain model's parameters and buffers (or a state dict) to ``path`` as one safetensors file.
+def layout_comm(obj, comm):
+    """Return the communicator a full-state gather of ``obj`` runs over: ``comm``, else the layout's own."""
+    return as_wrapper(obj).mesh.comm if comm is None else comm
 
-    ``model_or_state_dict`` is an ``nn.Module`` (its ``state_dict()``: parameters, then buffers; a tied weight
-    once) or a mapping name -> array (numpy or CuPy). ``config``, when given (a mapping, or a dataclass such as
-    ``gpt.config``), is written as JSON to ``config_path(path)``; ``metadata`` is the file header's string ->
-    string metadata. Everything is checked before anything is written: names must be
-    strings, dtypes ones safetensors stores (no complex128, object or string arrays), the config JSON-able.
+
+def on_rank(comm, rank, fn, context):
+    """Run ``fn()`` on ``rank`` of ``comm`` only; if it raised, raise on every rank (collective). Return its result
+    there, None elsewhere. ``comm`` None: this process alone, which runs it."""
+    if comm is None:
+        return fn()
+    return agreed(comm, lambda: fn() if comm.Get_rank() == rank else None, context)
+
+
+def gather_state(obj, comm=None, *, rank=0, context="gather_state"):
+    """Return (the unsplit state of a model, wrapper or mapping on ``rank``, {} elsewhere; the communicator used).
+
+    A mapping is this process's own state (comm None). A model or wrapper at any layout is gathered by
+    ``full_state_dict`` over ``comm`` (default: the layout's own), one tensor at a time; collective there.
+    """
+    if isinstance(obj, Mapping):
+        return obj, None
+    if not isinstance(obj, (Module, Wrapper)):
+        raise TypeError(f"{context}: expected an nn.Module, a parallel wrapper (DDP, FSDP, Pipeline) or a mapping "
+                        f"name -> array (got {type(obj).__name__})")
+    comm = layout_comm(obj, comm)
+    return full_state_dict(obj, comm, rank=rank), comm
+
+
+def save_safetensors(model_or_state_dict, path, *, config=None, metadata: Optional[Mapping[str, str]] = None,
+                     comm=None, rank=0) -> None:
+    """Write a model's unsplit parameters and buffers (or a state dict) to ``path`` as one safetensors file.
+
+    ``model_or_state_dict``: a mapping name -> array (numpy or CuPy), written by this process; or an ``nn.Module``
+    or parallel wrapper at any layout (plain, tensor parallel, DDP, FSDP, Pipeline, a mesh of them), whose unsplit
+    state (``mpidist.full_state_dict``: the one-process model's ``state_dict()``, a tied weight once) is gathered
+    onto ``rank`` of ``comm`` (default: the layout's own communicator; pass the world's when the layout has none,
+    e.g. DDP over a tensor-parallel model) and written there. Collective over ``comm`` then; a failure on the
+    writing rank raises on every rank. ``config``, when given (a mapping, or a dataclass such as ``gpt.config``), is
+    written as JSON to ``config_path(path)``; ``metadata`` is the file header's string -> string metadata.
+    Everything is checked before anything is written: names must be strings, dtypes ones safetensors stores (no
+    complex128, object or string arrays), the config JSON-able.
     """
     context = "save_safetensors"
-    if isinstance(model_or_state_dict, Module):
-        state = model_or_state_dict.state_dict()
-    elif isinstance(model_or_state_dict, Mapping):
-        state = model_or_state_dict
-    else:
-        raise TypeError(f"{context}: expected an nn.Module or a mapping name -> array "
+    if not isinstance(model_or_state_dict, (Mapping, Module, Wrapper)):
+        raise TypeError(f"{context}: expected an nn.Module, a parallel wrapper or a mapping name -> array "
                         f"(got {type(model_or_state_dict).__name__})")
+    gather_comm = None if isinstance(model_or_state_dict, Mapping) else layout_comm(model_or_state_dict, comm)
+    # The arguments are checked on every rank before the gather, so a typo costs no transfer.
+    config_text = on_rank(gather_comm, rank, lambda: _check_arguments(path, config, metadata, context), context)
+    state, gather_comm = gather_state(model_or_state_dict, gather_comm, rank=rank, context=context)
+    on_rank(gather_comm, rank, lambda: _write(state, path, config_text, metadata, context), context)
+
+
+def _check_arguments(path, config, metadata, context):
+    """Return the config's JSON text (None without one) after checking ``metadata`` and that ``path`` is no directory."""
+    if metadata is not None and not (isinstance(metadata, Mapping) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise TypeError(f"{context}: metadata must map strings to strings (got {metadata!r})")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{context}: {os.fspath(path)} is a directory; name the .safetensors file to write")
+    return None if config is None else _config_json(config, context)
+
+
+def _write(state, path, config_text, metadata, context):
     bad_names = [name for name in state if not isinstance(name, str)]
     if bad_names:
         raise TypeError(f"{context}: tensor names must be strings (got {bad_names[:5]})")
@@ -66,58 +122,48 @@ def save_safetensors(model_or_state_dict, path, *, config=None, metadata: Option
         listed = "; ".join(f"{dtype}: {names[:5]}" for dtype, names in refused.items())
         raise ValueError(f"{context}: safetensors cannot store these dtypes ({listed}); cast them first "
                          f"(complex128 -> two float64 arrays or complex64)")
-    if metadata is not None:
-        if not isinstance(metadata, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
-                                                        for k, v in metadata.items()):
-            raise TypeError(f"{context}: metadata must map strings to strings (got {metadata!r})")
-        metadata = dict(metadata)
-    config_text = None if config is None else _config_json(config, context)
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"{context}: {os.fspath(path)} is a directory; name the .safetensors file to write")
     directory = os.path.dirname(os.fspath(path))
     if directory:
         os.makedirs(directory, exist_ok=True)
     with atomic_path(path) as temporary:  # a failed or killed export never leaves a half-written file at path
-        safetensors.numpy.save_file(tensors, temporary, metadata=metadata)
+        safetensors.numpy.save_file(tensors, temporary, metadata=None if metadata is None else dict(metadata))
     if config_text is not None:
         write_text_atomic(config_path(path), config_text)
 
 
-def load_safetensors(path, module: Optional[Module] = None) -> Dict[str, np.ndarray]:
-    """Read every tensor of the safetensors file ``path`` into a dict name -> numpy array.
-
-    With ``module``, also copy them into it in place (``module.load_state_dict``, strict): missing or unexpected
-    names, another shape or another dtype raise ValueError naming the tensors, and nothing is copied then.
-    """
-    context = "load_safetensors"
+def read_safetensors(path, context="load_safetensors") -> Dict[str, np.ndarray]:
+    """Return every tensor of the safetensors file ``path`` as a dict name -> numpy array (this process reads)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(f"{context}: {path} is a directory; pass the .safetensors file in it")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{context}: no such file ({path})")
     try:
-        tensors = safetensors.numpy.load_file(path)
+        return safetensors.numpy.load_file(path)
     except (safetensors.SafetensorError, TypeError, ValueError) as e:  # bad header, a dtype numpy lacks (bf16)
         raise ValueError(f"{context}: {path} cannot be read as numpy arrays ({e}); not a safetensors file, or "
                          f"a dtype numpy lacks (bfloat16, float8)") from e
-    if module is not None:
-        _check_fits(module, tensors, f"{context}: {path}")
-        module.load_state_dict(tensors, strict=True)
-    return tensors
 
 
-def _check_fits(module, tensors, context):
-    own = {**{name: p.data for name, p in module.named_parameters()}, **dict(module.named_buffers())}
-    missing = [name for name in own if name not in tensors]
-    unexpected = [name for name in tensors if name not in own]
-    if missing or unexpected:
-        raise ValueError(f"{context}: names do not match {type(module).__name__}'s "
-                         f"(missing: {missing[:8]}, unexpected: {unexpected[:8]})")
-    wrong = [f"{name}: {tensors[name].shape} {tensors[name].dtype} (model: {array.shape} {array.dtype})"
-             for name, array in own.items()
-             if tuple(tensors[name].shape) != tuple(array.shape) or tensors[name].dtype != array.dtype]
-    if wrong:
-        raise ValueError(f"{context}: tensors do not fit {type(module).__name__} ({'; '.join(wrong[:8])})")
+def load_safetensors(path, model=None, comm=None, *, rank=0) -> Dict[str, np.ndarray]:
+    """Read every tensor of the safetensors file ``path``; with ``model``, scatter them into its layout.
+
+    Without ``model``: return the dict name -> numpy array (this process reads the file). With ``model`` (an
+    ``nn.Module`` or parallel wrapper at any layout): ``rank`` of ``comm`` (default: the layout's own
+    communicator) reads the file and ``load_full_state_dict`` copies each tensor into every rank's part of it;
+    collective over ``comm``. Missing or unexpected names, another shape, or a dtype that does not cast to the
+    model's raise ValueError on every rank naming the tensors, and nothing is copied then. Returns the tensors
+    on ``rank``, {} elsewhere.
+    """
+    context = "load_safetensors"
+    if model is None:
+        return read_safetensors(path, context)
+    if not isinstance(model, (Module, Wrapper)):
+        raise TypeError(f"{context}: model must be an nn.Module or a parallel wrapper (got {type(model).__name__})")
+    comm = layout_comm(model, comm)
+    tensors = on_rank(comm, rank, lambda: read_safetensors(path, context), context)
+    load_full_state_dict(model, tensors, comm, rank=rank, context=f"{context}: {os.fspath(path)}")
+    return {} if tensors is None else tensors
 
 
 def _storable(dtype) -> bool:

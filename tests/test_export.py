@@ -14,6 +14,9 @@ import pytest
 import safetensors
 import safetensors.numpy
 
+import mpidist
+import test_full_state as full_state_tests
+from mpidist import full_state_dict
 from mpidist.export import config_path, load_safetensors, save_safetensors
 from mpidist.models import GPT, GPTConfig
 from mpidist.models.hf_gpt2 import gpt_config_from_hf, load_hf_gpt2, save_hf_gpt2, to_hf_gpt2
@@ -90,14 +93,22 @@ def test_load_safetensors_into_a_module_copies_and_checks(tmp_path):
 
     wider = tiny_gpt(seed=2, n_embd=12)
     before = wider.state_dict()
-    with pytest.raises(ValueError, match=r"load_safetensors: .*tensors do not fit GPT \(embed\.wte\.weight: "
-                                         r"\(23, 8\) float32 \(model: \(23, 12\) float32\)"):
+    with pytest.raises(ValueError, match=r"load_safetensors: .*shape mismatch for 'blocks\.0\.attn\.proj\.bias' "
+                                         r"\(state_dict: \(8,\), model: \(12,\)\)"):
         load_safetensors(path, wider)
     assert all(np.array_equal(a, wider.state_dict()[n]) for n, a in before.items())  # nothing copied
-    with pytest.raises(ValueError, match=r"embed\.wte\.weight: \(23, 8\) float32 \(model: \(23, 8\) float64\)"):
-        load_safetensors(path, tiny_gpt(dtype="float64"))
-    with pytest.raises(ValueError, match=r"names do not match GPT's \(missing: \['head\.weight'\], unexpected: "
-                                         r"\[\]\)"):
+    # Loading goes through load_full_state_dict: a dtype that casts (float32 into float64) is cast, exactly...
+    wide = tiny_gpt(seed=3, dtype="float64")
+    load_safetensors(path, wide)
+    assert all(np.array_equal(wide.state_dict()[n], a.astype(np.float64)) for n, a in source.state_dict().items())
+    # ...one that does not (complex into float) is refused, naming the tensor.
+    complex_path = tmp_path / "complex.safetensors"
+    save_safetensors({n: a.astype(np.complex64) for n, a in source.state_dict().items()}, complex_path)
+    with pytest.raises(ValueError, match=r"'blocks\.0\.attn\.proj\.bias' has dtype complex64 in the state_dict, which does "
+                                         r"not cast to the model's float32"):
+        load_safetensors(complex_path, tiny_gpt())
+    with pytest.raises(ValueError, match=r"keys do not match the model \(missing: \['head\.weight'\], "
+                                         r"unexpected: \[\]\)"):
         load_safetensors(path, tiny_gpt(tie_weights=False))
 
 
@@ -114,7 +125,7 @@ def test_save_safetensors_refuses_what_safetensors_cannot_store(tmp_path):
         save_safetensors({"ok": np.zeros(2)}, path, config={"array": np.zeros(2)})
     with pytest.raises(TypeError, match=r"save_safetensors: tensor names must be strings \(got \[3\]\)"):
         save_safetensors({3: np.zeros(2)}, path)
-    with pytest.raises(TypeError, match=r"save_safetensors: expected an nn\.Module or a mapping .*\(got list\)"):
+    with pytest.raises(TypeError, match=r"save_safetensors: expected an nn\.Module, a parallel wrapper or a mapping .*\(got list\)"):
         save_safetensors([np.zeros(2)], path)
     assert not path.exists() and not (tmp_path / "config.json").exists()  # checked before writing anything
     with pytest.raises(IsADirectoryError, match=r"save_safetensors: .* is a directory; name the \.safetensors file"):
@@ -299,6 +310,128 @@ def test_to_hf_gpt2_refuses_what_is_not_a_plain_gpt():
     with pytest.raises(ValueError, match=r"to_hf_gpt2: the model is not a plain GPT of its config .*shapes: "
                                          r"\['blocks\.0\.attn\.qkv\.weight: \(12, 8\) \(config: \(24, 8\)\)'\]"):
         to_hf_gpt2(gpt)
+
+
+# -- any layout: one call gathers (save) or scatters (load); against one process ----------------------------------
+# The layouts and the one-process reference of tests/test_full_state.py (float64 GPTs of vocabulary 61 trained
+# two AdamW steps): an export from any layout must be the one-process model's export, and a load into any
+# layout then training must equal one process trained from the loaded state.
+
+LAYOUTS = [(kind, None) for kind in full_state_tests.KINDS] + [("mesh", (1, 2, 2)), ("mesh", (2, 2, 1))]
+LAYOUT_IDS = [kind if dims is None else "x".join(map(str, dims)) for kind, dims in LAYOUTS]
+
+
+def layout_config(kind):
+    return full_state_tests.UNTIED if kind == "pp" else full_state_tests.CONFIG
+
+
+def build_layout(comm, kind, dims):
+    if dims is not None and comm.Get_size() != int(np.prod(dims)):
+        pytest.skip(f"the ({', '.join(map(str, dims))}) mesh needs {int(np.prod(dims))} ranks")
+    return full_state_tests.Layout(comm, kind, dims)
+
+
+def rank_of(layout):
+    return 0 if layout.comm is None else layout.comm.Get_rank()
+
+
+def one_process_gpt(config, state):
+    gpt = GPT(config, rng=np.random.default_rng(0))
+    gpt.load_state_dict(state)
+    return gpt
+
+
+def check_export(layout, config, directory):
+    """Train, export as safetensors and as GPT-2 from the layout, and compare with one process's export."""
+    layout.train()
+    save_safetensors(layout.wrapped, directory / "plain" / "model.safetensors", comm=layout.comm, config=config)
+    save_hf_gpt2(layout.wrapped, directory / "hf", layout.comm, config=config)
+    if rank_of(layout) != 0:
+        return
+    want = full_state_tests.one_process(config)
+    got = safetensors.numpy.load_file(directory / "plain" / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=0, atol=full_state_tests.TOL, err_msg=name)
+    assert json.loads((directory / "plain" / "config.json").read_text()) == dataclasses.asdict(config)
+    want_hf, want_config = to_hf_gpt2(one_process_gpt(config, want))
+    got_hf = safetensors.numpy.load_file(directory / "hf" / "model.safetensors")
+    assert sorted(got_hf) == sorted(want_hf)
+    for name, value in want_hf.items():
+        assert got_hf[name].dtype == value.dtype, name
+        np.testing.assert_allclose(got_hf[name], value, rtol=0, atol=full_state_tests.TOL, err_msg=name)
+    assert json.loads((directory / "hf" / "config.json").read_text()) == json.loads(json.dumps(want_config))
+
+
+@pytest.mark.world_sizes(1, 2, 4)
+@pytest.mark.parametrize("kind, dims", LAYOUTS, ids=LAYOUT_IDS)
+def test_export_from_any_layout_equals_the_one_process_export(comm, kind, dims, tmp_path):
+    layout = build_layout(comm, kind, dims)
+    check_export(layout, layout_config(kind), tmp_path)
+    layout.close()
+
+
+def check_import(layout, config, directory):
+    """Load one state through safetensors and another through GPT-2 into the layout; train; against one process."""
+    me = rank_of(layout)
+    first, second = full_state_tests.other_state(config), GPT(config, rng=np.random.default_rng(4)).state_dict()
+    if me == 0:  # the reading rank's files: written by one process
+        save_safetensors(first, directory / "model.safetensors")
+        save_hf_gpt2(one_process_gpt(config, second), directory / "hf")
+    loaded = load_safetensors(directory / "model.safetensors", layout.wrapped, layout.comm)
+    assert sorted(loaded) == (sorted(first) if me == 0 else [])
+    full_state_tests.assert_state_equals(full_state_dict(layout.wrapped, layout.comm, all_ranks=True), first, 0)
+    assert load_hf_gpt2(directory / "hf", layout.wrapped, layout.comm, config=config) is layout.wrapped
+    full_state_tests.assert_state_equals(full_state_dict(layout.wrapped, layout.comm, all_ranks=True), second, 0)
+    layout.train()
+    got = full_state_dict(layout.wrapped, layout.comm)
+    if me == 0:
+        full_state_tests.assert_state_equals(got, full_state_tests.one_process(config, second), full_state_tests.TOL)
+
+
+@pytest.mark.world_sizes(1, 2, 4)
+@pytest.mark.parametrize("kind, dims", LAYOUTS, ids=LAYOUT_IDS)
+def test_import_into_any_layout_then_training_equals_one_process(comm, kind, dims, tmp_path):
+    layout = build_layout(comm, kind, dims)
+    check_import(layout, layout_config(kind), tmp_path)
+    layout.close()
+
+
+def _export_and_import_3d(comm, directory):
+    for check, where in ((check_export, "export"), (check_import, "import")):
+        layout = full_state_tests.Layout(comm, "mesh", (2, 2, 2))
+        check(layout, full_state_tests.CONFIG, directory / where)
+        layout.close()
+
+
+@pytest.mark.mpi_skip  # simulated ranks only: under mpiexec every rank would run all eight again
+def test_export_and_import_at_dp2_pp2_tp2(tmp_path):
+    mpidist.simulate(8, _export_and_import_3d, tmp_path)
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_a_failed_export_or_import_raises_on_every_rank(comm, tmp_path):
+    layout = full_state_tests.Layout(comm, "fsdp")
+    config = full_state_tests.CONFIG
+    with pytest.raises(TypeError, match=r"save_hf_gpt2: pass config=, the GPTConfig of the model, with a FSDP"):
+        save_hf_gpt2(layout.wrapped, tmp_path / "hf", layout.comm)
+    occupied = tmp_path / "occupied"  # rank 0's target is a file where the directory should be
+    if comm.Get_rank() == 0:
+        occupied.write_text("not a directory")
+    with pytest.raises((OSError, RuntimeError), match=r"save_hf_gpt2: rank 0: "):
+        save_hf_gpt2(layout.wrapped, occupied, layout.comm, config=config)
+    with pytest.raises(IsADirectoryError, match=r"save_safetensors: rank 0: IsADirectoryError: .* is a directory"):
+        save_safetensors(layout.wrapped, tmp_path, comm=layout.comm)
+    with pytest.raises(FileNotFoundError, match=r"load_safetensors: rank 0: FileNotFoundError: .*no such file"):
+        load_safetensors(tmp_path / "missing.safetensors", layout.wrapped, layout.comm)
+    other = dataclasses.replace(config, n_head=2)  # same tensor shapes, another model
+    if comm.Get_rank() == 0:
+        save_hf_gpt2(one_process_gpt(other, GPT(other, rng=np.random.default_rng(0)).state_dict()), tmp_path / "hf2")
+    before = full_state_dict(layout.wrapped, layout.comm, all_ranks=True)
+    with pytest.raises(ValueError, match=r"the checkpoint is not of the model's shape \(n_head 2 \(model: 4\)\)"):
+        load_hf_gpt2(tmp_path / "hf2", layout.wrapped, layout.comm, config=config)
+    full_state_tests.assert_state_equals(full_state_dict(layout.wrapped, layout.comm, all_ranks=True), before, 0)
+    layout.close()
 
 
 # -- against transformers itself (the hf extra) ------------------------------------------------------------------

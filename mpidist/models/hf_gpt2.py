@@ -11,20 +11,29 @@ The two models compute the same function: pre-norm blocks, attention scaled by 1
 (``nn.functional.gelu``), which transformers calls ``gelu_new`` (also ``gelu_pytorch_tanh``; plain ``gelu`` is
 the erf form and is refused). One dropout rate here stands for GPT-2's ``embd_pdrop``, ``attn_pdrop`` and
 ``resid_pdrop``, which sit in the same places. A config setting our GPT cannot reproduce is refused by name.
+
+Any layout: ``save_hf_gpt2`` takes a GPT or a wrapper of one at any layout (DDP, FSDP, hybrid, tensor parallel,
+Pipeline, a 3-D mesh); the unsplit tensors stream to one rank (``mpidist.full_state_dict``), which writes.
+``load_hf_gpt2(directory, model)`` scatters a checkpoint into such a model (``load_full_state_dict``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from mpidist.export import CONFIG_NAME, load_safetensors, save_safetensors
+from mpidist.export import CONFIG_NAME, gather_state, layout_comm, on_rank, read_safetensors, save_safetensors
 from mpidist.models.gpt import GPT, GPTConfig
 from mpidist.nn.layers import LayerNorm
+from mpidist.nn.module import Module
+from mpidist.parallel.full_state import load_full_state_dict
+from mpidist.parallel.interface import Wrapper
+from mpidist.parallel.tensor import ParallelLayerNorm
 from mpidist.xp import to_numpy
 
 __all__ = ["WEIGHTS_NAME", "hf_gpt2_config", "gpt_config_from_hf", "to_hf_gpt2", "save_hf_gpt2", "load_hf_gpt2"]
@@ -45,6 +54,10 @@ _MASK_BUFFERS = ("attn.bias", "attn.masked_bias")
 # GELU with the tanh approximation, under the names transformers gives it (ours: nn.functional.gelu).
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 _DROPOUTS = ("embd_pdrop", "attn_pdrop", "resid_pdrop")
+# What a checkpoint loaded into an existing model must match (dropout and dtype are the model's to keep).
+_SHAPE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "bias", "tie_weights")
+# The eps of every LayerNorm a GPT builds (it passes none): what a wrapper's export states.
+_DEFAULT_EPS = LayerNorm(1).eps
 
 
 def _name_table(config: GPTConfig) -> List[Tuple[str, str, bool, Tuple[int, ...]]]:
@@ -67,7 +80,7 @@ def _name_table(config: GPTConfig) -> List[Tuple[str, str, bool, Tuple[int, ...]
 
 
 def _layer_norm_eps(gpt: GPT, context) -> float:
-    eps = {m.eps for m in gpt.modules() if isinstance(m, LayerNorm)}
+    eps = {m.eps for m in gpt.modules() if isinstance(m, (LayerNorm, ParallelLayerNorm))}
     if len(eps) != 1:
         raise ValueError(f"{context}: GPT-2 has one layer_norm_epsilon, this model's LayerNorms have {sorted(eps)}")
     return eps.pop()
@@ -75,13 +88,16 @@ def _layer_norm_eps(gpt: GPT, context) -> float:
 
 def hf_gpt2_config(gpt: GPT) -> dict:
     """Return the ``config.json`` of the Hugging Face GPT-2 that computes what ``gpt`` computes."""
-    c = gpt.config
+    return _hf_config(gpt.config, _layer_norm_eps(gpt, "hf_gpt2_config"))
+
+
+def _hf_config(c: GPTConfig, layer_norm_eps: float) -> dict:
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": c.vocab_size, "n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer,
         "n_head": c.n_head, "n_inner": c.mlp_ratio * c.n_embd, "activation_function": _TANH_GELU[0],
         **{name: c.dropout for name in _DROPOUTS},
-        "layer_norm_epsilon": _layer_norm_eps(gpt, "hf_gpt2_config"),
+        "layer_norm_epsilon": layer_norm_eps,
         "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False, "add_cross_attention": False, "use_cache": True,
         "tie_word_embeddings": c.tie_weights,
@@ -141,45 +157,106 @@ def to_hf_gpt2(gpt: GPT) -> Tuple[Dict[str, np.ndarray], dict]:
     context = "to_hf_gpt2"
     if not isinstance(gpt, GPT):
         raise TypeError(f"{context}: expected a mpidist.models.GPT (got {type(gpt).__name__})")
-    table = _name_table(gpt.config)
-    state = gpt.state_dict()
+    return _hf_tensors(gpt.state_dict(), gpt.config, context), hf_gpt2_config(gpt)
+
+
+def _hf_tensors(state, config: GPTConfig, context) -> Dict[str, np.ndarray]:
+    """Return the unsplit state ``state`` of a GPT of ``config`` under GPT-2's names and layouts."""
+    table = _name_table(config)
     expected = {ours: shape for ours, _, _, shape in table}
     missing = [name for name in expected
-               if name not in state and not (gpt.config.bias is False and name.endswith(".bias"))]
+               if name not in state and not (config.bias is False and name.endswith(".bias"))]
     unexpected = [name for name in state if name not in expected]
     wrong = [f"{name}: {tuple(state[name].shape)} (config: {expected[name]})" for name in expected
              if name in state and tuple(state[name].shape) != expected[name]]
     if missing or unexpected or wrong:
         raise ValueError(f"{context}: the model is not a plain GPT of its config (missing: {missing[:8]}, "
-                         f"unexpected: {unexpected[:8]}, shapes: {wrong[:8]}); gather a parallel model's full "
-                         f"state into a plain GPT first")
-    dtype = np.dtype(gpt.config.dtype)
+                         f"unexpected: {unexpected[:8]}, shapes: {wrong[:8]}); pass a parallel model's wrapper "
+                         f"(or the model and comm=) to save_hf_gpt2, which gathers its unsplit state")
+    dtype = np.dtype(config.dtype)
     tensors = {}
     for ours, hf, transposed, shape in table:
         array = to_numpy(state[ours]) if ours in state else np.zeros(shape, dtype=dtype)
         tensors[hf] = np.ascontiguousarray(array.T if transposed else array)
-    return tensors, hf_gpt2_config(gpt)
+    return tensors
 
 
-def save_hf_gpt2(gpt: GPT, directory) -> None:
-    """Write ``gpt`` as a Hugging Face GPT-2 checkpoint: ``directory/model.safetensors`` and ``config.json``.
+def _config_of(model, config, context) -> GPTConfig:
+    """Return the GPTConfig of ``model``: its own for a GPT, else ``config`` (a wrapper does not know it)."""
+    if config is None and isinstance(model, GPT):
+        return model.config
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"{context}: pass config=, the GPTConfig of the model, with a {type(model).__name__} "
+                        f"(only a GPT itself knows its config; got config={config!r})")
+    if isinstance(model, GPT) and dataclasses.asdict(model.config) != dataclasses.asdict(config):
+        raise ValueError(f"{context}: config= {config} is not the GPT's own config {model.config}")
+    return config
 
-    ``transformers.GPT2LMHeadModel.from_pretrained(directory)`` loads it with no missing or unexpected keys.
+
+def save_hf_gpt2(model, directory, comm=None, *, rank=0, config: Optional[GPTConfig] = None) -> None:
+    """Write a GPT at any layout as a Hugging Face GPT-2 checkpoint: ``directory/model.safetensors`` and ``config.json``.
+
+    ``model``: a ``GPT`` (plain or tensor-parallel) or a wrapper of one (DDP, FSDP, Pipeline of its stages, a mesh
+    of them); a wrapper needs ``config=``, the GPT's config. Its unsplit state streams to ``rank`` of ``comm``
+    (default: the layout's own communicator; see ``mpidist.full_state_dict``), which writes; collective over
+    ``comm``, and a failure raises on every rank. ``transformers.GPT2LMHeadModel.from_pretrained(directory)`` loads
+    it with no missing or unexpected keys.
     """
-    tensors, config = to_hf_gpt2(gpt)
-    # transformers refuses a safetensors file whose header does not name a framework it knows; the bytes are
-    # framework-free, and "pt" is what its own save_pretrained writes.
-    save_safetensors(tensors, os.path.join(os.fspath(directory), WEIGHTS_NAME), config=config,
-                     metadata={"format": "pt"})
+    context = "save_hf_gpt2"
+    if not isinstance(model, (Module, Wrapper)):
+        raise TypeError(f"{context}: expected a mpidist.models.GPT or a parallel wrapper of one "
+                        f"(got {type(model).__name__})")
+    config = _config_of(model, config, context)
+    # A GPT's LayerNorms share one eps; a wrapper's modules are its own business, and a GPT built from a
+    # config uses LayerNorm's default.
+    eps = _layer_norm_eps(model, context) if isinstance(model, GPT) else _DEFAULT_EPS
+    state, comm = gather_state(model, layout_comm(model, comm), rank=rank, context=context)
+
+    def write():
+        tensors = _hf_tensors(state, config, context)
+        # transformers refuses a safetensors file whose header does not name a framework it knows; the bytes are
+        # framework-free, and "pt" is what its own save_pretrained writes.
+        save_safetensors(tensors, os.path.join(os.fspath(directory), WEIGHTS_NAME), config=_hf_config(config, eps),
+                         metadata={"format": "pt"})
+
+    on_rank(comm, rank, write, context)
 
 
-def load_hf_gpt2(directory) -> GPT:
+def load_hf_gpt2(directory, model=None, comm=None, *, rank=0, config: Optional[GPTConfig] = None):
     """Return the GPT stored in a GPT-2 checkpoint directory (``config.json`` + ``model.safetensors``).
 
     Names with and without the ``transformer.`` prefix are read, and the causal-mask buffers of older files are
     skipped. A setting we cannot reproduce, a missing, unexpected or misshapen tensor, or a tied
     ``lm_head.weight`` that differs from the token embedding raises ValueError naming it.
+
+    With ``model`` (a GPT or a wrapper of one at any layout; a wrapper needs ``config=``), ``rank`` of ``comm``
+    (default: the layout's own communicator) reads the checkpoint and ``load_full_state_dict`` scatters it into
+    ``model``, which is returned; the checkpoint's shape (layers, heads, widths, vocabulary, tied head) must be
+    ``model``'s. Collective over ``comm`` then, and a failure raises on every rank.
     """
+    if model is None:
+        return _read_hf_gpt2(directory)[0]
+    context = f"load_hf_gpt2: {os.fspath(directory)}"
+    if not isinstance(model, (Module, Wrapper)):
+        raise TypeError(f"{context}: model must be a mpidist.models.GPT or a parallel wrapper of one "
+                        f"(got {type(model).__name__})")
+    config = _config_of(model, config, context)
+    comm = layout_comm(model, comm)
+
+    def read():
+        gpt, hf_config = _read_hf_gpt2(directory)
+        differ = [f"{name} {getattr(hf_config, name)} (model: {getattr(config, name)})" for name in _SHAPE_FIELDS
+                  if getattr(hf_config, name) != getattr(config, name)]
+        if differ:
+            raise ValueError(f"{context}: the checkpoint is not of the model's shape ({'; '.join(differ)})")
+        return gpt.state_dict()
+
+    state = on_rank(comm, rank, read, context)
+    load_full_state_dict(model, state, comm, rank=rank, context=context)
+    return model
+
+
+def _read_hf_gpt2(directory) -> Tuple[GPT, GPTConfig]:
     directory = os.fspath(directory)
     context = f"load_hf_gpt2: {directory}"
     config_file, weights_file = os.path.join(directory, CONFIG_NAME), os.path.join(directory, WEIGHTS_NAME)
@@ -193,7 +270,7 @@ def load_hf_gpt2(directory) -> GPT:
         raise ValueError(f"{context}: {CONFIG_NAME} is not JSON ({e})") from e
     if not isinstance(hf, dict):
         raise ValueError(f"{context}: {CONFIG_NAME} is not a JSON object (got {type(hf).__name__})")
-    tensors = _strip_prefix(load_safetensors(weights_file), context)
+    tensors = _strip_prefix(read_safetensors(weights_file, context), context)
     dtypes = sorted({str(a.dtype) for a in tensors.values()})
     if len(dtypes) != 1 or np.dtype(dtypes[0]).kind != "f":
         raise ValueError(f"{context}: tensors must share one floating-point dtype (found {dtypes})")
@@ -205,7 +282,7 @@ def load_hf_gpt2(directory) -> GPT:
     if isinstance(hf_eps, bool) or hf_eps != eps:
         raise ValueError(f"{context}: layer_norm_epsilon {hf_eps!r} is not this GPT's LayerNorm eps ({eps})")
     gpt.load_state_dict(_from_hf(tensors, config, context))
-    return gpt
+    return gpt, config
 
 
 def _strip_prefix(tensors, context):
