@@ -228,5 +228,8 @@ def test_communicators_are_the_shard_and_replica_groups_and_none_when_fully_shar
     shard, replicate = fsdp.communicators()
     assert (shard.Get_size(), replicate.Get_size()) == (2, 2)
     assert shard.Get_rank() == comm.Get_rank() % 2 and fsdp.groups.shard_of == (0, 1, 0, 1)
+    # Its mesh: replicate across the groups (outer), shard within them (inner), over comm.
+    assert fsdp.mesh.names == ("replicate", "shard") and fsdp.mesh.shape == (2, 2) and fsdp.mesh.comm is comm
+    assert fsdp.mesh["shard"] is shard and fsdp.mesh["replicate"] is replicate
     assert FSDP(make_model(), comm).communicators() == ()
     assert FSDP(make_model(), comm, strategy="no_shard").communicators() == ()  # replicas over comm itself

@@ -22,7 +22,8 @@ from mpidist.optim import Adam
 from mpidist.models import tensor_parallel
 from mpidist.parallel import DDP, Pipeline, mesh
 from mpidist.parallel.fsdp import FSDP
-from mpidist.parallel.interface import CommMesh, LocalModule, PlacedParameter, Wrapper, as_wrapper
+from mpidist.comm.mesh import DeviceMesh
+from mpidist.parallel.interface import LocalModule, PlacedParameter, Wrapper, as_wrapper
 
 CONFIG = GPTConfig(vocab_size=61, block_size=8, n_layer=1, n_head=4, n_embd=16, dropout=0.0, tie_weights=False,
                    dtype="float64")  # vocabulary 61: padded rows at tp 2 and 4
@@ -145,7 +146,12 @@ def test_mesh_and_communicators(comm, kind):
     wrapper = layout.wrapper
     assert wrapper.communicators() == ()
     expected_mesh = {"plain": None, "tp": comm, "ddp": comm}.get(kind, layout.grid and layout.grid.dp_comm)
-    assert wrapper.mesh.comm is expected_mesh
+    assert isinstance(wrapper.mesh, DeviceMesh) and wrapper.mesh.comm is expected_mesh
+    # Its dimensions: DDP's data-parallel ranks, a tensor-parallel module's placement ranks, none for a plain one.
+    names = {"plain": (), "tp": ("tp",)}.get(kind, ("dp",))
+    assert wrapper.mesh.names == names and wrapper.mesh.size() == (1 if expected_mesh is None else
+                                                                    expected_mesh.Get_size())
+    assert all(wrapper.mesh[name] is expected_mesh for name in names)
     # The norm adds up over the tensor-parallel ranks only: data-parallel replicas hold the same gradients.
     tp_comm = {"tp": comm, "ddp_tp": layout.grid and layout.grid.tp_comm}.get(kind)
     assert wrapper.grad_norm_comms() == (() if tp_comm is None else (tp_comm,))
@@ -237,7 +243,7 @@ class _TiedCopy(Wrapper):
     """A wrapper holding a weight twice (as a pipeline's last stage holds a tied embedding): the copy not primary."""
 
     def __init__(self, primary, copy):
-        self.mesh = CommMesh(None)
+        self.mesh = DeviceMesh.from_dimensions({})
         self.placed = (PlacedParameter("w", primary, None), PlacedParameter("w", copy, None, primary=False))
 
     def placed_parameters(self):
@@ -364,10 +370,12 @@ def test_pipeline_communicators_and_buffers(comm, kind):
     tied = kind != "pp" and grid.pp > 1 and grid.pp_rank in (0, grid.pp - 1)
     own = pipe.communicators()
     assert len(own) == (grid.dp > 1) + tied
-    if grid.dp > 1:
+    assert isinstance(pipe.mesh, DeviceMesh) and pipe.mesh["pp"] is grid.pp_comm
+    if grid.dp > 1:  # given apart, no one communicator holds the dp and pp groups
         assert own[0] is grid.dp_comm and pipe.mesh.comm is None
+        assert pipe.mesh.names == ("dp", "pp") and pipe.mesh["dp"] is grid.dp_comm
     else:
-        assert pipe.mesh.comm is grid.pp_comm
+        assert pipe.mesh.comm is grid.pp_comm and pipe.mesh.names == ("pp",)
     if tied:  # the first and last stages' group, holding the embedding and the head's copy
         assert own[-1].Get_size() == 2
     assert len(pipe.grad_norm_comms()) == 1 and pipe.grad_norm_comms()[0] is grid.pp_comm
@@ -545,7 +553,9 @@ def test_fsdp_mesh_and_communicators(comm, kind):
     layout = FSDPLayout(comm, kind)
     fsdp = layout.fsdp
     assert fsdp.communicators() == ()  # it made none: full_shard shards over comm, no_shard replicates over it
-    assert fsdp.mesh.comm is layout.dp_comm
+    assert isinstance(fsdp.mesh, DeviceMesh) and fsdp.mesh.comm is layout.dp_comm
+    dim = "replicate" if kind == "no_shard" else "shard"
+    assert fsdp.mesh.names == (dim,) and fsdp.mesh[dim] is layout.dp_comm
     # The norm adds up over the ranks holding disjoint pieces: tensor-parallel ranks, then the shard group.
     expected = {"no_shard": (), "tp": (layout.grid and layout.grid.tp_comm, layout.dp_comm)}.get(kind, (comm,))
     assert len(fsdp.grad_norm_comms()) == len(expected)

@@ -180,11 +180,30 @@ class DeviceMesh:
         raise_if_any(comm, problem, context)
         return cls._new(comm, names, shape, coordinate, tuple(groups.values()), owned=())
 
+    @classmethod
+    def from_dimensions(cls, groups, comm=None):
+        """Return the mesh of dimension communicators ``groups`` ({name: comm}, outermost first), unchecked.
+
+        No communication: ``comm`` is the communicator the groups tile where the caller knows they do (else use
+        ``from_groups``, which checks), or None where no one communicator holds them all (a pipeline's and its
+        data-parallel groups given apart); ``from_dimensions({})`` is this process alone (no dimension, size 1).
+        ``free()`` leaves the given communicators alone.
+        """
+        if not hasattr(groups, "items"):
+            raise TypeError(f"DeviceMesh.from_dimensions: groups must map each dimension's name to its "
+                            f"communicator, outermost first (got {groups!r:.80})")
+        for name, group in groups.items():
+            check_comm(f"DeviceMesh.from_dimensions {name}", group)
+        if comm is not None:
+            check_comm("DeviceMesh.from_dimensions", comm)
+        return cls._new(comm, tuple(groups), tuple(g.Get_size() for g in groups.values()),
+                        tuple(g.Get_rank() for g in groups.values()), tuple(groups.values()), owned=())
+
     # -- what a mesh is ------------------------------------------------------------------------------------
 
     @property
     def comm(self):
-        """The communicator holding every rank of the mesh."""
+        """The communicator holding every rank of the mesh (None for a mesh ``from_dimensions`` without one)."""
         self._check_live("comm")
         return self._comm
 
@@ -252,6 +271,9 @@ class DeviceMesh:
             comms = tuple(self._comms[k] for k in order)
             if len(order) == 1:
                 comm = comms[0]
+            elif self._comm is None:
+                raise ValueError(f"DeviceMesh.submesh: the mesh ({', '.join(self._names)}) has no communicator "
+                                 f"holding all its ranks to split {list(names)} from; build it with one")
             else:
                 rest = [k for k in range(len(self._shape)) if k not in order]
                 color = _ravel([self._coordinate[k] for k in rest], [self._shape[k] for k in rest])

@@ -35,10 +35,12 @@ import numpy as np
 from .. import collectives
 from ..comm import check_comm
 from ..nn import is_grad_enabled, queue_callback
+from ..nn.deferred import is_deferred, materialize
 from ..xp import get_array_module, to_numpy
 from .agreement import StepStamp, TrainableAtBuild, check_same_shards, check_same_structure
 from .grad_sync import GradSync
-from .interface import CommMesh, WholeModuleWrapper
+from ..comm.mesh import DeviceMesh
+from .interface import WholeModuleWrapper
 
 __all__ = ["DDP", "GradientBucket"]
 
@@ -120,7 +122,7 @@ class DDP(WholeModuleWrapper):
     (``requires_grad=False``) at construction get no gradient and no communication; set ``requires_grad``
     before wrapping, alike on every rank (a difference raises on every rank, a later change at the next backward).
 
-    As a ``Wrapper``: ``mesh.comm`` is ``comm``; ``placed_parameters()`` names the module's parameters with their
+    As a ``Wrapper``: ``mesh`` is ``comm`` as dimension "dp"; ``placed_parameters()`` names the module's parameters with their
     tensor-parallel placements; ``grad_norm_comms()`` are those placements' communicators (the averaged gradients
     are the same on every rank of ``comm``, so a norm adds over the tensor-parallel ranks only).
     """
@@ -134,7 +136,7 @@ class DDP(WholeModuleWrapper):
             raise ValueError(f"DDP: unused_parameters must be 'zero' or 'error' (got {unused_parameters!r})")
         self.module = module
         self.comm = comm
-        self.mesh = CommMesh(comm)
+        self.mesh = DeviceMesh.from_comm(comm, "dp")
         self.overlap = overlap
         self.broadcast_buffers = broadcast_buffers
         self.unused_parameters = unused_parameters
@@ -151,7 +153,10 @@ class DDP(WholeModuleWrapper):
         # The step check reads the parameters' update counts every step: a list, not a walk of the module
         # tree (parameters() took 0.4 ms for 240 tensors, most of the check's cost on a narrow model).
         self._stamp_params = [p for _, p in named]
-        self._broadcast_state([p.make_writable() for _, p in named])  # in place, so never into a commit's arrays
+        # Deferred parameters (mpidist.nn.deferred) are drawn by name, the same on every rank: nothing to send.
+        drawn = {id(p) for _, p in named if is_deferred(p)}
+        materialize(module)
+        self._broadcast_state([p.make_writable() for _, p in named if id(p) not in drawn])  # in place: never into a commit's arrays
         if broadcast_buffers:
             self._broadcast_state([b for _, b in module.named_buffers()])
         self._trainable = TrainableAtBuild(named, "DDP")

@@ -12,10 +12,13 @@ Glossary:
   ``Replicate`` (every rank of a communicator holds the same values), ``Shard`` (a block of the global tensor),
   ``FlatShard`` (a flat range of such a block inside a flat buffer several parameters share: FSDP's shards).
   A data-parallel replica is not a placement: DDP's ranks all hold the same layout.
-- mesh: the ranks the layout spans; ``mesh.comm`` holds them all. Until the named ``DeviceMesh`` lands
-  (issue 27, step A1) a wrapper's mesh is a ``CommMesh`` with that one communicator: DDP's data-parallel
-  communicator (tensor-parallel ranks live in the placements), or a tensor-parallel module's placement
-  communicator, or FSDP's communicator (its shard group is in each ``FlatShard``).
+- mesh: the ``mpidist.DeviceMesh`` of the ranks the layout spans, its dimensions those the wrapper works over;
+  ``mesh.comm`` holds them all. DDP: one dimension, its data-parallel ranks ("dp"; tensor-parallel ranks live
+  in the placements). FSDP: "shard" (full_shard, shard_grad_op), "replicate" (no_shard), or ("replicate",
+  "shard") under hybrid sharding. Pipeline: "pp", with "dp" (and "tp") when built from such a mesh. A
+  tensor-parallel module: "tp", its placements' communicator. A plain module: no dimension, ``mesh.comm`` None
+  (this process alone); likewise a Pipeline given its pipeline and data-parallel communicators apart has mesh
+  dimensions ("dp", "pp") but no communicator holding them all.
 """
 from __future__ import annotations
 
@@ -24,18 +27,12 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Tuple
 
+from ..comm.mesh import DeviceMesh
 from ..nn.module import Module, Parameter
 from ..nn.placement import FlatShard, Replicate, placement_of
 from ..nn.utils import GradParts, clip_coefficient, clip_grad_norm_
 
-__all__ = ["Wrapper", "PlacedParameter", "LocalModule", "CommMesh", "as_wrapper", "placement_comms"]
-
-
-@dataclass(frozen=True)
-class CommMesh:
-    """The ranks a layout spans, as one communicator (None: this process alone); the named mesh replaces it."""
-
-    comm: Any
+__all__ = ["Wrapper", "PlacedParameter", "LocalModule", "as_wrapper", "placement_comms"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,7 +67,7 @@ class Wrapper(abc.ABC):
     ``memory_stats`` are written once here from ``placed_parameters()`` and ``grad_norm_comms()``.
     """
 
-    mesh: CommMesh
+    mesh: DeviceMesh
 
     @abc.abstractmethod
     def placed_parameters(self) -> Tuple[PlacedParameter, ...]:
@@ -206,8 +203,9 @@ class LocalModule(WholeModuleWrapper):
     """A module not wrapped for data or pipeline parallelism: plain, or tensor-parallel through its placements.
 
     Its gradients are final after backward (tensor-parallel layers reduce inside backward), so ``no_sync`` and
-    ``sync_gradients`` do nothing and there is nothing to ``remove``. ``mesh.comm``: the one communicator its
-    placements span (a tensor-parallel model's), or None for a plain module.
+    ``sync_gradients`` do nothing and there is nothing to ``remove``. ``mesh``: the one communicator its
+    placements span as dimension "tp" (a tensor-parallel model's), or no dimension and ``mesh.comm`` None for a
+    plain module.
     """
 
     def __init__(self, module):
@@ -219,7 +217,7 @@ class LocalModule(WholeModuleWrapper):
             raise ValueError(f"LocalModule: the parameters of {type(module).__name__} are placed over "
                              f"{len(comms)} different communicators (sizes {[c.Get_size() for c in comms]}); "
                              f"a module without a wrapper may span one")
-        self.mesh = CommMesh(comms[0] if comms else None)
+        self.mesh = DeviceMesh.from_comm(comms[0], "tp") if comms else DeviceMesh.from_dimensions({})
 
     def no_sync(self):
         return contextlib.nullcontext()

@@ -47,12 +47,13 @@ import weakref
 from dataclasses import dataclass
 
 from ...comm import check_comm
+from ...comm.mesh import DeviceMesh
 from ...nn.autograd import Tensor, is_grad_enabled, queue_callback, queue_weight_callback, weights_deferred
 from ...nn.module import Module
 from ...nn.placement import FlatShard, placement_of
 from ..agreement import TrainableAtBuild, check_same_shards, check_same_structure
 from ..grad_sync import GradSync
-from ..interface import CommMesh, PlacedParameter, Wrapper, placement_comms
+from ..interface import PlacedParameter, Wrapper, placement_comms
 from . import state_dict as _state
 from .groups import build_groups
 from .lifecycle import GradState, ParamState, Unit
@@ -75,6 +76,14 @@ class UnitInfo:
     numel: int        # unpadded flat parameter size
     shard_numel: int  # elements per shard: ceil(numel / num_shards)
     uses: tuple = ()  # labels of the units owning tied parameters its modules also hold
+
+
+def _mesh_of(comm, strategy, groups):
+    """Return the DeviceMesh of ``groups``: ("replicate", "shard") under hybrid sharding, else ``comm`` as the one
+    dimension its strategy uses it for ("shard", or "replicate" under NO_SHARD)."""
+    if strategy.hybrid:  # build_groups split comm into these, or checked that the given pair tiles it
+        return DeviceMesh.from_dimensions({"replicate": groups.replicate_comm, "shard": groups.shard_comm}, comm)
+    return DeviceMesh.from_comm(comm, "replicate" if groups.shard_comm is None else "shard")
 
 
 class _Context:
@@ -144,7 +153,8 @@ class FSDP(Wrapper):
     the unit also holds trainable ones) that never get a gradient; freeze alike on every rank, before wrapping.
 
     As a ``mpidist.parallel.interface.Wrapper`` (what checkpoints, elastic states and clipping read):
-    ``mesh.comm`` is ``comm``; ``placed_parameters()`` names every parameter of the wrapped module with the
+    ``mesh`` is ``comm`` as dimension "shard" ("replicate" under no_shard), or ("replicate", "shard") under a
+    hybrid strategy; ``mesh.comm`` is ``comm``; ``placed_parameters()`` names every parameter of the wrapped module with the
     shard Parameter holding it and a ``FlatShard`` saying which of its elements this rank's shard holds.
     """
 
@@ -159,7 +169,7 @@ class FSDP(Wrapper):
         strategy = ShardingStrategy.parse(strategy)
         groups = build_groups(comm, strategy, shard_size, shard_comm, replicate_comm)
         self.module, self.comm = module, comm
-        self.mesh = CommMesh(comm)
+        self.mesh = _mesh_of(comm, strategy, groups)
         self.settings = FSDPSettings(strategy, prefetch, comm.Get_size(), groups.num_shards, backward_prefetch,
                                      groups.num_replicas)
         self.check_finite = check_finite

@@ -33,15 +33,17 @@ import numpy as np
 from mpidist import collectives
 from mpidist.comm import check_comm
 from mpidist.comm.agree import check_same, raise_if_any
+from mpidist.comm.mesh import DeviceMesh
 from mpidist.guard import DesyncError
 from mpidist.nn.autograd import Tensor, backward, backward_input, no_grad
+from mpidist.nn.deferred import materialize
 from mpidist.nn.module import Module, Sequential
 from mpidist.nn.placement import placement_of
 from mpidist.partition import split_sizes
 from mpidist.trace import recorder as _trace
 from mpidist.xp import asarray_like, is_device_array
 
-from ..interface import CommMesh, PlacedParameter, Wrapper, placement_comms
+from ..interface import PlacedParameter, Wrapper, placement_comms
 from .tied import TiedParameters
 from .schedules import (Action, Kind, Schedule, gpipe, insert_comms, interleaved_1f1b, one_f_one_b,
                         simulate_schedule, validate, zero_bubble_h1)
@@ -109,8 +111,9 @@ class Pipeline(Wrapper):
       stage's children are layers, any other stage module one layer): layer i's parameters are ``f"{i}.{name}"``,
       the same however the layers are cut (a checkpoint saved with 2 stages loads with 3, or into that model).
     A tied weight's copies all take the name of the copy earliest in the unsplit model (the stage first, then
-    the position in it: a GPT's embedding weight); the other copies are ``primary=False``. ``mesh.comm`` is
-    ``comm``, or None with ``dp_comm`` (the layout spans two communicators, none of which holds it all).
+    the position in it: a GPT's embedding weight); the other copies are ``primary=False``. ``mesh`` is ``comm`` as
+    dimension "pp", or with ``dp_comm`` the dimensions ("dp", "pp") with ``mesh.comm`` None (the layout spans two
+    communicators, none of which holds it all).
     """
 
     def __init__(self, stage, comm, num_microbatches: int, schedule: Union[str, Schedule] = "1f1b",
@@ -130,7 +133,10 @@ class Pipeline(Wrapper):
         check_same(comm, self._settings(schedule, dp_comm) + [("tied parameters", sorted(tied))],
                    "Pipeline: ranks were built with different settings", what="setting")
         self.tied = [TiedParameters(comm, params, name) for name, params in sorted(tied.items())]
-        self.mesh = CommMesh(comm if dp_comm is None else None)
+        for module in self.stages:  # deferred (mpidist.nn.deferred): each stage draws its own layers, no more
+            materialize(module)
+        self.mesh = (DeviceMesh.from_comm(comm, "pp") if dp_comm is None
+                     else DeviceMesh.from_dimensions({"dp": dp_comm, "pp": comm}))
         self._placed, self._buffer_layers = self._place_parameters()
         self._syncing = True  # False inside no_sync()
         self.schedule = self._resolve(schedule)
