@@ -20,6 +20,7 @@ from mpidist.comm import check_comm
 from mpidist.comm.agree import raise_if_any
 from mpidist.nn import functional as F
 from mpidist.nn.autograd import Tensor
+from mpidist.nn.deferred import deferred_like, is_deferred
 from mpidist.nn.module import Module, ModuleList, Parameter
 from mpidist.nn.placement import placement_of, set_placement
 from mpidist.parallel.agreement import check_same_structure
@@ -110,7 +111,9 @@ class ParallelGPTHead(TensorParallelModule):
         TensorParallelModule.__init__(twin, self.comm, self.sequence_parallel)
         twin.vocab_size, twin.vocab_start = self.vocab_size, self.vocab_start
         twin.ln_f = self.ln_f
-        twin.weight = set_placement(Parameter(self.weight.data.copy(), requires_grad=self.weight.requires_grad),
+        data = self.weight.data  # a deferred weight stays deferred: the copy draws the same values by name
+        copy = deferred_like(data, data.shape) if is_deferred(data) else data.copy()
+        twin.weight = set_placement(Parameter(copy, requires_grad=self.weight.requires_grad),
                                     placement_of(self.weight))
         return twin
 

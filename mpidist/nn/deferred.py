@@ -24,7 +24,7 @@ import weakref
 
 import numpy as np
 
-from mpidist.nn.init import Constant, draw_box
+from mpidist.nn.init import draw_box_into
 from mpidist.nn.placement import boxes
 
 __all__ = ["deferred", "DeferredArray", "DeferredParameterError", "is_deferred", "materialize", "new_parameter",
@@ -165,13 +165,8 @@ def _on_child(owner, name, child):
 def fill_boxes(data, placement, local):
     """Write into ``local`` every box of ``data``'s parameter that ``placement`` says it holds (keyed draws)."""
     gshape = _global_shape(data, placement)
-    init = data.init
     for box in boxes(placement, local.shape, data.name):
-        view = box.view(local)
-        if isinstance(init, Constant):
-            view[...] = init.value
-        else:
-            view[...] = draw_box(init, data.seed, data.name, box.offsets, box.sizes, gshape, data.dtype)
+        draw_box_into(data.init, data.seed, data.name, box.view(local), box.offsets, gshape)
 
 
 def _global_shape(data, placement):

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Initializer", "Uniform", "Normal", "Constant", "philox_key", "draw_box"]
+__all__ = ["Initializer", "Uniform", "Normal", "Constant", "philox_key", "draw_box", "draw_box_into"]
 
 _TWO_PI = 2.0 * math.pi
+_PIECE = 1 << 13  # elements drawn at once: 64 KiB of float64 uniforms per Philox output an element uses
 
 
 def philox_key(seed, name):
@@ -77,14 +78,27 @@ class Initializer:
     def draw(self, key, offsets, sizes, shape, dtype):
         """Return the box ``offsets``/``sizes`` of the keyed draw of a ``shape`` tensor, as ``dtype``."""
         out = np.empty(tuple(sizes), dtype=dtype)
-        if not out.size:
-            return out
-        rows = out.reshape(-1)  # a view: ``out`` is new and contiguous
-        at = 0
-        for start, length, _ in _runs(tuple(offsets), tuple(sizes), tuple(shape)):
-            rows[at:at + length] = self.from_uniforms(_uniform_run(key, start, length, self.per_element))
-            at += length
+        self.draw_into(out, key, offsets, shape)
         return out
+
+    def draw_into(self, out, key, offsets, shape):
+        """Write into ``out`` (shaped like the box) the box at ``offsets`` of the keyed draw of a ``shape`` tensor.
+
+        Drawn in pieces of at most ``_PIECE`` elements, so the float64 work arrays stay small whatever the box.
+        """
+        sizes = tuple(out.shape)
+        if not out.size:
+            return
+        contiguous = out.flags.c_contiguous
+        rows = out.reshape(-1) if contiguous else np.empty(out.size, dtype=out.dtype)
+        at = 0
+        for start, length, _ in _runs(tuple(offsets), sizes, tuple(shape)):
+            for lo in range(0, length, _PIECE):
+                n = min(_PIECE, length - lo)
+                rows[at + lo:at + lo + n] = self.from_uniforms(_uniform_run(key, start + lo, n, self.per_element))
+            at += length
+        if not contiguous:
+            out[...] = rows.reshape(sizes)
 
 
 @dataclass(frozen=True)
@@ -132,6 +146,14 @@ class Constant(Initializer):
 
     def draw(self, key, offsets, sizes, shape, dtype):
         return np.full(tuple(sizes), self.value, dtype=dtype)
+
+    def draw_into(self, out, key, offsets, shape):
+        out[...] = self.value
+
+
+def draw_box_into(init, seed, name, out, offsets, shape):
+    """Write into ``out`` the box at ``offsets`` (sizes: ``out.shape``) of parameter ``name`` under ``seed``."""
+    init.draw_into(out, philox_key(seed, name), offsets, shape)
 
 
 def draw_box(init, seed, name, offsets, sizes, shape, dtype):

@@ -19,8 +19,12 @@ import enum
 import itertools
 import time
 
+import numpy as np
+
 from ... import collectives
+from ...nn.deferred import fill_boxes, is_deferred
 from ...nn.module import Parameter
+from ...nn.placement import FlatShard, placement_of
 from ...xp import get_array_module
 from .layout import ParamSpan, UnitShard
 from .settings import ShardingStrategy
@@ -108,7 +112,10 @@ class Unit:
 
     # -- sharding -------------------------------------------------------------------------------------
     def shard_from_rank0(self):
-        """Build the flat parameter from rank 0's values and keep this rank's shard of it."""
+        """Build the flat parameter from rank 0's values and keep this rank's shard of it (deferred parameters:
+        draw this rank's shard alone, see ``shard_deferred``)."""
+        if any(is_deferred(p) for p in self.params):
+            return self.shard_deferred()
         first = self.params[0].data
         xp = get_array_module(first)
         flat = xp.zeros(self.padded, dtype=first.dtype)
@@ -128,6 +135,34 @@ class Unit:
         index = self.ctx.groups.shard_index
         self.shard = Parameter(flat[index * self.shard_numel: (index + 1) * self.shard_numel].copy(),
                                requires_grad=not self.frozen)
+        for p in self.params:
+            p.data = self.placeholder
+
+    def shard_deferred(self):
+        """Draw this rank's shard of a unit of deferred parameters (``mpidist.nn.deferred``): the elements of each
+        parameter that fall in the shard's flat range, keyed by name, so no rank holds the unit whole and
+        nothing is broadcast (every layout draws the same values)."""
+        eager = [n for n, p in zip(self.names, self.params) if not is_deferred(p)]
+        if eager:  # the same model on every rank: every rank raises
+            raise ValueError(f"FSDP: unit {self.label!r} mixes deferred and materialized parameters (materialized: "
+                             f"{eager}); build the whole model inside mpidist.nn.deferred() or outside it")
+        dtype = self.params[0].data.dtype
+        start = 0 if self.no_shard else self.ctx.groups.shard_index * self.shard_numel
+        flat = np.zeros(self.padded if self.no_shard else self.shard_numel, dtype=dtype)
+        for p, offset, size in zip(self.params, self.offsets, self.sizes):
+            lo, hi = max(start, offset), min(start + flat.size, offset + size)
+            if hi > lo:
+                where = FlatShard(placement_of(p), tuple(p.data.shape), lo - offset, hi - lo, lo - start)
+                fill_boxes(p.data, where, flat)
+        self.placeholder = np.empty((0,), dtype=dtype)
+        self.shard = Parameter(flat, requires_grad=not self.frozen)
+        for p in self.params:
+            p.grad = None
+        if self.no_shard:
+            self.gathered, self.param_state = flat, ParamState.GATHERED
+            for p, view in zip(self.params, self.views(flat)):
+                p.data = view
+            return
         for p in self.params:
             p.data = self.placeholder
 

@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from mpidist import collectives
 from mpidist.comm.agree import describe_ranks, raise_if_any
+from mpidist.nn.deferred import is_deferred
 
 __all__ = ["TiedParameters"]
 
@@ -42,7 +43,8 @@ class TiedParameters:
             raise ValueError(f"Pipeline: the copies of tied parameter {name!r} differ between ranks (shape, dtype, "
                              f"requires_grad): {describe_ranks(copies)}")
         self.group = comm.Split(0 if self.params else MPI.UNDEFINED, rank)
-        if self.params:
+        # Deferred copies (mpidist.nn.deferred) draw the same values under one name: nothing to send.
+        if self.params and not is_deferred(self.params[0]):
             first = self.params[0].data
             if self.group.Get_size() > 1:
                 first[...] = collectives.broadcast(first.copy(), self.group, root=0)

@@ -26,6 +26,7 @@ import numpy as np
 from mpidist import collectives
 from mpidist.nn import functional as F
 from mpidist.nn.autograd import Tensor, make_result
+from mpidist.nn.deferred import deferred_like, is_deferred
 from mpidist.nn.module import Module, Parameter
 from mpidist.nn.placement import Replicate, Shard, set_placement
 from mpidist.xp import get_array_module
@@ -46,9 +47,11 @@ def padded_split(n, size, what):
 
 def padded_rows(array, start, length, axis=0):
     """Return ``array``'s rows ``start .. start + length`` along ``axis``, zero-padded past its end."""
-    xp = get_array_module(array)
     shape = list(array.shape)
     shape[axis] = length
+    if is_deferred(array):  # a slice of a deferred parameter stays deferred: materializing draws its rows
+        return deferred_like(array, tuple(shape))
+    xp = get_array_module(array)
     out = xp.zeros(shape, dtype=array.dtype)
     stop = min(start + length, array.shape[axis])
     if stop > start:
@@ -57,6 +60,13 @@ def padded_rows(array, start, length, axis=0):
         src[axis], dst[axis] = slice(start, stop), slice(0, stop - start)
         out[tuple(dst)] = array[tuple(src)]
     return out
+
+
+def _rows(array, take):
+    """Return ``array[take]`` as a new contiguous array (deferred for a deferred parameter: its rows are drawn later)."""
+    if is_deferred(array):
+        return deferred_like(array, (len(take),) + tuple(array.shape[1:]))
+    return get_array_module(array).ascontiguousarray(array[take])
 
 
 def sharded_parameter(source, array, comm, dim, start, pieces=None):
@@ -166,12 +176,10 @@ class ParallelAttention(TensorParallelModule):
         # The fused projection's rows are [q heads | k heads | v heads]: this rank takes its heads' rows of each.
         pieces = tuple((which * d + start, which * width, width) for which in range(3))
         w, b = attn.qkv.weight, attn.qkv.bias
-        xp = get_array_module(w.data)
         take = np.concatenate([np.arange(g, g + n) for g, _, n in pieces])
         self.qkv = Module()
-        self.qkv.weight = sharded_parameter(w, xp.ascontiguousarray(w.data[take]), comm, 0, start, pieces)
-        self.qkv.bias = None if b is None else sharded_parameter(b, xp.ascontiguousarray(b.data[take]), comm, 0, start,
-                                                                 pieces)
+        self.qkv.weight = sharded_parameter(w, _rows(w.data, take), comm, 0, start, pieces)
+        self.qkv.bias = None if b is None else sharded_parameter(b, _rows(b.data, take), comm, 0, start, pieces)
         self.proj = RowParallelLinear(attn.proj, comm, sequence_parallel, local_in=width)
 
     def forward(self, x):
