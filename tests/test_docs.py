@@ -3,10 +3,13 @@ docs) must agree, so a change to one that forgets the other fails here."""
 
 import ast
 import configparser
+import os
 import pathlib
 import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -58,3 +61,15 @@ def test_docs_describe_make_demo_as_the_makefile_runs_it():
             if re.match(r"\s*make demo\s+#", line):
                 assert "GPT" in line and "digits classifier with DDP" not in line.split("make demo-digits")[0], \
                     f"{doc}: {line.strip()}"
+
+
+@pytest.mark.mpi_skip  # it starts its own 4 simulated ranks
+def test_the_layout_doc_runs_as_written(tmp_path):
+    """docs/layout.md's python blocks, in order, are one program on 4 simulated ranks: its asserts hold."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "layout.md").read_text(), re.S)
+    assert len(blocks) == 7, len(blocks)
+    program = tmp_path / "layout_doc.py"
+    program.write_text("\n\n".join(blocks))
+    result = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
