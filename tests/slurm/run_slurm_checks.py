@@ -92,6 +92,42 @@ def free_port():
         return s.getsockname()[1]
 
 
+def node_memory(share=1):
+    """Return this machine's RealMemory (MB, as ``slurmd -C`` reports it) divided among ``share`` nodes."""
+    hw = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, timeout=30, check=True).stdout
+    return int(re.search(r"RealMemory=(\d+)", hw).group(1)) // share
+
+
+def node_line(name, address, cpus, memory, gres=""):
+    """Return the slurm.conf NodeName line of a test node with ``cpus`` cores on one socket."""
+    return (f"NodeName={name} NodeAddr={address} CPUs={cpus} Sockets=1 CoresPerSocket={cpus} ThreadsPerCore=1 "
+            f"RealMemory={memory}{' ' + gres if gres else ''} State=UNKNOWN")
+
+
+def slurm_conf(root, cluster_name, controller, controller_address, ports, first_job_id, nodes, extra=(),
+               per_node_files=False):
+    """Return the slurm.conf of a private test cluster: what every test cluster shares, then ``extra``, ``nodes``.
+
+    Shared: root daemons without authentication (auth/none, cred/none), linuxproc tracking, no task plugin,
+    cons_tres core scheduling, pmi2 by default, a quick scheduler, and state, spool, PID and log files under
+    ``root``. ``ports``: (slurmctld's, slurmd's). ``per_node_files``: slurmd's spool, PID and log file names carry
+    the node's name (several slurmd on one machine). ``nodes``: the NodeName and PartitionName lines.
+    """
+    node = "-%n" if per_node_files else ""
+    lines = [
+        f"ClusterName={cluster_name}", f"SlurmctldHost={controller}({controller_address})",
+        f"SlurmctldPort={ports[0]}", f"SlurmdPort={ports[1]}", "SlurmUser=root", "SlurmdUser=root",
+        "AuthType=auth/none", "CredType=cred/none", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+        "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "MpiDefault=pmi2",
+        "SlurmdParameters=config_overrides", "ReturnToService=2", f"FirstJobId={first_job_id}", "MinJobAge=3600",
+        "SchedulerParameters=sched_interval=2", f"StateSaveLocation={root}/state",
+        f"SlurmdSpoolDir={root}/spool{'/%n' if per_node_files else ''}", f"SlurmctldPidFile={root}/slurmctld.pid",
+        f"SlurmdPidFile={root}/slurmd{node}.pid", f"SlurmctldLogFile={root}/log/slurmctld.log",
+        f"SlurmdLogFile={root}/log/slurmd{node}.log",
+        *extra, *nodes]
+    return "\n".join(lines) + "\n"
+
+
 class Cluster:
     """A private single-node Slurm cluster whose daemons are children of this process."""
 
@@ -103,43 +139,15 @@ class Cluster:
         self.first_job_id = random.SystemRandom().randrange(*FIRST_JOB_IDS)
 
     def write_config(self):
-        hw = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, timeout=30, check=True).stdout
-        memory = int(re.search(r"RealMemory=(\d+)", hw).group(1))
         for sub in ("etc", "state", "spool", "log"):
             os.makedirs(os.path.join(self.root, sub), exist_ok=True)
         r = self.root
-        conf = f"""\
-ClusterName=mpidist-ci
-SlurmctldHost=localhost(127.0.0.1)
-SlurmctldPort={free_port()}
-SlurmdPort={free_port()}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/none
-CredType=cred/none
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=pmi2
-SlurmdParameters=config_overrides
-SlurmdDebug=debug
-ReturnToService=2
-FirstJobId={self.first_job_id}
-JobRequeue=1
-MinJobAge=3600
-SchedulerParameters=sched_interval=2
-GresTypes=gpu
-StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool
-SlurmctldPidFile={r}/slurmctld.pid
-SlurmdPidFile={r}/slurmd.pid
-SlurmctldLogFile={r}/log/slurmctld.log
-SlurmdLogFile={r}/log/slurmd.log
-PlugStackConfig={r}/etc/plugstack.conf
-NodeName=localhost NodeAddr=127.0.0.1 CPUs={DECLARED_CPUS} Sockets=1 CoresPerSocket={DECLARED_CPUS} ThreadsPerCore=1 RealMemory={memory} Gres=gpu:{FAKE_GPUS} State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
-"""
+        conf = slurm_conf(r, "mpidist-ci", "localhost", "127.0.0.1", (free_port(), free_port()), self.first_job_id,
+                          extra=("SlurmdDebug=debug", "JobRequeue=1", "GresTypes=gpu",
+                                 f"PlugStackConfig={r}/etc/plugstack.conf"),
+                          nodes=(node_line("localhost", "127.0.0.1", DECLARED_CPUS, node_memory(),
+                                           f"Gres=gpu:{FAKE_GPUS}"),
+                                 "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP"))
         with open(self.conf, "w") as f:
             f.write(conf)
         # gres/gpu wants one character device per GPU: links to /dev/null stand in (no cgroups here, so

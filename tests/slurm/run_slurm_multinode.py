@@ -12,7 +12,6 @@ single-process result. Everything is stopped and removed at the end, also on fai
 
 import argparse
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -48,42 +47,14 @@ class MultiNodeSlurm(checks.Cluster):
         self.cluster = cluster
 
     def write_config(self):
-        hw = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, timeout=30, check=True).stdout
-        memory = int(re.search(r"RealMemory=(\d+)", hw).group(1)) // NODES
         for sub in ("etc", "state", "log", "jobs") + tuple(f"spool/{h}" for h in self.cluster.hosts):
             os.makedirs(os.path.join(self.root, sub), exist_ok=True)
-        r, c = self.root, self.cluster
-        nodes = "".join(f"NodeName={h} NodeAddr={c.addresses[h]} CPUs={DECLARED_CPUS} Sockets=1 "
-                        f"CoresPerSocket={DECLARED_CPUS} ThreadsPerCore=1 RealMemory={memory} State=UNKNOWN\n"
-                        for h in c.hosts)
+        c, memory = self.cluster, checks.node_memory(share=NODES)
+        nodes = [checks.node_line(h, c.addresses[h], DECLARED_CPUS, memory) for h in c.hosts]
+        nodes.append(f"PartitionName=debug Nodes={','.join(c.hosts)} Default=YES MaxTime=INFINITE State=UP")
         with open(self.conf, "w") as f:
-            f.write(f"""\
-ClusterName=mpidist-vcluster
-SlurmctldHost={c.head}({c.addresses[c.head]})
-SlurmctldPort=6817
-SlurmdPort=6818
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/none
-CredType=cred/none
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=pmi2
-SlurmdParameters=config_overrides
-ReturnToService=2
-FirstJobId={self.first_job_id}
-MinJobAge=3600
-SchedulerParameters=sched_interval=2
-StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool/%n
-SlurmctldPidFile={r}/slurmctld.pid
-SlurmdPidFile={r}/slurmd-%n.pid
-SlurmctldLogFile={r}/log/slurmctld.log
-SlurmdLogFile={r}/log/slurmd-%n.log
-{nodes}PartitionName=debug Nodes={','.join(c.hosts)} Default=YES MaxTime=INFINITE State=UP
-""")
+            f.write(checks.slurm_conf(self.root, "mpidist-vcluster", c.head, c.addresses[c.head], (6817, 6818),
+                                      self.first_job_id, nodes, per_node_files=True))
 
     def start(self, timeout=60):
         self.write_config()
