@@ -38,6 +38,7 @@ from ..nn import is_grad_enabled, queue_callback
 from ..nn.deferred import is_deferred, materialize
 from ..xp import get_array_module, to_numpy
 from .agreement import StepStamp, TrainableAtBuild, check_same_shards, check_same_structure
+from . import comm_hooks
 from .grad_sync import GradSync
 from ..comm.mesh import DeviceMesh
 from .interface import WholeModuleWrapper
@@ -183,6 +184,9 @@ class DDP(WholeModuleWrapper):
         self._next_launch = 0
         self._forward_sync = None  # False if a training forward since the last backward ran under no_sync
         self._backward = None  # (sync mode, start time) while a backward runs
+        # register_comm_hook's (state, hook); MPI cannot sum bfloat16, so such buckets default to a float32 sum
+        self._comm_hook = (None, comm_hooks.allreduce_hook) if any(
+            comm_hooks.as_bytes(b.flat) is not b.flat for b in self.buckets) else None
 
     # -- construction -----------------------------------------------------------------------------
     def _broadcast_state(self, arrays, root=0):
@@ -193,7 +197,7 @@ class DDP(WholeModuleWrapper):
         for group in by_dtype.values():
             xp = get_array_module(group[0])
             flat = xp.concatenate([a.reshape(-1) for a in group])
-            collectives.broadcast(flat, self.comm, root=root)
+            collectives.broadcast(comm_hooks.as_bytes(flat), self.comm, root=root)
             offset = 0
             for a in group:
                 a[...] = flat[offset: offset + a.size].reshape(a.shape)
@@ -281,6 +285,25 @@ class DDP(WholeModuleWrapper):
             handle.remove()
         self._hooks = []
 
+    def register_comm_hook(self, state, hook):
+        """Reduce each bucket with ``hook(state, bucket)`` instead of MPI's sum (PyTorch's shape; built-ins and
+        the contract: ``mpidist.parallel.comm_hooks``). Once, before the first backward; alike on every rank."""
+        if not callable(hook):
+            raise TypeError(f"DDP.register_comm_hook: hook must be callable (got {type(hook).__name__})")
+        if self._comm_hook is not None and self._comm_hook[1] is not comm_hooks.allreduce_hook:
+            raise RuntimeError("DDP.register_comm_hook: a communication hook is already registered")
+        if self.stats["steps"] or self._backward is not None:
+            raise RuntimeError(f"DDP.register_comm_hook: register before the first backward "
+                               f"({self.stats['steps']} synchronizations ran)")
+        if self._stamp_mod is not None:
+            # The step check's exact sums cannot ride in a bucket a hook may compress: a message of its own.
+            last = self.buckets[-1]
+            self.buckets[-1] = GradientBucket(last.index, last.params, last.names)
+            for p in last.params:
+                self._bucket_of[id(p)] = self.buckets[-1]
+            self._stamp_mod = None
+        self._comm_hook = (state, hook)
+
     # -- gradient synchronization -------------------------------------------------------------------
     def _grad_ready(self, param):
         if self._backward is None:
@@ -347,7 +370,10 @@ class DDP(WholeModuleWrapper):
             bucket.stamp_view[...] = 0 if values is None else get_array_module(bucket.flat).asarray(values)
             self._stamp_pending = values is not None  # now: whether to check the sums after the wait
         # Every gradient was divided by the world size on its way into the bucket: the sum is the mean.
-        bucket.handle = collectives.iallreduce(bucket.flat, self.comm, op="sum")
+        if self._comm_hook is None:
+            bucket.handle = collectives.iallreduce(bucket.flat, self.comm, op="sum")
+        else:
+            bucket.handle = _HookHandle(self, bucket)
 
     def _launch_ready_buckets(self):
         while self._next_launch < len(self.buckets):
@@ -454,6 +480,24 @@ class DDP(WholeModuleWrapper):
         self.sync_gradients()
         if optimizer is not None:
             optimizer.step()
+
+
+class _HookHandle:
+    """A bucket's reduction by DDP's communication hook: ``wait()`` puts the hook's result into the bucket."""
+
+    def __init__(self, ddp, bucket):
+        state, hook = ddp._comm_hook
+        self.bucket = bucket
+        self.work = hook(state, comm_hooks.HookBucket(bucket.flat, bucket.index, bucket.index == len(ddp.buckets) - 1,
+                                                     bucket.params, bucket.views, ddp.comm))
+
+    def test(self):
+        return self.work.test()
+
+    def wait(self):
+        result = self.work.wait()
+        if result is not self.bucket.flat:
+            self.bucket.flat[...] = result
 
 
 class _Join:

@@ -1,0 +1,195 @@
+"""DDP communication hooks: the 16-bit ring, bf16/fp16 compression, bfloat16 parameters, PowerSGD.
+
+References: float64 sums of every rank's inputs, one process training on the whole batch, plain DDP."""
+
+import numpy as np
+import pytest
+
+from mpidist import nn, optim
+from mpidist.nn import functional as F
+from mpidist.nn.precision import Policy, apply_policy, bfloat16, float16
+from mpidist.parallel.comm_hooks import (PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook,
+                                         powerSGD_hook, ring_allreduce_16)
+from mpidist.parallel.ddp import DDP
+
+IN, HIDDEN, OUT = 6, 12, 4
+HALF_ULP = {float16: 2.0 ** -11, bfloat16: 2.0 ** -8}
+
+
+def make_model(seed=0):
+    rng = np.random.default_rng(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN, rng=rng), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN, rng=rng), nn.Tanh(),
+                         nn.Linear(HIDDEN, OUT, rng=rng))
+
+
+def global_batch(step, n):
+    rng = np.random.default_rng([5, step])
+    return rng.standard_normal((n, IN)).astype(np.float32), rng.integers(0, OUT, size=n)
+
+
+def shard(comm, step, per_rank):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    x, y = global_batch(step, per_rank * size)
+    return x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+
+
+def assert_same_on_every_rank(comm, arrays):
+    mine = [np.asarray(a).tobytes() for a in arrays]
+    assert all(other == mine for other in comm.allgather(mine))
+
+
+@pytest.mark.parametrize("dtype", [float16, bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("n", [1, 3, 1000])
+def test_ring_allreduce_16_is_the_sum_with_float32_accumulation(comm, dtype, n):
+    """Within one rounding per hop of the float64 sum (scaled by the summed magnitudes), and the same bits on
+    every rank; fewer elements than ranks works (empty chunks)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    inputs = [np.random.default_rng([r, n]).standard_normal(n).astype(dtype) for r in range(size)]
+    out = ring_allreduce_16(inputs[rank].copy(), comm)
+    assert out.dtype == dtype
+    exact = np.sum([a.astype(np.float64) for a in inputs], axis=0)
+    magnitude = np.sum([np.abs(a.astype(np.float64)) for a in inputs], axis=0)
+    assert np.all(np.abs(out.astype(np.float64) - exact) <= size * HALF_ULP[dtype] * magnitude * 1.01)
+    assert_same_on_every_rank(comm, [out])
+    with pytest.raises(TypeError, match=r"ring_allreduce_16: needs a float16 or bfloat16 array \(got float32\)"):
+        ring_allreduce_16(np.zeros(2, np.float32), comm)
+
+
+def train(ddp, opt, comm, steps, per_rank=4):
+    for step in range(steps):
+        x, y = shard(comm, step, per_rank)
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+
+def reference(steps, size, per_rank=4, policy=None, make_opt=lambda params: optim.Adam(params, lr=0.01)):
+    model = make_model()
+    if policy is not None:
+        apply_policy(model, policy)
+    opt = make_opt(model.parameters())
+    for step in range(steps):
+        x, y = global_batch(step, per_rank * size)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("hook", [bf16_compress_hook, fp16_compress_hook, allreduce_hook],
+                         ids=["bf16", "fp16", "allreduce"])
+def test_compression_hooks_track_one_process_and_keep_replicas_equal(comm, hook):
+    """float32 model, gradients summed as 16-bit on the wire: the parameters stay identical on every rank and
+    within 1e-3 of one process on the whole batch after 4 Adam steps (lr 0.01; plain allreduce: 1e-6)."""
+    ddp = DDP(make_model(), comm)
+    ddp.register_comm_hook(None, hook)
+    opt = optim.Adam(ddp.parameters(), lr=0.01)
+    train(ddp, opt, comm, 4)
+    ref = reference(4, comm.Get_size())
+    tol = 1e-6 if hook is allreduce_hook else 1e-3
+    for p, q in zip(ddp.parameters(), ref.parameters()):
+        np.testing.assert_allclose(p.data, q.data, rtol=0, atol=tol)
+    assert_same_on_every_rank(comm, [p.data for p in ddp.parameters()])
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_bf16_parameters_under_ddp_track_one_process_mixed_precision(comm):
+    """Policy("bf16", "fp32") under DDP (bfloat16 buckets, summed in float32 by the default hook) against the same
+    policy in one process on the whole batch, 3 SGD steps (lr 0.5): equal replicas, and within one bfloat16 unit
+    in the last place plus 2e-3: the ranks round their local gradients to bfloat16 before averaging, one process
+    its mean (the masters then differ by about lr * 2**-8 * |gradient| per step, rounded to the same or the
+    neighbouring bfloat16)."""
+    model = make_model()
+    apply_policy(model, Policy("bf16", "fp32"))
+    ddp = DDP(model, comm)
+    assert all(b.flat.dtype == bfloat16 for b in ddp.buckets)
+    opt = optim.SGD(ddp.parameters(), lr=0.5)
+    train(ddp, opt, comm, 3)
+    ref = reference(3, comm.Get_size(), policy=Policy("bf16", "fp32"), make_opt=lambda ps: optim.SGD(ps, lr=0.5))
+    for p, q in zip(ddp.parameters(), ref.parameters()):
+        assert p.dtype == bfloat16
+        a, b = p.data.astype(np.float64), q.data.astype(np.float64)
+        assert np.all(np.abs(a - b) <= 2.0 ** -7 * np.maximum(np.abs(a), np.abs(b)) + 2e-3), np.abs(a - b).max()
+    assert_same_on_every_rank(comm, [p.data for p in ddp.parameters()])
+
+
+def test_register_comm_hook_refuses_bad_use(comm):
+    ddp = DDP(make_model(), comm)
+    with pytest.raises(TypeError, match=r"DDP.register_comm_hook: hook must be callable \(got int\)"):
+        ddp.register_comm_hook(None, 3)
+    x, y = shard(comm, 0, 2)
+    F.cross_entropy(ddp(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"DDP.register_comm_hook: register before the first backward "
+                                           r"\(1 synchronizations ran\)"):
+        ddp.register_comm_hook(None, bf16_compress_hook)
+    with pytest.raises(ValueError, match=r"PowerSGDState: matrix_approximation_rank must be an int >= 1 \(got 0\)"):
+        PowerSGDState(matrix_approximation_rank=0)
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_powerSGD_at_full_rank_is_the_plain_allreduce(comm):
+    """With r >= min(rows, cols) the approximation P Q^T spans every matrix exactly: after warm-up (2 plain
+    synchronizations) SGD's training equals plain DDP's to float32 rounding; every rank's error feedback is its
+    deviation from the mean, and they sum to ~0. Batches of 16 or more samples make every gradient of full rank
+    (PowerSGD of a rank-deficient matrix orthonormalizes noise)."""
+    per_rank = 16 // comm.Get_size()
+    plain = DDP(make_model(), comm)
+    opt = optim.SGD(plain.parameters(), lr=0.5)
+    train(plain, opt, comm, 5, per_rank)
+    ddp = DDP(make_model(), comm)
+    state = PowerSGDState(matrix_approximation_rank=HIDDEN, start_powerSGD_iter=2, min_compression_rate=0.0)
+    ddp.register_comm_hook(state, powerSGD_hook)
+    opt = optim.SGD(ddp.parameters(), lr=0.5)
+    train(ddp, opt, comm, 5, per_rank)
+    assert state.iter == 5 and state.qs
+    for p, q in zip(ddp.parameters(), plain.parameters()):
+        np.testing.assert_allclose(p.data, q.data, rtol=0, atol=1e-5)
+    errors = np.sum(comm.allgather(state.errors[0]), axis=0)
+    assert float(np.abs(errors).max()) < 1e-5
+    assert_same_on_every_rank(comm, [p.data for p in ddp.parameters()])
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_powerSGD_rank_1_trains_saves_and_resumes(comm):
+    """Rank 1: the warm-up steps are bitwise plain DDP's; then replicas stay equal, the loss falls, and a run
+    restored from state_dict (PowerSGD's error feedback and Qs, the model, the optimizer) continues bitwise like
+    the run that never stopped."""
+    plain = DDP(make_model(), comm)
+    opt = optim.Adam(plain.parameters(), lr=0.01)
+    train(plain, opt, comm, 2)
+    ddp = DDP(make_model(), comm)
+    state = PowerSGDState(matrix_approximation_rank=1, start_powerSGD_iter=2, min_compression_rate=1.0)
+    ddp.register_comm_hook(state, powerSGD_hook)
+    opt = optim.Adam(ddp.parameters(), lr=0.01)
+    train(ddp, opt, comm, 2)
+    for p, q in zip(ddp.parameters(), plain.parameters()):
+        np.testing.assert_array_equal(p.data, q.data)
+    def training_loss():  # over the four global batches the run cycles through
+        return np.mean([float(F.cross_entropy(ddp.module(x), y).data)
+                        for x, y in (global_batch(s, 4 * comm.Get_size()) for s in range(4))])
+    before = training_loss()
+    for step in range(2, 30):
+        x_, y_ = shard(comm, step % 4, 4)
+        opt.zero_grad()
+        F.cross_entropy(ddp(x_), y_).backward()
+        opt.step()
+    assert training_loss() < 0.9 * before
+    assert any(float(np.abs(e).max()) > 0 for e in state.errors.values())  # rank 1 loses something
+    saved = (state.state_dict(), ddp.state_dict(), opt.state_dict())
+    resumed = DDP(make_model(), comm)
+    resumed.load_state_dict(saved[1])
+    state2 = PowerSGDState(matrix_approximation_rank=1, start_powerSGD_iter=2, min_compression_rate=1.0)
+    state2.load_state_dict(saved[0])
+    resumed.register_comm_hook(state2, powerSGD_hook)
+    opt2 = optim.Adam(resumed.parameters(), lr=0.01)
+    opt2.load_state_dict(saved[2])
+    for run, o in ((ddp, opt), (resumed, opt2)):
+        for step in range(3):
+            x_, y_ = shard(comm, step, 4)
+            o.zero_grad()
+            F.cross_entropy(run(x_), y_).backward()
+            o.step()
+    for p, q in zip(ddp.parameters(), resumed.parameters()):
+        np.testing.assert_array_equal(p.data, q.data)
+    assert_same_on_every_rank(comm, [p.data for p in ddp.parameters()])
