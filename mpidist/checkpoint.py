@@ -87,7 +87,7 @@ from .parallel.interface import Wrapper, as_wrapper
 from .xp import copy_into, to_numpy
 
 __all__ = ["save", "load", "latest_step", "list_steps", "check_writable", "file_operation_hook", "FILE_OPERATIONS",
-           "LoadResult", "CheckpointError"]
+           "LoadResult", "CheckpointError", "open_step"]
 
 FORMAT = "mpidist-checkpoint-2"
 FLAT_FORMAT = "mpidist-checkpoint-1"  # flat ranges; still loaded
@@ -898,6 +898,7 @@ class _Reader:
         self.directory, self.manifest, self.verify = directory, manifest, verify
         self.manifest_path = os.path.join(directory, MANIFEST)
         self._maps = {}
+        self.bytes_read = 0  # the stored bytes copied out by ``read`` (what a lazy load of a shard costs)
 
     def _open(self, fname):
         if fname in self._maps:
@@ -929,9 +930,27 @@ class _Reader:
             stored = raw[first: first + math.prod(chunk["sizes"]) * dtype.itemsize].view(dtype).reshape(chunk["sizes"])
             out[_window(*overlap, offsets)] = stored[_window(*overlap, chunk["offsets"])]
             copied += math.prod(overlap[1])
+            self.bytes_read += math.prod(overlap[1]) * dtype.itemsize
         if copied != math.prod(sizes):
             raise CheckpointError(f"checkpoint: the manifest's chunks of {key!r} hold {copied} of the "
                                   f"{math.prod(sizes)} elements of {describe_box(entry['shape'], offsets, sizes)}")
+
+
+def open_step(root, step=None, verify=False):
+    """Return a reader of checkpoint ``step`` (default: the newest committed) of ``root`` on this rank alone.
+
+    It answers ``manifest["tensors"]`` (each key's shape, dtype and chunks) and ``read(key, offsets, sizes, out)``
+    from memory-mapped files, so reading a box reads only the bytes of the chunks it overlaps (``bytes_read``
+    counts them). ``verify``: check each file's CRC32 when first opened (reads the whole file). Not collective:
+    ``mpidist.sources.CheckpointSource`` loads deferred models through it.
+    """
+    if step is None:
+        step = latest_step(root)
+        if step is None:
+            raise CheckpointError(f"checkpoint: no committed step under {root}")
+    _check_step("open_step", step)
+    directory = _step_dir(root, step)
+    return _Reader(directory, _read_manifest(directory, step), verify)
 
 
 class LoadResult(NamedTuple):

@@ -1,7 +1,7 @@
 """Tensors with reverse-mode autograd over numpy or CuPy arrays, PyTorch-shaped modules, layers and losses."""
 
 from mpidist.nn import functional
-from mpidist.nn.deferred import DeferredParameterError, deferred, is_deferred, materialize
+from mpidist.nn.deferred import DeferredParameterError, deferred, is_deferred, load_deferred, materialize
 from mpidist.nn.autograd import (DeferredWeightGrads, Tensor, backward, backward_input, enable_grad, grad,
                                  is_grad_enabled, no_grad, queue_callback, queue_weight_callback, set_grad_enabled,
                                  weights_deferred)
@@ -23,5 +23,5 @@ __all__ = [
     "BatchNorm2d", "SyncBatchNorm",
     "Loss", "CrossEntropyLoss", "MSELoss", "clip_grad_norm_", "grad_norm",
     "manual_seed", "default_generator", "get_rng_state", "set_rng_state",
-    "deferred", "materialize", "is_deferred", "DeferredParameterError",
+    "deferred", "materialize", "is_deferred", "load_deferred", "DeferredParameterError",
 ]

@@ -24,11 +24,11 @@ import weakref
 
 import numpy as np
 
-from mpidist.nn.init import draw_box_into
+from mpidist.nn.init import FromSource, draw_box_into
 from mpidist.nn.placement import boxes
 
 __all__ = ["deferred", "DeferredArray", "DeferredParameterError", "is_deferred", "materialize", "new_parameter",
-           "set_initializer", "deferred_like", "fill_boxes", "deferred_bytes"]
+           "set_initializer", "deferred_like", "fill_boxes", "deferred_bytes", "load_deferred"]
 
 _local = threading.local()
 
@@ -188,6 +188,34 @@ def materialize(module):
             local = np.zeros(data.shape, dtype=data.dtype)
             fill_boxes(data, p.placement, local)
             p.data = local
+    return module
+
+
+def load_deferred(module, source, prefix=""):
+    """Make ``module``'s deferred parameters take their values from ``source`` (key ``prefix + name``); return it.
+
+    Nothing is read here: whoever materializes a parameter (``materialize``, a parallel wrapper) reads only the
+    boxes it holds. Raises ValueError naming every parameter the source lacks or holds with another shape or
+    dtype. ``source``: ``mpidist.sources.CheckpointSource``, ``SafetensorsSource``, or any object with
+    ``shape(key)``, ``dtype(key)`` (None for a key it lacks) and ``read(key, offsets, sizes, out)``.
+    """
+    problems, targets = [], []
+    for _, p in module.named_parameters():
+        data = p.data
+        if not isinstance(data, DeferredArray):
+            continue
+        key, shape = prefix + data.name, _global_shape(data, p.placement)
+        stored = source.shape(key)
+        if stored is None:
+            problems.append(f"{key!r} is not in the source")
+        elif tuple(stored) != tuple(shape) or np.dtype(source.dtype(key)) != data.dtype:
+            problems.append(f"{key!r} is {tuple(stored)} {np.dtype(source.dtype(key))} in the source, {tuple(shape)} "
+                            f"{data.dtype} in the model")
+        targets.append((data, key))
+    if problems:
+        raise ValueError(f"load_deferred: {type(source).__name__} does not match the model: " + "; ".join(problems))
+    for data, key in targets:
+        data.init = FromSource(source, key)
     return module
 
 

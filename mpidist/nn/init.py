@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Initializer", "Uniform", "Normal", "Constant", "philox_key", "draw_box", "draw_box_into"]
+__all__ = ["Initializer", "Uniform", "Normal", "Constant", "FromSource", "philox_key", "draw_box", "draw_box_into"]
 
 _TWO_PI = 2.0 * math.pi
 _PIECE = 1 << 13  # elements drawn at once: 64 KiB of float64 uniforms per Philox output an element uses
@@ -70,6 +70,10 @@ class Initializer:
     def eager(self, rng, shape, dtype):
         """Return a new array of ``shape`` drawn from ``rng`` in order (what layers always did)."""
         raise NotImplementedError
+
+    def fill(self, out, seed, name, offsets, shape):
+        """Write into ``out`` the box at ``offsets`` (sizes ``out.shape``) of parameter ``name`` of ``shape``."""
+        self.draw_into(out, philox_key(seed, name), offsets, shape)
 
     def from_uniforms(self, u):
         """Return float64 values from ``u`` (n, per_element) uniforms in [0, 1)."""
@@ -151,9 +155,33 @@ class Constant(Initializer):
         out[...] = self.value
 
 
+@dataclass(frozen=True, eq=False)
+class FromSource(Initializer):
+    """The values stored under ``key`` in ``source`` (a checkpoint or safetensors file, ``mpidist.sources``).
+
+    A source answers ``read(key, offsets, sizes, out)``: a rank materializing its part reads only its boxes.
+    """
+
+    source: object
+    key: str
+
+    def eager(self, rng, shape, dtype):
+        out = np.empty(shape, dtype=dtype)
+        self.source.read(self.key, (0,) * len(shape), tuple(shape), out)
+        return out
+
+    def fill(self, out, seed, name, offsets, shape):
+        if out.flags.c_contiguous:
+            self.source.read(self.key, tuple(offsets), tuple(out.shape), out)
+        else:  # a column block of a tensor-parallel slice: read it whole, then place it
+            box = np.empty(out.shape, dtype=out.dtype)
+            self.source.read(self.key, tuple(offsets), tuple(out.shape), box)
+            out[...] = box
+
+
 def draw_box_into(init, seed, name, out, offsets, shape):
     """Write into ``out`` the box at ``offsets`` (sizes: ``out.shape``) of parameter ``name`` under ``seed``."""
-    init.draw_into(out, philox_key(seed, name), offsets, shape)
+    init.fill(out, seed, name, offsets, shape)
 
 
 def draw_box(init, seed, name, offsets, sizes, shape, dtype):
