@@ -17,13 +17,14 @@ import pytest
 import mpidist
 from mpidist import nn
 from mpidist.models import GPT, GPTConfig, lm_loss
-from mpidist.nn.placement import FlatShard, Replicate, Shard, boxes, global_shape, set_placement
+from mpidist.nn.placement import FlatShard, Replicate, set_placement
 from mpidist.optim import Adam
 from mpidist.models import tensor_parallel
-from mpidist.parallel import DDP, Pipeline, mesh
+from mpidist.parallel import DDP, DeviceMesh, Pipeline, mesh
 from mpidist.parallel.fsdp import FSDP
-from mpidist.comm.mesh import DeviceMesh
 from mpidist.parallel.interface import LocalModule, PlacedParameter, Wrapper, as_wrapper
+
+from helpers import assert_reassembles
 
 CONFIG = GPTConfig(vocab_size=61, block_size=8, n_layer=1, n_head=4, n_embd=16, dropout=0.0, tie_weights=False,
                    dtype="float64")  # vocabulary 61: padded rows at tp 2 and 4
@@ -75,31 +76,9 @@ class Layout:
             self.grid.free()
 
 
-def assemble(comm, placed, read):
-    """Return {name: global array} from every rank's ``read(parameter)`` placed by its placement alone.
-
-    Elements held by several ranks (replicas) must agree; an element no rank holds stays NaN.
-    """
-    mine = []
-    for p in placed:
-        local = np.asarray(read(p.parameter))
-        if isinstance(p.placement, Shard):
-            shape = p.placement.global_shape
-            pieces = [(off, size, local[tuple(slice(a, a + s) for a, s in zip(at, size))])
-                      for off, size, at in p.placement.chunks(local.shape)]
-        else:
-            shape, pieces = local.shape, [((0,) * local.ndim, local.shape, local)]
-        mine.append((p.name, shape, pieces))
-    full = {}
-    for items in comm.allgather(mine):
-        for name, shape, pieces in items:
-            out = full.setdefault(name, np.full(shape, np.nan))
-            for off, size, data in pieces:
-                region = out[tuple(slice(a, a + s) for a, s in zip(off, size))]
-                held = ~np.isnan(region)
-                np.testing.assert_array_equal(region[held], data[held], err_msg=f"{name}: replicas differ")
-                region[...] = data
-    return full
+def parameters(model):
+    """Return {name: array} of ``model``'s parameters (the reference a layout reassembles to)."""
+    return {name: p.data for name, p in model.named_parameters()}
 
 
 @pytest.mark.world_sizes(1, 2, 4)
@@ -112,9 +91,7 @@ def test_placed_parameters_reassemble_the_unsplit_model(comm, kind):
     assert [p.name for p in placed] == [name for name, _ in ref.named_parameters()]
     assert [id(p.parameter) for p in placed] == [id(p) for p in layout.model.parameters()]
     assert list(layout.wrapper.parameters()) == list(layout.model.parameters())
-    full = assemble(comm, placed, lambda p: p.data)
-    for name, p in ref.named_parameters():
-        np.testing.assert_array_equal(full[name], p.data, err_msg=name)
+    assert_reassembles(comm, placed, lambda p: p.data, parameters(ref))
     layout.close()
 
 
@@ -133,9 +110,8 @@ def test_clip_grad_norm_equals_the_norm_of_the_global_gradient(comm, kind, norm_
     norm = layout.wrapper.clip_grad_norm_(max_norm, norm_type=norm_type)
     assert norm == pytest.approx(total, rel=1e-10)
     scale = max_norm / (total + 1e-6)
-    clipped = assemble(comm, layout.wrapper.placed_parameters(), lambda p: p.grad)
-    for name, g in ref_grads.items():
-        np.testing.assert_allclose(clipped[name], g * scale, rtol=0, atol=1e-12, err_msg=name)
+    assert_reassembles(comm, layout.wrapper.placed_parameters(), lambda p: p.grad,
+                       {name: g * scale for name, g in ref_grads.items()}, atol=1e-12)
     layout.close()
 
 
@@ -346,9 +322,7 @@ def test_pipeline_placed_parameters_are_the_unsplit_models(comm, kind):
     for stage, names in comm.allgather((layout.grid.pp_rank, [p.name for p in placed if p.primary])):
         assert per_stage.setdefault(stage, names) == names, f"replicas of stage {stage} differ"
     assert [n for s in sorted(per_stage) for n in per_stage[s]] == [name for name, _ in ref.named_parameters()]
-    full = assemble(comm, [p for p in placed if p.primary], lambda p: p.data)
-    for name, p in ref.named_parameters():
-        np.testing.assert_array_equal(full[name], p.data, err_msg=name)
+    assert_reassembles(comm, [p for p in placed if p.primary], lambda p: p.data, parameters(ref))
     # The head's copy of the tied embedding: not primary, under the embedding's name, on the last stage only.
     copies = [p for p in placed if not p.primary]
     last = layout.grid.pp_rank == layout.grid.pp - 1
@@ -400,9 +374,8 @@ def test_pipeline_clip_grad_norm_equals_the_norm_of_the_global_gradient(comm, ki
     assert layout.pipe.clip_grad_norm_(max_norm) == pytest.approx(total, rel=1e-10)
     scale = max_norm / (total + 1e-6)
     placed = layout.pipe.placed_parameters()
-    clipped = assemble(comm, [p for p in placed if p.primary], lambda p: p.grad)
-    for name, g in ref_grads.items():
-        np.testing.assert_allclose(clipped[name], g * scale, rtol=0, atol=1e-12, err_msg=name)
+    assert_reassembles(comm, [p for p in placed if p.primary], lambda p: p.grad,
+                       {name: g * scale for name, g in ref_grads.items()}, atol=1e-12)
     for p in placed:
         if not p.primary:
             np.testing.assert_allclose(p.parameter.grad, ref_grads[p.name] * scale, rtol=0, atol=1e-12)
@@ -437,9 +410,8 @@ def test_pipeline_no_sync_accumulates_and_the_next_step_reduces(comm):
         layout.step()
     layout.step()
     placed = layout.pipe.placed_parameters()
-    grads = assemble(comm, [p for p in placed if p.primary], lambda p: p.grad)
-    for name, p in ref.named_parameters():
-        np.testing.assert_allclose(grads[name], 2 * p.grad, rtol=0, atol=1e-12, err_msg=name)
+    assert_reassembles(comm, [p for p in placed if p.primary], lambda p: p.grad,
+                       {name: 2 * p.grad for name, p in ref.named_parameters()}, atol=1e-12)
     for p in placed:
         if not p.primary:
             np.testing.assert_allclose(p.parameter.grad, 2 * ref.embed.wte.weight.grad, rtol=0, atol=1e-12)
@@ -480,29 +452,6 @@ def fsdp_sizes(kind):
     return (2, 4) if kind == "tp" else (1, 2, 4)
 
 
-def assemble_by_boxes(comm, placed, read):
-    """Return {name: global array} from every rank's ``read(parameter)``, cut into boxes by ``boxes()`` alone.
-
-    Elements held by several ranks (replicas) must agree; an element no rank holds stays NaN.
-    """
-    mine = []
-    for p in placed:
-        local = np.asarray(read(p.parameter))
-        shape = global_shape(p.placement, local.shape)
-        mine.append((p.name, shape, [(b.offsets, b.sizes, b.view(local).copy())
-                                     for b in boxes(p.placement, local.shape, name=p.name)]))
-    full = {}
-    for items in comm.allgather(mine):
-        for name, shape, pieces in items:
-            out = full.setdefault(name, np.full(shape, np.nan))
-            for off, size, data in pieces:
-                region = out[tuple(slice(a, a + s) for a, s in zip(off, size))]
-                held = ~np.isnan(region)
-                np.testing.assert_array_equal(region[held], data[held], err_msg=f"{name}: replicas differ")
-                region[...] = data
-    return full
-
-
 @pytest.mark.world_sizes(1, 2, 4)
 @pytest.mark.parametrize("kind", FSDP_KINDS)
 def test_fsdp_placed_parameters_reassemble_the_unsplit_model(comm, kind):
@@ -516,9 +465,7 @@ def test_fsdp_placed_parameters_reassemble_the_unsplit_model(comm, kind):
     assert all(isinstance(p.placement, FlatShard) for p in placed)
     assert {id(p.parameter) for p in placed} == {id(s) for s in fsdp.parameters()}
     assert list(fsdp.parameters()) == list(Wrapper.parameters(fsdp))
-    full = assemble_by_boxes(comm, placed, lambda p: p.data)
-    for name, p in ref.named_parameters():
-        np.testing.assert_array_equal(full[name], p.data, err_msg=name)
+    assert_reassembles(comm, placed, lambda p: p.data, parameters(ref))
     layout.close()
 
 
@@ -539,9 +486,8 @@ def test_fsdp_clip_grad_norm_equals_the_norm_of_the_global_gradient(comm, kind, 
     norm = layout.fsdp.clip_grad_norm_(max_norm, norm_type=norm_type)
     assert norm == pytest.approx(total, rel=1e-10)
     scale = max_norm / (total + 1e-6)
-    clipped = assemble_by_boxes(comm, layout.fsdp.placed_parameters(), lambda p: p.grad)
-    for name, g in ref_grads.items():
-        np.testing.assert_allclose(clipped[name], g * scale, rtol=0, atol=1e-12, err_msg=name)
+    assert_reassembles(comm, layout.fsdp.placed_parameters(), lambda p: p.grad,
+                       {name: g * scale for name, g in ref_grads.items()}, atol=1e-12)
     layout.close()
 
 
@@ -581,9 +527,7 @@ def test_fsdp_remove_lets_the_module_be_wrapped_again(comm):
         np.testing.assert_array_equal(p.grad, r.grad, err_msg=name)
         p.grad = None
     again = FSDP(model, comm, units=model.fsdp_units())
-    full = assemble_by_boxes(comm, again.placed_parameters(), lambda p: p.data)
-    for name, p in ref.named_parameters():
-        np.testing.assert_array_equal(full[name], p.data, err_msg=name)
+    assert_reassembles(comm, again.placed_parameters(), lambda p: p.data, parameters(ref))
     again.remove()
     layout.fsdp.remove()  # twice: nothing left to remove
 
