@@ -4,7 +4,8 @@ Reference: one process's ``GPT(cfg, rng=np.random.default_rng(0))``. Every rank 
 seed; the test puts every rank's local arrays (allgathered) back into global tensors by their placements alone
 and compares them with the reference's parameters and, after a backward and ``clip_grad_norm_``, with the
 reference's gradients scaled by the formula of ``torch.nn.utils.clip_grad_norm_`` (norm by ``np.linalg.norm``).
-Runs on SimComm worlds and under ``mpiexec -n 2 / -n 4 pytest --with-mpi``.
+The same wrappers built from a DeviceMesh train like one process, and meshes whose dimensions do not fit raise
+on every rank. Runs on SimComm worlds and under ``mpiexec -n 2 / -n 4 pytest --with-mpi``.
 """
 import ast
 import dataclasses
@@ -18,9 +19,9 @@ import mpidist
 from mpidist import nn
 from mpidist.models import GPT, GPTConfig, lm_loss
 from mpidist.nn.placement import FlatShard, Replicate, set_placement
-from mpidist.optim import Adam
+from mpidist.optim import Adam, AdamW
 from mpidist.models import tensor_parallel
-from mpidist.parallel import DDP, DeviceMesh, Pipeline, mesh
+from mpidist.parallel import DDP, DeviceMesh, Pipeline, full_state_dict, mesh
 from mpidist.parallel.fsdp import FSDP
 from mpidist.parallel.interface import LocalModule, PlacedParameter, Wrapper, as_wrapper
 
@@ -560,3 +561,126 @@ def _private_imports_across_packages():
 @pytest.mark.mpi_skip
 def test_no_package_imports_private_names_of_another():
     assert _private_imports_across_packages() == []
+
+
+# -- wrappers built from a mesh ----------------------------------------------------------------------------------
+# Every wrapper takes its groups from a DeviceMesh: DDP a 1-D mesh, FSDP a 1-D mesh or a 2-D one (hybrid sharding:
+# replicate over the first dimension, shard over the second), Pipeline the "pp" (and "dp", "tp") dimensions of a
+# mesh. Two AdamW steps on each rank's share of the batch must give one process's parameters (float64, 1e-12),
+# reassembled from every rank by placements alone; and the wrapper's mesh spans the layout, so full_state_dict needs
+# no comm=. Pipelines use tied weights (the head's copy of the embedding) and two blocks, cut into up to 4 stages.
+MESH_KINDS = {"ddp": (1, 2, 4), "fsdp_1d": (1, 2, 4), "fsdp_2d": (2, 4), "pp": (2, 4), "dp_pp": (4,), "pp_tp": (4,)}
+MESH_STEPS = 2
+
+
+class MeshLayout:
+    def __init__(self, comm, kind):
+        size = comm.Get_size()
+        pipelined = kind in ("pp", "dp_pp", "pp_tp")  # two blocks: every one of 4 stages holds a layer
+        self.config = dataclasses.replace(CONFIG, tie_weights=pipelined, n_layer=2 if pipelined else 1)
+        self.model = model = GPT(self.config, rng=np.random.default_rng(0))
+        self.pipeline, self.dp, self.dp_rank = False, size, comm.Get_rank()
+        if kind == "ddp":
+            self.mesh = DeviceMesh(comm, {"dp": size})
+            self.wrapper = DDP(model, self.mesh)
+            assert self.wrapper.comm is self.mesh["dp"]
+        elif kind in ("fsdp_1d", "fsdp_2d"):
+            self.mesh = DeviceMesh(comm, {"dp": size} if kind == "fsdp_1d" else {"replicate": -1, "shard": 2})
+            self.wrapper = FSDP(model, self.mesh, units=model.fsdp_units())
+            if kind == "fsdp_2d":
+                assert self.wrapper.settings.strategy.value == "hybrid_shard"
+                assert self.wrapper.shard_comm is self.mesh["shard"]
+                assert self.wrapper.replicate_comm is self.mesh["replicate"]
+            else:
+                assert self.wrapper.shard_comm is self.mesh["dp"] and self.wrapper.replicate_comm is None
+        else:
+            dp, pp, tp = {"pp": (1, size, 1), "dp_pp": (2, 2, 1), "pp_tp": (1, 2, 2)}[kind]
+            self.mesh = mesh(comm, dp=dp, pp=pp, tp=tp)
+            if tp > 1:
+                tensor_parallel(model, self.mesh.tp_comm, sequence_parallel=False)
+            stage = model.pipeline_stages(pp)[self.mesh.pp_rank]
+            self.wrapper = Pipeline(stage, self.mesh, 2, "1f1b", loss_fn=model.loss, tied_parameters=stage.tied)
+            self.pipeline, self.dp, self.dp_rank = True, self.mesh.dp, self.mesh.dp_rank
+            assert self.wrapper.comm is self.mesh["pp"]
+            assert self.wrapper.dp_comm is (self.mesh["dp"] if dp > 1 else None)
+        assert self.wrapper.mesh is self.mesh
+        self.opt = AdamW(list(self.wrapper.parameters()), lr=0.01)
+
+    def train(self):
+        x, y = batch()
+        n = BATCH // self.dp
+        mine = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
+        for _ in range(MESH_STEPS):
+            self.opt.zero_grad()
+            if self.pipeline:
+                self.wrapper.step(x[mine], y[mine])
+            else:
+                self.model.loss(self.wrapper(x[mine]), y[mine]).backward()
+            self.opt.step()
+
+    def close(self):
+        self.wrapper.remove()
+        self.mesh.free()
+
+
+def trained_alone(config):
+    """Return one process's parameters after MESH_STEPS AdamW steps on the whole batch."""
+    model = GPT(config, rng=np.random.default_rng(0))
+    opt = AdamW(list(model.parameters()), lr=0.01)
+    x, y = batch()
+    for _ in range(MESH_STEPS):
+        opt.zero_grad()
+        model.loss(model(x), y).backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.world_sizes(1, 2, 4)
+@pytest.mark.parametrize("kind", list(MESH_KINDS))
+def test_a_wrapper_built_from_a_mesh_trains_like_one_process(comm, kind):
+    if comm.Get_size() not in MESH_KINDS[kind]:
+        pytest.skip(f"{kind} runs on {MESH_KINDS[kind]} ranks")
+    layout = MeshLayout(comm, kind)
+    layout.train()
+    ref = trained_alone(layout.config)
+    placed = [p for p in layout.wrapper.placed_parameters() if p.primary]
+    assert_reassembles(comm, placed, lambda p: p.data, parameters(ref), atol=1e-12)
+    got = full_state_dict(layout.wrapper)  # over wrapper.mesh.comm: the whole layout
+    if comm.Get_rank() == 0:
+        assert list(got) == list(ref.state_dict())
+        for name, value in ref.state_dict().items():
+            np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-12, err_msg=name)
+    layout.close()
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_a_mesh_whose_dimensions_do_not_fit_raises_on_every_rank(comm):
+    size = comm.Get_size()
+    grid = mesh(comm, dp=size // 2, tp=2)
+    dims = f"dp={size // 2}, pp=1, tp=2"
+    with pytest.raises(ValueError, match=rf"DDP: ranks [0-9,]+: a mesh must have one dimension, the data-parallel "
+                                         rf"ranks \(got {dims}\); pass that dimension's mesh"):
+        DDP(reference_model(), grid)
+    with pytest.raises(ValueError, match=rf"FSDP: ranks [0-9,]+: a mesh must have one dimension \(shard over it\) "
+                                         rf"or two \(replicate over the first, shard over the second\) \(got {dims}\)"):
+        FSDP(reference_model(), grid)
+    hybrid = DeviceMesh(comm, {"replicate": size // 2, "shard": 2})
+    two = f"replicate={size // 2}, shard=2"
+    with pytest.raises(ValueError, match=rf"FSDP: ranks [0-9,]+: a 2-D mesh \({two}\) gives the shard and replica "
+                                         rf"groups: pass no shard_size with it"):
+        FSDP(reference_model(), hybrid, shard_size=2)
+    with pytest.raises(ValueError, match=rf"a 2-D mesh \({two}\) shards over its second dimension but "
+                                         rf"strategy='no_shard' shards nothing"):
+        FSDP(reference_model(), hybrid, strategy="no_shard")
+    stage = reference_model().pipeline_stages(2)[min(comm.Get_rank(), 1)]
+    other = DeviceMesh(comm, {"x": 2, "y": size // 2})
+    with pytest.raises(ValueError, match=rf"Pipeline: ranks [0-9,]+: a mesh must have one dimension \(the pipeline\) "
+                                         rf"or a dimension 'pp' and besides it only 'dp' \(replicas\) and 'tp' "
+                                         rf"\(tensor parallel inside stages\) \(got x=2, y={size // 2}\)"):
+        Pipeline(stage, other, 2, loss_fn=lm_loss)
+    pipeline = mesh(comm, dp=2, pp=size // 2)
+    with pytest.raises(ValueError, match=rf"Pipeline: ranks [0-9,]+: the mesh \(dp=2, pp={size // 2}, tp=1\) gives "
+                                         rf"the data-parallel ranks: pass no dp_comm with it"):
+        Pipeline(stage, pipeline, 2, loss_fn=lm_loss, dp_comm=pipeline.dp_comm)
+    for m in (grid, hybrid, other, pipeline):
+        m.free()

@@ -33,15 +33,13 @@ import time
 import numpy as np
 
 from .. import collectives
-from ..comm import check_comm
 from ..nn import is_grad_enabled, queue_callback
 from ..nn.deferred import is_deferred, materialize
 from ..xp import get_array_module, to_numpy
 from .agreement import StepStamp, TrainableAtBuild, check_same_shards, check_same_structure
 from . import comm_hooks
 from .grad_sync import GradSync
-from ..comm.mesh import DeviceMesh
-from .interface import WholeModuleWrapper
+from .interface import WholeModuleWrapper, dimensions, mesh_of, refuse_mesh
 
 __all__ = ["DDP", "GradientBucket"]
 
@@ -115,7 +113,7 @@ class GradientBucket:
 
 
 class DDP(WholeModuleWrapper):
-    """Wrap ``module`` for data-parallel training over ``comm``.
+    """Wrap ``module`` for data-parallel training over ``comm``: a communicator, or a 1-D ``DeviceMesh`` of them.
 
     Every rank holds a full replica; at construction parameters and buffers are broadcast from rank 0.
     Train as with the module itself: ``loss = crit(ddp(x), y); loss.backward()``; when backward
@@ -123,21 +121,28 @@ class DDP(WholeModuleWrapper):
     (``requires_grad=False``) at construction get no gradient and no communication; set ``requires_grad``
     before wrapping, alike on every rank (a difference raises on every rank, a later change at the next backward).
 
-    As a ``Wrapper``: ``mesh`` is ``comm`` as dimension "dp"; ``placed_parameters()`` names the module's parameters with their
-    tensor-parallel placements; ``grad_norm_comms()`` are those placements' communicators (the averaged gradients
-    are the same on every rank of ``comm``, so a norm adds over the tensor-parallel ranks only).
+    A mesh of more than one dimension raises on every rank naming them: pass the data-parallel one
+    (``mesh.submesh("dp")``); a tensor-parallel model's ranks live in its placements.
+
+    As a ``Wrapper``: ``mesh`` is the mesh given, or ``comm`` as dimension "dp"; ``placed_parameters()`` names
+    the module's parameters with their tensor-parallel placements; ``grad_norm_comms()`` are those placements'
+    communicators (the averaged gradients are the same on every rank of ``comm``, so a norm adds over the
+    tensor-parallel ranks only).
     """
 
     def __init__(self, module, comm, bucket_cap_mb=25, first_bucket_mb=1, overlap=True, broadcast_buffers=True,
                  unused_parameters="zero", check_finite=False):
-        check_comm("DDP", comm)
+        self.mesh = mesh_of(comm, "DDP", "dp")
+        refuse_mesh(self.mesh, None if len(self.mesh.names) == 1 else
+                    f"a mesh must have one dimension, the data-parallel ranks (got {dimensions(self.mesh)}); pass "
+                    f"that dimension's mesh, e.g. mesh.submesh('dp')", "DDP")
+        comm = self.mesh[self.mesh.names[0]]
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError(f"DDP: bucket sizes must be positive (bucket_cap_mb={bucket_cap_mb}, first_bucket_mb={first_bucket_mb})")
         if unused_parameters not in ("zero", "error"):
             raise ValueError(f"DDP: unused_parameters must be 'zero' or 'error' (got {unused_parameters!r})")
         self.module = module
         self.comm = comm
-        self.mesh = DeviceMesh.from_comm(comm, "dp")
         self.overlap = overlap
         self.broadcast_buffers = broadcast_buffers
         self.unused_parameters = unused_parameters

@@ -27,12 +27,14 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Tuple
 
+from ..comm import check_comm
+from ..comm.agree import raise_if_any
 from ..comm.mesh import DeviceMesh
 from ..nn.module import Module, Parameter
 from ..nn.placement import FlatShard, Replicate, placement_of
 from ..nn.utils import GradParts, clip_coefficient, clip_grad_norm_
 
-__all__ = ["Wrapper", "PlacedParameter", "LocalModule", "as_wrapper", "placement_comms"]
+__all__ = ["Wrapper", "PlacedParameter", "LocalModule", "as_wrapper", "placement_comms", "mesh_of", "refuse_mesh"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,6 +60,30 @@ def placement_comms(placed):
         if comm is not None and not any(comm is c for c in comms):
             comms.append(comm)
     return tuple(comms)
+
+
+def mesh_of(comm_or_mesh, context, name):
+    """Return ``comm_or_mesh`` if it is a DeviceMesh, else the 1-D mesh of that communicator, dimension ``name``."""
+    if isinstance(comm_or_mesh, DeviceMesh):
+        return comm_or_mesh
+    check_comm(context, comm_or_mesh)
+    return DeviceMesh.from_comm(comm_or_mesh, name)
+
+
+def refuse_mesh(mesh, problem, context):
+    """Raise ValueError on every rank of ``mesh.comm`` if ``problem`` (why its dimensions do not fit) is set.
+
+    Collective over ``mesh.comm``; a mesh without one (``DeviceMesh.from_dimensions``) raises where it is set.
+    """
+    if problem and mesh.comm is None:
+        raise ValueError(f"{context}: {problem}")
+    if mesh.comm is not None:
+        raise_if_any(mesh.comm, problem, context)
+
+
+def dimensions(mesh):
+    """Return "dp=2, tp=2" for a mesh of those dimensions ("no dimension" for none)."""
+    return ", ".join(f"{name}={n}" for name, n in zip(mesh.names, mesh.shape)) or "no dimension"
 
 
 class Wrapper(abc.ABC):

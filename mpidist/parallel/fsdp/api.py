@@ -53,7 +53,7 @@ from ...nn.module import Module
 from ...nn.placement import FlatShard, placement_of
 from ..agreement import TrainableAtBuild, check_same_shards, check_same_structure
 from ..grad_sync import GradSync
-from ..interface import PlacedParameter, Wrapper, placement_comms
+from ..interface import PlacedParameter, Wrapper, dimensions, placement_comms, refuse_mesh
 from . import state_dict as _state
 from .groups import build_groups
 from .lifecycle import GradState, ParamState, Unit
@@ -76,6 +76,31 @@ class UnitInfo:
     numel: int        # unpadded flat parameter size
     shard_numel: int  # elements per shard: ceil(numel / num_shards)
     uses: tuple = ()  # labels of the units owning tied parameters its modules also hold
+
+
+def _groups_of_mesh(mesh, strategy, shard_size, shard_comm, replicate_comm):
+    """Return (comm, strategy, shard_comm, replicate_comm) that ``mesh`` stands for; raise on every rank if its
+    dimensions do not fit (see ``FSDP``'s ``comm``)."""
+    names, problem = mesh.names, None
+    given = [name for name, value in (("shard_size", shard_size), ("shard_comm", shard_comm),
+                                      ("replicate_comm", replicate_comm)) if value is not None]
+    if len(names) not in (1, 2):
+        problem = (f"a mesh must have one dimension (shard over it) or two (replicate over the first, shard over the "
+                   f"second) (got {dimensions(mesh)}); pass the data-parallel ones, e.g. mesh.submesh('dp')")
+    elif len(names) == 2 and given:
+        problem = (f"a 2-D mesh ({dimensions(mesh)}) gives the shard and replica groups: pass no "
+                   f"{', '.join(given)} with it")
+    elif len(names) == 2 and strategy is ShardingStrategy.NO_SHARD:
+        problem = (f"a 2-D mesh ({dimensions(mesh)}) shards over its second dimension but strategy='no_shard' "
+                   f"shards nothing: pass its ranks as one dimension")
+    elif len(names) == 2 and mesh.comm is None:
+        problem = f"a 2-D mesh ({dimensions(mesh)}) needs a communicator holding all its ranks (mesh.comm is None)"
+    refuse_mesh(mesh, problem, "FSDP")
+    if len(names) == 1:
+        return mesh[names[0]], strategy, shard_comm, replicate_comm
+    hybrid = {ShardingStrategy.FULL_SHARD: ShardingStrategy.HYBRID_SHARD,
+              ShardingStrategy.SHARD_GRAD_OP: ShardingStrategy.HYBRID_SHARD_GRAD_OP}.get(strategy, strategy)
+    return mesh.comm, hybrid, mesh[names[1]], mesh[names[0]]
 
 
 def _mesh_of(comm, strategy, groups):
@@ -126,7 +151,10 @@ class FSDP(Wrapper):
 
     Args:
         module: the model; its parameters are replaced by placeholders and live as shards in this wrapper.
-        comm: an mpi4py intracommunicator or a SimComm: all data-parallel ranks.
+        comm: an mpi4py intracommunicator or a SimComm: all data-parallel ranks; or a ``DeviceMesh`` of them:
+            1-D (as its communicator) or 2-D, hybrid sharding: replicate over the first dimension, shard over
+            the second (``strategy`` "full_shard"/"shard_grad_op" then mean their hybrid twins; no
+            ``shard_size``/``shard_comm``/``replicate_comm`` with it). Other meshes raise on every rank.
         strategy: a ``ShardingStrategy`` or its name ("full_shard", "shard_grad_op", "no_shard",
             "hybrid_shard", "hybrid_shard_grad_op").
         shard_size: for the hybrid strategies: shard within groups of this many ranks (consecutive in
@@ -153,23 +181,30 @@ class FSDP(Wrapper):
     the unit also holds trainable ones) that never get a gradient; freeze alike on every rank, before wrapping.
 
     As a ``mpidist.parallel.interface.Wrapper`` (what checkpoints, elastic states and clipping read):
-    ``mesh`` is ``comm`` as dimension "shard" ("replicate" under no_shard), or ("replicate", "shard") under a
-    hybrid strategy; ``mesh.comm`` is ``comm``; ``placed_parameters()`` names every parameter of the wrapped module with the
-    shard Parameter holding it and a ``FlatShard`` saying which of its elements this rank's shard holds.
+    ``mesh`` is the mesh given (a 1-D one under a hybrid strategy: the ("replicate", "shard") mesh FSDP splits it
+    into), else ``comm`` as dimension "shard" ("replicate" under no_shard), or that split under a hybrid strategy;
+    ``mesh.comm`` is ``comm``. ``placed_parameters()`` names every parameter of the wrapped module with the shard
+    Parameter holding it and a ``FlatShard`` saying which of its elements this rank's shard holds.
     """
 
     def __init__(self, module, comm, strategy="full_shard", units=None, prefetch=True, backward_prefetch="pre",
                  check_finite=False, shard_size=None, shard_comm=None, replicate_comm=None):
         if not isinstance(module, Module):
             raise TypeError(f"FSDP: module must be an mpidist.nn.Module (got {type(module).__name__})")
-        check_comm("FSDP", comm)
+        if not isinstance(comm, DeviceMesh):
+            check_comm("FSDP", comm)
         if not isinstance(prefetch, bool):
             raise TypeError(f"FSDP: prefetch must be a bool (got {prefetch!r})")
         backward_prefetch = BackwardPrefetch.parse(backward_prefetch)
         strategy = ShardingStrategy.parse(strategy)
+        given = comm if isinstance(comm, DeviceMesh) else None
+        if given is not None:
+            comm, strategy, shard_comm, replicate_comm = _groups_of_mesh(given, strategy, shard_size, shard_comm,
+                                                                         replicate_comm)
         groups = build_groups(comm, strategy, shard_size, shard_comm, replicate_comm)
         self.module, self.comm = module, comm
-        self.mesh = _mesh_of(comm, strategy, groups)
+        self.mesh = given if given is not None and len(given.names) == 1 + strategy.hybrid else \
+            _mesh_of(comm, strategy, groups)
         self.settings = FSDPSettings(strategy, prefetch, comm.Get_size(), groups.num_shards, backward_prefetch,
                                      groups.num_replicas)
         self.check_finite = check_finite

@@ -43,7 +43,7 @@ from mpidist.partition import split_sizes
 from mpidist.trace import recorder as _trace
 from mpidist.xp import asarray_like, is_device_array
 
-from ..interface import PlacedParameter, Wrapper, placement_comms
+from ..interface import PlacedParameter, Wrapper, dimensions, placement_comms, refuse_mesh
 from .tied import TiedParameters
 from .schedules import (Action, Kind, Schedule, gpipe, insert_comms, interleaved_1f1b, one_f_one_b,
                         simulate_schedule, validate, zero_bubble_h1)
@@ -60,6 +60,20 @@ SCHEDULES: Dict[str, Callable[[int, int, int], Schedule]] = {
 
 # MPI guarantees tags up to 32767 on every implementation; staying below it keeps tags portable.
 _MAX_TAG = 32767
+
+
+def _groups_of_mesh(mesh, dp_comm):
+    """Return (pipeline comm, data-parallel comm or None) of ``mesh``; raise on every rank if it does not fit."""
+    names, problem = mesh.names, None
+    if len(names) != 1 and ("pp" not in names or set(names) - {"dp", "pp", "tp"}):
+        problem = (f"a mesh must have one dimension (the pipeline) or a dimension 'pp' and besides it only 'dp' "
+                   f"(replicas) and 'tp' (tensor parallel inside stages) (got {dimensions(mesh)})")
+    elif "dp" in names and dp_comm is not None:
+        problem = f"the mesh ({dimensions(mesh)}) gives the data-parallel ranks: pass no dp_comm with it"
+    refuse_mesh(mesh, problem, "Pipeline")
+    if len(names) == 1:
+        return mesh[names[0]], dp_comm
+    return mesh["pp"], (mesh["dp"] if "dp" in names and mesh.size("dp") > 1 else None)
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,11 @@ class StepStats:
 class Pipeline(Wrapper):
     """Pipeline-parallel training step over the ranks of `comm`, following a schedule.
 
+    comm: the pipeline communicator, or a ``DeviceMesh``: 1-D (its one dimension is the pipeline), or with a
+    dimension "pp" (the pipeline), optionally "dp" (data-parallel replicas: as ``dp_comm``, not given too) and
+    "tp" (tensor parallelism inside the stages, read from their placements), e.g. ``mpidist.mesh(comm, dp, pp,
+    tp)``. Other dimensions raise on every rank naming them.
+
     stage: this rank's module, or the list of its v chunks (stages r, r + p, ...) for "interleaved". A stage is
     called as ``stage(*inputs)`` and returns a Tensor or a tuple of Tensors, which the next stage receives as
     its positional arguments (the first stage gets the batch: an array or a tuple of arrays).
@@ -92,7 +111,7 @@ class Pipeline(Wrapper):
     schedule: "gpipe", "1f1b", "interleaved", "zb_h1", or a `Schedule` (with or without send/recv actions).
     loss_fn: called as ``loss_fn(last stage's output, targets)`` and returning a scalar Tensor (a
     `mpidist.nn.Loss`, or any function); required on the rank holding the last stage.
-    dp_comm: data-parallel communicator (same pipeline position in every replica, see `mpidist.parallel.mesh`);
+    dp_comm: data-parallel communicator (same pipeline position in every replica, see ``mpidist.mesh``);
     each chunk is wrapped in DDP and its gradients are averaged over replicas after the schedule.
     tied_parameters: this rank's copies of weights that several stages hold (a GPT's token embedding on the
     first stage and its tied head on the last): a list of Parameters (one shared weight) or a dict
@@ -111,13 +130,16 @@ class Pipeline(Wrapper):
       stage's children are layers, any other stage module one layer): layer i's parameters are ``f"{i}.{name}"``,
       the same however the layers are cut (a checkpoint saved with 2 stages loads with 3, or into that model).
     A tied weight's copies all take the name of the copy earliest in the unsplit model (the stage first, then
-    the position in it: a GPT's embedding weight); the other copies are ``primary=False``. ``mesh`` is ``comm`` as
-    dimension "pp", or with ``dp_comm`` the dimensions ("dp", "pp") with ``mesh.comm`` None (the layout spans two
-    communicators, none of which holds it all).
+    the position in it: a GPT's embedding weight); the other copies are ``primary=False``. ``mesh`` is the mesh
+    given, else ``comm`` as dimension "pp", or with ``dp_comm`` the dimensions ("dp", "pp") with ``mesh.comm`` None
+    (the layout spans two communicators, none of which holds it all).
     """
 
     def __init__(self, stage, comm, num_microbatches: int, schedule: Union[str, Schedule] = "1f1b",
                  loss_fn=None, dp_comm=None, tied_parameters=None):
+        given = comm if isinstance(comm, DeviceMesh) else None
+        if given is not None:
+            comm, dp_comm = _groups_of_mesh(given, dp_comm)
         self.comm = check_comm("Pipeline", comm)
         if dp_comm is not None:
             check_comm("Pipeline (dp_comm)", dp_comm)
@@ -135,8 +157,11 @@ class Pipeline(Wrapper):
         self.tied = [TiedParameters(comm, params, name) for name, params in sorted(tied.items())]
         for module in self.stages:  # deferred (mpidist.nn.deferred): each stage draws its own layers, no more
             materialize(module)
-        self.mesh = (DeviceMesh.from_comm(comm, "pp") if dp_comm is None
-                     else DeviceMesh.from_dimensions({"dp": dp_comm, "pp": comm}))
+        if given is not None and (len(given.names) > 1 or dp_comm is None):
+            self.mesh = given
+        else:  # a communicator (or 1-D mesh) and a dp_comm: no one communicator holds both
+            self.mesh = (DeviceMesh.from_comm(comm, "pp") if dp_comm is None
+                         else DeviceMesh.from_dimensions({"dp": dp_comm, "pp": comm}))
         self._placed, self._buffer_layers = self._place_parameters()
         self._syncing = True  # False inside no_sync()
         self.schedule = self._resolve(schedule)
