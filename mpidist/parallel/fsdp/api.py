@@ -174,7 +174,8 @@ class FSDP(Wrapper):
         check_finite: after each synchronizing backward, raise FloatingPointError on every rank naming the
             parameters and ranks whose local gradient held NaN or Inf.
 
-    At construction every rank takes rank 0's parameter values. Build the optimizer on
+    At construction every rank takes rank 0's parameter values (a module built inside ``mpidist.nn.deferred()``:
+    each rank draws or reads only its shard of each unit, and nothing is broadcast). Build the optimizer on
     ``fsdp.parameters()`` (one flat shard Parameter per unit). Train as usual:
     ``loss = crit(fsdp(x), y); loss.backward(); opt.step()``. Parameters frozen (``requires_grad=False``)
     at construction live in frozen shard Parameters (a unit's frozen part, labelled "<unit> (frozen)", when
