@@ -86,7 +86,9 @@ def main(argv=None):
     parser.add_argument("--checkpoint", help="pipeline: disk checkpoint directory, the fallback when a stage has "
                                              "no surviving replica")
     parser.add_argument("--checkpoint-every", type=int, default=4)
-    parser.add_argument("--replicas", type=int, default=2, help="fsdp: ranks holding each shard (itself + buddies)")
+    parser.add_argument("--replicas", type=int, help="fsdp, pipeline: ranks holding each rank's commit (itself + "
+                        "buddies) where the layout keeps fewer copies (default: fsdp 2, pipeline 1: a lost stage "
+                        "without a data-parallel replica comes from the disk checkpoint)")
     parser.add_argument("--hsdp", type=int, help="fsdp: hybrid sharding in groups of this many ranks, replicated "
                         "across the groups, while the ranks divide (full sharding otherwise)")
     parser.add_argument("--max-micro-batch", type=int, help="ddp, fsdp: at most this many samples per forward on a "
@@ -137,15 +139,18 @@ def main(argv=None):
                             loss_fn=lambda out, y: crit(out, y) * loss_weight[0],
                             dp_comm=grid.dp_comm if grid.dp > 1 else None)
 
-        state = elastic.StageState(lambda params: optim.SGD(params, lr=args.lr, momentum=0.9),
-                                   lambda opt: optim.StepLR(opt, step_size=5, gamma=0.7), sampler,
-                                   rngs=[noise_rng], extra={"taken": [], "micro": []}, checkpoint=args.checkpoint,
-                                   checkpoint_every=args.checkpoint_every if args.checkpoint else None)
+        # No module: build(comm) makes new stages for each layout, and the state loads their values.
+        state = elastic.State(None, lambda params: optim.SGD(params, lr=args.lr, momentum=0.9),
+                              lambda opt: optim.StepLR(opt, step_size=5, gamma=0.7), sampler,
+                              rngs=[noise_rng], extra={"taken": [], "micro": []}, replicas=args.replicas or 1,
+                              checkpoint=args.checkpoint,
+                              checkpoint_every=args.checkpoint_every if args.checkpoint else None)
     else:
         # The optimizer and schedule are made over the FSDP's shards, again after each failure: factories.
-        state = elastic.ShardedState(model, lambda params: optim.SGD(params, lr=args.lr, momentum=0.9),
-                                     lambda opt: optim.StepLR(opt, step_size=5, gamma=0.7), sampler,
-                                     rngs=[noise_rng], extra={"taken": [], "micro": []}, replicas=args.replicas)
+        state = elastic.State(model, lambda params: optim.SGD(params, lr=args.lr, momentum=0.9),
+                              lambda opt: optim.StepLR(opt, step_size=5, gamma=0.7), sampler,
+                              rngs=[noise_rng], extra={"taken": [], "micro": []},
+                              replicas=2 if args.replicas is None else args.replicas)
         def build(comm):
             size = comm.Get_size()
             if args.hsdp and size % args.hsdp == 0 and size > args.hsdp:

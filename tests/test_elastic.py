@@ -142,20 +142,20 @@ def test_save_faults_that_could_never_fire_are_refused_before_training():
     with pytest.raises(ValueError, match=r"at=save \(rank 1, step 4\) needs a state that saves disk checkpoints .*"
                                          r"this State saves none"):
         _check_save_faults((Fault(1, 4, at="save"),), state, 10)
-    stages = elastic.StageState(lambda params: optim.SGD(params, lr=0.1), checkpoint="unused", checkpoint_every=4)
+    stages = elastic.State(None, lambda params: optim.SGD(params, lr=0.1), checkpoint="unused", checkpoint_every=4)
     _check_save_faults((Fault(1, 8, at="save"),), stages, 10)
     with pytest.raises(ValueError, match=r"at step\(s\) \[6, 12\], but checkpoints are saved only after steps that are "
                                          r"multiples of checkpoint_every=4, up to steps=10"):
         _check_save_faults((Fault(1, 6, at="save"), Fault(2, 8, at="save"), Fault(0, 12, at="save")), stages, 10)
     with pytest.raises(ValueError, match=r"at=commit \(rank 1, step 0\) fails between the first and second buddy "
-                                         r"exchanges of a ShardedState commit, which need replicas >= 3 \(this State "
-                                         r"has no buddies\)"):
+                                         r"exchanges of a State commit, which need replicas >= 3 \(this State "
+                                         r"has replicas=1\)"):
         _check_save_faults((Fault(1, 0, at="commit"),), state, 10)
-    sharded = elastic.ShardedState(model, lambda params: optim.SGD(params, lr=0.1), replicas=2)
-    with pytest.raises(ValueError, match=r"need replicas >= 3 \(this ShardedState has 2\)"):
+    sharded = elastic.State(model, lambda params: optim.SGD(params, lr=0.1), replicas=2)
+    with pytest.raises(ValueError, match=r"need replicas >= 3 \(this State has replicas=2\)"):
         _check_save_faults((Fault(1, 0, at="commit"),), sharded, 10)
-    _check_save_faults((Fault(1, 0, at="commit"),), elastic.ShardedState(model, lambda ps: optim.SGD(ps, lr=0.1),
-                                                                         replicas=3), 10)
+    _check_save_faults((Fault(1, 0, at="commit"),), elastic.State(model, lambda ps: optim.SGD(ps, lr=0.1),
+                                                                  replicas=3), 10)
 
 
 # -- the sampler ---------------------------------------------------------------------------------------
@@ -424,7 +424,7 @@ def test_roll_forward_survivors_continue_from_the_newest_commit_one_of_them_hold
         _train(model, opt, sched, sampler, rng, stepped, x, y)  # replicas' updates are equal (DDP)
         sampler.advance()  # every one had moved on into its next step
         failure = types.SimpleNamespace(restored_from=None)
-        state.restore(failure, lambda comm: None, comm)
+        state.restore(failure, lambda comm: model, comm)
         got = ([p.data.copy() for p in model.parameters()], [opt.state[i]["momentum_buffer"].copy() for i in range(4)],
                sampler.state_dict(), opt.lr, state.step, failure.restored_from)
         _train(model, opt, sched, sampler, rng, 2, x, y)
@@ -467,7 +467,7 @@ def test_roll_forward_restores_adam_state_hyperparameters_and_parameters_without
         state.commit()
         opt.lr = opt.lr / 2  # by hand, after the commit: not part of it
         _train(model, opt, no_schedule, sampler, rng, stepped, x, y)
-        state.restore(types.SimpleNamespace(restored_from=None), lambda comm: None, comm)
+        state.restore(types.SimpleNamespace(restored_from=None), lambda comm: model, comm)
         return model, opt, state.step
 
     ref_model, ref_opt = reference(3)
@@ -507,7 +507,7 @@ def test_roll_forward_survivors_that_held_the_commit_stay_usable_after_a_restore
         if comm.Get_rank() == 1:
             _train(model, opt, sched, sampler, rng, 1, x, y)  # stepped past: receives
         with pytest.raises(ConnectionError):
-            state.restore(types.SimpleNamespace(restored_from=None), lambda comm: None, comm)
+            state.restore(types.SimpleNamespace(restored_from=None), lambda comm: model, comm)
         return state.unchanged_since_commit()
 
     assert simulate(3, survivor) == [True, False, True]
@@ -523,7 +523,7 @@ def test_roll_forward_says_on_every_survivor_when_all_had_stepped_past_their_com
         state.commit()
         _train(model, opt, sched, sampler, rng, 1, x, y)
         try:
-            state.restore(types.SimpleNamespace(restored_from=None), lambda comm: None, comm)
+            state.restore(types.SimpleNamespace(restored_from=None), lambda comm: model, comm)
         except RuntimeError as exc:
             return str(exc)
 
@@ -543,7 +543,7 @@ def test_sharded_state_starts_again_from_the_module_s_starting_values_until_the_
         model = _model()
         start = {n: p.data.copy() for n, p in model.named_parameters()}
         sampler = elastic.ElasticSampler(40, 8, seed=1)
-        state = elastic.ShardedState(model, lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9), sampler=sampler)
+        state = elastic.State(model, lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9), sampler=sampler, replicas=2)
         results = []
         for attempt in range(2):  # a failure while FSDP is built (twice): no rank has committed
             fsdp = state.start(lambda c: FSDP(model, c), comm)
@@ -674,7 +674,7 @@ def test_a_rank_lost_after_everyone_updated_rolls_back_to_the_held_commit(tmp_pa
 def test_fsdp_survivors_restore_lost_shards_from_buddies_and_match_the_reference(faults, lost, replicas, tmp_path):
     result, log = _launch(tmp_path, faults, "--wrapper", "fsdp", "--replicas", str(replicas))
     _check_survivors(tmp_path, result, log, lost)
-    assert "from their buddies, re-sharded 4 -> " in log, log[-4000:]
+    assert "from their buddies, re-laid out 4 -> " in log, log[-4000:]
 
 
 @needs_ulfm
@@ -690,18 +690,15 @@ def test_hybrid_fsdp_survivors_restore_lost_chunks_from_replicas_and_match_the_r
     its replica even without buddies; the survivors re-shard (3 ranks: fully sharded) and equal the reference."""
     result, log = _launch(tmp_path, faults, "--wrapper", "fsdp", "--hsdp", "2", "--replicas", str(replicas))
     _check_survivors(tmp_path, result, log, lost)
-    assert "from their replicas or buddies, re-sharded 4 -> 3 (2 chunks x 2 replicas before)" in log, log[-4000:]
+    assert "from their replicas or buddies, re-laid out 4 -> 3 ranks (2 chunks x 2 replicas before)" in log, log[-4000:]
 
 
 def test_hybrid_sharding_needs_no_buddies_where_its_replicas_already_hold_enough_copies():
     """Buddy packets only where the layout keeps fewer copies of each chunk than ``replicas`` asks for."""
-    state = elastic.ShardedState(_model(), lambda ps: optim.SGD(ps, lr=0.1), replicas=2)
+    from mpidist.elastic.state import holders_per_packet
     for world, copies, replicas in [(4, 2, 1), (4, 1, 2), (4, 4, 1), (1, 1, 1)]:  # HSDP 2x2, full, no_shard, alone
-        state._world, state._copies = list(range(world)), copies
-        assert state._replicas() == replicas, (world, copies)
-    state.replicas = 3
-    state._world, state._copies = list(range(4)), 2
-    assert state._replicas() == 3  # 2 copies are fewer than asked: buddies on top
+        assert holders_per_packet(2, world, copies) == replicas, (world, copies)
+    assert holders_per_packet(3, 4, 2) == 3  # 2 copies are fewer than asked: buddies on top
 
 
 @needs_ulfm
@@ -749,7 +746,7 @@ def test_pipeline_mesh_rebuilds_a_lost_stage_from_its_data_parallel_replica(tmp_
     survivors go on as one pipeline of 3 stages (the 5 layers re-split), equal to the reference."""
     result, log = _launch(tmp_path, "rank=2,step=5", "--wrapper", "pipeline", "--pp", "2")
     _check_survivors(tmp_path, result, log, [2])
-    assert "lost stages from their data-parallel replicas, re-split over 3 ranks" in log, log[-4000:]
+    assert "from their replicas or buddies, re-laid out 4 -> 3 ranks (2 chunks x 2 replicas before)" in log, log[-4000:]
 
 
 @needs_ulfm
@@ -763,6 +760,19 @@ def test_pipeline_without_a_replica_falls_back_to_the_disk_checkpoint_at_the_new
     _check_survivors(tmp_path, result, log, [1], ranks=3)
     assert f"disk checkpoint of step 4 in {tmp_path / 'ckpt'} (no replica of 2 parameter(s) survived), loaded at " \
            f"2 ranks" in log, log[-4000:]
+
+
+@needs_ulfm
+@launcher.needed
+@pytest.mark.mpi_skip
+def test_pipeline_without_a_replica_restores_a_lost_stage_from_its_buddy(tmp_path):
+    """pp=3 without data-parallel replicas, but replicas=2: world rank 1's packet is also held by rank 2, so the
+    survivors restore its stage from memory (no disk checkpoint given) as a 2-stage pipeline, equal to the
+    reference."""
+    result, log = _launch(tmp_path, "rank=1,step=6", "--wrapper", "pipeline", "--pp", "3", "--replicas", "2",
+                          ranks=3)
+    _check_survivors(tmp_path, result, log, [1], ranks=3)
+    assert "pieces of world rank(s) [1] from their buddies, re-laid out 3 -> 2 ranks" in log, log[-4000:]
 
 
 @needs_ulfm
@@ -802,7 +812,7 @@ def test_a_rank_lost_inside_a_save_with_a_replica_left_continues_from_memory_and
                           str(ckpt), "--checkpoint-every", "4")
     _check_survivors(tmp_path, result, log, [0])
     assert "back to the commit of step 8, restored and rebuilt in" in log and \
-        "lost stages from their data-parallel replicas, re-split over 3 ranks" in log, log[-4000:]
+        "from their replicas or buddies, re-laid out 4 -> 3 ranks (2 chunks x 2 replicas before)" in log, log[-4000:]
     assert checkpoint.list_steps(str(ckpt)) == [4, 8, 12]
     assert not any(".tmp." in name for step in (4, 8, 12) for name in os.listdir(ckpt / f"step_{step:08d}"))
 
@@ -820,13 +830,148 @@ def test_survivors_can_accumulate_micro_batches_instead_of_growing_the_per_rank_
     assert run["micro"].tolist() == [1] * 5 + [2] * (STEPS - 5)
 
 
-def test_tensor_parallel_parameters_are_refused_naming_them():
-    """A tensor-parallel slice lost with its rank has no copy anywhere: State refuses such a model up front."""
-    from mpidist.nn.placement import Shard, set_placement
-    model = nn.Sequential(nn.Linear(4, 8, rng=np.random.default_rng(0)), nn.Linear(8, 2, rng=np.random.default_rng(1)))
-    elastic.State(model)  # ordinary parameters: accepted
-    set_placement(model[0].weight, Shard(dim=0, comm=MPI.COMM_SELF, global_shape=(16, 4), start=0))
-    with pytest.raises(NotImplementedError, match=r"State: tensor-parallel parameters are not supported in elastic "
-                                                  r"training yet \(1 split over a tensor-parallel communicator, "
-                                                  r"e.g. 0.weight\)"):
-        elastic.State(model)
+# -- one State for every layout (simulated survivors) --------------------------------------------------------
+ONE_CONFIG = dict(vocab_size=61, block_size=8, n_layer=2, n_head=12, n_embd=24, dtype="float64")  # 12 heads: tp 4 and 3
+ONE_BATCH = 12  # divides among 4 and 3 ranks
+
+
+def _layout_kind(kind):
+    """Return ``(module or None, build(comm), train(built), replicas)`` for a layout over any number of ranks."""
+    from mpidist import DDP, FSDP
+    from mpidist.models import GPT, GPTConfig, tensor_parallel
+    from mpidist.parallel import Pipeline, mesh
+    config = GPTConfig(**ONE_CONFIG)
+    fresh = lambda: GPT(config, rng=np.random.default_rng(0))  # noqa: E731
+    module = fresh() if kind in ("plain", "ddp", "fsdp", "hybrid") else None
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, config.vocab_size, (ONE_BATCH, config.block_size))
+    y = rng.integers(0, config.vocab_size, (ONE_BATCH, config.block_size))
+    where = {}  # this rank's share of the batch, set by build
+
+    def build(comm):
+        size, rank = comm.Get_size(), comm.Get_rank()
+        where["part"] = slice(None)
+        if kind == "plain":
+            return module
+        if kind == "tp":
+            return tensor_parallel(fresh(), comm, sequence_parallel=False)
+        if kind in ("pp_tied", "dp_pp"):
+            dp = 2 if kind == "dp_pp" and size % 2 == 0 else 1
+            grid = mesh(comm, dp=dp, pp=size // dp)
+            n = ONE_BATCH // dp
+            where["part"] = slice(grid.dp_rank * n, (grid.dp_rank + 1) * n)
+            model = fresh()
+            stage = model.pipeline_stages(size // dp)[grid.pp_rank]
+            return Pipeline(stage, grid.pp_comm, 2, "1f1b", loss_fn=lambda out, t: model.loss(out, t) / dp,
+                            dp_comm=grid.dp_comm if dp > 1 else None, tied_parameters=stage.tied)
+        n = ONE_BATCH // size
+        where["part"] = slice(rank * n, (rank + 1) * n)
+        if kind == "ddp":
+            return DDP(module, comm)
+        extra = {"strategy": "hybrid_shard", "shard_size": 2} if kind == "hybrid" and size % 2 == 0 else {}
+        return FSDP(module, comm, units=module.fsdp_units(), **extra)
+
+    def train(built, state):
+        part = where["part"]
+        state.optimizer.zero_grad()
+        if kind in ("pp_tied", "dp_pp"):
+            built.step(x[part], y[part])
+        else:
+            model = built if kind in ("plain", "tp") else built.module
+            model.loss(built(x[part]), y[part]).backward()
+        state.optimizer.step()
+
+    return module, build, train, 2 if kind in ("fsdp", "tp", "pp_tied") else 1
+
+
+@pytest.mark.mpi_skip  # the survivors are simulated ranks
+@pytest.mark.parametrize("kind", ["plain", "ddp", "fsdp", "hybrid", "tp", "pp_tied", "dp_pp"])
+def test_one_state_restores_every_layout_over_the_survivors(kind):
+    """One State class for every wrapper: 4 ranks train 2 AdamW steps and commit, take a third step, and rank 2
+    is lost; the 3 survivors restore over a communicator of their own, in the layout build(comm) makes for 3
+    (FSDP re-sharded, tensor-parallel slices and pipeline stages re-split), and hold exactly the committed full
+    parameters and optimizer moments, gathered before the loss with full_state_dict (an independent reader)."""
+    from mpidist.parallel import full_optimizer_state_dict, full_state_dict
+
+    def run(comm):
+        module, build, train, replicas = _layout_kind(kind)
+        state = elastic.State(module, lambda params: optim.AdamW(params, lr=0.01), replicas=replicas)
+        built = state.start(build, comm)
+        for _ in range(2):
+            train(built, state)
+            state.step += 1
+        state.commit()
+        want = full_state_dict(built, comm, all_ranks=True)
+        want_opt = full_optimizer_state_dict(built, state.optimizer, comm)
+        train(built, state)  # past the commit: the restore must go back
+        state.step += 1
+        survivors = comm.Split(0 if comm.Get_rank() != 2 else 1)
+        if comm.Get_rank() == 2:
+            return None
+        failure = types.SimpleNamespace(commit=state.committed_id, restored_from=None)
+        again = state.restore(failure, build, survivors)
+        got = full_state_dict(again, survivors, all_ranks=True)
+        got_opt = full_optimizer_state_dict(again, state.optimizer, survivors)
+        return want, want_opt, got, got_opt, state.step, failure.restored_from
+
+    results = simulate(4, run)
+    assert results[2] is None
+    want, want_opt = results[0][0], results[0][1]
+    for rank, (_, _, got, got_opt, step, how) in enumerate(r for r in results if r is not None):
+        assert step == 2 and ("re-laid out 4 -> 3 ranks" in how or "rebuilt 4 -> 3 ranks" in how), how
+        assert list(got) == list(want)
+        for name, value in want.items():
+            np.testing.assert_array_equal(got[name], value, err_msg=f"{kind} {name}")
+        if rank == 0:
+            assert list(got_opt["state"]) == list(want_opt["state"])
+            for name, entry in want_opt["state"].items():
+                for key, value in entry.items():
+                    np.testing.assert_array_equal(got_opt["state"][name][key], value, err_msg=f"{kind} {name} {key}")
+
+
+@pytest.mark.mpi_skip
+def test_a_piece_without_a_live_holder_is_named_on_every_survivor():
+    """FSDP without buddies loses rank 2's shard: every survivor raises the same error naming it."""
+
+    def run(comm):
+        module, build, train, _ = _layout_kind("fsdp")
+        state = elastic.State(module, lambda params: optim.AdamW(params, lr=0.01), replicas=1)
+        built = state.start(build, comm)
+        train(built, state)
+        state.step = 1
+        state.commit()
+        survivors = comm.Split(0 if comm.Get_rank() != 2 else 1)
+        if comm.Get_rank() == 2:
+            return None
+        with pytest.raises(RuntimeError) as info:
+            state.restore(types.SimpleNamespace(commit=state.committed_id, restored_from=None), build, survivors)
+        return str(info.value)
+
+    messages = [m for m in simulate(4, run) if m is not None]
+    assert len(set(messages)) == 1 and "the shards of position 2 (world rank 2) are lost: all 1 holder(s), world " \
+        "ranks [2], failed" in messages[0] and "use more replicas or a disk checkpoint" in messages[0], messages
+
+
+def test_the_old_state_names_are_deprecated_spellings_of_state():
+    model = _model()
+    factory = lambda params: optim.SGD(params, lr=0.1)  # noqa: E731
+    with pytest.warns(DeprecationWarning, match="ShardedState is State"):
+        sharded = elastic.ShardedState(model, factory)
+    with pytest.warns(DeprecationWarning, match="StageState is State"):
+        stages = elastic.StageState(factory, checkpoint="unused", checkpoint_every=3)
+    assert type(sharded) is type(stages) is elastic.State
+    assert (sharded.module, sharded.replicas, stages.module, stages.checkpoint_every) == (model, 2, None, 3)
+
+
+def test_state_arguments_that_cannot_work_are_refused_naming_them():
+    model = _model()
+    factory = lambda params: optim.SGD(params, lr=0.1)  # noqa: E731
+    for kwargs, message in [
+            ({"module": model, "optimizer": factory, "replicas": 0}, r"replicas must be an int >= 1 \(got 0\)"),
+            ({"optimizer": optim.SGD(model.parameters(), lr=0.1)}, "an optimizer instance needs the module it steps"),
+            ({"optimizer": factory, "checkpoint": "d"}, "give checkpoint and checkpoint_every together"),
+            ({"optimizer": factory, "checkpoint": "d", "checkpoint_every": 0}, "checkpoint_every must be an int >= 1"),
+            ({"module": model, "optimizer": factory, "roll_forward": True}, r"roll_forward=True\) needs the optimizer"),
+            ({"module": model, "keep": 1}, "keep must be >= 2")]:
+        with pytest.raises(ValueError, match=message):
+            elastic.State(**kwargs)

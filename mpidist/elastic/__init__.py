@@ -1,8 +1,9 @@
 """mpidist.elastic: training that survives the loss of ranks, with MPI fault tolerance (ULFM, Open MPI 5).
 
-On a failure every survivor gets one ``RankFailure`` (revoke, shrink, agree), rolls its in-memory ``State``
-back to the last commit all survivors hold, rebuilds the wrapper on the shrunk communicator and goes on with
-the global batch kept (``ElasticSampler``). Where fault tolerance cannot work (MPICH, Open MPI started without
+On a failure every survivor gets one ``RankFailure`` (revoke, shrink, agree), restores its in-memory ``State``
+(one class for every layout: plain, DDP, FSDP, hybrid FSDP, tensor parallel, pipelines and meshes) to the last
+commit all survivors hold, rebuilds the wrapper on the shrunk communicator and goes on with the global batch
+kept (``ElasticSampler``). Where fault tolerance cannot work (MPICH, Open MPI started without
 ``--with-ft ulfm``, a single process) ``init`` refuses with ``FaultToleranceUnavailable``. See docs/elastic.md.
 
     job = elastic.init()                       # under `mpiexec --with-ft ulfm`
@@ -14,11 +15,9 @@ from .failure import RankFailure, process_failure, recover
 from .fault import Fault, InjectedFault, faults_from_env, install_kill_on_error, parse_fault, parse_faults
 from .job import Elastic, init
 from .sampler import ElasticSampler
-from .sharded import ShardedState
-from .stages import StageState
-from .state import Replicated, State
+from .state import ShardedState, StageState, State
 from .support import FaultToleranceUnavailable, check_support, ft_problem
 
-__all__ = ["init", "Elastic", "RankFailure", "FaultToleranceUnavailable", "State", "ShardedState", "StageState", "Replicated", "ElasticSampler", "Fault",
+__all__ = ["init", "Elastic", "RankFailure", "FaultToleranceUnavailable", "State", "ShardedState", "StageState", "ElasticSampler", "Fault",
            "InjectedFault", "parse_fault", "parse_faults", "faults_from_env", "install_kill_on_error", "check_support", "ft_problem",
            "process_failure", "recover"]

@@ -24,7 +24,7 @@ import time
 from mpi4py import MPI
 
 from .. import optim
-from ..parallel.interface import Wrapper
+from ..parallel.interface import as_wrapper
 from .failure import RankFailure, process_failure, recover
 from .fault import faults_from_env, install_kill_on_error
 from .support import check_support
@@ -81,16 +81,19 @@ class Elastic:
                 self._tracked.append(c)
         return comms[0] if len(comms) == 1 else comms
 
-    def _track_wrapper(self, wrapper):
-        """Track the communicators the wrapper made for itself (``communicators()``: hybrid FSDP's groups), then
-        wait for every rank to have done so: a rank that went on into one of them while another was lost before
-        tracking it would wait there, told by nobody."""
-        own = wrapper.communicators() if isinstance(wrapper, Wrapper) else ()
+    def _track_wrapper(self, built):
+        """Track the communicators the wrapper talks over (``mesh.comm`` where not ``self.comm``, and
+        ``communicators()``: hybrid FSDP's groups, a pipeline's dp and tied-weight groups), then wait for every rank
+        to have done so: a rank that went on into one of them while another was lost before tracking it would
+        wait there, told by nobody."""
+        wrapper = as_wrapper(built)
+        own = [c for c in (wrapper.mesh.comm, *wrapper.communicators())
+               if c is not None and c is not self.comm and not any(c is t for t in self._tracked)]
         if own:
             self.track(*own)
         # On every rank, also one holding none (a pipeline's middle stages hold no tied weight's group).
         self.comm.Barrier()
-        return wrapper
+        return built
 
     @contextlib.contextmanager
     def guard(self, commit):
@@ -120,10 +123,9 @@ class Elastic:
         """Run ``step_fn(wrapper, comm, state)`` until ``state.step == steps``; return the last wrapper.
 
         ``build(comm)`` returns the wrapper (``DDP(module, comm)``, ``FSDP(module, comm)``, a pipeline); it is
-        called at the start and after each failure. ``state`` is a ``State`` (every rank holds everything: DDP),
-        ``ShardedState`` (FSDP: shards with buddy copies) or ``StageState`` (pipelines and meshes): it builds the
-        wrapper through ``build``, commits, and after a failure restores the agreed commit on the survivors
-        and builds the wrapper again. ``step_fn`` takes one step and leaves ``state`` consistent (optimizer
+        called at the start and after each failure. ``state`` is a ``State`` (any layout, read through the wrapper
+        interface): it builds the wrapper through ``build``, commits, and after a failure restores the agreed
+        commit on the survivors and builds the wrapper again. ``step_fn`` takes one step and leaves ``state`` consistent (optimizer
         stepped, sampler advanced); the loop counts ``state.step`` and commits every ``commit_every`` steps and
         at the end. ``on_failure(failure)`` is called on every survivor after the restore.
 
@@ -132,7 +134,7 @@ class Elastic:
         """
         if commit_every < 1:
             raise ValueError(f"Elastic.train: commit_every must be >= 1 (got {commit_every})")
-        if commit_every != 1 and getattr(state, "roll_forward", False):
+        if commit_every != 1 and state.roll_forward:
             raise ValueError(f"Elastic.train: commit_every={commit_every} with State(roll_forward=True): its commits "
                              f"keep no arrays, so a failure between commits would find every survivor past its "
                              f"latest commit; roll_forward needs a commit after every step (commit_every=1)")
@@ -204,30 +206,29 @@ class Elastic:
 
 def _check_save_faults(faults, state, steps):
     """Refuse ``at=save`` faults that would never fire: the state saves no checkpoint, or none at that step;
-    and ``at=commit`` ones: only ``ShardedState`` with two buddies or more exchanges packets twice in a commit."""
+    and ``at=commit`` ones: only a ``State`` with two buddies or more exchanges packets twice in a commit."""
     committing = [f for f in faults if f.at == "commit"]
-    if committing and getattr(state, "replicas", 1) < 3:
+    if committing and state.replicas < 3:
         raise ValueError(f"MPIDIST_FAULT: at=commit (rank {committing[0].rank}, step {committing[0].step}) fails "
-                         f"between the first and second buddy exchanges of a ShardedState commit, which need "
-                         f"replicas >= 3 (this {type(state).__name__} has {getattr(state, 'replicas', 'no buddies')})")
+                         f"between the first and second buddy exchanges of a State commit, which need "
+                         f"replicas >= 3 (this State has replicas={state.replicas})")
     saving = [f for f in faults if f.at == "save"]
     if not saving:
         return
-    every = getattr(state, "checkpoint_every", None)
+    every = state.checkpoint_every
     if every is None:
         raise ValueError(f"MPIDIST_FAULT: at=save (rank {saving[0].rank}, step {saving[0].step}) needs a state that "
-                         f"saves disk checkpoints (StageState(checkpoint=DIR, checkpoint_every=N)); this "
-                         f"{type(state).__name__} saves none")
+                         f"saves disk checkpoints (State(checkpoint=DIR, checkpoint_every=N)); this State saves none")
     never = [f.step for f in saving if f.step % every or f.step > steps]
     if never:
         raise ValueError(f"MPIDIST_FAULT: at=save at step(s) {never}, but checkpoints are saved only after steps that "
                          f"are multiples of checkpoint_every={every}, up to steps={steps}")
 
 
-def _release(wrapper):
+def _release(built):
     """Detach a wrapper built on the dead communicator from its module (DDP's and FSDP's hooks)."""
-    if isinstance(wrapper, Wrapper):
-        wrapper.remove()
+    if built is not None:
+        as_wrapper(built).remove()
 
 
 def init(comm=None, **options):
