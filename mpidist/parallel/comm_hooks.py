@@ -30,7 +30,7 @@ from ..partition import displacements, split_sizes
 from ..xp import get_array_module
 
 __all__ = ["HookBucket", "HookWork", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
-           "ring_allreduce_16", "PowerSGDState", "powerSGD_hook", "as_bytes"]
+           "ring_allreduce_16", "ring_reduce_scatter_16", "PowerSGDState", "powerSGD_hook", "as_bytes"]
 
 _RING_TAG = 7301  # point-to-point tag of the 16-bit ring (DDP's other traffic is collective)
 
@@ -110,22 +110,13 @@ def allreduce_hook(state, bucket):
     return HookWork(collectives.iallreduce(wide, comm, op="sum"), finish)
 
 
-def ring_allreduce_16(flat, comm, out=None):
-    """Sum the 1-D float16/bfloat16 array ``flat`` over ``comm`` with 16-bit messages and float32 accumulation.
-
-    Returns the sum (in ``out`` if given, else in a new array of ``flat``'s dtype), the same bits on every rank.
-    See the module's glossary ("16-bit ring") for the bytes it moves."""
+def _ring_reduce_scatter(flat, comm, mean):
+    """The ring's first half: return (float32 accumulator, chunk slices) with chunk ``rank`` summed over the ranks
+    (divided by their number with ``mean``) in the accumulator."""
     dtype = flat.dtype
-    if dtype not in (float16, bfloat16):
-        raise TypeError(f"ring_allreduce_16: needs a float16 or bfloat16 array (got {dtype})")
-    out = np.empty_like(flat) if out is None else out
     n, rank = comm.Get_size(), comm.Get_rank()
-    if n == 1:
-        out[...] = flat
-        return out
     counts = split_sizes(flat.size, n)
-    starts = displacements(counts)
-    chunk = [slice(s, s + c) for s, c in zip(starts, counts)]
+    chunk = [slice(s, s + c) for s, c in zip(displacements(counts), counts)]
     acc = flat.astype(np.float32)
     widest = max(counts)
     send16, recv16 = np.empty(widest, dtype), np.empty(widest, dtype)
@@ -141,10 +132,39 @@ def ring_allreduce_16(flat, comm, out=None):
         collectives.recv(left, comm, tag=_RING_TAG, out=got.view(np.uint16))
         acc[chunk[c]] += got
         request.wait()
-    mine = out[chunk[rank]]
-    mine[...] = acc[chunk[rank]]
-    gathered = collectives.allgather(mine.view(np.uint16), comm)
-    out.view(np.uint16)[...] = gathered
+    if mean:
+        acc[chunk[rank]] /= np.float32(n)
+    return acc, chunk
+
+
+def _check_16(fn, flat):
+    if flat.dtype not in (float16, bfloat16):
+        raise TypeError(f"{fn}: needs a float16 or bfloat16 array (got {flat.dtype})")
+
+
+def ring_reduce_scatter_16(flat, comm, mean=False):
+    """Return this rank's chunk (``split_sizes`` order) of the sum (or ``mean``) of the 1-D float16/bfloat16 array
+    ``flat`` over ``comm``: 16-bit messages, float32 accumulation, rounded once at the end to ``flat``'s dtype."""
+    _check_16("ring_reduce_scatter_16", flat)
+    acc, chunk = _ring_reduce_scatter(flat, comm, mean)
+    return acc[chunk[comm.Get_rank()]].astype(flat.dtype)
+
+
+def ring_allreduce_16(flat, comm, out=None):
+    """Sum the 1-D float16/bfloat16 array ``flat`` over ``comm`` with 16-bit messages and float32 accumulation.
+
+    Returns the sum (in ``out`` if given, else in a new array of ``flat``'s dtype), the same bits on every rank.
+    See the module's glossary ("16-bit ring") for the bytes it moves."""
+    _check_16("ring_allreduce_16", flat)
+    out = np.empty_like(flat) if out is None else out
+    if comm.Get_size() == 1:
+        out[...] = flat
+        return out
+    acc, chunk = _ring_reduce_scatter(flat, comm, mean=False)
+    mine = out[chunk[comm.Get_rank()]]
+    mine[...] = acc[chunk[comm.Get_rank()]]
+    # The second half: every finished chunk copied as bytes, so every rank holds its owner's bits.
+    out.view(np.uint16)[...] = collectives.allgather(mine.view(np.uint16), comm)
     return out
 
 

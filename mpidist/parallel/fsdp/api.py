@@ -50,6 +50,7 @@ from ...comm import check_comm
 from ...comm.mesh import DeviceMesh
 from ...nn.autograd import Tensor, is_grad_enabled, queue_callback, queue_weight_callback, weights_deferred
 from ...nn.module import Module
+from ...nn.precision import as_dtype
 from ...nn.placement import FlatShard, placement_of
 from ..agreement import TrainableAtBuild, check_same_shards, check_same_structure
 from ..grad_sync import GradSync
@@ -173,6 +174,11 @@ class FSDP(Wrapper):
         backward_prefetch: a ``BackwardPrefetch`` or "pre"/"post" (see settings.py).
         check_finite: after each synchronizing backward, raise FloatingPointError on every rank naming the
             parameters and ranks whose local gradient held NaN or Inf.
+        param_dtype: mixed precision (FSDP2's ``MixedPrecisionPolicy``): gather each unit in this dtype
+            ("bf16", "fp16", a dtype) and run its forward and backward in it, while the shards (what the
+            optimizer updates) stay float32 masters. Activations follow the inputs' dtype.
+        reduce_dtype: the dtype gradients accumulate and are reduce-scattered in (default: the shards',
+            float32); 16-bit moves half the bytes (a ring of 16-bit messages accumulating in float32).
 
     At construction every rank takes rank 0's parameter values (a module built inside ``mpidist.nn.deferred()``:
     each rank draws or reads only its shard of each unit, and nothing is broadcast). Build the optimizer on
@@ -189,7 +195,8 @@ class FSDP(Wrapper):
     """
 
     def __init__(self, module, comm, strategy="full_shard", units=None, prefetch=True, backward_prefetch="pre",
-                 check_finite=False, shard_size=None, shard_comm=None, replicate_comm=None):
+                 check_finite=False, shard_size=None, shard_comm=None, replicate_comm=None, param_dtype=None,
+                 reduce_dtype=None):
         if not isinstance(module, Module):
             raise TypeError(f"FSDP: module must be an mpidist.nn.Module (got {type(module).__name__})")
         if not isinstance(comm, DeviceMesh):
@@ -206,8 +213,13 @@ class FSDP(Wrapper):
         self.module, self.comm = module, comm
         self.mesh = given if given is not None and len(given.names) == 1 + strategy.hybrid else \
             _mesh_of(comm, strategy, groups)
+        param_dtype = None if param_dtype is None else as_dtype(param_dtype, "FSDP: param_dtype")
+        reduce_dtype = None if reduce_dtype is None else as_dtype(reduce_dtype, "FSDP: reduce_dtype")
+        if strategy is ShardingStrategy.NO_SHARD and (param_dtype, reduce_dtype) != (None, None):
+            raise ValueError("FSDP: param_dtype and reduce_dtype need a sharding strategy (got strategy='no_shard', "
+                             "whose parameters are the shards themselves); use DDP with a communication hook")
         self.settings = FSDPSettings(strategy, prefetch, comm.Get_size(), groups.num_shards, backward_prefetch,
-                                     groups.num_replicas)
+                                     groups.num_replicas, param_dtype, reduce_dtype)
         self.check_finite = check_finite
         self._ctx = _Context(comm, self.settings, groups)
         self.stats = self._ctx.stats

@@ -26,6 +26,7 @@ from ...nn.deferred import fill_boxes, is_deferred
 from ...nn.module import Parameter
 from ...nn.placement import FlatShard, placement_of
 from ...xp import get_array_module
+from ..comm_hooks import as_bytes, ring_reduce_scatter_16
 from .layout import ParamSpan, UnitShard
 from .settings import ShardingStrategy
 
@@ -64,6 +65,19 @@ class _Reduction:
         self.handle, self.stage = handle, stage
 
 
+class _Done:
+    """A finished reduction's handle (the 16-bit ring runs blocking)."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
+
+    def test(self):
+        return True
+
+
 class Unit:
     """One sharding unit: its modules, its flat parameter's layout, its shard and its lifecycle state."""
 
@@ -99,6 +113,16 @@ class Unit:
     def no_shard(self):
         return self.ctx.settings.strategy is ShardingStrategy.NO_SHARD
 
+    def param_dtype(self, shard_dtype):
+        """Return the dtype the unit is gathered and computes in (``FSDPSettings.param_dtype``, else the shard's)."""
+        dtype = self.ctx.settings.param_dtype
+        return shard_dtype if dtype is None else dtype
+
+    def reduce_dtype(self):
+        """Return the dtype gradients accumulate and are reduced in (``FSDPSettings.reduce_dtype``, else the shard's)."""
+        dtype = self.ctx.settings.reduce_dtype
+        return self.shard.data.dtype if dtype is None else dtype
+
     def views(self, flat):
         """Return one view of ``flat`` per parameter, shaped like it."""
         return [flat[o: o + n].reshape(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
@@ -122,7 +146,7 @@ class Unit:
         for p, view in zip(self.params, self.views(flat)):
             view[...] = p.data
         collectives.broadcast(flat, self.ctx.comm)  # every rank starts from rank 0's values, like DDP
-        self.placeholder = xp.empty((0,), dtype=first.dtype)
+        self.placeholder = xp.empty((0,), dtype=self.param_dtype(first.dtype))
         for p in self.params:
             p.grad = None
         if self.no_shard:
@@ -154,7 +178,7 @@ class Unit:
             if hi > lo:
                 where = FlatShard(placement_of(p), tuple(p.data.shape), lo - offset, hi - lo, lo - start)
                 fill_boxes(p.data, where, flat)
-        self.placeholder = np.empty((0,), dtype=dtype)
+        self.placeholder = np.empty((0,), dtype=self.param_dtype(dtype))
         self.shard = Parameter(flat, requires_grad=not self.frozen)
         for p in self.params:
             p.grad = None
@@ -172,8 +196,11 @@ class Unit:
         if self.param_state is not ParamState.SHARDED:
             return
         xp = get_array_module(self.shard.data)
-        self.gathered = xp.empty(self.padded, dtype=self.shard.data.dtype)
-        self.handle = collectives.iallgather(self.shard.data, self.ctx.groups.shard_comm, out=self.gathered)
+        dtype = self.param_dtype(self.shard.data.dtype)
+        mine = self.shard.data if dtype == self.shard.data.dtype else self.shard.data.astype(dtype)
+        self.gathered = xp.empty(self.padded, dtype=dtype)
+        # Nothing is reduced: a bfloat16 unit moves as its bytes (MPI has no bfloat16)
+        self.handle = collectives.iallgather(as_bytes(mine), self.ctx.groups.shard_comm, out=as_bytes(self.gathered))
         self.param_state = ParamState.GATHERING
         self.ctx.transient.add(gathered=self.gathered.nbytes)
 
@@ -231,7 +258,8 @@ class Unit:
                     self.shard.grad = xp.zeros(self.padded, dtype=self.shard.data.dtype)
                 self.unsharded_grad = self.shard.grad
             else:
-                self.unsharded_grad = xp.zeros(self.padded, dtype=self.shard.data.dtype)
+                # In reduce_dtype: autograd adds a 16-bit parameter's gradient into a float32 view in place
+                self.unsharded_grad = xp.zeros(self.padded, dtype=self.reduce_dtype())
                 self.ctx.transient.add(grads=self.unsharded_grad.nbytes)
             self.grad_views = self.views(self.unsharded_grad)
         for p, view in zip(self.params, self.grad_views):
@@ -279,6 +307,10 @@ class Unit:
             # The unsharded grad is the shard grad (averaged in place); the replica group is every rank.
             self.reduction = _Reduction(collectives.iallreduce(self.shard.grad, groups.replicate_comm, op="mean"),
                                         _Stage.REPLICAS)
+        elif self.unsharded_grad.dtype.itemsize == 2 and self.unsharded_grad.dtype.kind != "i":
+            # 16-bit: MPI would widen float16 to float32 on the wire and has no bfloat16; the ring keeps 16 bits.
+            self.reduction = _Reduction(_Done(ring_reduce_scatter_16(self.unsharded_grad, groups.shard_comm,
+                                                                     mean=True)), _Stage.SHARDS)
         else:
             # The flat gradient is padded to a multiple of the shard group size: every rank gets an equal chunk.
             self.reduction = _Reduction(collectives.ireduce_scatter(self.unsharded_grad, groups.shard_comm, op="mean"),
@@ -298,6 +330,8 @@ class Unit:
         groups = self.ctx.groups
         if r.stage is _Stage.SHARDS:
             self.release_unsharded_grad()
+            if result.dtype != self.shard.data.dtype:
+                result = result.astype(self.shard.data.dtype)  # the shard's grad (float32 masters); replicas in it
             if groups.num_replicas > 1:
                 r.handle, r.stage = collectives.iallreduce(result, groups.replicate_comm, op="mean"), _Stage.REPLICAS
                 self.ctx.stats["comm_wait_s"] += time.perf_counter() - start

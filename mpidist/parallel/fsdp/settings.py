@@ -76,3 +76,8 @@ class FSDPSettings:
     num_shards: int  # ranks per shard group: world_size, shard_size (hybrid), or 1 for NO_SHARD
     backward_prefetch: BackwardPrefetch = BackwardPrefetch.PRE
     num_replicas: int = 1  # copies of each shard: world_size // num_shards
+    # Mixed precision (FSDP2's MixedPrecisionPolicy): the shards stay in their dtype (float32 masters); None: as
+    # the shard. param_dtype: what a unit is gathered and computes in; reduce_dtype: what gradients accumulate
+    # and are reduce-scattered in (16-bit: a ring of 16-bit messages accumulating in float32, comm_hooks).
+    param_dtype: object = None
+    reduce_dtype: object = None
