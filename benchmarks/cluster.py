@@ -4,10 +4,12 @@ Run (root; brings the cluster up and always tears it down):
     .venv/bin/python benchmarks/cluster.py [--rate 1gbit] [--json PATH] [--steps N] [--max-size 64M]
 
 Measures, with MPICH's mpiexec starting the ranks in the namespace nodes:
-- allreduce (mpidist and raw mpi4py ``Allreduce``, float32) from 8 B to 64 MiB at 2 nodes x 2 ranks:
-  time per call (slowest rank, median of repetitions), algbw = size / time, busbw = algbw x 2(n-1)/n, and
-  algbw against the link-bound limit: between 2 nodes an allreduce must move at least the whole buffer
-  out of each node (half of it reduce-scattered, half all-gathered), so algbw <= the link's byte rate;
+- allreduce (mpidist's flat ``allreduce``, raw mpi4py ``Allreduce`` and the hierarchical one of
+  ``mpidist.collectives_hier``, float32) from 8 B to 64 MiB at 2 nodes x 2 ranks: time per call (slowest
+  rank, median of repetitions), algbw = size / time, busbw = algbw x 2(n-1)/n, and algbw against the
+  link-bound limit: between 2 nodes an allreduce must move at least the whole buffer out of each node (half
+  of it reduce-scattered, half all-gathered), so algbw <= the link's byte rate; and which of flat and
+  hierarchical ``HierarchicalAllreduce(algorithm="auto")`` chose at each size;
 - DDP step time (benchmarks/ddp_step.py's MLP 784-1024-1024-10, batch 64 per rank, float32) on 1 node x 2
   ranks against 2 nodes x 1 rank (the same compute, gradients crossing the link) and 2 nodes x 2 ranks, with
   overlap on and off; the share of the exposed inter-node synchronization that overlap hides behind backward.
@@ -46,13 +48,16 @@ def allreduce_sweep(comm, max_size, budget_s=0.6):
     import numpy as np
     from mpi4py import MPI
     import mpidist
+    from mpidist.collectives_hier import HierarchicalAllreduce
 
     rows = []
+    hierarchical, auto = HierarchicalAllreduce(comm, "hierarchical"), HierarchicalAllreduce(comm, "auto")
     for size in [s for s in SIZES if s <= max_size]:
-        x = np.ones(size // 4, dtype=np.float32)
+        x = np.ones(max(size // 4, 1), dtype=np.float32)
         calls = {"mpidist": lambda: mpidist.allreduce(x, comm),  # in place, as DDP's buckets
-                 "raw": lambda: comm.Allreduce(MPI.IN_PLACE, x)}
-        row = {"bytes": size}
+                 "raw": lambda: comm.Allreduce(MPI.IN_PLACE, x),
+                 "hier": lambda: hierarchical(x)}
+        row = {"bytes": size, "auto_choice": auto.algorithm_for(x.nbytes, x)}
         for name, call in calls.items():
             comm.Barrier()
             start = time.perf_counter()
@@ -67,6 +72,8 @@ def allreduce_sweep(comm, max_size, budget_s=0.6):
                 times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
             row[f"{name}_us"] = float(np.median(times)) * 1e6
         rows.append(row)
+    hierarchical.free()
+    auto.free()
     return rows
 
 
@@ -123,14 +130,14 @@ def driver(args):
     with vcluster.VirtualCluster(nodes=2, rate=args.rate) as cluster, tempfile.TemporaryDirectory() as tmp:
         flat = launch(cluster, 2, 2, ["allreduce"], args, os.path.join(tmp, "flat.json"))
         ddp = {f"{nodes}x{ppn}": launch(cluster, ppn, nodes, ["ddp"], args, os.path.join(tmp, f"ddp{nodes}{ppn}.json"))
-               for nodes, ppn in ((1, 2), (2, 1), (2, 2))}
+               for nodes, ppn in ((1, 2), (2, 1), (2, 2)) if "ddp" in args.parts}
     n = flat["ranks"]
     for row in flat["allreduce"]:
-        for name in ("mpidist", "raw"):
+        for name in ("mpidist", "raw", "hier"):
             algbw = row["bytes"] / (row[f"{name}_us"] * 1e-6)
             row[f"{name}_algbw_GBps"] = algbw / 1e9
             row[f"{name}_busbw_GBps"] = algbw * 2 * (n - 1) / n / 1e9
-        row["mpidist_of_link_limit"] = row["mpidist_algbw_GBps"] * 1e9 / link
+            row[f"{name}_of_link_limit"] = algbw / link
     for run in ddp.values():
         run["ddp"]["exposed_sync_ms"] = run["ddp"]["ddp_sync_ms"]
         no_overlap = run["ddp"]["ddp_no_overlap_sync_ms"]
@@ -139,14 +146,17 @@ def driver(args):
               "machine": os.uname().nodename, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(f"virtual cluster, links shaped to {args.rate} ({link / 1e6:.0f} MB/s each way per node)")
     print(f"allreduce float32, {flat['ranks']} ranks on {flat['nodes']} nodes")
-    print(f"{'size':>10}{'mpidist us':>13}{'raw us':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}{'of link':>9}")
+    print(f"{'size':>10}{'flat us':>12}{'raw us':>12}{'hier us':>12}{'flat of link':>14}{'hier of link':>14}"
+          f"{'hier busbw GB/s':>17}{'auto':>14}")
     for row in flat["allreduce"]:
-        print(f"{row['bytes']:>10}{row['mpidist_us']:>13.1f}{row['raw_us']:>12.1f}{row['mpidist_algbw_GBps']:>12.3f}"
-              f"{row['mpidist_busbw_GBps']:>12.3f}{row['mpidist_of_link_limit']:>9.2f}")
-    print("DDP step, MLP 784-1024-1024-10 (7.45 MB of float32 gradients), batch 64 per rank")
-    print(f"{'nodes x ranks':>14}{'local ms':>10}{'DDP ms':>10}{'exposed sync':>14}{'no overlap ms':>15}"
-          f"{'its sync':>10}{'hidden':>8}")
-    for layout, run in ddp.items():
+        print(f"{row['bytes']:>10}{row['mpidist_us']:>12.1f}{row['raw_us']:>12.1f}{row['hier_us']:>12.1f}"
+              f"{row['mpidist_of_link_limit']:>14.2f}{row['hier_of_link_limit']:>14.2f}"
+              f"{row['hier_busbw_GBps']:>17.3f}{row['auto_choice']:>14}")
+    if ddp:
+        print("DDP step, MLP 784-1024-1024-10 (7.45 MB of float32 gradients), batch 64 per rank")
+        print(f"{'nodes x ranks':>14}{'local ms':>10}{'DDP ms':>10}{'exposed sync':>14}{'no overlap ms':>15}"
+              f"{'its sync':>10}{'hidden':>8}")
+    for layout, run in ddp.items():  # empty with --parts allreduce
         d = run["ddp"]
         hidden = "-" if d["hidden_share"] is None else f"{d['hidden_share']:.2f}"
         print(f"{layout:>14}{d['local_ms']:>10.1f}{d['ddp_ms']:>10.1f}{d['ddp_sync_ms']:>14.1f}"
@@ -165,7 +175,8 @@ def main(argv=None):
     parser.add_argument("--max-size", type=parse_size, default=64 << 20, help="largest allreduce (default 64M)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--parts", nargs="*", default=["allreduce", "ddp"], help=argparse.SUPPRESS)
+    parser.add_argument("--parts", nargs="*", default=["allreduce", "ddp"], choices=["allreduce", "ddp"],
+                        help="what to measure (default both; the allreduce sweep always runs)")
     args = parser.parse_args(argv)
     return worker(args) if args.worker else driver(args)
 
