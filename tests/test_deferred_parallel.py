@@ -66,6 +66,11 @@ class Layout:
             stage = model.pipeline_stages(size)[comm.Get_rank()]
             self.wrapped = Pipeline(stage, comm, 2, "1f1b", loss_fn=model.loss, tied_parameters=stage.tied)
             self.pipeline = True
+        elif kind == "fsdp_tp":  # FSDP over the data-parallel ranks of a tensor-parallel model
+            self.grid = mesh(comm, dp=2, pp=1, tp=size // 2)
+            self.dp, self.dp_rank = 2, self.grid.dp_rank
+            tensor_parallel(model, self.grid.tp_comm, sequence_parallel=False)
+            self.wrapped = FSDP(model, self.grid.dp_comm, units=model.fsdp_units())
         else:  # a (dp, pp, tp) mesh
             dp, pp, tp = dims
             self.grid = mesh(comm, dp=dp, pp=pp, tp=tp)
@@ -123,9 +128,9 @@ def test_deferred_gpt_materialized_at_a_layout_trains_like_one_process(comm, kin
 
 
 @pytest.mark.world_sizes(4)
-@pytest.mark.parametrize("dims", [(4, 1, 1, "hybrid"), (2, 1, 2), (1, 2, 2), (2, 2, 1)])
+@pytest.mark.parametrize("dims", ["hybrid", "fsdp_tp", (2, 1, 2), (1, 2, 2), (2, 2, 1)])
 def test_deferred_gpt_on_hybrid_fsdp_and_meshes(comm, dims):
-    layout = Layout(comm, "hybrid") if dims[-1] == "hybrid" else Layout(comm, "mesh", dims)
+    layout = Layout(comm, dims) if isinstance(dims, str) else Layout(comm, "mesh", dims)
     check_parity(comm, layout)
     layout.close()
 
