@@ -590,35 +590,49 @@ def main():
     started = time.monotonic()
     ensure_slurm()
     work = tempfile.mkdtemp(prefix="mpidist-slurm-")
-    cluster = Cluster(work)
+    try:
+        results = run_checks(Cluster(work), [(c.__name__, c) for c in checks], work)
+    finally:
+        if args.keep:
+            log(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return report(results, started)
+
+
+def run_checks(cluster, named_checks, work):
+    """Start ``cluster``, run each ``(name, check)`` as ``check(cluster, work)``, logging each outcome, and stop it.
+
+    Return ``[(status, name, detail)]``: PASS with what the check returned, SKIP or FAIL with its message; a cluster
+    that does not start is one FAIL named "cluster".
+    """
     results = []
     try:
         cluster.start()
-        for check in checks:
+        for name, check in named_checks:
             t0 = time.monotonic()
             try:
-                detail = check(cluster, work)
-                results.append(("PASS", check.__name__, detail))
+                results.append(("PASS", name, check(cluster, work)))
             except Skip as exc:
-                results.append(("SKIP", check.__name__, str(exc)))
+                results.append(("SKIP", name, str(exc)))
             except CheckFailed as exc:
-                results.append(("FAIL", check.__name__, str(exc)))
-            status, name, detail = results[-1]
-            log(f"{status} {name} ({time.monotonic() - t0:.1f} s): {detail}")
+                results.append(("FAIL", name, str(exc)))
+            log(f"{results[-1][0]} {name} ({time.monotonic() - t0:.1f} s): {results[-1][2]}")
     except CheckFailed as exc:
         results.append(("FAIL", "cluster", str(exc)))
         log(f"FAIL cluster: {exc}")
     finally:
         cluster.stop()
-        if args.keep:
-            log(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def report(results, started):
+    """Log how many checks passed, failed and were skipped since ``started``; return 1 if any failed or none ran."""
     failed = [name for status, name, _ in results if status == "FAIL"]
     counts = {s: sum(1 for r in results if r[0] == s) for s in ("PASS", "FAIL", "SKIP")}
     log(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped in {time.monotonic() - started:.0f} s"
         + (f" (failed: {', '.join(failed)})" if failed else ""))
-    return 1 if failed else 0
+    return 1 if failed or not results else 0
 
 
 if __name__ == "__main__":

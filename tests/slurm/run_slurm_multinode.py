@@ -165,34 +165,18 @@ def main(argv=None):
     started = time.monotonic()
     checks.ensure_slurm()
     work = tempfile.mkdtemp(prefix="mpd-slurm-")
-    results = []
     try:
         with vcluster.VirtualCluster(nodes=NODES, rate=os.environ.get("MPIDIST_CLUSTER_RATE", "1gbit")) as cluster:
-            slurm = MultiNodeSlurm(work, cluster)
-            try:
-                slurm.start()
-                for name, check in (("ranks", lambda: check_ranks_across_nodes(slurm, work)),
-                                    ("ddp", lambda: check_training_across_nodes(slurm, work, "ddp")),
-                                    ("fsdp", lambda: check_training_across_nodes(slurm, work, "fsdp"))):
-                    t0 = time.monotonic()
-                    try:
-                        results.append(("PASS", name, check()))
-                    except checks.CheckFailed as exc:
-                        results.append(("FAIL", name, str(exc)))
-                    checks.log(f"{results[-1][0]} {name} ({time.monotonic() - t0:.1f} s): {results[-1][2]}")
-            except checks.CheckFailed as exc:
-                results.append(("FAIL", "cluster", str(exc)))
-                checks.log(f"FAIL cluster: {exc}")
-            finally:
-                slurm.stop()
+            results = checks.run_checks(MultiNodeSlurm(work, cluster), [
+                ("ranks", check_ranks_across_nodes),
+                ("ddp", lambda slurm, work: check_training_across_nodes(slurm, work, "ddp")),
+                ("fsdp", lambda slurm, work: check_training_across_nodes(slurm, work, "fsdp"))], work)
     finally:
         if args.keep:
             checks.log(f"kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    failed = [name for status, name, _ in results if status == "FAIL"]
-    checks.log(f"{len(results) - len(failed)} passed, {len(failed)} failed in {time.monotonic() - started:.0f} s")
-    return 1 if failed or not results else 0
+    return checks.report(results, started)
 
 
 if __name__ == "__main__":
