@@ -18,7 +18,9 @@ import pytest
 
 import mpidist.nn as nn
 from mpidist.optim import Adam
+from mpidist.parallel import Wrapper
 from mpidist.parallel.fsdp import FSDP, ShardingStrategy
+from mpidist.parallel.fsdp import state_dict as fsdp_state
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
 TOL = 1e-10
@@ -145,6 +147,59 @@ def test_full_state_dict_equals_reference_and_takes_rank_0_values(comm):
     else:
         assert full == {}
     assert_matches(comm, fsdp, ref, tol=0)
+
+
+class InterfaceOnly(Wrapper):
+    """An FSDP seen only through the Wrapper interface and its communicator: every other attribute refuses."""
+
+    def __init__(self, fsdp):
+        self.__dict__.update(wrapped=fsdp, mesh=fsdp.mesh, comm=fsdp.comm)
+
+    def __getattr__(self, name):
+        raise AttributeError(f"FSDP's full state dict read FSDP.{name}, which is not in the Wrapper interface")
+
+    def placed_parameters(self):
+        return self.wrapped.placed_parameters()
+
+    def named_buffers_global(self):
+        return self.wrapped.named_buffers_global()
+
+    def communicators(self):
+        return self.wrapped.communicators()
+
+    def grad_norm_comms(self):
+        return self.wrapped.grad_norm_comms()
+
+    def no_sync(self):
+        return self.wrapped.no_sync()
+
+    def sync_gradients(self):
+        self.wrapped.sync_gradients()
+
+    def remove(self):
+        self.wrapped.remove()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES + ["hybrid_shard"])
+def test_full_state_dict_and_its_load_read_only_the_wrapper_interface(comm, strategy):
+    """FSDP's own full state dict is the generic gather (mpidist.parallel.full_state) over its placed parameters."""
+    extra = {"shard_size": 2} if strategy == "hybrid_shard" and comm.Get_size() % 2 == 0 else {}
+    if strategy == "hybrid_shard" and not extra:
+        pytest.skip("hybrid_shard with shard_size 2 needs an even world")
+    fsdp = FSDP(make_model(), comm, strategy=strategy, **extra)
+    full = fsdp_state.full_state_dict(InterfaceOnly(fsdp))
+    expected = make_model().state_dict()
+    if comm.Get_rank() == 0:
+        assert list(full) == list(expected)
+        for name, value in expected.items():
+            np.testing.assert_array_equal(full[name], value, err_msg=name)
+    else:
+        assert full == {}
+    other = make_model(seed=5).state_dict()
+    fsdp_state.load_full_state_dict(InterfaceOnly(fsdp), other if comm.Get_rank() == 0 else None)
+    with fsdp.summon_full_params() as module:
+        for name, p in module.named_parameters():
+            np.testing.assert_array_equal(p.data, other[name], err_msg=name)
 
 
 @pytest.mark.parametrize("units, labels", [

@@ -449,10 +449,12 @@ class FSDP(Wrapper):
                                f"awaiting backward: {len(self._inflight)}); finish their backward first")
 
     def full_state_dict(self):
-        """Gather the full state unit by unit to rank 0 and return it there (other ranks get ``{}``).
+        """Gather the full state one tensor at a time to rank 0 and return it there (other ranks get ``{}``).
 
-        Keys and order equal the wrapped module's ``state_dict()``. Rank 0 holds the full model plus one
-        unit in transit; other ranks hold nothing extra.
+        Keys and order equal the wrapped module's ``state_dict()``; values are numpy arrays. Rank 0 holds the full
+        model plus one tensor in transit; other ranks hold nothing extra. Over ``comm`` only: a tensor-parallel
+        model's parameters come back as this rank's slices (``mpidist.full_state_dict(fsdp, world)`` gives the
+        unsplit model).
         """
         return _state.full_state_dict(self)
 
