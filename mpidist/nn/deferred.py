@@ -25,7 +25,8 @@ import weakref
 import numpy as np
 
 from mpidist.nn.init import FromSource, draw_box_into
-from mpidist.nn.placement import boxes
+from mpidist.nn.placement import FlatShard, boxes, global_shape
+from mpidist.nn.random import default_generator, initial_seed
 
 __all__ = ["deferred", "DeferredArray", "DeferredParameterError", "is_deferred", "materialize", "new_parameter",
            "set_initializer", "deferred_like", "fill_boxes", "deferred_bytes", "load_deferred"]
@@ -41,11 +42,6 @@ class _DeferredAttributeError(DeferredParameterError, AttributeError):
     """An array attribute asked of a deferred parameter's data (an AttributeError too, for ``getattr`` defaults)."""
 
 
-def _seed_now():
-    from mpidist.nn import random as _random
-    return _random._process_seed[0]
-
-
 @contextlib.contextmanager
 def deferred(seed=None):
     """Build modules inside this block with deferred parameters (no arrays); ``seed`` keys their initial values.
@@ -54,7 +50,7 @@ def deferred(seed=None):
     simulated rank builds its own model).
     """
     prev = getattr(_local, "seed", None)
-    _local.seed = _seed_now() if seed is None else int(seed)
+    _local.seed = initial_seed() if seed is None else int(seed)
     try:
         yield
     finally:
@@ -117,13 +113,10 @@ def is_deferred(x):
 def new_parameter(shape, init, dtype, rng=None):
     """Return a Parameter of ``shape`` initialized by ``init``: drawn now from ``rng`` (or the thread's default
     generator), or, inside ``deferred()``, deferred with ``init`` recorded."""
-    from mpidist.nn.module import Parameter
+    from mpidist.nn.module import Parameter  # module.py imports this module (its names for deferred parameters)
     if _deferring():
         return Parameter(DeferredArray(shape, dtype, init, _local.seed))
-    if rng is None:
-        from mpidist.nn.random import default_generator
-        rng = default_generator()
-    return Parameter(init.eager(rng, shape, dtype))
+    return Parameter(init.eager(default_generator() if rng is None else rng, shape, dtype))
 
 
 def set_initializer(param, init, rng=None):
@@ -132,10 +125,7 @@ def set_initializer(param, init, rng=None):
     if isinstance(data, DeferredArray):
         data.init = init
         return
-    if rng is None:
-        from mpidist.nn.random import default_generator
-        rng = default_generator()
-    param.make_writable()[...] = init.eager(rng, data.shape, data.dtype)
+    param.make_writable()[...] = init.eager(default_generator() if rng is None else rng, data.shape, data.dtype)
 
 
 def deferred_like(data, shape):
@@ -170,7 +160,6 @@ def fill_boxes(data, placement, local):
 
 
 def _global_shape(data, placement):
-    from mpidist.nn.placement import FlatShard, global_shape
     if isinstance(placement, FlatShard):
         return global_shape(placement, (0,))
     return global_shape(placement, data.shape)

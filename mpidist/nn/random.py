@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["manual_seed", "default_generator", "get_rng_state", "set_rng_state", "generator_for_draw",
+__all__ = ["manual_seed", "initial_seed", "default_generator", "get_rng_state", "set_rng_state", "generator_for_draw",
            "track_generators"]
 
 _local = threading.local()
@@ -25,6 +25,11 @@ def manual_seed(seed):
     seed = int(seed)
     _process_seed[0] = seed
     _local.generator = np.random.default_rng(seed)
+
+
+def initial_seed():
+    """Return the seed of the last ``manual_seed`` (0 if none): what ``mpidist.nn.deferred()`` keys values by."""
+    return _process_seed[0]
 
 
 def default_generator():
