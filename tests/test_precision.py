@@ -201,6 +201,18 @@ def test_float32_gradients_of_16_bit_parameters_are_used_unrounded():
     assert opt.state[0]["master_param"][0] == np.float32(0) - np.float32(1e-3)
 
 
+def test_clip_grad_norm_of_bfloat16_gradients():
+    """The norm accumulates in float64 (any dtype); bfloat16 gradients used to be refused as not floating."""
+    rng = np.random.default_rng(6)
+    params = [nn.Parameter(np.zeros(s, bfloat16)) for s in ((4, 3), (5,))]
+    for p in params:
+        p.grad = rng.standard_normal(p.shape).astype(bfloat16)
+    ref = math.sqrt(sum(float((p.grad.astype(np.float64) ** 2).sum()) for p in params))
+    assert abs(nn.clip_grad_norm_(params, 1.0) - ref) <= 1e-9 * ref
+    clipped = math.sqrt(sum(float((p.grad.astype(np.float64) ** 2).sum()) for p in params))
+    assert abs(clipped - 1.0) < 2 * 2.0 ** -8
+
+
 # -- training under a policy against references ----------------------------------------------------------------
 
 def _data(seed=7):

@@ -70,7 +70,7 @@ def _grads(fn, parameters, comm):
 
 def _check_float(fn, grads, comm):
     """Raise TypeError (on every rank of ``comm`` when given) if a gradient is not floating point."""
-    bad = [(i, g.dtype) for i, g in enumerate(grads) if g.dtype.kind not in "fc"]
+    bad = [(i, g.dtype) for i, g in enumerate(grads) if g.dtype.kind not in "fc" and g.dtype.name != "bfloat16"]
     problem = f"gradient {bad[0][0]} is {bad[0][1]}" if bad else None
     if comm is not None:
         raise_if_any(comm, problem, f"{fn}: gradients must be floating point", TypeError)
