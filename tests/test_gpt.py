@@ -287,8 +287,15 @@ def test_flops_per_token_counts_the_matmuls_of_a_forward(monkeypatch, n_layer, m
         flops[0] += 2 * int(np.prod(lead)) * tq * tk * hd + 2 * int(np.prod(lead)) * tq * tk * v.shape[-1]
         return attention(q, k, v, *args, **kwargs)
 
+    def counting_multi_head_attention(qkv, num_heads, *args, **kwargs):  # packed (batch, t, 3 * d): all heads
+        *lead, t, three_d = qkv.shape
+        flops[0] += 2 * 2 * int(np.prod(lead)) * t * t * (three_d // 3)
+        return multi_head_attention(qkv, num_heads, *args, **kwargs)
+
+    multi_head_attention = F.multi_head_attention
     monkeypatch.setattr(F, "linear", counting_linear)
     monkeypatch.setattr(F, "scaled_dot_product_attention", counting_attention)
+    monkeypatch.setattr(F, "multi_head_attention", counting_multi_head_attention)
     t = T if seq_len is None else seq_len
     batch = 3
     with nn.no_grad():

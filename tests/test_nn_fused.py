@@ -1,0 +1,205 @@
+"""The fused, in-place forms of GELU, LayerNorm, attention, the bias gradient and the embedding's backward.
+
+Their float32 rounding differs from the plain formulas (fewer passes, row sums as BLAS products, dO . O for
+attention's row term), so each is held to a float64 evaluation of the textbook formula on the same inputs:
+relative error at most ``RTOL`` = 2e-5 of the reference's scale (float32 carries 6e-8 per rounding; these
+ops round a few dozen times along a row of up to 256 terms). ``multi_head_attention`` is also checked, in
+float64, against splitting the heads and calling ``scaled_dot_product_attention`` (1e-12), and by gradcheck.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from mpidist import nn
+from mpidist.nn import functional as F
+from tests.gradcheck import gradcheck
+
+RTOL = 2e-5
+
+
+def _close(got, ref, rtol=RTOL):
+    """Assert ``got`` (float32) is within ``rtol`` of the float64 ``ref``, measured against ref's largest value."""
+    scale = max(float(np.abs(ref).max()), 1e-30)
+    err = float(np.abs(got.astype(np.float64) - ref).max()) / scale
+    assert err <= rtol, f"relative error {err:.2e} > {rtol:.0e}"
+
+
+def _grads(fn, arrays, dy):
+    ts = [nn.Tensor(a, requires_grad=True) for a in arrays]
+    out = fn(*ts)
+    out.backward(dy)
+    return out.data, [t.grad for t in ts]
+
+
+def _gelu64(x):
+    c, k = math.sqrt(2 / math.pi), 0.044715
+    u = c * (x + k * x ** 3)
+    t = np.tanh(u)
+    return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * k * x * x)
+
+
+def test_gelu_float32_within_float64_reference():
+    x = np.random.default_rng(0).uniform(-8, 8, (64, 96)).astype(np.float32)
+    dy = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
+    out, (gx,) = _grads(F.gelu, [x], dy)
+    ref, deriv = _gelu64(x.astype(np.float64))
+    assert out.dtype == gx.dtype == np.float32
+    _close(out, ref)
+    _close(gx, deriv * dy)
+
+
+def _layer_norm64(x, w, b, dy, eps):
+    mu = x.mean(-1, keepdims=True)
+    xc = x - mu
+    rstd = 1 / np.sqrt((xc * xc).mean(-1, keepdims=True) + eps)
+    xhat = xc * rstd
+    dxhat = dy * w
+    gx = rstd * (dxhat - dxhat.mean(-1, keepdims=True) - xhat * (dxhat * xhat).mean(-1, keepdims=True))
+    lead = tuple(range(x.ndim - 1))
+    return xhat * w + b, gx, (dy * xhat).sum(lead), dy.sum(lead)
+
+
+@pytest.mark.parametrize("offset", [0.0, 50.0])
+def test_layer_norm_float32_within_float64_reference(offset):
+    rng = np.random.default_rng(2)
+    x = (offset + rng.standard_normal((4, 32, 256))).astype(np.float32)
+    w, b = rng.standard_normal(256).astype(np.float32), rng.standard_normal(256).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    out, (gx, gw, gb) = _grads(lambda x, w, b: F.layer_norm(x, w, b), [x, w, b], dy)
+    refs = _layer_norm64(*(a.astype(np.float64) for a in (x, w, b, dy)), 1e-5)
+    for got, ref in zip((out, gx, gw, gb), refs):
+        assert got.dtype == np.float32 and got.shape == ref.shape
+        _close(got, ref)
+
+
+def test_layer_norm_without_weight_and_bias_float32_within_float64_reference():
+    rng = np.random.default_rng(3)
+    x, dy = rng.standard_normal((2, 8, 64)).astype(np.float32), rng.standard_normal((2, 8, 64)).astype(np.float32)
+    out, (gx,) = _grads(F.layer_norm, [x], dy)
+    ones, zeros = np.ones(64), np.zeros(64)
+    ref, ref_gx, _, _ = _layer_norm64(x.astype(np.float64), ones, zeros, dy.astype(np.float64), 1e-5)
+    _close(out, ref)
+    _close(gx, ref_gx)
+
+
+def _attention64(q, k, v, dy, causal):
+    """Softmax attention and its gradients in float64, by the textbook formulas (heads as leading axes)."""
+    s = 1 / math.sqrt(q.shape[-1])
+    scores = q @ k.swapaxes(-1, -2) * s
+    if causal:
+        scores = np.where(np.tril(np.ones(scores.shape[-2:], bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    dp = dy @ v.swapaxes(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * s
+    return p @ v, ds @ k, ds.swapaxes(-1, -2) @ q, p.swapaxes(-1, -2) @ dy
+
+
+def _heads(a, h):  # (b, t, d) -> (b, h, t, d / h)
+    b, t, d = a.shape
+    return a.reshape(b, t, h, d // h).transpose(0, 2, 1, 3)
+
+
+def _merge(a):  # (b, h, t, hd) -> (b, t, h * hd)
+    b, h, t, hd = a.shape
+    return a.transpose(0, 2, 1, 3).reshape(b, t, h * hd)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_float32_within_float64_reference(causal):
+    rng = np.random.default_rng(4)
+    b, t, h, d = 2, 48, 4, 64
+    qkv = rng.standard_normal((b, t, 3 * d)).astype(np.float32)
+    dy = rng.standard_normal((b, t, d)).astype(np.float32)
+    q, k, v = (_heads(a.astype(np.float64), h) for a in np.split(qkv, 3, axis=-1))
+    ref_out, ref_gq, ref_gk, ref_gv = _attention64(q, k, v, _heads(dy.astype(np.float64), h), causal)
+    ref_grad = np.concatenate([_merge(g) for g in (ref_gq, ref_gk, ref_gv)], axis=-1)
+    out, (grad,) = _grads(lambda x: F.multi_head_attention(x, h, is_causal=causal), [qkv], dy)
+    assert out.dtype == grad.dtype == np.float32
+    _close(out, _merge(ref_out))
+    _close(grad, ref_grad)
+    # The per-head op on (b, h, t, hd) tensors rounds the same way up to its own row term.
+    out, grads = _grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                        [np.ascontiguousarray(a.astype(np.float32)) for a in (q, k, v)],
+                        _heads(dy, h))
+    _close(out, ref_out)
+    for got, ref in zip(grads, (ref_gq, ref_gk, ref_gv)):
+        _close(got, ref)
+
+
+@pytest.mark.parametrize("mask", [None, "additive", "bool"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_multi_head_attention_is_split_heads_attention(mask, causal, dropout):
+    # Against the unfused composition the layer used before: split, per-head attention, heads merged.
+    rng = np.random.default_rng(5)
+    b, t, h, d = 2, 5, 2, 8
+    qkv, dy = rng.standard_normal((b, t, 3 * d)), rng.standard_normal((b, t, d))
+    m = {None: None, "additive": rng.standard_normal((t, t)), "bool": rng.random((t, t)) > 0.3}[mask]
+    if mask == "bool":
+        m[:, 0] = True  # every query sees some key
+
+    def split(x):
+        parts = F.permute(F.reshape(x, (b, t, 3, h, d // h)), (2, 0, 3, 1, 4))
+        q, k, v = (F.reshape(a, (b, h, t, d // h)) for a in F.split(parts, 3, axis=0))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, dropout_p=dropout)
+        return F.reshape(F.permute(y, (0, 2, 1, 3)), (b, t, d))
+
+    nn.manual_seed(7)
+    ref, (ref_grad,) = _grads(split, [qkv], dy)
+    nn.manual_seed(7)  # the same dropout mask: one draw of the (b, h, t, t) probabilities' shape
+    out, (grad,) = _grads(lambda x: F.multi_head_attention(x, h, attn_mask=m, is_causal=causal, dropout_p=dropout),
+                          [qkv], dy)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-12, atol=1e-14)
+
+
+def test_multi_head_attention_gradcheck():
+    rng = np.random.default_rng(6)
+    m = rng.standard_normal((4, 4))
+    gradcheck(lambda x: F.multi_head_attention(x, 2, attn_mask=m, is_causal=True), rng.standard_normal((2, 4, 12)))
+    gradcheck(lambda x: F.multi_head_attention(x, 3, dropout_p=0.2), rng.standard_normal((1, 3, 18)),
+              reset=lambda: nn.manual_seed(3))
+
+
+def test_multi_head_attention_layer_output_and_input_gradient_share_no_copies():
+    # The layer's attention output is the (batch, seq, dim) array the output projection reads, and the input
+    # gradient is written straight into one (batch, seq, 3 dim) array (no split/concatenate on the way back).
+    rng = np.random.default_rng(8)
+    qkv = nn.Tensor(rng.standard_normal((2, 6, 24)).astype(np.float32), requires_grad=True)
+    y = F.multi_head_attention(qkv, 4, is_causal=True)
+    assert y.shape == (2, 6, 8) and y.data.flags.c_contiguous
+    y.backward(np.ones(y.shape, np.float32))
+    assert qkv.grad.shape == (2, 6, 24) and qkv.grad.flags.c_contiguous
+
+
+def test_multi_head_attention_rejects_bad_shapes():
+    with pytest.raises(ValueError, match=r"multi_head_attention: expected \(batch, seq, 3 \* dim\) with dim "
+                                         r"divisible by num_heads=4 \(qkv: \(2, 3, 18\)\)"):
+        F.multi_head_attention(np.zeros((2, 3, 18)), 4)
+    with pytest.raises(ValueError, match=r"qkv: \(2, 10\)"):
+        F.multi_head_attention(np.zeros((2, 10)), 1)
+
+
+def test_linear_bias_gradient_float32_within_float64_reference():
+    rng = np.random.default_rng(9)
+    x, dy = rng.standard_normal((8, 256, 32)).astype(np.float32), rng.standard_normal((8, 256, 16)).astype(np.float32)
+    lin = nn.Linear(32, 16, rng=rng)
+    lin(nn.Tensor(x)).backward(dy)
+    _close(lin.bias.grad, dy.astype(np.float64).sum(axis=(0, 1)))
+    _close(lin.weight.grad, dy.astype(np.float64).reshape(-1, 16).T @ x.astype(np.float64).reshape(-1, 32))
+
+
+def test_embedding_gradient_sums_repeated_rows_within_float64_reference():
+    rng = np.random.default_rng(10)
+    idx = rng.integers(0, 7, (5, 40))
+    dy = rng.standard_normal((5, 40, 3)).astype(np.float32)
+    w = nn.Tensor(np.zeros((9, 3), np.float32), requires_grad=True)
+    F.embedding(idx, w).backward(dy)
+    ref = np.zeros((9, 3))
+    np.add.at(ref, idx.reshape(-1), dy.reshape(-1, 3).astype(np.float64))
+    assert w.grad.dtype == np.float32
+    _close(w.grad, ref)
+    assert not w.grad[7:].any()
