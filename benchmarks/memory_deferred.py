@@ -11,9 +11,11 @@ stage's tensor-parallel slices. Float32 parameters with AdamW: 16 bytes per para
 moments), so the prediction per rank is, from the deferred model alone (``predict``, nothing allocated):
 - persistent: 16 x (elements this rank holds): FSDP sum over units of ceil(numel / N) (ZeRO-3: 16 Psi / N);
   tp x pp the stage's local shapes (sharded matrices / tp, replicated norms and positions whole);
-- peak: persistent + transient: FSDP two gathered units and two unsharded unit gradients (prefetch and the
-  reduce-scatter in flight: 4 x the largest unit); tp x pp nothing (no gathers) - plus the activations, which
-  the table shows as what the measured peak has beyond the prediction.
+- peak: persistent + transient: ``mpidist.optim.AdamW``'s scratch (a flat copy of the gradients and the step,
+  8 bytes per element held: the optimizer packs a rank's parameters into one flat update) + FSDP's two
+  gathered units and two unsharded unit gradients (prefetch and the reduce-scatter in flight: 4 x the largest
+  unit; tp x pp has none) - plus the activations, which the table shows as what the measured peak has beyond
+  the prediction.
 Measured: ``tracemalloc`` peak of this process's allocations (numpy arrays included) above what it held before
 building, during construction and during training; ``memory_stats`` persistent bytes; construction seconds.
 Rows give the largest rank.
@@ -41,6 +43,7 @@ import tracemalloc
 import numpy as np
 
 ADAM_BYTES = 16  # float32 parameter, gradient and two moments
+ADAM_SCRATCH_BYTES = 8  # mpidist.optim.AdamW's flat gradient copy and step array, float32
 
 
 def gpt_config(args):
@@ -70,7 +73,7 @@ def predict(args, layout, size, rank):
             units.append(numel)
         held = sum(-(-n // size) for n in units)
         largest = max(-(-n // size) * size for n in units) * 4
-        return ADAM_BYTES * held, (4 * largest if size > 1 else 0)
+        return ADAM_BYTES * held, ADAM_SCRATCH_BYTES * held + (4 * largest if size > 1 else 0)
     # tp x pp: the stage's local shapes; tensor_parallel on a deferred model only needs the tp group's size.
     tp, pp = size // 2, 2
     stage_rank, tp_rank = rank // tp, rank % tp
@@ -79,7 +82,7 @@ def predict(args, layout, size, rank):
         held += n if _in_stage(model, name, pp, stage_rank) else 0
     if model.config.tie_weights and stage_rank == pp - 1:  # the last stage's own copy of the tied head
         held += _tp_local_sizes(model, tp, tp_rank)["embed.wte.weight"]
-    return ADAM_BYTES * held, 0
+    return ADAM_BYTES * held, ADAM_SCRATCH_BYTES * held
 
 
 def _tp_local_sizes(model, tp, tp_rank):
@@ -200,7 +203,13 @@ def run_worker(args):
     row["construct_peak"] = tracemalloc.get_traced_memory()[1] - base
     tracemalloc.reset_peak()
     opt = optim.AdamW(list(wrapper.parameters()), lr=1e-3)
-    train(args, model, wrapper, comm, args.layout, opt)
+    try:
+        train(args, model, wrapper, comm, args.layout, opt)
+    except MemoryError as exc:
+        row["training_error"] = f"MemoryError {exc}"
+        print("ROW " + json.dumps(row), flush=True)
+        comm.Abort(3)
+        return
     row["train_peak"] = tracemalloc.get_traced_memory()[1] - base
     row["persistent"] = wrapper.memory_stats(opt)["persistent_bytes"]
     row["predicted_persistent"], row["predicted_transient"] = predict(args, args.layout, comm.Get_size(), rank)
@@ -277,8 +286,9 @@ def run_driver(args):
                 continue
             rows = launch(args, n, layout, extra)
             worst = max(rows, key=lambda r: r.get("train_peak", 0))
-            if "construction_error" in worst:
-                print(f"| {layout} | {n} | deferred | failed: {worst['construction_error']} |")
+            failed = [r for r in rows if "construction_error" in r or "training_error" in r]
+            if failed:
+                print(f"| {layout} | {n} | deferred | failed: {failed[0]} |")
                 continue
             rest = worst["train_peak"] - worst["predicted_persistent"] - worst["predicted_transient"]
             diff = max(r.get("max_abs_diff", float("nan")) for r in rows)
@@ -287,7 +297,7 @@ def run_driver(args):
                   f"{mib(worst['construct_peak'])} | {mib(worst['persistent'])} | "
                   f"{mib(worst['predicted_persistent'])} | {mib(worst['predicted_transient'])} | "
                   f"{mib(worst['train_peak'])} | {mib(rest)} | {diff:.2e} | {mib(read)} |")
-            if args.fit:
+            if args.fit and n > 1:
                 whole = launch(args, n, layout, [*extra, "--whole"])
                 failed = [r for r in whole if "construction_error" in r]
                 print(f"| {layout} | {n} | whole | " + (f"failed at construction: {failed[0]['construction_error']}"
@@ -316,7 +326,7 @@ def main():
     if args.worker:
         return run_worker(args)
     if args.fit:
-        args.ranks = [4]
+        args.ranks = [1, 4]
         if not args.cap_mb:
             psi = sum(p.data.size for p in deferred_model(args).parameters())
             args.cap_mb = int(16 * psi / 3 / 2**20)
