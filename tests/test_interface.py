@@ -569,7 +569,8 @@ def test_no_package_imports_private_names_of_another():
 # mesh. Two AdamW steps on each rank's share of the batch must give one process's parameters (float64, 1e-12),
 # reassembled from every rank by placements alone; and the wrapper's mesh spans the layout, so full_state_dict needs
 # no comm=. Pipelines use tied weights (the head's copy of the embedding) and two blocks, cut into up to 4 stages.
-MESH_KINDS = {"ddp": (1, 2, 4), "fsdp_1d": (1, 2, 4), "fsdp_2d": (2, 4), "pp": (2, 4), "dp_pp": (4,), "pp_tp": (4,)}
+MESH_KINDS = {"ddp": (1, 2, 4), "fsdp_1d": (1, 2, 4), "fsdp_2d": (2, 4), "fsdp_1d_hybrid": (2, 4), "pp": (2, 4),
+              "dp_pp": (4,), "pp_tp": (4,)}
 MESH_STEPS = 2
 
 
@@ -584,6 +585,13 @@ class MeshLayout:
             self.mesh = DeviceMesh(comm, {"dp": size})
             self.wrapper = DDP(model, self.mesh)
             assert self.wrapper.comm is self.mesh["dp"]
+        elif kind == "fsdp_1d_hybrid":  # a 1-D mesh is its communicator: shard_size splits it as it would that
+            self.mesh = DeviceMesh(comm, {"dp": size})
+            self.wrapper = FSDP(model, self.mesh, strategy="hybrid_shard", shard_size=2, units=model.fsdp_units())
+            split = self.wrapper.mesh  # the (replicate, shard) mesh of the groups FSDP split off mesh["dp"]
+            assert split.names == ("replicate", "shard") and split.shape == (size // 2, 2)
+            assert split.comm is self.mesh["dp"] and split["shard"] is self.wrapper.shard_comm
+            assert split["replicate"] is self.wrapper.replicate_comm
         elif kind in ("fsdp_1d", "fsdp_2d"):
             self.mesh = DeviceMesh(comm, {"dp": size} if kind == "fsdp_1d" else {"replicate": -1, "shard": 2})
             self.wrapper = FSDP(model, self.mesh, units=model.fsdp_units())
@@ -603,7 +611,7 @@ class MeshLayout:
             self.pipeline, self.dp, self.dp_rank = True, self.mesh.dp, self.mesh.dp_rank
             assert self.wrapper.comm is self.mesh["pp"]
             assert self.wrapper.dp_comm is (self.mesh["dp"] if dp > 1 else None)
-        assert self.wrapper.mesh is self.mesh
+        assert self.wrapper.mesh is self.mesh or kind == "fsdp_1d_hybrid"
         self.opt = AdamW(list(self.wrapper.parameters()), lr=0.01)
 
     def train(self):
