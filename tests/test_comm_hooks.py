@@ -100,7 +100,7 @@ def test_bf16_parameters_under_ddp_equal_ranks_emulated_rounding_where_ddp_round
     gradient rounded to bfloat16 and divided by the world size (exact: a power of two), the shares summed in
     float32 rank by rank and rounded to bfloat16 once. Equal replicas; 1e-6 (MPI may add four shares in another
     order; two add exactly)."""
-    size, rank = comm.Get_size(), comm.Get_rank()
+    size = comm.Get_size()
     per_rank, lr = 4, 0.5
     model = make_model()
     apply_policy(model, Policy("bf16", "fp32"))
