@@ -71,9 +71,12 @@ def cast(x, dtype):
     return make_result("Cast", data.astype(dtype), (x,), lambda g, n: (g.astype(src),))
 
 
+_LOW_CHARS = frozenset(d.char for d in LOW_PRECISION)  # "e", and ml_dtypes' "E": a set lookup, not dtype equality
+
+
 def _low(x):
     dtype = getattr(x.data if isinstance(x, Tensor) else x, "dtype", None)
-    return dtype if dtype is not None and dtype in LOW_PRECISION else None
+    return dtype if dtype is not None and getattr(dtype, "char", None) in _LOW_CHARS else None
 
 
 def fp32_op(fn=None, *, loss=False):
@@ -85,8 +88,16 @@ def fp32_op(fn=None, *, loss=False):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if not any(_low(a) is not None for a in args) and not any(_low(v) is not None for v in kwargs.values()):
-            return fn(*args, **kwargs)
+        # The common case (no 16-bit input) costs one attribute look-up per argument: these ops run often.
+        for a in args:
+            if _low(a) is not None:
+                break
+        else:
+            for v in kwargs.values():
+                if _low(v) is not None:
+                    break
+            else:
+                return fn(*args, **kwargs)
         # The result takes the dtype of the first input (the activation): a float32 activation normalized with
         # a bfloat16 weight stays float32.
         first = args[0] if args else next(iter(kwargs.values()))
