@@ -532,9 +532,9 @@ def test_roll_forward_says_on_every_survivor_when_all_had_stepped_past_their_com
             "commit (steps [0, 0, 0])" in message and "issue the step's collectives before optimizer.step()" in message
 
 
-@pytest.mark.mpi_skip  # one process (ShardedState maps ranks through MPI's world group: no simulated ranks)
+@pytest.mark.mpi_skip  # one process, over a real communicator of one rank
 def test_sharded_state_starts_again_from_the_module_s_starting_values_until_the_first_commit_is_everyone_s():
-    """ShardedState keeps the module's own arrays (and the small state) from before FSDP took it apart until a
+    """A State over FSDP keeps the module's own arrays (and the small state) from before FSDP took it apart until a
     barrier after the first commit shows that every rank holds it; forget_commits puts them back, as often as
     needed, so that FSDP can be built again over fewer ranks."""
     from mpidist import FSDP
