@@ -208,3 +208,31 @@ def test_deferred_rank_allocates_its_share(comm, kind):
     # FSDP: 1/size of every unit; tp x pp: half the layers, 1/(size/2) of each (the replicated norms and
     # position table whole), plus small work arrays: under 0.65 of the model at 2 ranks and 0.45 at 4.
     assert peak < (0.65 if size == 2 else 0.45) * whole, (peak, whole)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "pp_tied"])
+def test_nothing_is_broadcast_at_construction(kind, monkeypatch):
+    """Eager models take rank 0's values by broadcast; deferred ones draw their own part, sending nothing."""
+    sent = []
+    broadcast = mpidist.collectives.broadcast
+
+    def counting(array, comm, *args, **kwargs):
+        sent.append(int(np.size(array)))
+        return broadcast(array, comm, *args, **kwargs)
+
+    monkeypatch.setattr(mpidist.collectives, "broadcast", counting)
+
+    def build(comm, deferred):
+        model = deferred_gpt(CONFIG) if deferred else GPT(CONFIG, rng=np.random.default_rng(0))
+        if kind == "ddp":
+            return DDP(model, comm).remove()
+        if kind == "fsdp":
+            return FSDP(model, comm, units=model.fsdp_units()).remove()
+        stage = model.pipeline_stages(2)[comm.Get_rank()]
+        Pipeline(stage, comm, 2, "1f1b", loss_fn=model.loss, tied_parameters=stage.tied)
+
+    mpidist.simulate(2, build, False)
+    assert sum(sent) > 0  # the count sees an eager build's broadcasts
+    sent.clear()
+    mpidist.simulate(2, build, True)
+    assert sent == []
