@@ -3,6 +3,7 @@
 Run from the repo root (the driver starts ``mpiexec -n N`` for each N in --ranks, one worker per rank):
 
     .venv/bin/python benchmarks/gpt.py --json docs/gpt_bench.json
+    .venv/bin/python benchmarks/gpt.py --ranks 1 --width 512 --json docs/gpt_bench_512.json   # issue 32's width 512
 
 or one job by hand (prints its rows; what it measures depends on N, see below):
 
@@ -11,15 +12,23 @@ or one job by hand (prints its rows; what it measures depends on N, see below):
 The launcher is chosen as benchmarks/fsdp_memory.py and the tests choose it: ``MPIDIST_MPIEXEC`` (default: the
 mpiexec next to this Python, else the one on PATH) with ``MPIEXEC_FLAGS``. Every process runs one BLAS thread.
 
-Model: ``GPT(GPTConfig())``: vocabulary 256, context 128, width 256, 4 layers, 4 heads, tied head, float32,
-3,257,856 parameters; batch 16 sequences of 128 random tokens per rank, AdamW. A step is zero_grad, forward,
-cross-entropy, backward, optimizer step. Times are medians over steps (of the slowest rank), the setups of one
-job timed interleaved in blocks so that load from elsewhere hits them alike.
+Model: ``GPT(GPTConfig())``: vocabulary 256, context 128, width 256 (``--width``), 4 layers, 4 heads, tied head,
+float32, 3,257,856 parameters; batch 16 sequences of 128 random tokens per rank, AdamW. A step is zero_grad,
+forward, cross-entropy, backward, optimizer step. Times are medians over steps (of the slowest rank), the setups
+of one job timed interleaved in blocks so that load from elsewhere hits them alike. Every worker first calls
+``mpidist.nn.allocator.retain_freed_memory()`` (glibc keeps freed arrays' pages for the next step instead of
+faulting them in again; ``--no-retain-memory`` leaves malloc alone); it is process-wide, so the PyTorch peer
+gets it too.
 
 What each job measures (rows, ``strategy`` and ``ranks``):
 - 1 rank: ``single`` (the plain model) and ``checkpointed`` (``checkpoint_blocks()``): tokens/s, MFU, the
-  activation bytes each keeps (below) and where the step's time goes (``profile_ms_per_step``, from cProfile);
-  ``ddp`` and ``fsdp`` memory at one rank.
+  activation bytes each keeps (below); ``ddp`` and ``fsdp`` memory at one rank. ``single`` also holds: the time
+  outside the matmuls (``outside_matmul_ms``: the step's time less the same run's time for its products alone,
+  and ``outside_matmul_share`` of the step), that time by op family (``outside_matmul_ms_by_op``: every op of
+  mpidist.nn.functional and its backward timed in an instrumented step, linear's and attention's own products
+  subtracted), and, when torch is installed, the same GPT in PyTorch eager with the same weights, timed
+  interleaved with it in the same process (``TorchTrainer``; ``torch_tokens_per_s``, ``tokens_per_s_over_torch``,
+  ``torch_mfu`` against the same matmul rate; ``--no-torch`` leaves it out).
 - 2 ranks: ``local`` (the plain step on both ranks at once, no communication), ``ddp`` and ``fsdp``
   (``units=model.fsdp_units()``, full_shard): tokens/s per rank, MFU, memory.
 - 4 ranks (or any N >= 3): ``ddp`` and ``fsdp`` memory (one step each; 4 ranks on 2 cores are not timed), and
@@ -42,12 +51,8 @@ holds the gradients, the same in both variants).
 """
 
 import argparse
-import ast
-import cProfile
-import inspect
 import json
 import os
-import pstats
 import shlex
 import shutil
 import subprocess
@@ -62,12 +67,14 @@ import numpy as np  # noqa: E402
 
 BATCH = 16
 MICROBATCHES = 8
-TARGETS = {"single_mfu": 0.60, "ddp_over_one_rank": 0.9, "fsdp_over_one_rank": 0.8}
+TARGETS = {"single_mfu": 0.80, "ddp_over_one_rank": 0.9, "fsdp_over_one_rank": 0.8, "outside_matmul_share": 0.15,
+           "over_torch": {256: 1.1, 512: 1.0}}
+WIDTH = 256  # --width: the model's n_embd (heads stay 4)
 
 
 def build(seed=0):
     from mpidist.models.gpt import GPT, GPTConfig
-    return GPT(GPTConfig(), rng=np.random.default_rng(seed))
+    return GPT(GPTConfig(n_embd=WIDTH), rng=np.random.default_rng(seed))
 
 
 def batch(rank, config):
@@ -131,6 +138,95 @@ class MatmulsOnly:
         self.attention_s.append(t2 - t1)
 
 
+# -- the PyTorch peer -----------------------------------------------------------------------------------------
+
+class TorchTrainer:
+    """The same GPT in PyTorch eager, as one writes it there (nanoGPT's layout: ``F.scaled_dot_product_attention``,
+    ``nn.LayerNorm``, GELU tanh, tied head), holding a copy of ``model``'s weights; AdamW with the same settings.
+
+    One intra-op thread (``torch.set_num_threads(1)``), as the mpidist side runs one BLAS thread.
+    """
+
+    def __init__(self, model, x, y):
+        import torch
+        from torch import nn
+        from torch.nn import functional as F
+        torch.set_num_threads(1)
+        c = model.config
+
+        class Attention(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.qkv, self.proj = nn.Linear(c.n_embd, 3 * c.n_embd), nn.Linear(c.n_embd, c.n_embd)
+
+            def forward(self, x):
+                b, t, d = x.shape
+                q, k, v = self.qkv(x).view(b, t, 3, c.n_head, d // c.n_head).permute(2, 0, 3, 1, 4)
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+        class MLP(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(c.n_embd, c.mlp_ratio * c.n_embd)
+                self.proj = nn.Linear(c.mlp_ratio * c.n_embd, c.n_embd)
+
+            def forward(self, x):
+                return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.ln1, self.attn = nn.LayerNorm(c.n_embd), Attention()
+                self.ln2, self.mlp = nn.LayerNorm(c.n_embd), MLP()
+
+            def forward(self, x):
+                x = x + self.attn(self.ln1(x))
+                return x + self.mlp(self.ln2(x))
+
+        class GPT(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Module()
+                self.embed.wte = nn.Embedding(c.vocab_size, c.n_embd)
+                self.embed.wpe = nn.Embedding(c.block_size, c.n_embd)
+                self.blocks = nn.ModuleList(Block() for _ in range(c.n_layer))
+                self.head = nn.Module()
+                self.head.ln_f = nn.LayerNorm(c.n_embd)
+
+            def forward(self, idx):
+                x = self.embed.wte(idx) + self.embed.wpe(torch.arange(idx.shape[1]))
+                for block in self.blocks:
+                    x = block(x)
+                return F.linear(self.head.ln_f(x), self.embed.wte.weight)  # tied head
+
+        self.F = F
+        self.model = GPT()
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                params[name].copy_(torch.from_numpy(p.data))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=1e-2)
+        self.x, self.y, self.vocab = torch.from_numpy(x), torch.from_numpy(y), c.vocab_size
+
+    def loss(self):
+        return self.F.cross_entropy(self.model(self.x).reshape(-1, self.vocab), self.y.reshape(-1))
+
+    def step(self):
+        self.opt.zero_grad()
+        self.loss().backward()
+        self.opt.step()
+
+
+def torch_peer(model, x, y):
+    """Return a TorchTrainer for ``model``, or None when torch is not installed."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None
+    return TorchTrainer(model, x, y)
+
+
 # -- memory -----------------------------------------------------------------------------------------------------
 
 def optimizer_state_bytes(opt):
@@ -174,46 +270,85 @@ def activation_bytes(trainer):
     return held, peak
 
 
-# -- where the time goes ----------------------------------------------------------------------------------------
+# The op families outside the matmuls, by the names of mpidist.nn.functional's ops (forward) and of their graph
+# nodes (backward). Linear and attention also run the step's matmuls: their family is charged their time minus
+# the same run's time for those products alone (``MatmulsOnly``).
+FAMILIES = {
+    "gelu": ("gelu", "Gelu"),
+    "layer_norm": ("layer_norm", "LayerNorm"),
+    "attention (softmax, mask, scale)": ("multi_head_attention", "MultiHeadAttention", "scaled_dot_product_attention",
+                                         "Attention"),
+    "linear (bias, reshapes)": ("linear", "Linear"),
+    "residual adds": ("add", "Add"),
+    "reshapes/permutes/splits": ("reshape", "Reshape", "permute", "Permute", "split", "Split", "transpose",
+                                 "swapaxes", "Swapaxes", "getitem", "Index", "cat", "Cat"),
+    "embedding": ("embedding", "Embedding"),
+    "cross_entropy": ("cross_entropy", "CrossEntropy"),
+    "dropout": ("dropout", "Dropout"),
+}
 
-def _enclosing_functions(path):
-    """Return [(first line, last line, name)] of the top-level functions of a source file."""
-    with open(path) as f:
-        tree = ast.parse(f.read())
-    return [(n.lineno, n.end_lineno, n.name) for n in tree.body if isinstance(n, ast.FunctionDef)]
 
+def op_times(trainer, matmul_linear_ms, matmul_attention_ms, steps=3):
+    """Return {family: ms per step outside the matmuls} of ``trainer``'s step, timed op by op.
 
-def profile_step(trainer, steps=2):
-    """Return {operation: ms per step} of the step's mpidist.nn ops and the optimizer, from cProfile.
-
-    Each op of mpidist/nn/functional.py is charged its forward's and its backward closure's cumulative time
-    (numpy's work inside them included); ``AdamW.step`` the optimizer's; ``step`` the whole step.
+    Every public op of mpidist.nn.functional is wrapped (forward: the outermost op call only, so a composite op
+    is not counted twice), and every backward closure it records; ``optimizer`` is AdamW.step, ``autograd engine
+    and Python`` the rest of the step. ``step`` is the instrumented step (a little slower than the timed one).
     """
-    from mpidist.nn import functional
-    source = inspect.getsourcefile(functional)
-    spans = _enclosing_functions(source)
-    trainer.step()
-    profiler = cProfile.Profile()
-    start = time.perf_counter()
-    profiler.enable()
-    for _ in range(steps):
+    from mpidist.nn import functional as F
+    spent, depth = {}, [0]
+    originals = {name: getattr(F, name) for name in F.__all__}
+    make_result, make_results = F.make_result, F.make_results
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            if depth[0]:
+                return fn(*args, **kwargs)
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+                depth[0] -= 1
+        return run
+
+    def timed_backward(name, backward):
+        def run(g, needs):
+            start = time.perf_counter()
+            try:
+                return backward(g, needs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+        return run
+
+    opt_step = trainer.opt.step
+    try:
+        for name, fn in originals.items():
+            setattr(F, name, timed(name, fn))
+        F.make_result = lambda name, out, inputs, bw: make_result(name, out, inputs, timed_backward(name, bw))
+        F.make_results = lambda name, outs, inputs, bw: make_results(name, outs, inputs, timed_backward(name, bw))
+        trainer.opt.step = timed("optimizer", opt_step)
         trainer.step()
-    profiler.disable()
-    total = (time.perf_counter() - start) / steps
-    out = {}
-    for (path, line, name), (_, _, _, cumtime, _) in pstats.Stats(profiler).stats.items():
-        if os.path.abspath(path) == os.path.abspath(source):
-            owner = next((s[2] for s in spans if s[0] <= line <= s[1]), name)
-            label = owner if owner == name else f"{owner}.backward"
-            if name not in (owner, "backward", "<lambda>"):
-                continue
-        elif name == "step" and path.endswith("optim.py"):
-            label = "AdamW.step"
-        else:
-            continue
-        out[label] = out.get(label, 0.0) + cumtime / steps * 1e3
+        spent.clear()
+        start = time.perf_counter()
+        for _ in range(steps):
+            trainer.step()
+        total = (time.perf_counter() - start) / steps * 1e3
+    finally:
+        for name, fn in originals.items():
+            setattr(F, name, fn)
+        F.make_result, F.make_results = make_result, make_results
+        del trainer.opt.step
+    ms = {name: v / steps * 1e3 for name, v in spent.items()}
+    out = {family: sum(ms.pop(n, 0.0) for n in names) for family, names in FAMILIES.items()}
+    out["linear (bias, reshapes)"] -= matmul_linear_ms
+    out["attention (softmax, mask, scale)"] -= matmul_attention_ms
+    out["optimizer"] = ms.pop("optimizer", 0.0)
+    out["other ops"] = sum(ms.values())
+    out["autograd engine and Python"] = total - matmul_linear_ms - matmul_attention_ms - sum(out.values())
     out = dict(sorted(out.items(), key=lambda kv: -kv[1]))
-    out["step (profiled)"] = total * 1e3
+    out["step"] = total
     return out
 
 
@@ -235,6 +370,12 @@ def run_worker(args):
 
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
+    global WIDTH
+    WIDTH = args.width
+    args.retained = False
+    if not args.no_retain_memory:
+        from mpidist.nn.allocator import retain_freed_memory
+        args.retained = retain_freed_memory()  # process-wide: the PyTorch peer in this process gets it too
     model = build()
     config = model.config
     psi = model.num_parameters()
@@ -271,17 +412,32 @@ def run_worker(args):
         assert matmuls.flops == tokens * flops_per_token, (matmuls.flops, tokens * flops_per_token)
         plain = Trainer(model, x, y)
         ckpt = Trainer(build().checkpoint_blocks(), x, y)
-        times = time_steps({"matmuls": matmuls, "single": plain, "checkpointed": ckpt}, args.steps,
-                           warmup=1, block=2)
+        peer = None if args.no_torch else torch_peer(model, x, y)
+        setups = {"matmuls": matmuls, "single": plain, "checkpointed": ckpt}
+        if peer is not None:
+            from mpidist.models.gpt import lm_loss
+            loss_diff = abs(float(peer.loss().item()) - float(lm_loss(model(x), y).item()))  # the same model?
+            setups["torch"] = peer
+        times = time_steps(setups, args.steps, warmup=1, block=2)
         gflops = matmuls.flops / times["matmuls"] / 1e9
         linear_flops = matmuls.flops - config.n_layer * 12 * BATCH * config.block_size ** 2 * config.n_embd
-        split = {"matmul_gflops_linears": linear_flops / np.median(matmuls.linear_s) / 1e9,
-                 "matmul_gflops_attention": (matmuls.flops - linear_flops) / np.median(matmuls.attention_s) / 1e9,
+        linear_ms, attention_ms = np.median(matmuls.linear_s) * 1e3, np.median(matmuls.attention_s) * 1e3
+        split = {"matmul_gflops_linears": linear_flops / linear_ms / 1e6,
+                 "matmul_gflops_attention": (matmuls.flops - linear_flops) / attention_ms / 1e6,
                  "matmul_ms": times["matmuls"] * 1e3}
+        outside = times["single"] * 1e3 - split["matmul_ms"]
+        versus = {}
+        if peer is not None:
+            versus = {"torch_tokens_per_s": tokens / times["torch"], "torch_step_ms": times["torch"] * 1e3,
+                      "torch_mfu": tokens * flops_per_token / times["torch"] / 1e9 / gflops,
+                      "tokens_per_s_over_torch": times["torch"] / times["single"], "torch_loss_abs_diff": loss_diff,
+                      "torch_version": sys.modules["torch"].__version__}
         held, peak_act = activation_bytes(plain)
         held_c, peak_c = activation_bytes(ckpt)
-        row("single", times["single"], gflops, peak, **split, activation_held_bytes=held,
-            activation_peak_bytes=peak_act, profile_ms_per_step=profile_step(plain))
+        row("single", times["single"], gflops, peak, **split, **versus, activation_held_bytes=held,
+            activation_peak_bytes=peak_act, outside_matmul_ms=outside,
+            outside_matmul_share=outside / (times["single"] * 1e3), width=config.n_embd,
+            malloc_retained=args.retained, outside_matmul_ms_by_op=op_times(plain, linear_ms, attention_ms))
         row("checkpointed", times["checkpointed"], gflops, peak, time_over_single=times["checkpointed"] /
             times["single"], activation_held_bytes=held_c, activation_peak_bytes=peak_c,
             held_saving=1 - held_c / held, peak_saving=1 - peak_c / peak_act)
@@ -366,7 +522,8 @@ def run_driver(args):
     rows = []
     for n in args.ranks:
         cmd = [*launch_command(n), sys.executable, here, "--worker", "--steps", str(args.steps),
-               "--pipeline-steps", str(args.pipeline_steps)]
+               "--pipeline-steps", str(args.pipeline_steps), "--width", str(args.width)]
+        cmd += ["--no-torch"] * args.no_torch + ["--no-retain-memory"] * args.no_retain_memory
         env = dict(os.environ)
         if n > os.cpu_count():
             # More ranks than cores: MPICH busy-polls in blocking receives, and a spinning rank takes the core
@@ -416,8 +573,16 @@ def table(rows):
             out.append(f"single: peak 2048^3 {r['peak_gflops']:.1f} GFLOP/s, MFU vs peak {r['mfu_vs_peak']:.3f}; "
                        f"linears {r['matmul_gflops_linears']:.1f}, attention {r['matmul_gflops_attention']:.1f} "
                        f"GFLOP/s")
-            out.append("profile (ms/step): " + ", ".join(f"{k} {v:.0f}" for k, v in r["profile_ms_per_step"].items()
-                                                          if v >= 5 or k.startswith("step")))
+            if "torch_tokens_per_s" in r:
+                out.append(f"single vs PyTorch {r['torch_version']} eager (same run, same weights; losses differ by "
+                           f"{r['torch_loss_abs_diff']:.1e}): {r['tokens_per_s']:.0f} against "
+                           f"{r['torch_tokens_per_s']:.0f} tokens/s = {r['tokens_per_s_over_torch']:.2f}x; "
+                           f"torch MFU {r['torch_mfu']:.3f}")
+            by_op = r["outside_matmul_ms_by_op"]
+            out.append(f"single: outside the matmuls {r['outside_matmul_ms']:.0f} of {r['step_ms']:.0f} ms = "
+                       f"{r['outside_matmul_share']:.1%} of the step (malloc retained: {r['malloc_retained']}); "
+                       f"by op family (instrumented step {by_op['step']:.0f} ms):")
+            out.extend(f"  {k:34s} {v:7.1f} ms  {v / by_op['step']:6.1%}" for k, v in by_op.items() if k != "step")
         if r["strategy"] == "pipeline_1f1b":
             out.append(f"1F1B p={r['p']} m={r['m']}: bubble measured {r['bubble_measured']:.3f}, formula "
                        f"{r['bubble_formula']:.3f}; step {r['step_ms']:.0f} ms; stage compute ms "
@@ -429,8 +594,16 @@ def targets(rows):
     out = []
     by = {(r["strategy"], r["ranks"]): r for r in rows}
     if ("single", 1) in by:
-        mfu, goal = by[("single", 1)]["mfu"], TARGETS["single_mfu"]
+        single = by[("single", 1)]
+        mfu, goal = single["mfu"], TARGETS["single_mfu"]
         out.append(f"single MFU >= {goal}: {mfu:.3f} ({'met' if mfu >= goal else 'MISSED'})")
+        share, goal = single["outside_matmul_share"], TARGETS["outside_matmul_share"]
+        out.append(f"outside matmuls <= {goal:.0%} of the step: {share:.1%} ({'met' if share <= goal else 'MISSED'})")
+        goal = TARGETS["over_torch"].get(single["width"])
+        if goal is not None and "tokens_per_s_over_torch" in single:
+            ratio = single["tokens_per_s_over_torch"]
+            out.append(f"tokens/s >= {goal}x PyTorch eager at width {single['width']}: {ratio:.2f}x "
+                       f"({'met' if ratio >= goal else 'MISSED'})")
     for s in ("ddp", "fsdp"):
         r = by.get((s, 2))
         if r and "over_one_rank" in r:
@@ -449,6 +622,10 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10, help="timed steps per setup (after one warm-up)")
     parser.add_argument("--pipeline-steps", type=int, default=4, help="timed 1F1B steps (after one warm-up)")
     parser.add_argument("--worker", action="store_true", help="run one job's measurements (under mpiexec)")
+    parser.add_argument("--width", type=int, default=256, help="the GPT's n_embd (4 heads; issue 32: 256 and 512)")
+    parser.add_argument("--no-torch", action="store_true", help="leave out the PyTorch eager peer of the 1-rank job")
+    parser.add_argument("--no-retain-memory", action="store_true",
+                        help="leave glibc's malloc thresholds alone (mpidist.nn.allocator.retain_freed_memory)")
     args = parser.parse_args(argv)
     (run_worker if args.worker else run_driver)(args)
     return 0

@@ -8,12 +8,15 @@ float64, against splitting the heads and calling ``scaled_dot_product_attention`
 """
 
 import math
+import resource
+import sys
 
 import numpy as np
 import pytest
 
 from mpidist import nn
 from mpidist.nn import functional as F
+from mpidist.nn.allocator import retain_freed_memory
 from tests.gradcheck import gradcheck
 
 RTOL = 2e-5
@@ -203,3 +206,33 @@ def test_embedding_gradient_sums_repeated_rows_within_float64_reference():
     assert w.grad.dtype == np.float32
     _close(w.grad, ref)
     assert not w.grad[7:].any()
+
+
+def _page_faults_of_a_fresh_array(nbytes):
+    """Minor page faults of allocating, touching and freeing ``nbytes`` of float64 (after one warm-up round)."""
+    np.ones(nbytes // 8).sum()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    np.ones(nbytes // 8).sum()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_retain_freed_memory_reuses_freed_pages():
+    # 2 MiB is 512 pages (below numpy's 4 MiB huge-page advice): served by mmap and unmapped on free under
+    # glibc's starting thresholds, so every round faults them in again; retained, a round reuses the last one's.
+    nbytes = 2 << 20
+    try:
+        if not retain_freed_memory():
+            pytest.skip("no glibc mallopt")
+        retained = _page_faults_of_a_fresh_array(nbytes)
+        assert retain_freed_memory(False)
+        default = _page_faults_of_a_fresh_array(nbytes)
+    finally:
+        retain_freed_memory(False)
+    assert retained < 50, retained
+    assert default > 400, default
+
+
+def test_retain_freed_memory_rejects_bad_threshold():
+    with pytest.raises(ValueError, match=r"retain_freed_memory: threshold_bytes must be in \(0, 2\*\*31\) \(got 0\)"):
+        retain_freed_memory(threshold_bytes=0)
