@@ -231,12 +231,13 @@ def _orthonormalize(m):
     """Orthonormalize the columns of ``m`` in place: Gram-Schmidt in float64 (in float32 the ill-conditioned P of
     a real gradient kept errors of 1e-4 where full-rank PowerSGD must be exact), column by column as PyTorch."""
     wide = m.astype(np.float64)
-    for i in range(wide.shape[1]):
-        col = wide[:, i]
-        for j in range(i):
-            col -= (wide[:, j] @ col) * wide[:, j]
-        norm = np.sqrt(col @ col)
-        col /= norm if norm > 0 else 1.0
+    with np.errstate(invalid="ignore"):  # a NaN gradient (a step GradScaler skips) gives NaN factors, quietly
+        for i in range(wide.shape[1]):
+            col = wide[:, i]
+            for j in range(i):
+                col -= (wide[:, j] @ col) * wide[:, j]
+            norm = np.sqrt(col @ col)
+            col /= norm if norm > 0 else 1.0
     m[...] = wide
 
 
@@ -280,6 +281,7 @@ def powerSGD_hook(state, bucket):
         n = s.stop - s.start
         work[s] = rest[at: at + n]
         at += n
+    new_qs = {}
     if compressed:
         ps, qs = [], []
         for i, span, rows, cols, r in compressed:
@@ -305,12 +307,16 @@ def powerSGD_hook(state, bucket):
         for k, (i, span, rows, cols, r) in enumerate(compressed):
             q = q_flat[at: at + cols * r].reshape(cols, r)
             at += cols * r
-            state.qs[(bucket.index(), i)] = q.copy()
+            new_qs[(bucket.index(), i)] = q.copy()
             work[span] = (ps[k] @ q.T).reshape(-1)
-    # Error feedback: this rank's input minus its share of what the ranks now agree on (compressed parts only).
-    error = before - work / comm.Get_size()
-    for s in plain:
-        error[s] = 0
-    state.errors[bucket.index()] = error
+    # A NaN/Inf from any rank reaches every rank's result (the same on all): that step is skipped (GradScaler), so
+    # the memory keeps the last finite step's, or the NaN would poison every later step through the feedback.
+    if bool(np.isfinite(work).all()):
+        state.qs.update(new_qs)
+        # Error feedback: this rank's input minus its share of what the ranks agree on (compressed parts only).
+        error = before - work / comm.Get_size()
+        for s in plain:
+            error[s] = 0
+        state.errors[bucket.index()] = error
     flat[...] = xp.asarray(work).astype(flat.dtype, copy=False)
     return HookWork(value=flat)
