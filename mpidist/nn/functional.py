@@ -28,6 +28,15 @@ def _d(x):
     return x.data if isinstance(x, Tensor) else x
 
 
+def _matmul_into(a, b, out):
+    """Write ``a @ b`` into ``out`` (a strided view on numpy: BLAS writes it in place, no temporary)."""
+    xp = get_array_module(out)
+    if xp is np:
+        np.matmul(a, b, out=out)
+    else:  # CuPy's matmul wants a contiguous out: compute, then copy into the view
+        out[...] = a @ b
+
+
 def _row_dot(a, b):
     """Return the dot products of ``a`` and ``b`` along their last axis (broadcast), without a temporary."""
     xp = get_array_module(a)
@@ -741,20 +750,20 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
     probs, drop = _attention_probs(Q, K, s, is_causal, attn_mask, dropout_p, training, generator)
     out = xp.empty((b, t, h, hd), dtype=np.result_type(probs.dtype, V.dtype))
     out4 = out.transpose(0, 2, 1, 3)
-    xp.matmul(probs * drop if drop is not None else probs, V, out=out4)
+    _matmul_into(probs * drop if drop is not None else probs, V, out4)
 
     def backward(g, n):
         Q, K, V = heads(_d(qkv))
         G = g.reshape(b, t, h, hd).transpose(0, 2, 1, 3)
         grad = xp.empty((b, t, 3, h, hd), dtype=np.result_type(g.dtype, X.dtype))
         gq, gk, gv = (grad[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
-        xp.matmul((probs * drop if drop is not None else probs).swapaxes(-1, -2), G, out=gv)
+        _matmul_into((probs * drop if drop is not None else probs).swapaxes(-1, -2), G, gv)
         dp = G @ V.swapaxes(-1, -2)
         if drop is not None:
             dp *= drop
         ds = _attention_scores_grad(dp, probs, _row_dot(G, out4), s)
-        xp.matmul(ds, K, out=gq)
-        xp.matmul(ds.swapaxes(-1, -2), Q, out=gk)
+        _matmul_into(ds, K, gq)
+        _matmul_into(ds.swapaxes(-1, -2), Q, gk)
         return (grad.reshape(b, t, 3 * d),)
     return make_result("MultiHeadAttention", out.reshape(b, t, d), (qkv,), backward)
 
