@@ -66,6 +66,16 @@ def test_different_dtype_or_extra_layer_raise_on_every_rank(comm, wrapper):
 
 
 @pytest.mark.world_sizes(2, 4)
+def test_check_same_names_a_rank_with_an_empty_list(comm):
+    # A count of 0 is a value: the message must name rank 0's empty list, not leave rank 0 out.
+    from mpidist.comm.agree import check_same
+    others = "rank 1" if comm.Get_size() == 2 else f"ranks 1,2,{comm.Get_size() - 1}"
+    with pytest.raises(ValueError, match=rf"^settings: ranks disagree at item 0 \(item counts: rank 0: 0; {others}: 1\): "
+                                         rf"rank 0: <none: only 0 items>; {others}: 'a'$"):
+        check_same(comm, [] if comm.Get_rank() == 0 else ["a"], "settings")
+
+
+@pytest.mark.world_sizes(2, 4)
 def test_pipeline_settings_must_agree(comm):
     from test_pipeline import split_model
     rank, p = comm.Get_rank(), comm.Get_size()

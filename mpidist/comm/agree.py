@@ -12,23 +12,34 @@ on some ranks only ends in one of these two calls, so all ranks leave together w
 - ``check_same(comm, items, context)``: every rank must pass equal lists (a model's parameter names,
   shapes and dtypes; a schedule's settings); otherwise every rank raises naming the first difference
   and which ranks hold which value.
+- ``describe_ranks(values)`` and ``name_ranks(ranks)``: the one way every message names ranks
+  ("rank 0: x; ranks 2,3: y", "ranks 0,2"), for errors whose values were gathered some other way.
 
 Both cost one small object allgather, so they belong at set-up and on error paths, not in hot loops.
 """
 
 import hashlib
 
-__all__ = ["raise_if_any", "agreed", "check_same", "describe_ranks"]
+__all__ = ["raise_if_any", "agreed", "check_same", "describe_ranks", "name_ranks"]
 
 
-def describe_ranks(problems):
-    """Return "rank 0: x; ranks 2,3: y" for ``problems`` (one entry per rank, None where there is none)."""
+def name_ranks(ranks):
+    """Return "rank 3" or "ranks 0,2" for ``ranks`` (any order, repeats named once)."""
+    ranks = sorted(set(ranks))
+    return f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}"
+
+
+def describe_ranks(values, joiner=": "):
+    """Return "rank 0: x; ranks 2,3: y" for ``values`` (one per rank, None where a rank has none).
+
+    Ranks with equal values are named together, in order of their first rank; ``joiner`` goes between
+    the ranks and their value (" called " gives "ranks 1,2 called Bcast(...)").
+    """
     grouped = {}
-    for rank, problem in enumerate(problems):
-        if problem:
-            grouped.setdefault(problem, []).append(rank)
-    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: {problem}"
-                     for problem, ranks in grouped.items())
+    for rank, value in enumerate(values):
+        if value is not None:  # not a falsy test: a count of 0 is a value
+            grouped.setdefault(value, []).append(rank)
+    return "; ".join(f"{name_ranks(ranks)}{joiner}{value}" for value, ranks in grouped.items())
 
 
 def _message(context, problems):

@@ -32,6 +32,7 @@ compares the calls of every round itself, it raises ``CollectiveMismatchError`` 
 import numpy as np
 from mpi4py import MPI
 
+from ..comm.agree import describe_ranks
 from ..comm.errors import CommError
 from ..wire import DTYPES, REDUCTION_NAMES
 
@@ -101,17 +102,6 @@ def describe(row, show_shape=False):
     return f"#{seq} {_name(op, OPS)}({', '.join(parts)})"
 
 
-def _groups(rows, show_shape):
-    groups = {}
-    for r, row in enumerate(rows):
-        groups.setdefault(describe(row, show_shape), []).append(r)
-    return groups
-
-
-def _ranks(rs):
-    return f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}"
-
-
 def mismatch_message(name, rows):
     """Return the DesyncError text for the fingerprint rows of every rank (the same text on every rank)."""
     rows = [list(map(int, row)) for row in rows]
@@ -119,11 +109,11 @@ def mismatch_message(name, rows):
     if "count" in differing and "shape" in differing:
         differing.remove("shape")  # a different count is a different shape; the count says more
     show_shape = "shape" in differing
-    groups = _groups(rows, show_shape)
-    expected = describe(rows[0], show_shape)
+    calls = [describe(row, show_shape) for row in rows]
+    expected = calls[0]
     # The ranks that differ from rank 0 come first, whoever raises it.
-    deviating = "; ".join(f"{_ranks(rs)} called {d}" for d, rs in groups.items() if d != expected)
-    everyone = "; ".join(f"{_ranks(rs)}: {d}" for d, rs in groups.items())
+    deviating = describe_ranks([c if c != expected else None for c in calls], joiner=" called ")
+    everyone = describe_ranks(calls)
     return (f"collective desync on {name} at call #{rows[0][0]} (differs in {', '.join(differing)}): "
             f"expected {expected} (rank 0), but {deviating}; all ranks: {everyone}")
 
@@ -176,12 +166,9 @@ def compare_stamps(name, stamps):
     stamps = [tuple(int(v) for v in row) for row in stamps]
     if len(set(stamps)) <= 1:
         return
-    rows = [[seq, op, -1, -1, -1, -1, 0] for seq, op in stamps]
-    groups = {}
-    for r, row in enumerate(rows):
-        groups.setdefault(f"#{row[0]} {_name(row[1], OPS)}", []).append(r)
-    expected = f"#{rows[0][0]} {_name(rows[0][1], OPS)}"
-    deviating = "; ".join(f"{_ranks(rs)} called {d}" for d, rs in groups.items() if d != expected)
+    calls = [f"#{seq} {_name(op, OPS)}" for seq, op in stamps]
+    expected = calls[0]
+    deviating = describe_ranks([c if c != expected else None for c in calls], joiner=" called ")
     differing = [f for i, f in enumerate(("sequence", "op")) if len({s[i] for s in stamps}) > 1]
     raise DesyncError(f"collective desync on {name} at call #{stamps[0][0]} (differs in {', '.join(differing)}): "
                       f"expected {expected} (rank 0), but {deviating}")
@@ -216,7 +203,7 @@ def mediate(rank, mine, calls, check_bytes):
     rows = {rank: _row(mine)}
     rows.update({r: _row(s) for r, s in blocked.items()})
     differing = [f for i, f in enumerate(FIELDS) if f != "shape" and len({row[i] for row in rows.values()}) > 1]
-    below = "; ".join(f"{_ranks([r])} called {describe(rows[r])} ({s['bytes']} B) and went ahead without a check"
+    below = "; ".join(f"rank {r} called {describe(rows[r])} ({s['bytes']} B) and went ahead without a check"
                       for r, s in blocked.items())
     return (f"collective desync on {mine['name']} at call #{mine['seq']}"
             f"{' (differs in ' + ', '.join(differing) + ')' if differing else ''}: rank {rank} called "

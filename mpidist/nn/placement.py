@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
+from mpidist.comm.agree import name_ranks
+
 __all__ = ["Shard", "Replicate", "FlatShard", "Box", "boxes", "global_shape", "check_tiling", "flat_boxes",
            "intersect", "first_overlap", "describe_box", "placement_of", "set_placement"]
 
@@ -310,12 +312,6 @@ def describe_box(shape, offsets, sizes):
     return f"(chunk at offsets {tuple(offsets)} of sizes {tuple(sizes)} in shape {tuple(shape)})"
 
 
-def _ranks(ranks):
-    """Return "rank 3" or "ranks 0,2"."""
-    ranks = sorted(set(ranks))
-    return f"rank{'s' if len(ranks) > 1 else ''} {','.join(str(r) for r in ranks)}"
-
-
 def check_tiling(name, shape, boxes_by_rank: Sequence) -> Optional[str]:
     """Return what is wrong (a box outside, an overlap, a hole) with boxes meant to tile ``shape``, or None.
 
@@ -331,13 +327,13 @@ def check_tiling(name, shape, boxes_by_rank: Sequence) -> Optional[str]:
     for offsets, sizes in distinct:
         if len(offsets) != len(shape) or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, shape)):
             return (f"{name!r} has a chunk outside its shape: {describe_box(shape, offsets, sizes)} on "
-                    f"{_ranks(holders[offsets, sizes])}")
+                    f"{name_ranks(holders[offsets, sizes])}")
     pair = first_overlap(distinct)
     if pair is not None:
         (a_offsets, a_sizes), (b_offsets, b_sizes) = distinct[pair[0]], distinct[pair[1]]
         return (f"{name!r} has overlapping chunks that are not the same chunk: "
-                f"{describe_box(shape, a_offsets, a_sizes)} on {_ranks(holders[a_offsets, a_sizes])}, "
-                f"{describe_box(shape, b_offsets, b_sizes)} on {_ranks(holders[b_offsets, b_sizes])}; "
+                f"{describe_box(shape, a_offsets, a_sizes)} on {name_ranks(holders[a_offsets, a_sizes])}, "
+                f"{describe_box(shape, b_offsets, b_sizes)} on {name_ranks(holders[b_offsets, b_sizes])}; "
                 f"the placements of its blocks must split it the same way on every rank")
     covered, total = sum(math.prod(sizes) for _, sizes in distinct), math.prod(shape)
     if covered != total:

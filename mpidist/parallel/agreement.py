@@ -28,7 +28,7 @@ which the collective timeout and the flight recorder report (docs/reliability.md
 import numpy as np
 
 from .. import collectives
-from ..comm.agree import check_same
+from ..comm.agree import check_same, describe_ranks
 from ..guard import DesyncError
 
 __all__ = ["check_same_structure", "check_same_shards", "structure", "frozen_flags", "TrainableAtBuild",
@@ -186,11 +186,8 @@ class StepStamp:
     def _raise(self, where):
         # Every rank saw the same reduced values, so every rank is here: the gather below matches.
         stamps = self.comm.allgather(self._mine)
-        groups = {}
-        for rank, stamp in enumerate(stamps):
-            groups.setdefault(stamp, []).append(rank)
-        parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {f} training forwards, "
-                          f"{b} backwards ({n} synchronizing), {v} optimizer steps" for (f, b, n, v), rs in groups.items())
+        parts = describe_ranks([f"{f} training forwards, {b} backwards ({n} synchronizing), {v} optimizer steps"
+                                for f, b, n, v in stamps])
         raise DesyncError(f"{self.owner}: ranks are at different steps at {where} ({parts}); a rank skipped or "
                           f"repeated a forward, backward or optimizer step, so its gradients would be combined with "
                           f"another step's. Run the same steps on every rank (evaluation forwards belong under "

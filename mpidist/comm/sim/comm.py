@@ -13,10 +13,11 @@ import time
 
 from mpi4py import MPI
 
+from ..agree import describe_ranks
 from ..errors import CollectiveMismatchError, SimAbort
 from . import spec
 from .collectives import Collectives
-from .engine import Context, current
+from .engine import Context, Round, current
 from .errors import mpi_error, rc_errhandler
 from .group import SimGroup
 from .handles import Handles
@@ -326,7 +327,7 @@ class SimComm(Handles, PointToPoint, Collectives):
         self._seq += 1
         rnd = ctx.rounds.get(seq)
         if rnd is None:
-            rnd = ctx.rounds[seq] = _Round(size)
+            rnd = ctx.rounds[seq] = Round(size)
         rnd.calls[self._rank] = (name, sig, payload)
         rnd.arrived += 1
         if rnd.arrived == size:
@@ -348,10 +349,7 @@ class SimComm(Handles, PointToPoint, Collectives):
     def _finish_round(self, seq, rnd, work):
         first = rnd.calls[0]
         if any(c[0] != first[0] or c[1] != first[1] for c in rnd.calls):
-            groups = {}
-            for r, (name, sig, _) in enumerate(rnd.calls):
-                groups.setdefault(_describe(name, sig), []).append(r)
-            parts = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} called {d}" for d, rs in groups.items())
+            parts = describe_ranks([_describe(name, sig) for name, sig, _ in rnd.calls], joiner=" called ")
             rnd.error = f"collective mismatch on {self._ctx.name} (call #{seq}): {parts}"
         else:
             try:
@@ -624,18 +622,6 @@ class SimIntercomm(MPI.Intercomm):
         if self == MPI.COMM_NULL:
             raise mpi_error(MPI.ERR_COMM, "Intercomm.Create: communicator is MPI.COMM_NULL")
         raise NotImplementedError("SimComm.Intercomm.Create: intercommunicators are not simulated")
-
-
-class _Round:
-    __slots__ = ("calls", "arrived", "departed", "done", "error", "results")
-
-    def __init__(self, size):
-        self.calls = [None] * size
-        self.arrived = 0
-        self.departed = 0
-        self.done = False
-        self.error = None
-        self.results = [None] * size
 
 
 # What the simulator does not do: these raise NotImplementedError naming the call (docs/simulation.md).

@@ -21,6 +21,7 @@ import time
 
 from mpi4py import MPI
 
+from ..agree import name_ranks
 from ..errors import DeadlockError, RankFailedError, WatchdogTimeout
 
 __all__ = ["Universe", "Context", "Round", "ANY_SOURCE", "ANY_TAG", "current", "bind_rank"]
@@ -134,9 +135,8 @@ class Universe:
                         lines = "; ".join([f"rank {r} waits in {waiting[r][1]}" for r in sorted(stuck)] +
                                           [f"rank {r} (its thread {name}) waits in {w}" for r, name, w in helpers])
                         # The ranks not waiting have ended (a failure would have released the waits first).
-                        ended = [str(r) for r in range(self.size) if r not in waiting]
-                        ended = (f" and rank{'s' if len(ended) > 1 else ''} {','.join(ended)} returned without "
-                                 f"joining them" if ended else "")
+                        ended = [r for r in range(self.size) if r not in waiting]
+                        ended = f" and {name_ranks(ended)} returned without joining them" if ended else ""
                         self.deadlock = f"deadlock: every live simulated rank is blocked{ended}: {lines}"
                         self.changed()
                         raise DeadlockError(self.deadlock)
