@@ -82,7 +82,7 @@ from .comm import check_comm
 from .comm.agree import agreed, describe_ranks, name_ranks
 from .nn.placement import Box, FlatShard, boxes, check_tiling, describe_box, first_overlap, global_shape, intersect
 from .nn.module import Module
-from .optim import is_held
+from .optim import is_held, state_like
 from .parallel.interface import Wrapper, as_wrapper
 from .xp import copy_into, to_numpy
 
@@ -450,7 +450,7 @@ def _held_chunks(slots):
         array = to_numpy(slot.array)
         for seg in slot.segments:
             for box in seg.boxes:
-                held.append(_Held(seg.key, seg.shape, array.dtype.str, box.offsets, box.sizes,
+                held.append(_Held(seg.key, seg.shape, standard_json.dtype_code(array.dtype), box.offsets, box.sizes,
                                   np.ascontiguousarray(box.view(array))))
     return held
 
@@ -468,7 +468,7 @@ def _check_declarations(declarations):
             boxes.setdefault(key, {}).setdefault((key, tuple(offsets), tuple(sizes)), []).append((rank, nbytes, crc))
     for key, kinds in infos.items():
         if len(kinds) > 1:
-            seen = "; ".join(f"{name_ranks(r)}: shape {s}, dtype {np.dtype(d)}" for (s, d), r in kinds.items())
+            seen = "; ".join(f"{name_ranks(r)}: shape {s}, dtype {standard_json.check_dtype(d)}" for (s, d), r in kinds.items())
             raise CheckpointError(f"checkpoint: ranks disagree on the global shape or dtype of {key!r} ({seen}); "
                                   f"every rank must build the same model")
     for key, by_box in boxes.items():
@@ -510,7 +510,7 @@ def _write_rank_file(path, pieces):
     records, offset, chunks = [], 0, []
     for piece in pieces:
         records.append({"offset": offset, "offsets": list(piece.offsets), "sizes": list(piece.sizes)})
-        chunks.append(piece.data)
+        chunks.append(piece.data.reshape(-1).view(np.uint8))  # bytes: Python's buffers know no bfloat16
         offset += piece.data.nbytes
     nbytes, crc = _write_atomic(path, chunks)
     return {"bytes": nbytes, "crc32": crc}, records
@@ -561,7 +561,7 @@ def _save(root, state, comm, step, keep_last=3):
     directory = _step_dir(root, step)
     # A CRC32 per chunk lets rank 0 tell replicas that agree from ranks that hold different values under one key.
     declarations = comm.gather(((int(step), keep_last), [(h.key, h.shape, h.dtype, h.offsets, h.sizes, h.data.nbytes,
-                                zlib.crc32(memoryview(h.data).cast("B"))) for h in held]), root=0)
+                                zlib.crc32(h.data.reshape(-1).view(np.uint8))) for h in held]), root=0)
 
     def assign():
         if rank != 0:
@@ -913,7 +913,7 @@ class _Reader:
     def read(self, key, offsets, sizes, out):
         """Fill ``out`` (a host array of shape ``sizes``) with the box ``(offsets, sizes)`` of ``key``."""
         entry = self.manifest["tensors"][key]
-        dtype = np.dtype(entry["dtype"])
+        dtype = standard_json.check_dtype(entry["dtype"])
         copied = 0
         for chunk in entry["chunks"]:
             overlap = intersect(offsets, sizes, chunk["offsets"], chunk["sizes"])
@@ -964,8 +964,9 @@ def _key_problems(slots, tensors):
                 missing.append(key)
             elif tuple(tensors[key]["shape"]) != tuple(shape):
                 problems.append(f"{key!r} has shape {tuple(tensors[key]['shape'])} in the checkpoint, {tuple(shape)} in the model")
-            elif np.dtype(tensors[key]["dtype"]) != slot.array.dtype:
-                problems.append(f"{key!r} has dtype {np.dtype(tensors[key]['dtype'])} in the checkpoint, {slot.array.dtype} in the model")
+            elif standard_json.check_dtype(tensors[key]["dtype"]) != slot.array.dtype:
+                problems.append(f"{key!r} has dtype {standard_json.check_dtype(tensors[key]['dtype'])} in the checkpoint, "
+                                f"{slot.array.dtype} in the model")
     return problems, missing
 
 
@@ -1009,7 +1010,8 @@ def _compare_keys(state, manifest, path):
                 if kept is None:  # (an FSDP shard's state is saved under each key it holds, so any stands for all)
                     missing.extend(f"{name}.{key}" for key in pkeys)
                 else:  # the arrays it will hold, shaped and typed like the parameter's storage
-                    slots.extend(_state_slots(name, segments, {k: p.data for k in kept["arrays"]}))
+                    slots.extend(_state_slots(name, segments, {k: state_like(p.data, copy=False)
+                                                               for k in kept["arrays"]}))
         elif _is_array(obj):
             slots.append(_full_slot(name, obj))
         elif not _is_model(obj) and name not in saved:
@@ -1108,7 +1110,7 @@ def _restore_optimizer(name, opt, entry, registry):
             continue
         state = dict(saved["scalars"])
         for k in saved["arrays"]:
-            state[k] = p.data.copy()  # shaped like the local storage; filled from the checkpoint below
+            state[k] = state_like(p.data)  # shaped like the local storage; filled from the checkpoint below
         opt.state[i] = state
 
 

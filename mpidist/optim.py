@@ -21,7 +21,7 @@ import weakref
 
 from mpidist.xp import asarray_like, get_array_module
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "LRScheduler", "LambdaLR", "StepLR", "LinearLR",
+__all__ = ["Optimizer", "state_like", "SGD", "Adam", "AdamW", "LRScheduler", "LambdaLR", "StepLR", "LinearLR",
            "CosineAnnealingLR", "SequentialLR", "register_optimizer_step_pre_hook",
            "register_optimizer_step_post_hook"]
 
@@ -61,6 +61,15 @@ _LOW_PRECISION = ("float16", "bfloat16")
 
 def _is_low(array):
     return str(getattr(array, "dtype", "")) in _LOW_PRECISION
+
+
+def state_like(data, copy=True):
+    """Return an array shaped like parameter values ``data`` in the dtype an optimizer keeps its state in: float32
+    for a 16-bit parameter (its master weight and moments), else ``data``'s (a copy, or ``data`` itself without
+    ``copy``). What a checkpoint loads optimizer state into."""
+    if _is_low(data):
+        return data.astype(get_array_module(data).float32)
+    return data.copy() if copy else data
 
 
 class _MasterParam:

@@ -22,18 +22,29 @@ import binascii
 import json
 import math
 
+import ml_dtypes
 import numpy as np
 
-__all__ = ["encode", "decode", "dumps", "loads", "check_dtype"]
+__all__ = ["encode", "decode", "dumps", "loads", "check_dtype", "dtype_code"]
 
 FLOAT, ARRAY, DICT = "__float__", "__array__", "__dict__"
 TAGS = (FLOAT, ARRAY, DICT)
 _FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _KINDS = "biufc"  # bool, signed, unsigned, float, complex: raw bytes with no Python object behind them
+# bfloat16 (ml_dtypes; mixed precision) is raw bytes too, but numpy's dtype string for it ("<V2") names no number:
+# it is written by name.
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def dtype_code(dtype):
+    """Return the string a file stores for number dtype ``dtype``: numpy's ``dtype.str``, or "bfloat16"."""
+    return "bfloat16" if dtype == _BFLOAT16 else dtype.str
 
 
 def check_dtype(dtype):
-    """Return ``numpy.dtype(dtype)`` if it is a plain number or bool dtype; raise ValueError otherwise."""
+    """Return ``numpy.dtype(dtype)`` if it is a plain number or bool dtype (or "bfloat16"); raise ValueError otherwise."""
+    if dtype == "bfloat16":
+        return _BFLOAT16
     try:
         found = np.dtype(dtype) if isinstance(dtype, str) else None
     except (TypeError, ValueError):
@@ -53,10 +64,10 @@ def encode(value, where="value"):
         return {FLOAT: "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"}
     if isinstance(value, (np.ndarray, np.generic)):
         array = np.asarray(value)
-        if array.dtype.kind not in _KINDS or array.dtype.fields is not None:
+        if (array.dtype.kind not in _KINDS and array.dtype != _BFLOAT16) or array.dtype.fields is not None:
             raise TypeError(f"{where}: a numpy value of dtype {array.dtype} cannot be stored as data")
         raw = np.ascontiguousarray(array).tobytes()
-        return {ARRAY: {"dtype": array.dtype.str, "shape": None if isinstance(value, np.generic) else list(array.shape),
+        return {ARRAY: {"dtype": dtype_code(array.dtype), "shape": None if isinstance(value, np.generic) else list(array.shape),
                         "data": base64.b64encode(raw).decode("ascii")}}
     if isinstance(value, (list, tuple)):
         return [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
