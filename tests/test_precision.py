@@ -305,4 +305,7 @@ def test_checkpoint_keeps_bfloat16_parameters_float32_masters_and_the_scaler(tmp
         for i in opt.state:
             np.testing.assert_array_equal(opt.state[i]["master_param"], opt2.state[i]["master_param"])
         assert scaler.state_dict() == scaler2.state_dict()
+        with pytest.raises(checkpoint.CheckpointError, match=r"'model.0.weight' has dtype bfloat16 in the checkpoint, "
+                                                             r"float32 in the model"):
+            checkpoint.load(str(tmp_path), {"model": _mlp()}, comm, strict=False)
     simulate(1, body)
