@@ -26,7 +26,6 @@ import numpy as np
 
 from .. import collectives
 from ..nn.precision import bfloat16, float16
-from ..partition import displacements, split_sizes
 from ..xp import get_array_module
 
 __all__ = ["HookBucket", "HookWork", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
@@ -111,29 +110,27 @@ def allreduce_hook(state, bucket):
 
 
 def _ring_reduce_scatter(flat, comm, mean):
-    """The ring's first half: return (float32 accumulator, chunk slices) with chunk ``rank`` summed over the ranks
-    (divided by their number with ``mean``) in the accumulator."""
+    """The ring's first half: return (float32 accumulator of ``n * chunk`` elements, ``flat`` zero-padded to equal
+    chunks, and ``chunk``) with chunk ``rank`` summed over the ranks (divided by their number with ``mean``).
+    Equal chunks let the allgather that follows run without exchanging shapes first."""
     dtype = flat.dtype
     n, rank = comm.Get_size(), comm.Get_rank()
-    counts = split_sizes(flat.size, n)
-    chunk = [slice(s, s + c) for s, c in zip(displacements(counts), counts)]
-    acc = flat.astype(np.float32)
-    widest = max(counts)
-    send16, recv16 = np.empty(widest, dtype), np.empty(widest, dtype)
+    chunk = -(-flat.size // n)
+    acc = np.zeros(n * chunk, np.float32)
+    acc[:flat.size] = flat
+    send16, recv16 = np.empty(chunk, dtype), np.empty(chunk, dtype)
     right, left = (rank + 1) % n, (rank - 1) % n
     # Step k sends chunk (rank - k - 1) and adds the left neighbour's chunk (rank - k - 2): after n - 1 steps
     # rank r holds the whole sum of chunk r.
     for k in range(n - 1):
         s, c = (rank - k - 1) % n, (rank - k - 2) % n
-        part = send16[:counts[s]]
-        part[...] = acc[chunk[s]]
-        request = collectives.isend(part.view(np.uint16), right, comm, tag=_RING_TAG)
-        got = recv16[:counts[c]]
-        collectives.recv(left, comm, tag=_RING_TAG, out=got.view(np.uint16))
-        acc[chunk[c]] += got
+        send16[...] = acc[s * chunk: (s + 1) * chunk]
+        request = collectives.isend(send16.view(np.uint16), right, comm, tag=_RING_TAG)
+        collectives.recv(left, comm, tag=_RING_TAG, out=recv16.view(np.uint16))
+        acc[c * chunk: (c + 1) * chunk] += recv16
         request.wait()
     if mean:
-        acc[chunk[rank]] /= np.float32(n)
+        acc[rank * chunk: (rank + 1) * chunk] /= np.float32(n)
     return acc, chunk
 
 
@@ -143,11 +140,13 @@ def _check_16(fn, flat):
 
 
 def ring_reduce_scatter_16(flat, comm, mean=False):
-    """Return this rank's chunk (``split_sizes`` order) of the sum (or ``mean``) of the 1-D float16/bfloat16 array
-    ``flat`` over ``comm``: 16-bit messages, float32 accumulation, rounded once at the end to ``flat``'s dtype."""
+    """Return this rank's chunk of the sum (or ``mean``) of the 1-D float16/bfloat16 array ``flat`` over ``comm``:
+    16-bit messages, float32 accumulation, rounded once at the end to ``flat``'s dtype. Chunks have
+    ``ceil(flat.size / ranks)`` elements (the last ones shorter or empty when that does not divide)."""
     _check_16("ring_reduce_scatter_16", flat)
     acc, chunk = _ring_reduce_scatter(flat, comm, mean)
-    return acc[chunk[comm.Get_rank()]].astype(flat.dtype)
+    rank = comm.Get_rank()
+    return acc[rank * chunk: min((rank + 1) * chunk, flat.size)].astype(flat.dtype)
 
 
 def ring_allreduce_16(flat, comm, out=None):
@@ -161,10 +160,12 @@ def ring_allreduce_16(flat, comm, out=None):
         out[...] = flat
         return out
     acc, chunk = _ring_reduce_scatter(flat, comm, mean=False)
-    mine = out[chunk[comm.Get_rank()]]
-    mine[...] = acc[chunk[comm.Get_rank()]]
+    rank, n = comm.Get_rank(), comm.Get_size()
+    mine = acc[rank * chunk: (rank + 1) * chunk].astype(flat.dtype)
     # The second half: every finished chunk copied as bytes, so every rank holds its owner's bits.
-    out.view(np.uint16)[...] = collectives.allgather(mine.view(np.uint16), comm)
+    gathered = np.empty(n * chunk, flat.dtype)
+    collectives.allgather(mine.view(np.uint16), comm, out=gathered.view(np.uint16))
+    out[...] = gathered[:flat.size]
     return out
 
 
