@@ -97,3 +97,14 @@ def test_bad_precision_arguments_raise(comm):
     with pytest.raises(ValueError, match=r"FSDP: param_dtype and reduce_dtype need a sharding strategy "
                                          r"\(got strategy='no_shard'"):
         FSDP(make_model(), comm, strategy="no_shard", param_dtype="bf16")
+
+
+@pytest.mark.world_sizes(4)
+@pytest.mark.parametrize("reduce_dtype", [None, "bf16"], ids=["reduce_fp32", "reduce_bf16"])
+def test_hybrid_sharding_with_param_and_reduce_dtypes(comm, reduce_dtype):
+    """Hybrid sharding (2 shard groups of 2): a 16-bit reduce-scatter within the group, then the float32 chunk
+    averaged over the replicas; the reference rounds where FSDP rounds (float32 reduction: 1e-6; bfloat16 on the
+    wire: 1e-2), and the shards are float32 everywhere."""
+    _, params = run_fsdp(comm, strategy="hybrid_shard", shard_size=2, param_dtype="bf16", reduce_dtype=reduce_dtype)
+    for got, want in zip(params, reference(comm.Get_size(), bfloat16)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 if reduce_dtype is None else 1e-2)
