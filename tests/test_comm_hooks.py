@@ -211,3 +211,30 @@ def test_powerSGD_rank_1_trains_saves_and_resumes(comm):
     for p, q in zip(ddp.parameters(), resumed.parameters()):
         np.testing.assert_array_equal(p.data, q.data)
     assert_same_on_every_rank(comm, [p.data for p in ddp.parameters()])
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_hooks_run_once_per_synchronization_under_no_sync(comm):
+    """Two micro-batches, the first under no_sync: a hook sees the accumulated gradients once per step (PowerSGD
+    counts 4 synchronizations for 4 steps), and full-rank PowerSGD after 1 plain synchronization equals plain DDP's
+    accumulation to float32 rounding."""
+    per_rank = 16 // comm.Get_size()
+    runs = []
+    for hooked in (False, True):
+        ddp = DDP(make_model(), comm)
+        state = PowerSGDState(matrix_approximation_rank=HIDDEN, start_powerSGD_iter=1, min_compression_rate=0.0)
+        if hooked:
+            ddp.register_comm_hook(state, powerSGD_hook)
+        opt = optim.SGD(ddp.parameters(), lr=0.5)
+        for step in range(4):
+            x, y = shard(comm, step, per_rank)
+            half = per_rank // 2
+            opt.zero_grad()
+            with ddp.no_sync():
+                (F.cross_entropy(ddp(x[:half]), y[:half]) * 0.5).backward()
+            (F.cross_entropy(ddp(x[half:]), y[half:]) * 0.5).backward()
+            opt.step()
+        runs.append((ddp, state))
+    assert runs[1][1].iter == 4
+    for p, q in zip(runs[1][0].parameters(), runs[0][0].parameters()):
+        np.testing.assert_allclose(p.data, q.data, rtol=0, atol=1e-5)
