@@ -288,12 +288,14 @@ FAMILIES = {
 }
 
 
-def op_times(trainer, matmul_linear_ms, matmul_attention_ms, steps=3):
+def op_times(trainer, matmuls, steps=4):
     """Return {family: ms per step outside the matmuls} of ``trainer``'s step, timed op by op.
 
     Every public op of mpidist.nn.functional is wrapped (forward: the outermost op call only, so a composite op
     is not counted twice), and every backward closure it records; ``optimizer`` is AdamW.step, ``autograd engine
     and Python`` the rest of the step. ``step`` is the instrumented step (a little slower than the timed one).
+    Linear's and attention's own products (``matmuls``, a MatmulsOnly) are timed alternately with the
+    instrumented steps, so that both see the same load.
     """
     from mpidist.nn import functional as F
     spent, depth = {}, [0]
@@ -331,10 +333,14 @@ def op_times(trainer, matmul_linear_ms, matmul_attention_ms, steps=3):
         trainer.opt.step = timed("optimizer", opt_step)
         trainer.step()
         spent.clear()
-        start = time.perf_counter()
+        total = linear_s = attention_s = 0.0
         for _ in range(steps):
+            matmuls.step()
+            linear_s, attention_s = linear_s + matmuls.linear_s[-1], attention_s + matmuls.attention_s[-1]
+            start = time.perf_counter()
             trainer.step()
-        total = (time.perf_counter() - start) / steps * 1e3
+            total += time.perf_counter() - start
+        total, matmul_linear_ms, matmul_attention_ms = (v / steps * 1e3 for v in (total, linear_s, attention_s))
     finally:
         for name, fn in originals.items():
             setattr(F, name, fn)
@@ -438,7 +444,7 @@ def run_worker(args):
         row("single", times["single"], gflops, peak, **split, **versus, activation_held_bytes=held,
             activation_peak_bytes=peak_act, outside_matmul_ms=outside,
             outside_matmul_share=outside / (times["single"] * 1e3), width=config.n_embd,
-            malloc_retained=args.retained, outside_matmul_ms_by_op=op_times(plain, linear_ms, attention_ms))
+            malloc_retained=args.retained, outside_matmul_ms_by_op=op_times(plain, matmuls))
         row("checkpointed", times["checkpointed"], gflops, peak, time_over_single=times["checkpointed"] /
             times["single"], activation_held_bytes=held_c, activation_peak_bytes=peak_c,
             held_saving=1 - held_c / held, peak_saving=1 - peak_c / peak_act)
