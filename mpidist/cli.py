@@ -22,6 +22,7 @@ from . import bench, collectives, guard, xp
 from .comm import simulate
 from .comm.agree import describe_ranks, raise_if_any
 from .launch import LaunchError, init
+from .plan import cli as plan_cli
 
 __all__ = ["main", "build_parser", "gpu_path_name"]
 
@@ -70,7 +71,7 @@ def build_parser():
     """Return the argument parser of the ``mpidist`` command."""
     parser = _Parser(prog="mpidist", allow_abbrev=False,
                      description="Inspect, benchmark and self-test an mpidist installation (run under mpiexec/srun for N ranks).")
-    sub = parser.add_subparsers(dest="command", metavar="{info,bench,check,flight,trace,sim}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{info,bench,check,flight,trace,sim,plan}", parser_class=_Parser)
     sub.add_parser("info", allow_abbrev=False, help="versions, MPI library, ranks and nodes, launcher, GPUs")
     b = sub.add_parser("bench", allow_abbrev=False, help="collective bandwidth, mpidist next to raw mpi4py",
                        description="Time collectives nccl-tests style (size, count, type, time, algbw, busbw) for "
@@ -119,6 +120,7 @@ def build_parser():
                    "one CPU cuts message latency ~3x, but numpy work no longer runs in parallel (MPIDIST_SIM_CPUS)")
     s.add_argument("prog", metavar="PROG", help="the Python file to run")
     s.add_argument("args", nargs=argparse.REMAINDER, help="PROG's arguments")
+    plan_cli.add_parser(sub)
     return parser
 
 
@@ -169,7 +171,7 @@ def main(argv=None):
         return 2
     try:
         return {"info": cmd_info, "bench": cmd_bench, "check": cmd_check, "flight": cmd_flight,
-                "trace": cmd_trace, "sim": cmd_sim}[args.command](args)
+                "trace": cmd_trace, "sim": cmd_sim, "plan": plan_cli.run}[args.command](args)
     except (UsageError, bench.BenchError, LaunchError) as exc:
         _say(f"mpidist {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, LaunchError) else 2

@@ -418,7 +418,7 @@ def simulate_schedule(schedule: Schedule, f_cost: float = 1.0, b_cost: float = 2
     bubble = sum(1 - b / makespan for b in busy) / s.p if makespan > 0 else 0.0
     return SimResult(makespan, busy, bubble,
                      tuple(_peak(row, Kind.B) for row in s.actions),
-                     tuple(_peak(row, Kind.W if s.split_backward else Kind.B) for row in s.actions),
+                     tuple(_peak(row, Kind.W if w_cost is not None else Kind.B) for row in s.actions),
                      tuple(tuple(tl) for tl in timelines))
 
 

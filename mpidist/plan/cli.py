@@ -1,0 +1,95 @@
+"""``python -m mpidist plan``: the planner on the command line (the parser and the command, kept with the planner)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from mpidist.files import write_text_atomic
+
+from .estimate import plan
+from .layouts import RECOMPUTE, SCHEDULES, SHARDINGS
+from .model import ModelShape
+from .profile import Profile, load_profile, profile_names
+from .report import format_table, to_json
+
+__all__ = ["add_parser", "run"]
+
+
+def _csv(choices):
+    def parse(text):
+        items = tuple(t for t in text.split(",") if t)
+        bad = [t for t in items if t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"unknown {bad or text!r} (expected a comma-separated subset of "
+                                             f"{', '.join(choices)})")
+        return items
+    return parse
+
+
+def add_parser(sub):
+    """Add the ``plan`` subcommand to ``sub`` (an argparse subparsers object)."""
+    p = sub.add_parser("plan", allow_abbrev=False, help="predict memory and step time of every (dp, tp, pp, FSDP, "
+                       "micro-batch, schedule, recompute) layout, ranked",
+                       description="Rank every layout of a GPT-shaped model on N ranks by predicted step time, with "
+                       "per-rank memory by component, communication per collective, and why the others do not run. "
+                       "--calibrate measures this machine and writes a profile instead.")
+    p.add_argument("--layers", type=int, help="transformer blocks")
+    p.add_argument("--hidden", type=int, help="model width")
+    p.add_argument("--heads", type=int, help="attention heads")
+    p.add_argument("--ffn", type=int, default=None, help="MLP hidden units (default 4 * hidden)")
+    p.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    p.add_argument("--untied", action="store_true", help="the LM head has its own weight (default: tied)")
+    p.add_argument("--dtype", default="float32", help="parameter and activation dtype (default float32)")
+    p.add_argument("--batch", type=int, help="global batch in samples")
+    p.add_argument("--ranks", type=int, help="number of ranks")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: all on one node)")
+    p.add_argument("--profile", default="local", help=f"hardware profile: a shipped name ({', '.join(profile_names())}) "
+                   "or a JSON file (default local)")
+    p.add_argument("--schedules", type=_csv(SCHEDULES), default=SCHEDULES, help="pipeline schedules to consider")
+    p.add_argument("--sharding", type=_csv(SHARDINGS), default=SHARDINGS, help="data-parallel kinds to consider")
+    p.add_argument("--recompute", type=_csv(RECOMPUTE), default=RECOMPUTE, help="recompute options to consider")
+    p.add_argument("--max-micro-batch", type=int, default=None, help="largest micro-batch to consider")
+    p.add_argument("--top", type=int, default=15, help="layouts to show (default 15)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--calibrate", metavar="OUT", default=None, help="measure this machine (matmul curve, memory "
+                   "bandwidth, alpha-beta over mpiexec -n 2) and write a profile to OUT")
+    return p
+
+
+def run(args) -> int:
+    """Run ``mpidist plan``; return the exit status (2 on bad arguments)."""
+    if args.calibrate:
+        from .calibrate import calibrate
+        data = calibrate(name=os.path.splitext(os.path.basename(args.calibrate))[0])
+        Profile.from_dict(data, where="calibrate")   # what is written loads
+        write_text_atomic(args.calibrate, json.dumps(data, indent=1) + "\n")
+        print(f"mpidist plan: wrote {args.calibrate}")
+        return 0
+    missing = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "heads", "batch", "ranks")
+               if getattr(args, n) is None]
+    if missing:
+        print(f"mpidist plan: missing {', '.join(missing)} (or --calibrate OUT)", file=sys.stderr)
+        return 2
+    try:
+        shape = ModelShape(args.layers, args.hidden, args.heads, args.vocab, args.seq, args.ffn,
+                           tie_weights=not args.untied, dtype=args.dtype)
+        profile = load_profile(args.profile)
+        estimates = plan(shape, args.batch, args.ranks, args.ranks_per_node or args.ranks, profile,
+                         max_micro_batch=args.max_micro_batch, schedules=args.schedules, shardings=args.sharding,
+                         recompute=args.recompute)
+    except ValueError as exc:
+        print(f"mpidist plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = to_json(estimates, args.top)
+        out.update({"model": shape.__dict__, "profile": profile.name, "ranks": args.ranks,
+                    "ranks_per_node": args.ranks_per_node or args.ranks, "global_batch": args.batch})
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"{shape.num_parameters() / 1e6:.1f}M parameters, {args.ranks} ranks "
+              f"({args.ranks_per_node or args.ranks} per node), global batch {args.batch}, profile {profile.name}")
+        print(format_table(estimates, args.top))
+    return 0

@@ -1,0 +1,327 @@
+"""Per-rank memory and step time of one layout on one machine, and the ranked plan over every layout.
+
+Glossary:
+- position: a rank's pipeline stage index; ranks at one position hold and do the same. Memory and time are
+  computed for every position and the layout's numbers are the largest (the step waits for the slowest rank).
+- exposed communication: the part of a collective's time no computation hides. Tensor-parallel calls sit
+  between the matmuls that need them (all exposed); pipeline messages go into the schedule simulation (which
+  then also gives the bubble); data-parallel reductions overlap the backward they follow (DDP buckets, FSDP
+  reduce-scatters) and FSDP's prefetched gathers overlap the unit before.
+- in flight: micro-batches whose activations a rank holds at once; the schedule's own simulation
+  (``simulate_schedule(...).peak_until_w``) gives it per rank, 1 without a pipeline.
+
+Where the numbers come from: communication is ``volumes.calls_per_rank`` (the wrappers' exact calls);
+parameter, gradient and optimizer bytes count the local shapes (``model.parameters``) and FSDP's shard sizes;
+activation bytes and compute time are estimates (the formulas below, with the profile's constants).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from mpidist.parallel.pipeline import schedules as _schedules
+
+from .layouts import Layout, enumerate_layouts
+from .model import ModelShape, parameters, stage_layers
+from .profile import Profile
+from .volumes import Call, calls_per_rank, ddp_buckets, fsdp_units, summarize
+
+__all__ = ["Estimate", "estimate", "plan", "memory_per_rank", "collective_seconds", "build_schedule", "activation_bytes"]
+
+_BUILDERS = {"gpipe": lambda p, m, v: _schedules.gpipe(p, m), "1f1b": lambda p, m, v: _schedules.one_f_one_b(p, m),
+             "interleaved": _schedules.interleaved_1f1b, "zb_h1": lambda p, m, v: _schedules.zero_bubble_h1(p, m)}
+
+
+def build_schedule(layout: Layout):
+    """Return the ``Schedule`` the layout's Pipeline runs (with its send/receive actions)."""
+    return _schedules.insert_comms(_BUILDERS[layout.schedule](layout.pp, layout.num_micro, layout.chunks))
+
+
+@dataclass
+class Estimate:
+    """What the planner predicts for one layout (largest over pipeline positions), or why it cannot run."""
+
+    layout: Layout
+    memory: Dict[str, float] = field(default_factory=dict)      # bytes per rank by component, and "total"
+    comm: Dict[str, Dict[str, int]] = field(default_factory=dict)   # group -> bytes and messages per step
+    calls: List[Call] = field(default_factory=list)             # the busiest position's calls
+    time: Dict[str, float] = field(default_factory=dict)        # seconds: compute, tp, pp, dp, bubble, optimizer, step
+    reason: str = ""                                            # non-empty: infeasible, and why
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reason
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout.to_dict(), "name": self.layout.name(), "feasible": self.feasible,
+                "reason": self.reason, "memory": self.memory, "comm": self.comm, "time": self.time,
+                "calls": [c.__dict__ for c in self.calls]}
+
+
+# -- communication time ------------------------------------------------------------------------------------
+def _group_size(layout: Layout, group: str) -> int:
+    return {"tp": layout.tp, "pp": 2, "dp": layout.dp, "tied": 2, "dp_shard": layout.shard_group,
+            "dp_replicate": layout.dp // max(1, layout.shard_group)}[group]
+
+
+def _inner_span(layout: Layout, group: str) -> int:
+    """Return (consecutive ranks one group of ``group`` spans, ranks of it per such block): mesh order dp, pp, tp."""
+    return {"tp": layout.tp, "pp": layout.pp * layout.tp, "tied": layout.pp * layout.tp,
+            "dp": layout.ranks, "dp_shard": layout.shard_group * layout.pp * layout.tp,
+            "dp_replicate": layout.ranks}[group]
+
+
+def _link(profile: Profile, layout: Layout, group: str, ranks_per_node: int):
+    """Return (tier, bandwidth share) of ``group``: inside a node when its ranks fit one, else the inter tier
+    shared by the node's ranks that talk across it at once (one per group crossing the node)."""
+    span = _inner_span(layout, group)
+    if span <= ranks_per_node:
+        return profile.tiers["intra"], 1.0
+    stride = span // _group_size(layout, group) if group not in ("pp", "tied") else layout.tp
+    members_per_node = max(1, ranks_per_node // max(1, stride))
+    concurrent = max(1, ranks_per_node // members_per_node)
+    return profile.tiers["inter"], 1.0 / concurrent
+
+
+def collective_seconds(op: str, nbytes: float, n: int, latency: float, bandwidth: float) -> float:
+    """Return the time of one call (ring algorithms; ``nbytes`` is the caller's input as in ``volumes``)."""
+    if n <= 1 and op not in ("send", "recv"):
+        return 0.0
+    if op == "allreduce":
+        return 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
+    if op == "allgather":
+        return (n - 1) * latency + (n - 1) * nbytes / bandwidth
+    if op == "reduce_scatter":
+        return (n - 1) * latency + (n - 1) / n * nbytes / bandwidth
+    if op == "send":
+        return latency + nbytes / bandwidth
+    if op == "recv":
+        return 0.0   # counted at the sender
+    raise ValueError(f"collective_seconds: unknown op {op!r}")
+
+
+def _calls_seconds(calls, profile, layout, ranks_per_node, groups) -> float:
+    total = 0.0
+    for c in calls:
+        if c.group in groups:
+            tier, share = _link(profile, layout, c.group, ranks_per_node)
+            total += c.count * collective_seconds(c.op, c.nbytes, _group_size(layout, c.group), tier.latency_s,
+                                                  tier.effective_bandwidth * share)
+    return total
+
+
+# -- memory --------------------------------------------------------------------------------------------------
+def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float:
+    """Return the bytes one micro-batch leaves stored for backward in ``layers`` (an estimate, see docs).
+
+    Per block and token, in elements: 5 hidden-sized tensors every TP rank holds whole (norm inputs and outputs,
+    the residual; split by sequence parallelism), 6 hidden-sized and 2 ffn-sized ones split over the TP ranks
+    (q, k, v, attention output, projections' inputs; MLP pre- and post-activation), and 2 per head and key
+    (attention scores and probabilities). Full recompute keeps only each block's input.
+    """
+    b, t, d, e, tp = layout.micro_batch, shape.seq, shape.hidden, shape.itemsize, layout.tp
+    sp = layout.sequence_parallel
+    whole = 5 * d / (tp if sp else 1)
+    split = (6 * d + 2 * shape.ffn_size) / tp + 2 * (shape.heads / tp) * t
+    block = b * t * (whole + split) * e
+    blocks = sum(layer.startswith("blocks.") for layer in layers)
+    if layout.recompute == "full":
+        stored = blocks * b * t * d / (tp if sp else 1) * e
+    else:
+        stored = blocks * block
+    if "embed" in layers:
+        stored += b * t * d * e
+    if "head" in layers:
+        stored += b * t * d * e + 2 * b * t * (shape.vocab / tp) * e   # norm input, logits, their softmax
+    return stored
+
+
+def memory_per_rank(shape: ModelShape, layout: Layout, position: int = 0, in_flight: int = 1) -> Dict[str, float]:
+    """Return the bytes a rank at pipeline ``position`` holds, by component (see the module notes)."""
+    e = shape.itemsize
+    pp, v = layout.pp, layout.chunks
+    stages = stage_layers(shape, pp * v)
+    mine = [s for s in range(pp * v) if s % pp == position]
+    layers = [layer for s in mine for layer in stages[s]]
+    local = [p for s in mine for layer in stages[s]
+             for p in parameters(shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1)]
+    param_bytes = sum(p.numel for p in local) * e
+    buffers = 0.0
+    if layout.fsdp and layout.dp > 1:
+        units = fsdp_units(shape, layout.tp, layout.shard_group)
+        param_bytes = sum(u["shard_numel"] for u in units) * e
+        grad_bytes = param_bytes
+        padded = sorted((u["shard_numel"] * layout.shard_group * e for u in units), reverse=True)
+        # gathered: the unit computing, the next one prefetched (and the embedding under a tied head);
+        # unsharded grads: the unit reducing and the one computing
+        tied = padded[0] if shape.tie_weights else 0
+        buffers = sum(padded[:2]) + tied + sum(padded[:2])
+    elif layout.dp > 1:
+        grad_bytes = sum(sum(ddp_buckets([p for layer in stages[s] for p in parameters(
+            shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1)], e, layout.dp)) for s in mine)
+    else:
+        grad_bytes = param_bytes
+    optimizer = 2 * param_bytes   # AdamW: exp_avg and exp_avg_sq in the parameters' dtype
+    per_mb = activation_bytes(shape, layout, layers) / max(1, len(mine))
+    acts = per_mb * in_flight
+    if layout.recompute == "full":   # one block's full activations while it is recomputed
+        acts += activation_bytes(shape, Layout(**{**layout.to_dict(), "recompute": "none"}), ["blocks.0"])
+    if pp > 1:   # a received activation or gradient per neighbour
+        buffers += 2 * layout.micro_batch * shape.seq * shape.hidden * e / (layout.tp if layout.sequence_parallel else 1)
+    out = {"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer, "activations": acts,
+           "comm_buffers": buffers}
+    out["total"] = sum(out.values())
+    return out
+
+
+# -- time ----------------------------------------------------------------------------------------------------
+def _compute_seconds(shape, layout, layers, profile, ranks_per_node):
+    """Return (forward, backward) seconds of one micro-batch through ``layers`` on one rank."""
+    b, t, d, f, tp = layout.micro_batch, shape.seq, shape.hidden, shape.ffn_size, layout.tp
+    blocks = sum(layer.startswith("blocks.") for layer in layers)
+    per_block = b * t * (2 * (4 * d * d + 2 * f * d) + 4 * t * d) / tp
+    fwd = blocks * per_block + (2 * b * t * shape.vocab * d / tp if "head" in layers else 0.0)
+    gemm = 2 * b * t * d * f / tp   # the MLP's first GEMM: the typical size
+    rate = profile.flops(shape.dtype) * profile.efficiency(gemm)
+    if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
+        rate *= profile.cores_per_node / ranks_per_node
+    plain = Layout(**{**layout.to_dict(), "recompute": "none"})
+    memory_bound = activation_bytes(shape, plain, layers) * profile.elementwise_factor / profile.memory_bandwidth
+    if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
+        memory_bound *= ranks_per_node / profile.cores_per_node
+    forward = fwd / rate + memory_bound / 3
+    backward = 2 * fwd / rate + 2 * memory_bound / 3
+    if layout.recompute == "full":
+        backward += blocks * per_block / rate + memory_bound / 3
+    return forward, backward
+
+
+def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node: int) -> Estimate:
+    """Return the ``Estimate`` of ``layout`` (infeasible with a reason when it cannot run or does not fit)."""
+    est = Estimate(layout)
+    if layout.sequence_parallel and shape.seq % layout.tp:
+        est.reason = f"sequence parallel: seq {shape.seq} does not split over tp={layout.tp}"
+        return est
+    if layout.tp > ranks_per_node:
+        est.reason = f"tp={layout.tp} spans nodes ({ranks_per_node} ranks per node)"
+        return est
+    pp, v, m = layout.pp, layout.chunks, layout.num_micro
+    stages = stage_layers(shape, pp * v)
+    sim = _pipeline(layout, 1.0, 2.0, 1.0 if layout.schedule == "zb_h1" else None, 0.0) if pp > 1 else None
+    worst_mem, worst_time, worst_calls = None, None, None
+    seen = set()
+    for position in range(pp):
+        mine = [s for s in range(pp * v) if s % pp == position]
+        layers = [layer for s in mine for layer in stages[s]]
+        in_flight = sim["peak"][position] if sim is not None else 1
+        # Middle positions with as many blocks hold and do the same: estimate each kind once.
+        kind = (tuple((sum(x.startswith("blocks.") for x in stages[s]), "embed" in stages[s], "head" in stages[s])
+                      for s in mine), in_flight)
+        if kind in seen:
+            continue
+        seen.add(kind)
+        mem = memory_per_rank(shape, layout, position, in_flight)
+        calls = calls_per_rank(shape, layout, position)
+        f, b = _compute_seconds(shape, layout, layers, profile, ranks_per_node)
+        tp_s = _calls_seconds(calls, profile, layout, ranks_per_node, {"tp"})
+        pp_s = _calls_seconds(calls, profile, layout, ranks_per_node, {"pp"})
+        dp_s = _calls_seconds(calls, profile, layout, ranks_per_node, {"dp", "dp_shard", "dp_replicate", "tied"})
+        if worst_mem is None or mem["total"] > worst_mem["total"]:
+            worst_mem = mem
+        worst_time = _merge_time(worst_time, (f, b, tp_s, pp_s, dp_s, mem["params"], calls))
+        if worst_calls is None or sum(c.nbytes * c.count for c in calls) > sum(c.nbytes * c.count for c in worst_calls):
+            worst_calls = calls
+    f, b, tp_s, pp_s, dp_s, param_bytes, calls = worst_time
+    compute = m * (f + b)
+    bubble = pp_exposed = 0.0
+    if pp > 1:
+        # The schedule's own simulation, with this layout's costs: F and B carry their tensor-parallel calls,
+        # a message between stages its alpha-beta time.
+        tp_per_mb = tp_s / m
+        fc, bc = f + tp_per_mb / 3, b + 2 * tp_per_mb / 3
+        wc = bc / 2 if layout.schedule == "zb_h1" else None
+        per_message = pp_s / max(1, sum(c.count for c in calls if c.group == "pp" and c.op == "send")) * 2
+        args = (layout, fc / v, bc / v, None if wc is None else wc / v)
+        timed, untimed = _pipeline(*args, per_message), _pipeline(*args, 0.0)
+        busy = timed["busy"]
+        bubble = untimed["makespan"] - busy              # the schedule's own idle time
+        pp_exposed = timed["makespan"] - untimed["makespan"]   # what the messages between stages add
+        pipeline_time = timed["makespan"]
+    else:
+        pipeline_time = compute + tp_s
+    # Data-parallel reductions: DDP inside a pipeline syncs after the schedule (exposed); otherwise they
+    # overlap the last micro-batch's backward (DDP buckets, FSDP reduce-scatters) and FSDP gathers overlap
+    # the compute of the unit before, leaving the first unit's gather.
+    if pp > 1 or dp_s == 0:
+        dp_exposed = dp_s
+    else:
+        dp_exposed = max(dp_s - (b if not layout.fsdp else compute), dp_s / (shape.layers + 2))
+    optimizer = 7 * param_bytes / profile.memory_bandwidth
+    if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
+        optimizer *= ranks_per_node / profile.cores_per_node
+    step = pipeline_time + dp_exposed + optimizer
+    est.memory = worst_mem
+    est.calls = worst_calls
+    est.comm = summarize(worst_calls)
+    est.time = {"compute": compute, "tp": tp_s, "pp": pp_exposed, "bubble": bubble, "dp": dp_exposed,
+                "optimizer": optimizer, "step": step}
+    if worst_mem["total"] > profile.memory_bytes:
+        est.reason = (f"needs {worst_mem['total'] / 2**30:.2f} GiB per rank, has "
+                      f"{profile.memory_bytes / 2**30:.2f} GiB")
+    return est
+
+
+@functools.lru_cache(maxsize=4096)
+def _simulated(schedule, p, m, v, f, b, w, comm):
+    built = _schedules.insert_comms(_BUILDERS[schedule](p, m, v))
+    return _schedules.simulate_schedule(built, f, b, w, comm_cost=comm)
+
+
+def _pipeline(layout: Layout, f: float, b: float, w, comm: float) -> dict:
+    """Return the schedule's makespan, busiest rank's busy time and per-rank peak micro-batches in flight.
+
+    Past its fill, a schedule repeats itself every p micro-batches (each group of p adds the same time and the
+    same holdings), so for m > 4p it is simulated at m1 = 2p + m % p and m2 = m1 + p micro-batches (same
+    remainder: the same branch of the interleaved builder) and extended linearly to m. tests/test_plan.py checks
+    the extension against the full simulation.
+    """
+    p, m, v = layout.pp, layout.num_micro, layout.chunks
+    if m <= 4 * p:
+        r = _simulated(layout.schedule, p, m, v, f, b, w, comm)
+        return {"makespan": r.makespan, "busy": max(r.busy), "peak": r.peak_until_w}
+    m1 = 2 * p + m % p
+    r1 = _simulated(layout.schedule, p, m1, v, f, b, w, comm)
+    r2 = _simulated(layout.schedule, p, m1 + p, v, f, b, w, comm)
+    groups = (m - m1) // p
+    return {"makespan": r1.makespan + groups * (r2.makespan - r1.makespan),
+            "busy": max(r1.busy) + groups * (max(r2.busy) - max(r1.busy)),
+            "peak": tuple(k1 + groups * (k2 - k1) for k1, k2 in zip(r1.peak_until_w, r2.peak_until_w))}
+
+
+def _merge_time(worst, new):
+    """Keep the position whose step costs most (its compute plus its communication)."""
+    if worst is None:
+        return new
+    cost = lambda w: w[0] + w[1] + w[2] + w[3] + w[4]   # noqa: E731
+    return new if cost(new) > cost(worst) else worst
+
+
+def plan(shape: ModelShape, global_batch: int, ranks: int, ranks_per_node: int, profile: Profile,
+         max_micro_batch: Optional[int] = None, **choices) -> List[Estimate]:
+    """Return every layout's Estimate: feasible ones fastest first, then the infeasible ones with reasons."""
+    if ranks < 1 or ranks_per_node < 1 or global_batch < 1:
+        raise ValueError(f"plan: ranks, ranks_per_node and global_batch must be >= 1 (ranks={ranks}, "
+                         f"ranks_per_node={ranks_per_node}, global_batch={global_batch})")
+    if ranks % ranks_per_node and ranks > ranks_per_node:
+        raise ValueError(f"plan: {ranks} ranks do not fill nodes of {ranks_per_node}")
+    ranks_per_node = min(ranks_per_node, ranks)
+    out = []
+    for layout, why in enumerate_layouts(ranks, global_batch, ranks_per_node, shape.layers, shape.heads,
+                                         max_micro_batch=max_micro_batch, **choices):
+        if why:
+            out.append(Estimate(layout, reason=why))
+        else:
+            out.append(estimate(shape, layout, profile, ranks_per_node))
+    feasible = sorted((e for e in out if e.feasible), key=lambda e: (e.time["step"], e.memory["total"]))
+    return feasible + [e for e in out if not e.feasible]

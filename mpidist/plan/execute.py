@@ -1,0 +1,114 @@
+"""Run a layout for real: build a GPT and the wrappers a ``Layout`` names, step it, count what it communicated.
+
+The planner's numbers are checked against this (tests/test_plan_exact.py: the collectives' bytes; the
+validation benchmark: step time and peak memory). It builds the layout exactly as the planner describes it:
+``mpidist.parallel.mesh(dp=, pp=, tp=)``, ``models.tensor_parallel`` over the tp ranks, then DDP, FSDP (one unit
+per layer) or a Pipeline of DDP chunks; AdamW; a step is ``num_micro`` micro-batches (accumulated under
+``no_sync`` without a pipeline), then the optimizer.
+"""
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from collections import Counter
+
+import numpy as np
+
+from mpidist import optim, trace
+from mpidist.models.gpt import GPT, GPTConfig
+from mpidist.models.gpt_parallel import tensor_parallel
+from mpidist.parallel import DDP, FSDP, Pipeline, mesh
+from mpidist.parallel.interface import as_wrapper
+
+from .layouts import Layout
+from .model import ModelShape
+
+__all__ = ["LayoutRun", "traced_calls"]
+
+_OPS = {"iallreduce": "allreduce", "iallgather": "allgather", "ireduce_scatter": "reduce_scatter",
+        "isend": "send", "irecv": "recv"}
+
+
+class LayoutRun:
+    """One rank's part of ``layout`` over ``comm`` (collective): ``step()`` trains one step on fixed data."""
+
+    def __init__(self, shape: ModelShape, layout: Layout, comm, seed: int = 0):
+        if comm.Get_size() != layout.ranks:
+            raise ValueError(f"LayoutRun: layout {layout.name()} needs {layout.ranks} ranks (comm has "
+                             f"{comm.Get_size()})")
+        self.shape, self.layout = shape, layout
+        config = GPTConfig(vocab_size=shape.vocab, block_size=shape.seq, n_layer=shape.layers, n_head=shape.heads,
+                           n_embd=shape.hidden, mlp_ratio=shape.ffn_size // shape.hidden,
+                           tie_weights=shape.tie_weights, bias=shape.bias, dtype=shape.dtype)
+        if config.mlp_ratio * shape.hidden != shape.ffn_size:
+            raise ValueError(f"LayoutRun: ffn {shape.ffn_size} is not a multiple of hidden {shape.hidden}")
+        model = GPT(config, rng=np.random.default_rng(seed))
+        self.grid = mesh(comm, dp=layout.dp, pp=layout.pp, tp=layout.tp)
+        if layout.tp > 1:
+            tensor_parallel(model, self.grid.tp_comm, sequence_parallel=layout.sequence_parallel)
+        if layout.recompute == "full":
+            model.checkpoint_blocks()
+        self.model, self.pipeline = model, layout.pp > 1
+        dp_comm = self.grid.dp_comm if layout.dp > 1 else None
+        if self.pipeline:
+            p, v = layout.pp, layout.chunks
+            stages = model.pipeline_stages(p * v)
+            mine = [stages[s] for s in range(p * v) if s % p == self.grid.pp_rank]
+            chunk = mine[0] if v == 1 else mine
+            schedule = layout.schedule
+            tied = [t for st in mine for t in st.tied] or None
+            self.wrapper = Pipeline(chunk, self.grid.pp_comm, layout.num_micro, schedule, loss_fn=model.loss,
+                                    dp_comm=dp_comm, tied_parameters=tied)
+        elif layout.fsdp and dp_comm is not None:
+            extra = {"strategy": "hybrid_shard", "shard_size": layout.shard_group} if layout.sharding == "hybrid" else {}
+            self.wrapper = FSDP(model, dp_comm, units=model.fsdp_units(), **extra)
+        elif dp_comm is not None:
+            self.wrapper = DDP(model, dp_comm)
+        else:
+            self.wrapper = model
+        self.interface = as_wrapper(self.wrapper)   # what every layout answers (no_sync, memory_stats)
+        params = self.wrapper.parameters()
+        self.opt = optim.AdamW(list(params), lr=1e-3)
+        rng = np.random.default_rng(seed + 1 + self.grid.dp_rank)
+        n = layout.micro_batch * layout.num_micro
+        self.x = rng.integers(0, shape.vocab, (n, shape.seq))
+        self.y = rng.integers(0, shape.vocab, (n, shape.seq))
+
+    def step(self):
+        """Train one step (forward and backward of every micro-batch, then AdamW); return the wall seconds."""
+        began = time.perf_counter()
+        self.opt.zero_grad()
+        if self.pipeline:
+            self.wrapper.step(self.x, self.y)
+        else:
+            b, m = self.layout.micro_batch, self.layout.num_micro
+            for k in range(m):
+                with (contextlib.nullcontext() if k == m - 1 else self.interface.no_sync()):
+                    logits = self.wrapper(self.x[k * b:(k + 1) * b])
+                    loss = self.model.loss(logits, self.y[k * b:(k + 1) * b]) * (1.0 / m)
+                    loss.backward()
+        self.opt.step()
+        return time.perf_counter() - began
+
+
+def traced_calls(run: LayoutRun, comm) -> Counter:
+    """Run one step of ``run`` under ``mpidist.trace`` (collective over ``comm``); return this rank's
+    Counter of (op, input bytes) of every collective and message it made (blocking and nonblocking alike)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = comm.bcast(tmp if comm.Get_rank() == 0 else None)
+        trace.start(path, comm)
+        try:
+            run.step()
+        finally:
+            trace.stop()
+        events = trace.load(path)
+        comm.Barrier()
+    rank = comm.Get_rank()
+    counts = Counter()
+    for e in events.get("traceEvents", events) if isinstance(events, dict) else events:
+        if e.get("cat") != "comm" or e.get("pid") != rank or e.get("ph") != "X":
+            continue
+        op = _OPS.get(e["name"], e["name"])
+        counts[(op, int(e["args"]["bytes"]))] += 1
+    return counts

@@ -1,0 +1,115 @@
+"""Layouts the planner considers: (dp, tp, pp), data-parallel sharding, micro-batches, schedule, recompute.
+
+Glossary:
+- layout: one way to run a step: ``dp`` replicas of a ``pp``-stage pipeline of ``tp``-way tensor-parallel
+  layers, over ``dp * pp * tp`` ranks arranged as ``mpidist.parallel.mesh(dp=, pp=, tp=)`` arranges them (tp
+  innermost, so a TP group stays on a node when tp divides the ranks per node).
+- sharding: how the data-parallel ranks hold the model: ``ddp`` (every replica whole; DDP), ``fsdp`` (FSDP
+  FULL_SHARD over the dp ranks), ``hybrid`` (FSDP HYBRID_SHARD: shard within a node, replicate across nodes).
+- micro-batch: ``micro_batch`` samples; each replica runs ``num_micro`` of them per step (a pipeline's
+  micro-batches, or gradient accumulation under ``no_sync`` without one), so the global batch is
+  ``dp * micro_batch * num_micro``.
+- schedule: a name from ``mpidist.parallel.pipeline.schedules`` (``chunks`` stages per rank for the interleaved
+  one); ``none`` without a pipeline.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterator, List, Tuple
+
+__all__ = ["Layout", "SCHEDULES", "SHARDINGS", "enumerate_layouts", "divisors"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")   # the names Pipeline takes
+SHARDINGS = ("ddp", "fsdp", "hybrid")
+RECOMPUTE = ("none", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layout of a training step (see the module notes)."""
+
+    dp: int
+    tp: int
+    pp: int
+    sharding: str = "ddp"
+    micro_batch: int = 1
+    num_micro: int = 1
+    schedule: str = "none"
+    chunks: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    shard_size: int = 0     # hybrid: ranks per shard group (0: all dp ranks)
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks one FSDP unit is sharded over (dp, or the shard group under hybrid)."""
+        return self.shard_size if self.sharding == "hybrid" and self.shard_size else self.dp
+
+    @property
+    def ranks(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def fsdp(self) -> bool:
+        return self.sharding in ("fsdp", "hybrid")
+
+    def name(self) -> str:
+        """Return a short label, e.g. ``dp4 tp2 pp2 fsdp mb2x8 1f1b rc``."""
+        parts = [f"dp{self.dp}", f"tp{self.tp}" + ("sp" if self.sequence_parallel else ""), f"pp{self.pp}",
+                 self.sharding, f"mb{self.micro_batch}x{self.num_micro}"]
+        if self.pp > 1:
+            parts.append(self.schedule + (f"v{self.chunks}" if self.chunks > 1 else ""))
+        if self.recompute != "none":
+            parts.append("rc")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def divisors(n: int) -> List[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def enumerate_layouts(ranks: int, global_batch: int, ranks_per_node: int, layers: int, heads: int,
+                      schedules=SCHEDULES, shardings=SHARDINGS, recompute=RECOMPUTE,
+                      max_micro_batch=None, chunk_options=(2,)) -> Iterator[Tuple[Layout, str]]:
+    """Yield (layout, reason) for every layout of ``ranks`` ranks and ``global_batch`` samples; reason is "" when
+    the layout is structurally possible, else why not (checked here: divisibility only; memory comes later)."""
+    for tp in divisors(ranks):
+        for pp in divisors(ranks // tp):
+            dp = ranks // (tp * pp)
+            why_grid = ""
+            if heads % tp:
+                why_grid = f"{heads} heads do not split over tp={tp}"
+            elif pp > layers:
+                why_grid = f"pp={pp} stages for {layers} layers"
+            elif global_batch % dp:
+                why_grid = f"global batch {global_batch} does not split over dp={dp}"
+            per_replica = global_batch // dp if not why_grid else 0
+            sizes = divisors(per_replica) if per_replica else [1]
+            if max_micro_batch is not None:
+                sizes = [b for b in sizes if b <= max_micro_batch]
+            for sharding in shardings:
+                why_shard = why_grid
+                if not why_shard and sharding != "ddp" and pp > 1:
+                    why_shard = f"{sharding} with a pipeline (pp={pp}): mpidist's Pipeline takes DDP replicas"
+                elif not why_shard and sharding != "ddp" and dp == 1:
+                    why_shard = f"{sharding} needs dp > 1 (dp={dp})"
+                elif not why_shard and sharding == "hybrid" and (ranks_per_node % tp or dp % max(
+                        1, ranks_per_node // tp) or ranks_per_node // tp in (1, dp)):
+                    why_shard = (f"hybrid shards within a node: {ranks_per_node} ranks per node / tp={tp} give no "
+                                 f"proper shard group of dp={dp}")
+                scheds = [("none", 1)] if pp == 1 else [(s, v) for s in schedules
+                                                         for v in ((1,) if s != "interleaved" else chunk_options)]
+                for schedule, v in scheds:
+                    for b in sizes:
+                        m = per_replica // b if per_replica else 1
+                        why = why_shard
+                        if not why and v > 1 and (layers < pp * v or m % pp):
+                            why = (f"interleaved v={v} needs layers >= pp*v ({layers} < {pp * v})" if layers < pp * v
+                                   else f"interleaved needs micro-batches divisible by pp ({m} % {pp})")
+                        for rc in recompute:
+                            for sp in ((False, True) if tp > 1 else (False,)):
+                                shard = ranks_per_node // tp if sharding == "hybrid" and not why else 0
+                                yield Layout(dp, tp, pp, sharding, b, m, schedule, v, rc, sp, shard), why

@@ -1,0 +1,152 @@
+"""The model the planner reasons about: a GPT's shape, its parameters per layer, and this rank's slice of them.
+
+Glossary:
+- shape: what a ``mpidist.models.GPTConfig`` says (layers, hidden, heads, ffn, vocab, sequence), without building
+  anything, so a 175B-parameter model costs nothing to describe.
+- layer: one of ``GPT.pipeline_layers()``: ``embed``, ``blocks.i``, ``head``; FSDP units and pipeline stages cut
+  along them, so every count here is kept per layer.
+- local shape: a parameter's shape on one tensor-parallel rank, as ``mpidist.models.tensor_parallel`` cuts it
+  (vocabulary rows and MLP hidden units padded to a multiple of the TP size, heads split, norms replicated).
+
+``parameters(shape, layer, tp)`` lists the same names, order and (local) shapes as the real model's
+``named_parameters()``; tests/test_plan.py checks that against ``GPT`` and ``tensor_parallel`` themselves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from mpidist.models.gpt import GPTConfig, split_layers
+from mpidist.parallel.tensor.layers import padded_split
+
+__all__ = ["ModelShape", "Param", "parameters", "layer_names", "stage_layers"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's shape: GPT-2 layout (pre-norm blocks, learned positions, GELU MLP)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    ffn: Optional[int] = None     # MLP hidden units (None: 4 * hidden)
+    tie_weights: bool = True
+    bias: bool = True
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        problems = [f"{name} must be an int >= 1 (got {getattr(self, name)!r})"
+                    for name in ("layers", "hidden", "heads", "vocab", "seq")
+                    if not _positive_int(getattr(self, name))]
+        if self.ffn is not None and not _positive_int(self.ffn):
+            problems.append(f"ffn must be an int >= 1 (got {self.ffn!r})")
+        if not problems and self.hidden % self.heads:
+            problems.append(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        if problems:
+            raise ValueError("ModelShape: " + "; ".join(problems))
+
+    @classmethod
+    def from_config(cls, config: GPTConfig) -> "ModelShape":
+        """Return the shape of ``GPT(config)``."""
+        return cls(config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.block_size,
+                   config.mlp_ratio * config.n_embd, config.tie_weights, config.bias, config.dtype)
+
+    @property
+    def ffn_size(self) -> int:
+        return 4 * self.hidden if self.ffn is None else self.ffn
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    def with_seq(self, seq: int) -> "ModelShape":
+        return replace(self, seq=seq)
+
+    def num_parameters(self) -> int:
+        """Count the unsplit model's parameters (a tied weight once), as ``GPT.num_parameters()``."""
+        return sum(p.numel for layer in layer_names(self) for p in parameters(self, layer, 1))
+
+    def flops_per_token(self) -> float:
+        """Training matmul FLOPs per token (forward + backward), as ``GPT.flops_per_token``."""
+        d, t = self.hidden, self.seq
+        per_layer = 2 * (4 * d * d + 2 * self.ffn_size * d) + 4 * t * d
+        return 3.0 * (self.layers * per_layer + 2 * self.vocab * d)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter as a tensor-parallel rank holds it: its name, local shape, and whether TP replicates it."""
+
+    name: str
+    shape: Tuple[int, ...]
+    replicated: bool   # True: every TP rank holds the whole (norms, row-parallel biases, positions)
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape))
+
+
+def layer_names(shape: ModelShape) -> List[str]:
+    """Return the layers in model order: ``embed``, ``blocks.0`` .. ``blocks.{L-1}``, ``head``."""
+    return ["embed"] + [f"blocks.{i}" for i in range(shape.layers)] + ["head"]
+
+
+def parameters(shape: ModelShape, layer: str, tp: int = 1, own_head_weight: bool = False) -> List[Param]:
+    """Return ``layer``'s parameters on one of ``tp`` tensor-parallel ranks, in ``named_parameters()`` order.
+
+    ``own_head_weight``: the head holds its own copy of a tied weight (a pipeline's last stage); otherwise a tied
+    head lists no weight (it reads the embedding's).
+    """
+    d, s = shape.hidden, shape
+    vocab_local = padded_split(s.vocab, tp, "plan (vocabulary)") if tp > 1 else s.vocab
+    norm = [("weight", (d,), True)] + ([("bias", (d,), True)] if s.bias else [])
+    out = []
+
+    def add(prefix, items):
+        out.extend(Param(f"{layer}.{prefix}{n}", tuple(int(x) for x in shp), rep) for n, shp, rep in items)
+
+    if layer == "embed":
+        add("wte.", [("weight", (vocab_local, d), tp == 1)])
+        add("wpe.", [("weight", (s.seq, d), True)])
+    elif layer == "head":   # a module lists its own parameters before its children's
+        if not s.tie_weights or own_head_weight:
+            add("", [("weight", (vocab_local, d), tp == 1)])
+        add("ln_f.", norm)
+    elif layer.startswith("blocks."):
+        if tp > 1 and s.heads % tp:
+            raise ValueError(f"plan: {s.heads} heads do not split over {tp} tensor-parallel ranks")
+        width = d // tp
+        ffn = padded_split(s.ffn_size, tp, "plan (ffn)") if tp > 1 else s.ffn_size
+        rep = tp == 1
+        add("ln1.", norm)
+        add("attn.qkv.", [("weight", (3 * width, d), rep)] + ([("bias", (3 * width,), rep)] if s.bias else []))
+        add("attn.proj.", [("weight", (d, width), rep)] + ([("bias", (d,), True)] if s.bias else []))
+        add("ln2.", norm)
+        add("mlp.fc.", [("weight", (ffn, d), rep)] + ([("bias", (ffn,), rep)] if s.bias else []))
+        add("mlp.proj.", [("weight", (d, ffn), rep)] + ([("bias", (d,), True)] if s.bias else []))
+    else:
+        raise ValueError(f"plan: unknown layer {layer!r} (expected 'embed', 'blocks.i' or 'head')")
+    return out
+
+
+def stage_layers(shape: ModelShape, pp: int) -> List[List[str]]:
+    """Return each pipeline stage's layers, cut as ``GPT.pipeline_stages(pp)`` cuts them."""
+    counts = split_layers(shape.layers, pp)
+    stages, start = [], 0
+    for s, n in enumerate(counts):
+        layers = [f"blocks.{i}" for i in range(start, start + n)]
+        if s == 0:
+            layers = ["embed"] + layers
+        if s == pp - 1:
+            layers = layers + ["head"]
+        stages.append(layers)
+        start += n
+    return stages

@@ -1,0 +1,117 @@
+"""Hardware profiles: what the planner knows about a machine, kept as data (``mpidist/plan/profiles/*.json``).
+
+Glossary:
+- peak FLOP/s: per rank and dtype (``{"float32": ..., "float16": ...}``), from the vendor or measured.
+- matmul efficiency curve: ``[[gemm_flops, efficiency], ...]`` sorted by size: the share of peak a GEMM of that
+  many FLOPs reaches (interpolated in log size, clamped at the ends).
+- tier: a class of link, ``intra`` (ranks of one node) or ``inter`` (between nodes), each with ``latency_s``
+  (alpha), ``bandwidth`` (bytes/s per rank's link, beta = 1 / bandwidth) and ``efficiency`` (share of it the
+  collectives reach).
+- fitted knobs: at most two numbers per profile fitted on declared runs (listed under ``fit``); everything else
+  comes from specifications or from ``mpidist plan --calibrate``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+__all__ = ["Profile", "Tier", "load_profile", "profile_names", "PROFILE_DIR"]
+
+PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One class of link: alpha (seconds), bandwidth (bytes/s per rank), efficiency (share reached)."""
+
+    latency_s: float
+    bandwidth: float
+    efficiency: float = 1.0
+
+    @property
+    def effective_bandwidth(self) -> float:
+        return self.bandwidth * self.efficiency
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A machine as the planner sees it (see the module notes); ``load_profile`` builds one from JSON."""
+
+    name: str
+    peak_flops: Dict[str, float]
+    matmul_efficiency: Tuple[Tuple[float, float], ...]
+    memory_bytes: float
+    memory_bandwidth: float
+    tiers: Dict[str, Tier]
+    elementwise_factor: float = 3.0       # passes over the activation bytes per F+B, memory-bound work
+    cores_per_node: Optional[int] = None  # CPU ranks beyond this share cores (compute slows by ranks / cores)
+    source: str = ""
+    fit: dict = field(default_factory=dict)
+
+    def efficiency(self, gemm_flops: float) -> float:
+        """Return the share of peak a GEMM of ``gemm_flops`` FLOPs reaches (log-linear interpolation)."""
+        curve = self.matmul_efficiency
+        if gemm_flops <= curve[0][0]:
+            return curve[0][1]
+        for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+            if gemm_flops <= x1:
+                w = (math.log(gemm_flops) - math.log(x0)) / (math.log(x1) - math.log(x0))
+                return y0 + w * (y1 - y0)
+        return curve[-1][1]
+
+    def flops(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ValueError(f"profile {self.name}: no peak FLOP/s for dtype {dtype!r} (has {sorted(self.peak_flops)})")
+        return self.peak_flops[dtype]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "source": self.source, "peak_flops": dict(self.peak_flops),
+                "matmul_efficiency": [list(p) for p in self.matmul_efficiency], "memory_bytes": self.memory_bytes,
+                "memory_bandwidth": self.memory_bandwidth, "elementwise_factor": self.elementwise_factor,
+                "cores_per_node": self.cores_per_node,
+                "tiers": {k: {"latency_s": t.latency_s, "bandwidth": t.bandwidth, "efficiency": t.efficiency}
+                          for k, t in self.tiers.items()}, "fit": self.fit}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "profile") -> "Profile":
+        required = ("name", "peak_flops", "matmul_efficiency", "memory_bytes", "memory_bandwidth", "tiers")
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise ValueError(f"{where}: missing keys {missing} (a profile needs {list(required)})")
+        curve = tuple((float(x), float(y)) for x, y in data["matmul_efficiency"])
+        if not curve or any(b[0] <= a[0] for a, b in zip(curve, curve[1:])) or not all(0 < y <= 1 for _, y in curve):
+            raise ValueError(f"{where}: matmul_efficiency must be [[gemm_flops, efficiency in (0, 1]], ...] with "
+                             f"increasing sizes (got {data['matmul_efficiency']!r:.200})")
+        tiers = {}
+        for name in ("intra", "inter"):
+            t = data["tiers"].get(name)
+            if t is None:
+                raise ValueError(f"{where}: tiers needs 'intra' and 'inter' (got {sorted(data['tiers'])})")
+            tiers[name] = Tier(float(t["latency_s"]), float(t["bandwidth"]), float(t.get("efficiency", 1.0)))
+        known = set(required) | {"elementwise_factor", "cores_per_node", "source", "fit", "description"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
+        return cls(data["name"], {k: float(v) for k, v in data["peak_flops"].items()}, curve,
+                   float(data["memory_bytes"]), float(data["memory_bandwidth"]), tiers,
+                   float(data.get("elementwise_factor", 3.0)), data.get("cores_per_node"), data.get("source", ""),
+                   dict(data.get("fit", {})))
+
+
+def profile_names() -> List[str]:
+    """Return the names of the profiles shipped with mpidist."""
+    return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """Load a shipped profile by name (``h100-ib``) or any profile JSON file by path."""
+    path = name_or_path
+    if not os.path.exists(path):
+        path = os.path.join(PROFILE_DIR, f"{name_or_path}.json")
+    if not os.path.exists(path):
+        raise ValueError(f"plan: no profile {name_or_path!r} (shipped: {profile_names()}; or give a JSON file path)")
+    with open(path) as f:
+        return Profile.from_dict(json.load(f), where=path)

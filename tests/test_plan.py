@@ -1,0 +1,123 @@
+"""The planner's model, layouts, schedules, profiles, ranking and command line (no communication measured here;
+tests/test_plan_exact.py compares its communication and memory with the real wrappers)."""
+import json
+
+import numpy as np
+import pytest
+
+from mpidist.cli import main
+from mpidist.models.gpt import GPT, GPTConfig
+from mpidist.models.gpt_parallel import tensor_parallel
+from mpidist.parallel.pipeline import schedules
+from mpidist.plan import Layout, ModelShape, Profile, load_profile, plan, profile_names
+from mpidist.plan.estimate import _pipeline, collective_seconds
+from mpidist.plan.model import layer_names, parameters
+
+CONFIGS = [GPTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=4, n_embd=8),
+           GPTConfig(vocab_size=13, block_size=4, n_layer=3, n_head=4, n_embd=8, mlp_ratio=2, bias=False,
+                     tie_weights=False)]
+
+
+def planned_parameters(shape, tp):
+    return [(p.name, p.shape) for layer in layer_names(shape) for p in parameters(shape, layer, tp)]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_parameters_and_counts_match_gpt(config):
+    model = GPT(config, rng=np.random.default_rng(0))
+    shape = ModelShape.from_config(config)
+    assert planned_parameters(shape, 1) == [(n, p.data.shape) for n, p in model.named_parameters()]
+    assert shape.num_parameters() == model.num_parameters()
+    assert shape.flops_per_token() == model.flops_per_token()
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_local_shapes_match_tensor_parallel(comm, config):
+    """Vocabulary and MLP padding, head split and replicated norms, as tensor_parallel cuts the model."""
+    model = tensor_parallel(GPT(config, rng=np.random.default_rng(0)), comm, sequence_parallel=False)
+    shape = ModelShape.from_config(config)
+    assert planned_parameters(shape, comm.Get_size()) == [(n, p.data.shape) for n, p in model.named_parameters()]
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 19, 1), ("gpipe", 3, 14, 1), ("zb_h1", 4, 21, 1),
+                                        ("interleaved", 2, 12, 2), ("interleaved", 3, 14, 2),
+                                        ("interleaved", 4, 24, 3)])
+def test_long_schedules_extend_their_steady_state_exactly(name, p, m, v):
+    """Simulating 2p + m % p and 3p + m % p micro-batches and extending linearly gives the full simulation."""
+    layout = Layout(1, 1, p, num_micro=m, schedule=name, chunks=v)
+    w = 0.7 if name == "zb_h1" else None
+    short = _pipeline(layout, 1.0, 2.3, w, 0.4)
+    builder = {"1f1b": lambda: schedules.one_f_one_b(p, m), "gpipe": lambda: schedules.gpipe(p, m),
+               "zb_h1": lambda: schedules.zero_bubble_h1(p, m),
+               "interleaved": lambda: schedules.interleaved_1f1b(p, m, v)}[name]
+    full = schedules.simulate_schedule(schedules.insert_comms(builder()), 1.0, 2.3, w, comm_cost=0.4)
+    assert short["makespan"] == pytest.approx(full.makespan, rel=1e-12)
+    assert short["busy"] == pytest.approx(max(full.busy), rel=1e-12)
+    assert short["peak"] == full.peak_until_w
+
+
+def test_collective_seconds_ring_formulas():
+    assert collective_seconds("allreduce", 1000, 4, 1e-6, 1e3) == pytest.approx(6e-6 + 1.5)
+    assert collective_seconds("allgather", 1000, 4, 1e-6, 1e3) == pytest.approx(3e-6 + 3.0)
+    assert collective_seconds("reduce_scatter", 1000, 4, 1e-6, 1e3) == pytest.approx(3e-6 + 0.75)
+    assert collective_seconds("send", 1000, 2, 1e-6, 1e3) == pytest.approx(1e-6 + 1.0)
+    assert collective_seconds("allreduce", 1000, 1, 1e-6, 1e3) == 0.0
+
+
+def test_plan_ranks_feasible_layouts_and_says_why_others_drop():
+    shape = ModelShape(layers=2, hidden=16, heads=2, vocab=32, seq=8)
+    estimates = plan(shape, 8, 4, 4, load_profile("local"))
+    feasible = [e for e in estimates if e.feasible]
+    times = [e.time["step"] for e in feasible]
+    assert feasible and times == sorted(times)
+    reasons = {e.reason for e in estimates if not e.feasible}
+    assert "2 heads do not split over tp=4" in reasons
+    assert "pp=4 stages for 2 layers" in reasons
+    for e in feasible:
+        m = e.memory
+        assert m["total"] == sum(m[k] for k in ("params", "grads", "optimizer", "activations", "comm_buffers"))
+        assert e.time["step"] > 0 and e.layout.dp * e.layout.micro_batch * e.layout.num_micro == 8
+
+
+def test_plan_drops_layouts_that_do_not_fit_memory_with_the_numbers():
+    shape = ModelShape(layers=2, hidden=64, heads=2, vocab=32, seq=8)
+    data = load_profile("local").to_dict()
+    data["memory_bytes"] = 400_000   # the whole model (~0.1M parameters, x4 with grads and AdamW) does not fit
+    estimates = plan(shape, 4, 2, 2, Profile.from_dict(data))
+    dropped = {e.layout.name(): e.reason for e in estimates if e.reason.startswith("needs ")}
+    assert "dp2 tp1 pp1 ddp mb2x1" in dropped and "GiB per rank, has 0.00 GiB" in dropped["dp2 tp1 pp1 ddp mb2x1"]
+    for e in estimates:   # sharding shrinks params, grads and optimizer state: FSDP fits where DDP does not
+        if e.feasible:
+            assert e.memory["total"] <= 400_000
+
+
+def test_shipped_profiles_load_and_bad_ones_raise():
+    assert {"local", "a100-80gb-ib", "h100-ib"} <= set(profile_names())
+    for name in profile_names():
+        p = load_profile(name)
+        assert 0 < p.efficiency(1e6) <= 1 and p.tiers["inter"].bandwidth > 0
+    good = load_profile("h100-ib").to_dict()
+    with pytest.raises(ValueError, match=r"missing keys \['tiers'\]"):
+        Profile.from_dict({k: v for k, v in good.items() if k != "tiers"})
+    with pytest.raises(ValueError, match="increasing sizes"):
+        Profile.from_dict(dict(good, matmul_efficiency=[[2.0, 0.5], [1.0, 0.6]]))
+    with pytest.raises(ValueError, match=r"unknown keys \['peak_flop'\]"):
+        Profile.from_dict(dict(good, peak_flop=1))
+    with pytest.raises(ValueError, match="no profile 'nope'"):
+        load_profile("nope")
+
+
+def test_cli_plan_prints_a_table_and_json(capsys):
+    args = ["plan", "--layers", "2", "--hidden", "16", "--heads", "2", "--vocab", "32", "--seq", "8",
+            "--batch", "4", "--ranks", "2", "--profile", "local"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "step ms" in out and "feasible layouts" in out
+    assert main(args + ["--json", "--top", "3"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["feasible"]) == 3 and data["ranks"] == 2
+    assert main(["plan", "--layers", "2", "--hidden", "15", "--heads", "2", "--batch", "4", "--ranks", "2"]) == 2
+    assert "hidden 15 is not divisible by heads 2" in capsys.readouterr().err
+    assert main(["plan", "--layers", "2"]) == 2
+    assert "missing --hidden, --heads, --batch, --ranks" in capsys.readouterr().err
