@@ -44,6 +44,10 @@ import numpy as np
 
 ADAM_BYTES = 16  # float32 parameter, gradient and two moments
 ADAM_SCRATCH_BYTES = 8  # mpidist.optim.AdamW's flat gradient copy and step array, float32
+# A float32 gradient near 0 differs between layouts in its last bits (other summation orders); Adam's default
+# eps 1e-8 turns that into an update of +-lr either way. eps 1e-3 keeps the update linear in such gradients, so
+# the comparison with one process measures the layout, not Adam's sign of noise.
+LR, EPS = 1e-3, 1e-3
 
 
 def gpt_config(args):
@@ -202,7 +206,7 @@ def run_worker(args):
     row["construct_s"] = time.perf_counter() - start
     row["construct_peak"] = tracemalloc.get_traced_memory()[1] - base
     tracemalloc.reset_peak()
-    opt = optim.AdamW(list(wrapper.parameters()), lr=1e-3)
+    opt = optim.AdamW(list(wrapper.parameters()), lr=LR, eps=EPS)
     try:
         train(args, model, wrapper, comm, args.layout, opt)
     except MemoryError as exc:
@@ -226,7 +230,7 @@ def run_reference(args):
     import safetensors.numpy
     from mpidist import nn, optim
     model = nn.materialize(deferred_model(args))
-    opt = optim.AdamW(list(model.parameters()), lr=1e-3)
+    opt = optim.AdamW(list(model.parameters()), lr=LR, eps=EPS)
     x, y = batch(args)
     for _ in range(args.steps):
         opt.zero_grad()
