@@ -34,8 +34,13 @@ def test_dtype_codes_are_positions_and_keep_the_released_protocol():
 @pytest.mark.parametrize("row", wire.DTYPES, ids=lambda row: row.name)
 def test_each_dtype_row_is_numpys_dtype_or_none_that_numpy_lacks(row):
     if row.dtype is None:
-        with pytest.raises(TypeError):
-            np.dtype(row.name)
+        # numpy itself lacks it; ml_dtypes (imported for mixed precision, mpidist.nn.precision) registers some such
+        # names as extension types, which the collectives do not carry (bfloat16 moves as bytes, comm_hooks)
+        try:
+            found = np.dtype(row.name)
+        except TypeError:
+            found = None
+        assert found is None or found.type.__module__.startswith("ml_dtypes")
     else:
         assert row.dtype == np.dtype(row.name) and wire.DTYPE_CODES[np.dtype(row.name)] == row.code
 
