@@ -5,15 +5,17 @@ DDP/FSDP/Pipeline, AdamW), records one training step's collectives and messages 
 the bytes each rank passed in), and compares them, per rank, with ``calls_per_rank``; then the parameter,
 gradient and optimizer bytes the wrappers report with ``memory_per_rank``. Equal, not close.
 """
+import contextlib
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from mpidist.parallel import DDP, FSDP
 from mpidist.plan import Layout, ModelShape, calls_per_rank, memory_per_rank
 from mpidist.plan.execute import LayoutRun, traced_calls
 
-SHAPE = ModelShape(layers=3, hidden=16, heads=4, vocab=37, seq=8)   # 37: vocabulary padded under TP
+SHAPE = ModelShape(layers=4, hidden=16, heads=4, vocab=37, seq=8)   # 37: vocabulary padded under TP
 
 LAYOUTS_2 = [
     Layout(2, 1, 1),
@@ -31,6 +33,7 @@ LAYOUTS_4 = [
     Layout(2, 1, 2, num_micro=2, schedule="1f1b"),
     Layout(1, 2, 2, num_micro=2, schedule="gpipe", sequence_parallel=True),
     Layout(2, 2, 1, micro_batch=2, recompute="full"),
+    Layout(1, 1, 4, num_micro=4, schedule="1f1b"),   # middle stages hold no copy of the tied weight
 ]
 
 
@@ -74,3 +77,122 @@ def test_planned_calls_equal_wrappers_2_ranks(comm, layout):
 @pytest.mark.parametrize("layout", LAYOUTS_4, ids=lambda lay: lay.name().replace(" ", "-"))
 def test_planned_calls_equal_wrappers_4_ranks(comm, layout):
     check_layout(comm, layout)
+
+
+# -- 512 ranks without 512 threads --------------------------------------------------------------------------
+class OneRankOfMany:
+    """Rank ``rank`` of a ``size``-rank world in which every rank holds what this one holds (mpi4py's methods).
+
+    A reduction returns what ``size`` equal contributions give (SUM: size x), a gather ``size`` copies, a
+    reduce-scatter this rank's block of that sum, so agreement checks pass as in a well-behaved run. Each data
+    call is recorded as (op, bytes this rank passes in) while ``recording``: what the guard and the trace record.
+    """
+
+    def __init__(self, size, rank=0):
+        from mpi4py import MPI
+        self.size, self.rank, self.calls, self.recording, self._mpi = size, rank, Counter(), False, MPI
+
+    def Get_size(self):
+        return self.size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Dup(self):
+        return OneRankOfMany(self.size, self.rank)
+
+    def Free(self):
+        pass
+
+    def Barrier(self):
+        pass
+
+    def Mprobe(self, *args, **kwargs):
+        raise NotImplementedError("OneRankOfMany: no point-to-point")
+
+    Isend = Mprobe
+
+    def _note(self, op, buf):
+        if self.recording:
+            self.calls[(op, int(np.asarray(buf).nbytes))] += 1
+
+    def _reduced(self, buf, op):
+        return buf * self.size if op in (self._mpi.SUM, None) else buf
+
+    def Allreduce(self, sendbuf, recvbuf, op=None):
+        send = recvbuf if sendbuf is self._mpi.IN_PLACE else sendbuf
+        self._note("allreduce", _array(send))
+        _array(recvbuf)[...] = self._reduced(_array(send).copy(), op)
+
+    def Iallreduce(self, sendbuf, recvbuf, op=None):
+        self.Allreduce(sendbuf, recvbuf, op)
+        return self._mpi.REQUEST_NULL
+
+    def Allgather(self, sendbuf, recvbuf):
+        send, recv = _array(sendbuf), _array(recvbuf)
+        self._note("allgather", send)
+        recv.reshape(self.size, -1)[...] = send.reshape(1, -1)
+
+    def Iallgather(self, sendbuf, recvbuf):
+        self.Allgather(sendbuf, recvbuf)
+        return self._mpi.REQUEST_NULL
+
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op=None):
+        send, recv = _array(sendbuf), _array(recvbuf)
+        self._note("reduce_scatter", send)
+        recv.reshape(-1)[...] = self._reduced(send.reshape(self.size, -1)[self.rank], op)
+
+    def Ireduce_scatter_block(self, sendbuf, recvbuf, op=None):
+        self.Reduce_scatter_block(sendbuf, recvbuf, op)
+        return self._mpi.REQUEST_NULL
+
+    def Bcast(self, buf, root=0):
+        pass
+
+    def Ibcast(self, buf, root=0):
+        return self._mpi.REQUEST_NULL
+
+    def allgather(self, obj):
+        return [obj] * self.size
+
+    def allreduce(self, obj, op=None):
+        return obj * self.size if op in (self._mpi.SUM, None) else obj
+
+    def bcast(self, obj, root=0):
+        return obj
+
+    def Get_processor_name(self):
+        return "node0"
+
+
+def _array(buf):
+    """The numpy array inside an mpi4py buffer spec ([array, type] or array)."""
+    return buf[0] if isinstance(buf, (list, tuple)) else buf
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_planned_calls_equal_wrappers_at_512_ranks(sharding):
+    """At 512 ranks FSDP's shards are ceil(numel / 512) and DDP's stamp modulus changes: still equal."""
+    from mpidist import optim
+    from mpidist.models.gpt import GPT, GPTConfig
+    size = 512
+    layout = Layout(size, 1, 1, sharding, num_micro=2)
+    config = GPTConfig(vocab_size=SHAPE.vocab, block_size=SHAPE.seq, n_layer=SHAPE.layers, n_head=SHAPE.heads,
+                       n_embd=SHAPE.hidden)
+    model = GPT(config, rng=np.random.default_rng(0))
+    comm = OneRankOfMany(size, rank=3)
+    wrapper = FSDP(model, comm, units=model.fsdp_units()) if sharding == "fsdp" else DDP(model, comm)
+    opt = optim.AdamW(list(wrapper.parameters()), lr=1e-3)
+    x = np.random.default_rng(1).integers(0, SHAPE.vocab, (2, SHAPE.seq))
+
+    def step():
+        opt.zero_grad()
+        for k in range(2):
+            with (wrapper.no_sync() if k == 0 else contextlib.nullcontext()):
+                model.loss(wrapper(x[k:k + 1]), x[k:k + 1]).backward()
+        opt.step()
+
+    step()
+    comm.recording = True
+    step()
+    assert comm.calls == planned(layout, 0)

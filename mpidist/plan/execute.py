@@ -57,9 +57,12 @@ class LayoutRun:
             mine = [stages[s] for s in range(p * v) if s % p == self.grid.pp_rank]
             chunk = mine[0] if v == 1 else mine
             schedule = layout.schedule
-            tied = [t for st in mine for t in st.tied] or None
-            self.wrapper = Pipeline(chunk, self.grid.pp_comm, layout.num_micro, schedule, loss_fn=model.loss,
+            # Every pipeline rank names the tied group (an empty list on the stages holding no copy).
+            tied = [t for st in mine for t in st.tied] if shape.tie_weights else None
+            # The head's loss only: the other stages' layers are freed with the unsplit model, as in a real run.
+            self.wrapper = Pipeline(chunk, self.grid.pp_comm, layout.num_micro, schedule, loss_fn=model.head.loss,
                                     dp_comm=dp_comm, tied_parameters=tied)
+            self.model = model = stages = mine = chunk = None
         elif layout.fsdp and dp_comm is not None:
             extra = {"strategy": "hybrid_shard", "shard_size": layout.shard_group} if layout.sharding == "hybrid" else {}
             self.wrapper = FSDP(model, dp_comm, units=model.fsdp_units(), **extra)
@@ -87,6 +90,7 @@ class LayoutRun:
                 with (contextlib.nullcontext() if k == m - 1 else self.interface.no_sync()):
                     logits = self.wrapper(self.x[k * b:(k + 1) * b])
                     loss = self.model.loss(logits, self.y[k * b:(k + 1) * b]) * (1.0 / m)
+                    del logits
                     loss.backward()
         self.opt.step()
         return time.perf_counter() - began
