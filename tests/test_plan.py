@@ -121,3 +121,16 @@ def test_cli_plan_prints_a_table_and_json(capsys):
     assert "hidden 15 is not divisible by heads 2" in capsys.readouterr().err
     assert main(["plan", "--layers", "2"]) == 2
     assert "missing --hidden, --heads, --batch, --ranks" in capsys.readouterr().err
+
+
+def test_compute_scale_multiplies_compute_and_optimizer_only():
+    """The fitted knob scales the modelled compute (and optimizer) time; communication stays as it was."""
+    from mpidist.plan import estimate
+    shape = ModelShape(layers=2, hidden=32, heads=2, vocab=32, seq=8)
+    layout = Layout(1, 2, 1, micro_batch=2)
+    base = load_profile("h100-ib").to_dict()
+    one = estimate(shape, layout, Profile.from_dict(dict(base, compute_scale=1.0)), 8).time
+    three = estimate(shape, layout, Profile.from_dict(dict(base, compute_scale=3.0)), 8).time
+    assert three["compute"] == pytest.approx(3 * one["compute"])
+    assert three["optimizer"] == pytest.approx(3 * one["optimizer"])
+    assert three["tp"] == one["tp"] > 0

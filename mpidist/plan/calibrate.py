@@ -116,12 +116,51 @@ def calibrate(name="local", memory_bytes=None, inter=None, cores=None) -> dict:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         memory_bytes = pages
     intra = {"latency_s": alpha, "bandwidth": beta_bw, "efficiency": 1.0}
-    return {"name": name, "source": f"measured by mpidist plan --calibrate on {os.uname().nodename}, "
+    data = {"name": name, "source": f"measured by mpidist plan --calibrate on {os.uname().nodename}, "
                                     f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
             "peak_flops": {"float32": peak, "float64": peak64}, "matmul_efficiency": curve,
             "memory_bytes": memory_bytes, "memory_bandwidth": bandwidth, "elementwise_factor": 3.0,
             "cores_per_node": cores or os.cpu_count(),
             "tiers": {"intra": intra, "inter": inter or dict(intra)}, "fit": {}}
+    measured = _run_measurement([sys.executable, "-m", "mpidist.plan.calibrate", "--steps"])
+    data["compute_scale"], data["fit"] = fit_compute_scale(data, measured)
+    return data
+
+
+# The declared calibration subset of compute_scale: one-rank steps of these shapes (no communication).
+CALIBRATION_RUNS = [({"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq": 32}, 8),
+                    ({"layers": 2, "hidden": 128, "heads": 4, "vocab": 256, "seq": 64}, 8)]
+
+
+def _steps():
+    """Print the median seconds of one-rank training steps of ``CALIBRATION_RUNS`` (real LayoutRuns)."""
+    from mpi4py import MPI
+
+    from .execute import LayoutRun
+    from .layouts import Layout
+    from .model import ModelShape
+    out = []
+    for dims, batch in CALIBRATION_RUNS:
+        run = LayoutRun(ModelShape(**dims), Layout(1, 1, 1, micro_batch=batch), MPI.COMM_SELF)
+        run.step()
+        out.append(float(np.median([run.step() for _ in range(5)])))
+    print(json.dumps(out))
+
+
+def fit_compute_scale(profile_data, measured):
+    """Return (compute_scale, fit record): the geometric mean of measured / modelled step times of the runs."""
+    from .estimate import estimate
+    from .layouts import Layout
+    from .model import ModelShape
+    from .profile import Profile
+    profile = Profile.from_dict(dict(profile_data, compute_scale=1.0))
+    ratios = []
+    for (dims, batch), seconds in zip(CALIBRATION_RUNS, measured):
+        modelled = estimate(ModelShape(**dims), Layout(1, 1, 1, micro_batch=batch), profile, 1).time["step"]
+        ratios.append(seconds / modelled)
+    scale = float(np.exp(np.mean(np.log(ratios))))
+    return scale, {"compute_scale": {"value": scale, "runs": [dict(d, batch=b) for d, b in CALIBRATION_RUNS],
+                                     "measured_s": measured, "ratios": ratios}}
 
 
 if __name__ == "__main__":
@@ -129,3 +168,5 @@ if __name__ == "__main__":
         _pingpong()
     elif sys.argv[1:] == ["--compute"]:
         _compute()
+    elif sys.argv[1:] == ["--steps"]:
+        _steps()

@@ -190,6 +190,8 @@ def _compute_seconds(shape, layout, layers, profile, ranks_per_node):
     memory_bound = activation_bytes(shape, plain, layers) * profile.elementwise_factor / profile.memory_bandwidth
     if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
         memory_bound *= ranks_per_node / profile.cores_per_node
+    rate /= profile.compute_scale
+    memory_bound *= profile.compute_scale
     forward = fwd / rate + memory_bound / 3
     backward = 2 * fwd / rate + 2 * memory_bound / 3
     if layout.recompute == "full":
@@ -257,7 +259,7 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
         dp_exposed = dp_s
     else:
         dp_exposed = max(dp_s - (b if not layout.fsdp else compute), dp_s / (shape.layers + 2))
-    optimizer = 7 * param_bytes / profile.memory_bandwidth
+    optimizer = 7 * param_bytes / profile.memory_bandwidth * profile.compute_scale
     if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
         optimizer *= ranks_per_node / profile.cores_per_node
     step = pipeline_time + dp_exposed + optimizer

@@ -8,7 +8,9 @@ Glossary:
   (alpha), ``bandwidth`` (bytes/s per rank's link, beta = 1 / bandwidth) and ``efficiency`` (share of it the
   collectives reach).
 - fitted knobs: at most two numbers per profile fitted on declared runs (listed under ``fit``); everything else
-  comes from specifications or from ``mpidist plan --calibrate``.
+  comes from specifications or from ``mpidist plan --calibrate``. ``compute_scale`` is one: measured over
+  modelled time of real one-rank training steps, multiplying compute and optimizer time (on a CPU it carries
+  numpy autograd's per-op overhead and the share of a core the ranks really get).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class Profile:
     tiers: Dict[str, Tier]
     elementwise_factor: float = 3.0       # passes over the activation bytes per F+B, memory-bound work
     cores_per_node: Optional[int] = None  # CPU ranks beyond this share cores (compute slows by ranks / cores)
+    compute_scale: float = 1.0            # fitted knob: measured / modelled time of real steps (overheads, load)
     source: str = ""
     fit: dict = field(default_factory=dict)
 
@@ -71,6 +74,7 @@ class Profile:
         return {"name": self.name, "source": self.source, "peak_flops": dict(self.peak_flops),
                 "matmul_efficiency": [list(p) for p in self.matmul_efficiency], "memory_bytes": self.memory_bytes,
                 "memory_bandwidth": self.memory_bandwidth, "elementwise_factor": self.elementwise_factor,
+                "compute_scale": self.compute_scale,
                 "cores_per_node": self.cores_per_node,
                 "tiers": {k: {"latency_s": t.latency_s, "bandwidth": t.bandwidth, "efficiency": t.efficiency}
                           for k, t in self.tiers.items()}, "fit": self.fit}
@@ -91,14 +95,15 @@ class Profile:
             if t is None:
                 raise ValueError(f"{where}: tiers needs 'intra' and 'inter' (got {sorted(data['tiers'])})")
             tiers[name] = Tier(float(t["latency_s"]), float(t["bandwidth"]), float(t.get("efficiency", 1.0)))
-        known = set(required) | {"elementwise_factor", "cores_per_node", "source", "fit", "description"}
+        known = set(required) | {"elementwise_factor", "cores_per_node", "compute_scale", "source", "fit",
+                                 "description"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
         return cls(data["name"], {k: float(v) for k, v in data["peak_flops"].items()}, curve,
                    float(data["memory_bytes"]), float(data["memory_bandwidth"]), tiers,
-                   float(data.get("elementwise_factor", 3.0)), data.get("cores_per_node"), data.get("source", ""),
-                   dict(data.get("fit", {})))
+                   float(data.get("elementwise_factor", 3.0)), data.get("cores_per_node"),
+                   float(data.get("compute_scale", 1.0)), data.get("source", ""), dict(data.get("fit", {})))
 
 
 def profile_names() -> List[str]:
