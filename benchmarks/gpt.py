@@ -102,7 +102,8 @@ class Trainer:
 class MatmulsOnly:
     """The float32 products of one GPT training step, with the step's shapes, and nothing else."""
 
-    def __init__(self, config, batch_size=BATCH):
+    def __init__(self, config, batch_size=BATCH, clock=time.perf_counter):
+        self.clock = clock
         rng = np.random.default_rng(1)
         b, t, d, h, v = batch_size, config.block_size, config.n_embd, config.n_head, config.vocab_size
         n, hd = b * t, d // h
@@ -120,12 +121,12 @@ class MatmulsOnly:
         self.linear_s, self.attention_s = [], []
 
     def step(self):
-        t0 = time.perf_counter()
+        t0 = self.clock()
         for x, w, g in self.linears:
             x @ w.T
             g @ w
             g.T @ x
-        t1 = time.perf_counter()
+        t1 = self.clock()
         for q, k, v, p, g in self.attention:
             q @ k.swapaxes(-1, -2)             # scores
             p @ v                              # weighted sum
@@ -133,7 +134,7 @@ class MatmulsOnly:
             g @ v.swapaxes(-1, -2)             # probability gradient
             p @ k                              # query gradient (ds @ K)
             p.swapaxes(-1, -2) @ q             # key gradient (ds^T @ Q)
-        t2 = time.perf_counter()
+        t2 = self.clock()
         self.linear_s.append(t1 - t0)
         self.attention_s.append(t2 - t1)
 
@@ -288,7 +289,7 @@ FAMILIES = {
 }
 
 
-def op_times(trainer, matmuls, steps=4):
+def op_times(trainer, matmuls, steps=4, clock=time.perf_counter):
     """Return {family: ms per step outside the matmuls} of ``trainer``'s step, timed op by op.
 
     Every public op of mpidist.nn.functional is wrapped (forward: the outermost op call only, so a composite op
@@ -307,21 +308,21 @@ def op_times(trainer, matmuls, steps=4):
             if depth[0]:
                 return fn(*args, **kwargs)
             depth[0] += 1
-            start = time.perf_counter()
+            start = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+                spent[name] = spent.get(name, 0.0) + clock() - start
                 depth[0] -= 1
         return run
 
     def timed_backward(name, backward):
         def run(g, needs):
-            start = time.perf_counter()
+            start = clock()
             try:
                 return backward(g, needs)
             finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+                spent[name] = spent.get(name, 0.0) + clock() - start
         return run
 
     opt_step = trainer.opt.step
@@ -337,9 +338,9 @@ def op_times(trainer, matmuls, steps=4):
         for _ in range(steps):
             matmuls.step()
             linear_s, attention_s = linear_s + matmuls.linear_s[-1], attention_s + matmuls.attention_s[-1]
-            start = time.perf_counter()
+            start = clock()
             trainer.step()
-            total += time.perf_counter() - start
+            total += clock() - start
         total, matmul_linear_ms, matmul_attention_ms = (v / steps * 1e3 for v in (total, linear_s, attention_s))
     finally:
         for name, fn in originals.items():
@@ -414,7 +415,8 @@ def run_worker(args):
     fsdp = lambda m: FSDP(m, comm, units=m.fsdp_units())  # noqa: E731
     if size == 1:
         peak = matmul_gflops(repeats=3)
-        matmuls = MatmulsOnly(config)
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        matmuls = MatmulsOnly(config, clock=clock)
         assert matmuls.flops == tokens * flops_per_token, (matmuls.flops, tokens * flops_per_token)
         plain = Trainer(model, x, y)
         ckpt = Trainer(build().checkpoint_blocks(), x, y)
@@ -425,7 +427,7 @@ def run_worker(args):
             with torch.no_grad():  # the same model: the largest logit difference (float32 rounding only)
                 logits_diff = float(np.abs(peer.model(peer.x).numpy() - model(x).data).max())
             setups["torch"] = peer
-        times = time_steps(setups, args.steps, warmup=1, block=2)
+        times = time_steps(setups, args.steps, warmup=1, block=2, clock=clock)
         gflops = matmuls.flops / times["matmuls"] / 1e9
         linear_flops = matmuls.flops - config.n_layer * 12 * BATCH * config.block_size ** 2 * config.n_embd
         linear_ms, attention_ms = np.median(matmuls.linear_s) * 1e3, np.median(matmuls.attention_s) * 1e3
@@ -437,14 +439,15 @@ def run_worker(args):
         if peer is not None:
             versus = {"torch_tokens_per_s": tokens / times["torch"], "torch_step_ms": times["torch"] * 1e3,
                       "torch_mfu": tokens * flops_per_token / times["torch"] / 1e9 / gflops,
-                      "tokens_per_s_over_torch": times["torch"] / times["single"], "torch_logits_max_abs_diff": logits_diff,
-                      "torch_version": sys.modules["torch"].__version__}
+                      "tokens_per_s_over_torch": times["torch"] / times["single"],
+                      "torch_logits_max_abs_diff": logits_diff, "torch_version": sys.modules["torch"].__version__}
         held, peak_act = activation_bytes(plain)
         held_c, peak_c = activation_bytes(ckpt)
         row("single", times["single"], gflops, peak, **split, **versus, activation_held_bytes=held,
             activation_peak_bytes=peak_act, outside_matmul_ms=outside,
             outside_matmul_share=outside / (times["single"] * 1e3), width=config.n_embd,
-            malloc_retained=args.retained, outside_matmul_ms_by_op=op_times(plain, matmuls))
+            malloc_retained=args.retained, clock=args.clock,
+            outside_matmul_ms_by_op=op_times(plain, matmuls, clock=clock))
         row("checkpointed", times["checkpointed"], gflops, peak, time_over_single=times["checkpointed"] /
             times["single"], activation_held_bytes=held_c, activation_peak_bytes=peak_c,
             held_saving=1 - held_c / held, peak_saving=1 - peak_c / peak_act)
@@ -530,7 +533,7 @@ def run_driver(args):
     for n in args.ranks:
         cmd = [*launch_command(n), sys.executable, here, "--worker", "--steps", str(args.steps),
                "--pipeline-steps", str(args.pipeline_steps), "--width", str(args.width)]
-        cmd += ["--no-torch"] * args.no_torch + ["--no-retain-memory"] * args.no_retain_memory
+        cmd += ["--no-torch"] * args.no_torch + ["--no-retain-memory"] * args.no_retain_memory + ["--clock", args.clock]
         env = dict(os.environ)
         if n > os.cpu_count():
             # More ranks than cores: MPICH busy-polls in blocking receives, and a spinning rank takes the core
@@ -587,7 +590,8 @@ def table(rows):
                            f"torch MFU {r['torch_mfu']:.3f}")
             by_op = r["outside_matmul_ms_by_op"]
             out.append(f"single: outside the matmuls {r['outside_matmul_ms']:.0f} of {r['step_ms']:.0f} ms = "
-                       f"{r['outside_matmul_share']:.1%} of the step (malloc retained: {r['malloc_retained']}); "
+                       f"{r['outside_matmul_share']:.1%} of the step ({r['clock']} clock; malloc retained: "
+                       f"{r['malloc_retained']}); "
                        f"by op family (instrumented step {by_op['step']:.0f} ms):")
             out.extend(f"  {k:34s} {v:7.1f} ms  {v / by_op['step']:6.1%}" for k, v in by_op.items() if k != "step")
         if r["strategy"] == "pipeline_1f1b":
@@ -631,6 +635,9 @@ def main(argv=None):
     parser.add_argument("--worker", action="store_true", help="run one job's measurements (under mpiexec)")
     parser.add_argument("--width", type=int, default=256, help="the GPT's n_embd (4 heads; issue 32: 256 and 512)")
     parser.add_argument("--no-torch", action="store_true", help="leave out the PyTorch eager peer of the 1-rank job")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="the 1-rank job's clock: wall time, or this process's CPU time (time.process_time: "
+                             "steadier when other jobs share the cores; tokens/s are then per CPU second)")
     parser.add_argument("--no-retain-memory", action="store_true",
                         help="leave glibc's malloc thresholds alone (mpidist.nn.allocator.retain_freed_memory)")
     args = parser.parse_args(argv)
