@@ -134,3 +134,18 @@ def test_compute_scale_multiplies_compute_and_optimizer_only():
     assert three["compute"] == pytest.approx(3 * one["compute"])
     assert three["optimizer"] == pytest.approx(3 * one["optimizer"])
     assert three["tp"] == one["tp"] > 0
+
+
+def test_nodes_sharing_one_link_slow_the_groups_crossing_it():
+    """8 TP ranks per node each sending across nodes: one NIC per rank (1) vs one NIC per node (8 share it)."""
+    from mpidist.plan import estimate
+    shape = ModelShape(layers=4, hidden=64, heads=8, vocab=64, seq=16)
+    layout = Layout(1, 8, 2, micro_batch=1, num_micro=4, schedule="1f1b")
+    base = load_profile("a100-80gb-ib").to_dict()
+    calls = {}
+    for share in (1, 8):
+        tiers = {k: dict(v, ranks_per_link=share, latency_s=0.0) for k, v in base["tiers"].items()}
+        calls[share] = estimate(shape, layout, Profile.from_dict(dict(base, tiers=tiers)), 8).time
+    one, eight = calls[1]["pp"], calls[8]["pp"]
+    assert one > 0 and eight == pytest.approx(8 * one)
+    assert calls[1]["tp"] == calls[8]["tp"]   # inside a node: NVLink, no NIC

@@ -73,15 +73,17 @@ def _inner_span(layout: Layout, group: str) -> int:
 
 
 def _link(profile: Profile, layout: Layout, group: str, ranks_per_node: int):
-    """Return (tier, bandwidth share) of ``group``: inside a node when its ranks fit one, else the inter tier
-    shared by the node's ranks that talk across it at once (one per group crossing the node)."""
+    """Return (tier, bandwidth share) of ``group``: inside a node when its ranks fit one, else the inter tier,
+    whose link ``ranks_per_link`` ranks of a node share (1: a NIC per rank, as DGX nodes have) among the groups
+    crossing the node at once (one per group, the node's ranks of a group taking turns on a ring)."""
     span = _inner_span(layout, group)
     if span <= ranks_per_node:
         return profile.tiers["intra"], 1.0
+    tier = profile.tiers["inter"]
     stride = span // _group_size(layout, group) if group not in ("pp", "tied") else layout.tp
     members_per_node = max(1, ranks_per_node // max(1, stride))
-    concurrent = max(1, ranks_per_node // members_per_node)
-    return profile.tiers["inter"], 1.0 / concurrent
+    concurrent = max(1, min(tier.ranks_per_link, ranks_per_node) // members_per_node)
+    return tier, 1.0 / concurrent
 
 
 def collective_seconds(op: str, nbytes: float, n: int, latency: float, bandwidth: float) -> float:

@@ -5,8 +5,9 @@ Glossary:
 - matmul efficiency curve: ``[[gemm_flops, efficiency], ...]`` sorted by size: the share of peak a GEMM of that
   many FLOPs reaches (interpolated in log size, clamped at the ends).
 - tier: a class of link, ``intra`` (ranks of one node) or ``inter`` (between nodes), each with ``latency_s``
-  (alpha), ``bandwidth`` (bytes/s per rank's link, beta = 1 / bandwidth) and ``efficiency`` (share of it the
-  collectives reach).
+  (alpha), ``bandwidth`` (bytes/s of one link, beta = 1 / bandwidth), ``efficiency`` (share of it the
+  collectives reach) and ``ranks_per_link`` (ranks of a node sharing one link: 1 with a NIC per GPU, the ranks
+  per node with one NIC per node).
 - fitted knobs: at most two numbers per profile fitted on declared runs (listed under ``fit``); everything else
   comes from specifications or from ``mpidist plan --calibrate``. ``compute_scale`` is one: measured over
   modelled time of real one-rank training steps, multiplying compute and optimizer time (on a CPU it carries
@@ -32,6 +33,7 @@ class Tier:
     latency_s: float
     bandwidth: float
     efficiency: float = 1.0
+    ranks_per_link: int = 1   # ranks of a node sharing one such link (one NIC per node: the ranks per node)
 
     @property
     def effective_bandwidth(self) -> float:
@@ -76,7 +78,8 @@ class Profile:
                 "memory_bandwidth": self.memory_bandwidth, "elementwise_factor": self.elementwise_factor,
                 "compute_scale": self.compute_scale,
                 "cores_per_node": self.cores_per_node,
-                "tiers": {k: {"latency_s": t.latency_s, "bandwidth": t.bandwidth, "efficiency": t.efficiency}
+                "tiers": {k: {"latency_s": t.latency_s, "bandwidth": t.bandwidth, "efficiency": t.efficiency,
+                              "ranks_per_link": t.ranks_per_link}
                           for k, t in self.tiers.items()}, "fit": self.fit}
 
     @classmethod
@@ -94,7 +97,8 @@ class Profile:
             t = data["tiers"].get(name)
             if t is None:
                 raise ValueError(f"{where}: tiers needs 'intra' and 'inter' (got {sorted(data['tiers'])})")
-            tiers[name] = Tier(float(t["latency_s"]), float(t["bandwidth"]), float(t.get("efficiency", 1.0)))
+            tiers[name] = Tier(float(t["latency_s"]), float(t["bandwidth"]), float(t.get("efficiency", 1.0)),
+                               int(t.get("ranks_per_link", 1)))
         known = set(required) | {"elementwise_factor", "cores_per_node", "compute_scale", "source", "fit",
                                  "description"}
         unknown = sorted(set(data) - known)
