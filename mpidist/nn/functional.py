@@ -391,37 +391,56 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 _GELU_K = 0.044715
 
 
+_CHUNK = 1 << 16  # elements per slice of the elementwise loops below: 256 KiB of float32 stays in L2 between passes
+
+
+def _slices(n, xp):
+    """Yield slices covering ``range(n)`` in ``_CHUNK`` pieces (one piece on a GPU, where each pass is one kernel)."""
+    step = _CHUNK if xp is np else builtins.max(n, 1)
+    return (slice(lo, lo + step) for lo in range(0, n, step))
+
+
 def gelu(a):
     """Return GELU with the tanh approximation: ``0.5 a (1 + tanh(sqrt(2/pi) (a + 0.044715 a^3)))``."""
     x = _d(a)
     xp = get_array_module(x)
-    # In place, eight passes over the activation and one tanh (the costly one). Written as products:
-    # numpy's float32 ``x ** 3`` calls powf per element and took 60x longer than the rest of GELU together.
-    # Backward keeps s = (1 + tanh(u)) / 2, what both the output and the derivative are made of.
-    s = x * x
-    s *= x.dtype.type(_GELU_C * _GELU_K)
-    s += x.dtype.type(_GELU_C)
-    s *= x
-    xp.tanh(s, out=s)
-    s *= x.dtype.type(0.5)
-    s += x.dtype.type(0.5)
-    out = x * s
+    # In place, eight passes and one tanh (the costly one), slice by slice so that the passes after the first
+    # read the slice from L2 (GPT-sized activations, 8 MiB, otherwise stream through L3 nine times: 30% slower).
+    # Backward keeps s = (1 + tanh(u)) / 2, what both the output and the derivative are made of. Written as
+    # products: numpy's float32 ``x ** 3`` calls powf per element and took 60x longer than the rest of GELU.
+    dt = x.dtype.type
+    xf = x.reshape(-1)
+    s, out = xp.empty_like(xf), xp.empty_like(xf)
+    for i in _slices(xf.size, xp):
+        xs, ss = xf[i], s[i]
+        xp.multiply(xs, xs, out=ss)
+        ss *= dt(_GELU_C * _GELU_K)
+        ss += dt(_GELU_C)
+        ss *= xs
+        xp.tanh(ss, out=ss)
+        ss *= dt(0.5)
+        ss += dt(0.5)
+        xp.multiply(xs, ss, out=out[i])
 
     def backward(g, n):
-        x = _d(a)
         # d/dx = s + x s (1 - s) (2C + 6CK x^2), as 0.5 (1 - tanh^2) = 2 s (1 - s).
-        dt = x * x
-        dt *= x.dtype.type(6 * _GELU_C * _GELU_K)
-        dt += x.dtype.type(2 * _GELU_C)
-        dt *= x
-        q = xp.subtract(1, s, dtype=s.dtype)
-        q *= s
-        dt *= q
-        del q
-        dt += s
-        dt *= g
-        return (dt,)
-    return make_result("Gelu", out, (a,), backward)
+        xf, gf = _d(a).reshape(-1), g.reshape(-1)
+        grad = xp.empty_like(xf)
+        scratch = xp.empty(builtins.min(xf.size, _CHUNK) if xp is np else xf.size, dtype=s.dtype)
+        for i in _slices(xf.size, xp):
+            xs, ss, d = xf[i], s[i], grad[i]
+            q = scratch[:d.size]
+            xp.multiply(xs, xs, out=d)
+            d *= dt(6 * _GELU_C * _GELU_K)
+            d += dt(2 * _GELU_C)
+            d *= xs
+            xp.subtract(1, ss, out=q)
+            q *= ss
+            d *= q
+            d += ss
+            d *= gf[i]
+        return (grad.reshape(x.shape),)
+    return make_result("Gelu", out.reshape(x.shape), (a,), backward)
 
 
 @fp32_op
