@@ -107,7 +107,9 @@ class DeferredArray:
 
 def is_deferred(x):
     """Return True if ``x`` (a Parameter or its data) is deferred: it has no values yet."""
-    return isinstance(getattr(x, "data", x), DeferredArray)
+    # Not getattr(x, "data") of an ndarray: its memoryview raises for ml_dtypes' bfloat16 ("cannot include dtype 'E'").
+    return isinstance(x, DeferredArray) or (not isinstance(x, np.ndarray)
+                                            and isinstance(getattr(x, "data", None), DeferredArray))
 
 
 def new_parameter(shape, init, dtype, rng=None):
