@@ -30,6 +30,7 @@ import safetensors.numpy
 from mpidist.comm.agree import agreed
 from mpidist.files import atomic_path, write_text_atomic
 from mpidist.nn.module import Module
+from mpidist.nn.precision import as_dtype, bfloat16
 from mpidist.parallel.full_state import full_state_dict, load_full_state_dict
 from mpidist.parallel.interface import Wrapper, as_wrapper
 from mpidist.xp import to_numpy
@@ -57,23 +58,32 @@ def on_rank(comm, rank, fn, context):
     return agreed(comm, lambda: fn() if comm.Get_rank() == rank else None, context)
 
 
-def gather_state(obj, comm=None, *, rank=0, context="gather_state"):
+def gather_state(obj, comm=None, *, rank=0, context="gather_state", dtype=None):
     """Return (the unsplit state of a model, wrapper or mapping on ``rank``, {} elsewhere; the communicator used).
 
     A mapping is this process's own state (comm None). A model or wrapper at any layout is gathered by
     ``full_state_dict`` over ``comm`` (default: the layout's own), one tensor at a time; collective there.
+    ``dtype`` (float32, bfloat16, float16 or a name such as "bf16"): the floating tensors come back cast to it.
     """
     if isinstance(obj, Mapping):
-        return obj, None
+        if dtype is None:
+            return obj, None
+        dtype = as_dtype(dtype, f"{context}: dtype")
+        return {name: _cast_floating(np.asarray(to_numpy(array)), dtype) for name, array in obj.items()}, None
     if not isinstance(obj, (Module, Wrapper)):
         raise TypeError(f"{context}: expected an nn.Module, a parallel wrapper (DDP, FSDP, Pipeline) or a mapping "
                         f"name -> array (got {type(obj).__name__})")
     comm = layout_comm(obj, comm)
-    return full_state_dict(obj, comm, rank=rank), comm
+    return full_state_dict(obj, comm, rank=rank, dtype=dtype), comm
+
+
+def _cast_floating(array, dtype):
+    """Return ``array`` cast to ``dtype`` if it is floating (bfloat16 included), else as it is."""
+    return array.astype(dtype, copy=False) if array.dtype.kind == "f" or array.dtype == bfloat16 else array
 
 
 def save_safetensors(model_or_state_dict, path, *, config=None, metadata: Optional[Mapping[str, str]] = None,
-                     comm=None, rank=0) -> None:
+                     comm=None, rank=0, dtype=None) -> None:
     """Write a model's unsplit parameters and buffers (or a state dict) to ``path`` as one safetensors file.
 
     ``model_or_state_dict``: a mapping name -> array (numpy or CuPy), written by this process; or an ``nn.Module``
@@ -84,7 +94,9 @@ def save_safetensors(model_or_state_dict, path, *, config=None, metadata: Option
     writing rank raises on every rank. ``config``, when given (a mapping, or a dataclass such as ``gpt.config``), is
     written as JSON to ``config_path(path)``; ``metadata`` is the file header's string -> string metadata.
     Everything is checked before anything is written: names must be strings, dtypes ones safetensors stores (no
-    complex128, object or string arrays), the config JSON-able.
+    complex128, object or string arrays), the config JSON-able. ``dtype`` (float32, bfloat16, float16 or a name
+    such as "bf16") writes the floating tensors in it, e.g. a bfloat16 model's float32 copy; default: as they are
+    (bfloat16 is stored as safetensors' BF16).
     """
     context = "save_safetensors"
     if not isinstance(model_or_state_dict, (Mapping, Module, Wrapper)):
@@ -92,8 +104,10 @@ def save_safetensors(model_or_state_dict, path, *, config=None, metadata: Option
                         f"(got {type(model_or_state_dict).__name__})")
     gather_comm = None if isinstance(model_or_state_dict, Mapping) else layout_comm(model_or_state_dict, comm)
     # The arguments are checked on every rank before the gather, so a typo costs no transfer.
+    if dtype is not None:
+        as_dtype(dtype, f"{context}: dtype")  # on every rank, before anything collective
     config_text = on_rank(gather_comm, rank, lambda: _check_arguments(path, config, metadata, context), context)
-    state, gather_comm = gather_state(model_or_state_dict, gather_comm, rank=rank, context=context)
+    state, gather_comm = gather_state(model_or_state_dict, gather_comm, rank=rank, context=context, dtype=dtype)
     on_rank(gather_comm, rank, lambda: _write(state, path, config_text, metadata, context), context)
 
 
@@ -132,17 +146,35 @@ def _write(state, path, config_text, metadata, context):
 
 
 def read_safetensors(path, context="load_safetensors") -> Dict[str, np.ndarray]:
-    """Return every tensor of the safetensors file ``path`` as a dict name -> numpy array (this process reads)."""
+    """Return every tensor of the safetensors file ``path`` as a dict name -> numpy array (this process reads).
+
+    By name; BF16 comes back as ``ml_dtypes.bfloat16`` (safetensors.numpy cannot read it).
+    """
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(f"{context}: {path} is a directory; pass the .safetensors file in it")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{context}: no such file ({path})")
     try:
-        return safetensors.numpy.load_file(path)
-    except (safetensors.SafetensorError, TypeError, ValueError) as e:  # bad header, a dtype numpy lacks (bf16)
-        raise ValueError(f"{context}: {path} cannot be read as numpy arrays ({e}); not a safetensors file, or "
-                         f"a dtype numpy lacks (bfloat16, float8)") from e
+        with open(path, "rb") as f:
+            entries = safetensors.deserialize(f.read())
+    except (safetensors.SafetensorError, TypeError, ValueError) as e:  # a bad header
+        raise ValueError(f"{context}: {path} cannot be read as numpy arrays ({e}); not a safetensors file") from e
+    unknown = sorted({(entry["dtype"], name) for name, entry in entries if entry["dtype"] not in _NUMPY_DTYPES})
+    if unknown:
+        raise ValueError(f"{context}: {path} cannot be read as numpy arrays (dtypes numpy lacks, float8 and the "
+                         f"like: {unknown[:5]})")
+    # Little-endian bytes, as safetensors writes them; a copy, so the arrays are writable and own their memory.
+    # By name, as safetensors.numpy.load_file gives them (the header's order is by dtype alignment).
+    entries = sorted(entries, key=lambda item: item[0])
+    return {name: np.frombuffer(entry["data"], dtype=np.dtype(_NUMPY_DTYPES[entry["dtype"]]).newbyteorder("<"))
+            .reshape(entry["shape"]).astype(_NUMPY_DTYPES[entry["dtype"]]) for name, entry in entries}
+
+
+# safetensors' dtype names -> numpy's: safetensors.numpy's table, plus BF16 as ml_dtypes' bfloat16.
+_NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": bfloat16, "I64": np.int64,
+                 "U64": np.uint64, "I32": np.int32, "U32": np.uint32, "I16": np.int16, "U16": np.uint16,
+                 "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_, "C64": np.complex64}
 
 
 def load_safetensors(path, model=None, comm=None, *, rank=0) -> Dict[str, np.ndarray]:

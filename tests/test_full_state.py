@@ -16,6 +16,7 @@ from mpidist.nn.placement import Shard
 from mpidist.models import tensor_parallel
 from mpidist.parallel import DDP, FSDP, Pipeline, Wrapper, mesh
 from mpidist.parallel import full_optimizer_state_dict, full_state_dict, iter_full_state, load_full_state_dict
+from mpidist.nn.precision import apply_policy
 
 # vocabulary 61: padded rows at tp 2 and 4; float64 so that layouts agree with one process to 1e-12.
 CONFIG = GPTConfig(vocab_size=61, block_size=8, n_layer=2, n_head=4, n_embd=16, dtype="float64")
@@ -34,10 +35,12 @@ def batch():
 class Layout:
     """One rank's model at a layout: the wrapper to gather from, the communicator spanning it, and a trainer."""
 
-    def __init__(self, comm, kind, dims=None, seed=0):
+    def __init__(self, comm, kind, dims=None, seed=0, policy=None):
         size = comm.Get_size()
         config = UNTIED if kind == "pp" else CONFIG
         self.model = model = GPT(config, rng=np.random.default_rng(seed))
+        if policy is not None:  # a mixed-precision Policy, applied before wrapping as apply_policy asks
+            apply_policy(model, policy)
         self.grid, self.dp, self.dp_rank, self.comm, self.pipeline = None, 1, 0, comm, False
         if kind == "plain":
             self.wrapped, self.comm = model, None

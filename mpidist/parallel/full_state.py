@@ -15,6 +15,10 @@ Glossary:
   blocking sends in the root's receive order, so a large box waits for the root's receive (MPI's rendezvous)
   and at most the current tensor is in transit; small boxes may sit in MPI's eager buffers.
 
+bfloat16 (``ml_dtypes``; MPI has no such type) travels as its uint16 bit patterns and is viewed back on
+arrival: nothing here reduces, so the bytes are the values. ``dtype=`` casts the floating tensors on the root
+after the transfer (a bfloat16 model written as float32 exactly, or a float32 one rounded to bfloat16).
+
 Tensors come in the unsplit model's ``state_dict()`` order: parameters by pipeline stage and then by their
 order on the ranks that hold them, then buffers. Non-primary copies of a tied weight are not gathered (the
 primary is), but a load writes them too.
@@ -30,13 +34,37 @@ import numpy as np
 from .. import collectives, wire
 from ..comm.agree import describe_ranks, raise_if_any
 from ..nn.placement import boxes, check_tiling, global_shape
+from ..nn.precision import as_dtype, bfloat16
 from ..xp import copy_into, get_array_module, to_numpy
+from .comm_hooks import as_bytes
 from .interface import as_wrapper, placement_comms
 
 __all__ = ["iter_full_state", "full_state_dict", "load_full_state_dict", "full_optimizer_state_dict"]
 
 # Point-to-point tag of full-state transfers; far from the small tags user code tends to pick.
 _TAG = 0x5E57
+
+
+def _floating(dtype):
+    """Whether ``dtype`` is a floating dtype, bfloat16 (numpy kind "V") included."""
+    return dtype.kind == "f" or dtype == bfloat16
+
+
+def _arrived(piece, dtype):
+    """Return a received ``piece`` of a ``dtype`` tensor as that dtype: bfloat16 arrives as its uint16 bits."""
+    return piece.view(bfloat16) if dtype == bfloat16 else piece
+
+
+def _check_dtype(fn, dtype):
+    """Return ``dtype`` (None, a name such as "bf16", or a dtype) as None or float16, bfloat16 or float32."""
+    return None if dtype is None else as_dtype(dtype, f"{fn}: dtype")
+
+
+def _cast(array, dtype):
+    """Return ``array`` with a floating dtype cast to ``dtype`` (None: as it is); integers and bools stay."""
+    if array is None or dtype is None or not _floating(array.dtype):
+        return array
+    return array.astype(dtype, copy=False)
 
 
 class _Tensor:
@@ -146,9 +174,9 @@ class _Layout:
             param_lists.append([e[0] for e in catalog if not e[5] and e[4]])
             buffer_lists.append([e[0] for e in catalog if e[5]])
             for name, shape, dtype, stage, primary, is_buffer, held, opt in catalog:
-                if dtype not in wire.SUPPORTED_DTYPES:  # found here, on every rank: a send of it fails on one side
+                if dtype not in wire.SUPPORTED_DTYPES and dtype != bfloat16:  # found here, on every rank: a send of it fails on one side
                     raise ValueError(f"{fn}: {name!r} has dtype {dtype} on rank {rank}, which mpidist's collectives "
-                                     f"do not carry (supported: {', '.join(d.name for d in wire.SUPPORTED_DTYPES)})")
+                                     f"do not carry (supported: {', '.join(d.name for d in wire.SUPPORTED_DTYPES)}, bfloat16)")
                 t = tensors.get(name)
                 if t is None:
                     t = tensors[name] = _Tensor(name, tuple(shape), dtype, stage, is_buffer)
@@ -210,12 +238,12 @@ def _gather_one(layout, t, root, read=None, dtype=None):
                 array, box = mine[key]
                 piece = box.view(array)
             else:
-                piece = collectives.recv(source, layout.comm, tag=_TAG)
+                piece = _arrived(collectives.recv(source, layout.comm, tag=_TAG), full.dtype)
             full[_index(*key)] = to_numpy(piece)
         elif layout.me == source:
             array, box = mine[key]
             view = box.view(array)
-            collectives.send(get_array_module(view).ascontiguousarray(view), root, layout.comm, tag=_TAG)
+            collectives.send(as_bytes(get_array_module(view).ascontiguousarray(view)), root, layout.comm, tag=_TAG)
     return full
 
 
@@ -225,27 +253,31 @@ def _check_root(fn, comm, rank):
         raise ValueError(f"{fn}: rank must be a rank of the communicator, 0..{size - 1} (got {rank!r})")
 
 
-def iter_full_state(obj, comm=None, *, rank=0) -> Iterator[Tuple[str, Optional[np.ndarray]]]:
+def iter_full_state(obj, comm=None, *, rank=0, dtype=None) -> Iterator[Tuple[str, Optional[np.ndarray]]]:
     """Yield (name, full numpy array on ``rank``, None elsewhere) in the unsplit model's order, one tensor at a time.
 
     ``obj``: a wrapper (DDP, FSDP, Pipeline) or an ``nn.Module`` (plain or tensor-parallel). Collective over
     ``comm`` (default ``as_wrapper(obj).mesh.comm``), which must span every rank holding a part of the model (for
     DDP over a tensor-parallel model, or a Pipeline with data parallelism, pass the mesh's world communicator).
     Every rank must run the iteration to its end. The root holds the tensor being assembled and nothing else.
+    ``dtype`` (float32, bfloat16, float16 or a name such as "bf16"): the floating tensors come back cast to it.
     """
     fn = "iter_full_state"
+    dtype = _check_dtype(fn, dtype)
     layout = _Layout(obj, comm, fn)
     _check_root(fn, layout.comm, rank)
     for t in layout.tensors:
-        yield t.name, _gather_one(layout, t, rank)
+        yield t.name, _cast(_gather_one(layout, t, rank), dtype)
 
 
-def full_state_dict(obj, comm=None, *, rank=0, all_ranks=False) -> Dict[str, np.ndarray]:
+def full_state_dict(obj, comm=None, *, rank=0, all_ranks=False, dtype=None) -> Dict[str, np.ndarray]:
     """Return the unsplit model's parameters and buffers (numpy) under any layout, in its ``state_dict()`` order.
 
     On ``rank`` only ({} elsewhere), or on every rank with ``all_ranks`` (one broadcast per tensor). Collective
-    over ``comm`` (default ``as_wrapper(obj).mesh.comm``); see ``iter_full_state``.
+    over ``comm`` (default ``as_wrapper(obj).mesh.comm``); see ``iter_full_state``. ``dtype`` (float32, bfloat16,
+    float16 or a name such as "bf16"): the floating tensors come back cast to it (default: the model's dtypes).
     """
+    dtype = _check_dtype("full_state_dict", dtype)
     out = OrderedDict()
     layout = _Layout(obj, comm, "full_state_dict")
     _check_root("full_state_dict", layout.comm, rank)
@@ -254,9 +286,9 @@ def full_state_dict(obj, comm=None, *, rank=0, all_ranks=False) -> Dict[str, np.
         if all_ranks and layout.size > 1:
             if full is None:
                 full = np.empty(t.shape, dtype=t.dtype)
-            collectives.broadcast(full, layout.comm, root=rank)
+            collectives.broadcast(as_bytes(full), layout.comm, root=rank)  # a view: fills ``full`` in place
         if full is not None:
-            out[t.name] = full
+            out[t.name] = _cast(full, dtype)
     return out
 
 
@@ -283,7 +315,7 @@ def _check_state(fn, state, tensors, strict):
             return f"{fn}: {name!r} is not an array numpy can read ({type(value).__name__}: {exc})", {}
         if array.shape != known[name].shape:
             return f"{fn}: shape mismatch for {name!r} (state_dict: {array.shape}, model: {known[name].shape})", {}
-        if array.dtype.kind not in "biufc" or not np.can_cast(array.dtype, known[name].dtype, casting="same_kind"):
+        if (array.dtype.kind not in "biufc" and array.dtype != bfloat16) or not np.can_cast(array.dtype, known[name].dtype, casting="same_kind"):
             return (f"{fn}: {name!r} has dtype {array.dtype} in the state_dict, which does not cast to the model's "
                     f"{known[name].dtype}"), {}
         arrays[name] = array
@@ -321,7 +353,7 @@ def load_full_state_dict(obj, state, comm=None, *, rank=0, strict=True, context=
                 others = [holder for holder in sorted(set(t.holders[key])) if holder != rank]
                 piece = np.ascontiguousarray(full[_index(*key)]) if others else None  # one copy per box, not per holder
                 for holder in others:
-                    pending.append(collectives.isend(piece, holder, layout.comm, tag=_TAG))
+                    pending.append(collectives.isend(as_bytes(piece), holder, layout.comm, tag=_TAG))
             for key, copies in mine.items():
                 for array, box in copies:
                     copy_into(box.view(array), full[_index(*key)])
@@ -329,7 +361,7 @@ def load_full_state_dict(obj, state, comm=None, *, rank=0, strict=True, context=
                 handle.wait()  # the next tensor only when this one has left
         else:
             for key in sorted(mine):
-                piece = collectives.recv(rank, layout.comm, tag=_TAG)
+                piece = _arrived(collectives.recv(rank, layout.comm, tag=_TAG), t.dtype)
                 for array, box in mine[key]:
                     copy_into(box.view(array), piece)
 

@@ -145,7 +145,7 @@ class Unit:
         flat = xp.zeros(self.padded, dtype=first.dtype)
         for p, view in zip(self.params, self.views(flat)):
             view[...] = p.data
-        collectives.broadcast(flat, self.ctx.comm)  # every rank starts from rank 0's values, like DDP
+        collectives.broadcast(as_bytes(flat), self.ctx.comm)  # every rank starts from rank 0's values, like DDP
         self.placeholder = xp.empty((0,), dtype=self.param_dtype(first.dtype))
         for p in self.params:
             p.grad = None
