@@ -236,3 +236,23 @@ def test_retain_freed_memory_reuses_freed_pages():
 def test_retain_freed_memory_rejects_bad_threshold():
     with pytest.raises(ValueError, match=r"retain_freed_memory: threshold_bytes must be in \(0, 2\*\*31\) \(got 0\)"):
         retain_freed_memory(threshold_bytes=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_multi_head_attention_sequence_by_sequence_is_split_heads_attention(causal):
+    # Long enough that the plain path runs a few sequences at a time (their scores fill _CHUNK), and with a batch
+    # that does not divide evenly into those runs.
+    rng = np.random.default_rng(11)
+    b, t, h, d = 5, 64, 4, 8
+    assert 1 < -(-b // max(1, F._CHUNK // (h * t * t))) and b % max(1, F._CHUNK // (h * t * t))
+    qkv, dy = rng.standard_normal((b, t, 3 * d)), rng.standard_normal((b, t, d))
+
+    def split(x):
+        parts = F.permute(F.reshape(x, (b, t, 3, h, d // h)), (2, 0, 3, 1, 4))
+        q, k, v = (F.reshape(a, (b, h, t, d // h)) for a in F.split(parts, 3, axis=0))
+        return F.reshape(F.permute(F.scaled_dot_product_attention(q, k, v, is_causal=causal), (0, 2, 1, 3)), (b, t, d))
+
+    ref, (ref_grad,) = _grads(split, [qkv], dy)
+    out, (grad,) = _grads(lambda x: F.multi_head_attention(x, h, is_causal=causal), [qkv], dy)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-12, atol=1e-14)

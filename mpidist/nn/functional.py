@@ -672,11 +672,14 @@ def _attention_probs(Q, K, scale, is_causal, attn_mask, dropout_p, training, gen
     """
     xp = get_array_module(Q)
     probs = Q @ K.swapaxes(-1, -2)
-    probs *= probs.dtype.type(scale)
     lq, lk = probs.shape[-2:]
-    if is_causal:
-        probs += xp.triu(xp.full((lq, lk), -np.inf, dtype=probs.dtype), k=lk - lq + 1)
-    if attn_mask is not None:
+    bias = xp.triu(xp.full((lq, lk), -np.inf, dtype=probs.dtype), k=lk - lq + 1) if is_causal else None
+    if attn_mask is None:
+        _softmax_scores_(probs, scale, bias)
+    else:
+        probs *= probs.dtype.type(scale)
+        if bias is not None:
+            probs += bias
         m = _d(attn_mask)
         if m.dtype == bool:
             probs = xp.where(m, probs, probs.dtype.type(-np.inf))
@@ -684,15 +687,26 @@ def _attention_probs(Q, K, scale, is_causal, attn_mask, dropout_p, training, gen
             probs += m
         else:
             probs = probs + m
-    probs -= probs.max(axis=-1, keepdims=True)
-    xp.exp(probs, out=probs)
-    probs /= probs.sum(axis=-1, keepdims=True)
+        _softmax_scores_(probs, 1, None)
     drop = None
     if dropout_p and training:
         gen = generator_for_draw(generator)
         keep = gen.random(probs.shape, dtype=np.float32) >= dropout_p
         drop = xp.asarray(keep.astype(probs.dtype) / probs.dtype.type(1 - dropout_p))
     return probs, drop
+
+
+def _softmax_scores_(scores, scale, bias):
+    """Turn ``scores`` into ``softmax(scores * scale + bias)`` over the last axis, in place (``bias``: the causal
+    0 / -inf, added: the same values as choosing -inf)."""
+    xp = get_array_module(scores)
+    if scale != 1:
+        scores *= scores.dtype.type(scale)
+    if bias is not None:
+        scores += bias
+    scores -= scores.max(axis=-1, keepdims=True)
+    xp.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
 
 
 def _attention_scores_grad(dp, probs, row_dot, scale):
@@ -766,16 +780,43 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
         return tuple(parts[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
 
     Q, K, V = heads(X)
-    probs, drop = _attention_probs(Q, K, s, is_causal, attn_mask, dropout_p, training, generator)
-    out = xp.empty((b, t, h, hd), dtype=np.result_type(probs.dtype, V.dtype))
-    out4 = out.transpose(0, 2, 1, 3)
-    _matmul_into(probs * drop if drop is not None else probs, V, out4)
+    # Without a mask or dropout, sequence by sequence (as many as fill _CHUNK scores): the scores' passes (scale,
+    # causal bias, shift, exp, sum, division) and the product with V then read a slice that is still in L2.
+    by_sequence = xp is np and attn_mask is None and not (dropout_p and training) and t
+    if by_sequence:
+        per = builtins.max(1, _CHUNK // (h * t * t))
+        probs, drop = xp.empty((b, h, t, t), dtype=X.dtype), None
+        out = xp.empty((b, t, h, hd), dtype=X.dtype)
+        out4 = out.transpose(0, 2, 1, 3)
+        bias = xp.triu(xp.full((t, t), -np.inf, dtype=X.dtype), k=1) if is_causal else None
+        for lo in range(0, b, per):
+            i = slice(lo, lo + per)
+            p = probs[i]
+            xp.matmul(Q[i], K[i].swapaxes(-1, -2), out=p)
+            _softmax_scores_(p, s, bias)
+            _matmul_into(p, V[i], out4[i])
+    else:
+        probs, drop = _attention_probs(Q, K, s, is_causal, attn_mask, dropout_p, training, generator)
+        out = xp.empty((b, t, h, hd), dtype=np.result_type(probs.dtype, V.dtype))
+        out4 = out.transpose(0, 2, 1, 3)
+        _matmul_into(probs * drop if drop is not None else probs, V, out4)
 
     def backward(g, n):
         Q, K, V = heads(_d(qkv))
         G = g.reshape(b, t, h, hd).transpose(0, 2, 1, 3)
         grad = xp.empty((b, t, 3, h, hd), dtype=np.result_type(g.dtype, X.dtype))
         gq, gk, gv = (grad[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        if by_sequence:
+            dp = xp.empty((builtins.min(per, b), h, t, t), dtype=np.result_type(G.dtype, V.dtype))
+            for lo in range(0, b, per):
+                i = slice(lo, lo + per)
+                p, Gi, ds = probs[i], G[i], dp[:builtins.min(per, b - lo)]
+                _matmul_into(p.swapaxes(-1, -2), Gi, gv[i])
+                xp.matmul(Gi, V[i].swapaxes(-1, -2), out=ds)
+                _attention_scores_grad(ds, p, _row_dot(Gi, out4[i]), s)
+                _matmul_into(ds, K[i], gq[i])
+                _matmul_into(ds.swapaxes(-1, -2), Q[i], gk[i])
+            return (grad.reshape(b, t, 3 * d),)
         _matmul_into((probs * drop if drop is not None else probs).swapaxes(-1, -2), G, gv)
         dp = G @ V.swapaxes(-1, -2)
         if drop is not None:
