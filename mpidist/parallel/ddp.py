@@ -33,6 +33,8 @@ import time
 import numpy as np
 
 from .. import collectives
+from ..collectives_hier import ALGORITHMS as ALLREDUCE_ALGORITHMS, HierarchicalAllreduce
+from ..comm.agree import check_same
 from ..nn import is_grad_enabled, queue_callback
 from ..nn.deferred import is_deferred, materialize
 from ..xp import get_array_module, to_numpy
@@ -128,10 +130,15 @@ class DDP(WholeModuleWrapper):
     the module's parameters with their tensor-parallel placements; ``grad_norm_comms()`` are those placements'
     communicators (the averaged gradients are the same on every rank of ``comm``, so a norm adds over the
     tensor-parallel ranks only).
+
+    ``allreduce``: how buckets are summed across ranks: "flat" (MPI's own nonblocking allreduce, the default),
+    "hierarchical" (``mpidist.collectives_hier``: within each node, across node leaders, back within the node;
+    run when the bucket launches, so it does not overlap with the rest of backward) or "auto" (per bucket size,
+    whichever measured faster on this run's ranks, flat keeping its overlap). Alike on every rank.
     """
 
     def __init__(self, module, comm, bucket_cap_mb=25, first_bucket_mb=1, overlap=True, broadcast_buffers=True,
-                 unused_parameters="zero", check_finite=False):
+                 unused_parameters="zero", check_finite=False, allreduce="flat"):
         self.mesh = mesh_of(comm, "DDP", "dp")
         refuse_mesh(self.mesh, None if len(self.mesh.names) == 1 else
                     f"a mesh must have one dimension, the data-parallel ranks (got {dimensions(self.mesh)}); pass "
@@ -141,6 +148,8 @@ class DDP(WholeModuleWrapper):
             raise ValueError(f"DDP: bucket sizes must be positive (bucket_cap_mb={bucket_cap_mb}, first_bucket_mb={first_bucket_mb})")
         if unused_parameters not in ("zero", "error"):
             raise ValueError(f"DDP: unused_parameters must be 'zero' or 'error' (got {unused_parameters!r})")
+        if allreduce not in ALLREDUCE_ALGORITHMS:
+            raise ValueError(f"DDP: allreduce must be one of {ALLREDUCE_ALGORITHMS} (got {allreduce!r})")
         self.module = module
         self.comm = comm
         self.overlap = overlap
@@ -192,6 +201,12 @@ class DDP(WholeModuleWrapper):
         # register_comm_hook's (state, hook); MPI cannot sum bfloat16, so such buckets default to a float32 sum
         self._comm_hook = (None, comm_hooks.allreduce_hook) if any(
             comm_hooks.as_bytes(b.flat) is not b.flat for b in self.buckets) else None
+        # Constructing the node communicators is collective: ranks that chose differently would hang there.
+        check_same(comm, [allreduce], "DDP", what="allreduce choice")
+        self._hierarchical = None
+        if allreduce != "flat":
+            self._hierarchical = HierarchicalAllreduce(comm, allreduce)
+            self.register_comm_hook(self._hierarchical, _hierarchical_allreduce_hook)
 
     # -- construction -----------------------------------------------------------------------------
     def _broadcast_state(self, arrays, root=0):
@@ -289,6 +304,9 @@ class DDP(WholeModuleWrapper):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self._hierarchical is not None:
+            self._hierarchical.free()
+            self._hierarchical = None
 
     def register_comm_hook(self, state, hook):
         """Reduce each bucket with ``hook(state, bucket)`` instead of MPI's sum (PyTorch's shape; built-ins and
@@ -485,6 +503,19 @@ class DDP(WholeModuleWrapper):
         self.sync_gradients()
         if optimizer is not None:
             optimizer.step()
+
+
+def _hierarchical_allreduce_hook(allreduce, bucket):
+    """Sum a bucket with ``allreduce`` (a HierarchicalAllreduce): flat ones nonblocking, hierarchical ones now.
+
+    Buckets the hierarchical path cannot take (device arrays, bfloat16) go through ``comm_hooks.allreduce_hook``.
+    """
+    flat = bucket.buffer()
+    if type(flat) is not np.ndarray or flat.dtype not in collectives.SUPPORTED_DTYPES:
+        return comm_hooks.allreduce_hook(None, bucket)
+    if allreduce.algorithm_for(flat.nbytes, flat) == "flat":  # collective under "auto": buckets launch in order
+        return comm_hooks.HookWork(collectives.iallreduce(flat, bucket.comm, op="sum"), lambda: flat)
+    return comm_hooks.HookWork(value=allreduce(flat, "sum"))
 
 
 class _HookHandle:

@@ -1,0 +1,88 @@
+"""DDP with its buckets summed by the hierarchical allreduce (``DDP(allreduce=)``) trains like one process.
+
+Simulated nodes (``simulate(ranks_per_node=)``: even and uneven blocks), and under mpiexec the ``comm``
+fixture's ranks (one node; two network-namespace nodes where tests/test_cluster.py runs the file). The reference
+is test_ddp's single process on the whole batch (float64); each rank trains on its slice.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+
+import mpidist
+from mpidist import nn
+from mpidist.collectives_hier import HierarchicalAllreduce
+from mpidist.parallel.ddp import DDP
+
+from test_ddp import TINY_BUCKET_MB, assert_params_equal, global_batch, make_model, make_optimizer, reference_params
+
+STEPS = 3
+
+
+def train(comm, allreduce, kind="adam", overlap=True):
+    """Train test_ddp's model for STEPS steps on this rank's slice of a batch of 2 per rank; return its state."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    ddp = DDP(make_model(), comm, bucket_cap_mb=TINY_BUCKET_MB, first_bucket_mb=TINY_BUCKET_MB, overlap=overlap,
+              allreduce=allreduce)
+    opt = make_optimizer(kind, ddp.parameters())
+    crit = nn.CrossEntropyLoss()
+    for step in range(STEPS):
+        x, y = global_batch(step, 2 * size)
+        opt.zero_grad()
+        crit(ddp(x[2 * rank: 2 * rank + 2]), y[2 * rank: 2 * rank + 2]).backward()
+        opt.step()
+    buckets = len(ddp.buckets)
+    ddp.remove()
+    return ddp.state_dict(), buckets
+
+
+@pytest.fixture
+def hierarchical_calls(monkeypatch):
+    """Count the bucket sums that took the three hierarchical steps (on any rank)."""
+    calls, lock, inner = [], threading.Lock(), HierarchicalAllreduce._hierarchical
+
+    def counted(self, x, op):
+        with lock:
+            calls.append(x.nbytes)
+        return inner(self, x, op)
+    monkeypatch.setattr(HierarchicalAllreduce, "_hierarchical", counted)
+    return calls
+
+
+@pytest.mark.parametrize("allreduce", ["hierarchical", "auto"])
+@pytest.mark.parametrize("size, per_node", [(4, 2), (5, 2), (3, 3)])
+@pytest.mark.parametrize("kind, overlap", [("adam", True), ("sgd", False)])
+def test_ddp_hierarchical_allreduce_matches_one_process_on_simulated_nodes(hierarchical_calls, allreduce, size,
+                                                                           per_node, kind, overlap):
+    reference = reference_params(kind, STEPS, lambda step: global_batch(step, 2 * size))
+    out = mpidist.simulate(size, train, allreduce, kind, overlap, ranks_per_node=per_node)
+    for state, _ in out:
+        assert_params_equal(state, reference)
+    if allreduce == "hierarchical" and per_node < size:
+        # every bucket of every step on every rank took the three steps
+        assert len(hierarchical_calls) == size * STEPS * out[0][1], len(hierarchical_calls)
+
+
+@pytest.mark.parametrize("allreduce", ["flat", "hierarchical", "auto"])
+def test_ddp_allreduce_choice_matches_one_process(comm, allreduce):
+    """On the comm fixture's ranks (SimComm 1..4; real MPI under mpiexec, across nodes in make test-cluster)."""
+    reference = reference_params("adam", STEPS, lambda step: global_batch(step, 2 * comm.Get_size()))
+    state, _ = train(comm, allreduce)
+    assert_params_equal(state, reference)
+
+
+def test_ddp_bad_allreduce_raises_on_every_rank():
+    def run(comm):
+        errors = []
+        for choice in ("ring", "hierarchical" if comm.Get_rank() else "flat"):
+            try:
+                DDP(make_model(), comm, allreduce=choice)
+                errors.append(None)
+            except ValueError as exc:
+                errors.append(str(exc))
+        return errors
+
+    for bad, disagree in mpidist.simulate(4, run, ranks_per_node=2):
+        assert bad == "DDP: allreduce must be one of ('auto', 'flat', 'hierarchical') (got 'ring')", bad
+        assert disagree is not None and "allreduce choice" in disagree and "'flat'" in disagree, disagree
