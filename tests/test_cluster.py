@@ -225,13 +225,14 @@ def test_slurm_on_two_nodes_runs_the_other_templates_and_srun_pmix():
 
 # -- every strategy trains exactly across nodes ----------------------------------------------------------------
 # The suites' own parity tests (float64 training against one process: DDP, FSDP, hybrid FSDP, pipelines, the
-# (dp, tp, pp) GPT mesh; the hierarchical allreduce against numpy), one mpiexec per file with 2 ranks on each of 2
+# (dp, tp, pp) GPT mesh; the hierarchical allreduce against numpy, DDP over it), one mpiexec per file with 2 ranks on each of 2
 # nodes; -k keeps them to their parity tests. Round-robin placement for the files whose groups depend on it.
 PARITY_SELECT = "matches or equal or parity or single_process"
 PARITY = [("tests/test_ddp.py", "block"), ("tests/test_fsdp.py", "block"), ("tests/test_fsdp_hybrid.py", "block"),
           ("tests/test_pipeline.py", "block"), ("tests/test_gpt.py", "block"),
           ("tests/test_fsdp_hybrid.py", "cyclic"), ("tests/test_gpt.py", "cyclic"),
-          ("tests/test_cluster_allreduce.py", "block"), ("tests/test_cluster_allreduce.py", "cyclic")]
+          ("tests/test_cluster_allreduce.py", "block"), ("tests/test_cluster_allreduce.py", "cyclic"),
+          ("tests/test_cluster_ddp.py", "block"), ("tests/test_cluster_ddp.py", "cyclic")]
 
 
 @pytest.mark.timeout(600)
