@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from mpidist import collectives
 from mpidist.nn.autograd import Tensor, make_result
+from mpidist.nn.precision import bfloat16
 from mpidist.xp import get_array_module
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_sequence", "scatter_sequence", "gather_last"]
@@ -29,6 +30,8 @@ def _data(x):
 
 def _allreduce(a, comm):
     xp = get_array_module(a)
+    if a.dtype == bfloat16:  # MPI cannot sum bfloat16: in float32, rounded once (as DDP's bfloat16 buckets)
+        return collectives.allreduce(a.astype(xp.float32), comm, op="sum").astype(bfloat16)
     return collectives.allreduce(xp.array(a, copy=True, order="C"), comm, op="sum")
 
 
