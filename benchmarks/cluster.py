@@ -12,7 +12,14 @@ Measures, with MPICH's mpiexec starting the ranks in the namespace nodes:
   hierarchical ``HierarchicalAllreduce(algorithm="auto")`` chose at each size;
 - DDP step time (benchmarks/ddp_step.py's MLP 784-1024-1024-10, batch 64 per rank, float32) on 1 node x 2
   ranks against 2 nodes x 1 rank (the same compute, gradients crossing the link) and 2 nodes x 2 ranks, with
-  overlap on and off; the share of the exposed inter-node synchronization that overlap hides behind backward.
+  overlap on and off; the share of the exposed inter-node synchronization that overlap hides behind backward;
+- ``--parts layouts`` (2 nodes x 2 ranks): on the same MLP, DDP with its buckets summed flat or hierarchically
+  (``DDP(allreduce=)``), FSDP (full_shard over all 4 ranks) and hybrid FSDP (hybrid_shard: shards within a
+  node, replicas across nodes); and ``GPT(GPTConfig())`` (width 256, 4 layers, context 128, float32, AdamW,
+  global batch 8 sequences) at (dp, tp, pp) = (2, 2, 1) with the tp pairs inside nodes (``mesh``) and across
+  them (ranks {0, 2} and {1, 3}: block placement puts ranks 0, 1 on the first node), (1, 4, 1) (tp spans both
+  nodes) and (4, 1, 1) (DDP only). Medians of the slowest rank's step, interleaved in blocks
+  (benchmarks/train_step.py's ``time_steps``).
 ``--worker`` is the part that runs inside the job.
 """
 
@@ -87,6 +94,77 @@ def ddp_steps(comm, steps):
             "ddp_no_overlap_ms": got["ddp_no_overlap"][0], "ddp_no_overlap_sync_ms": got["ddp_no_overlap"][1]}
 
 
+class _Step:
+    """One training setup: ``step()`` runs zero_grad, forward, loss, backward and the update."""
+
+    def __init__(self, model, loss, x, y, lr=1e-3):
+        from mpidist.optim import AdamW
+        self.model, self.loss, self.x, self.y = model, loss, x, y
+        self.opt = AdamW(list(model.parameters()), lr=lr)
+
+    def step(self):
+        self.opt.zero_grad()
+        self.loss(self.model(self.x), self.y).backward()
+        self.opt.step()
+
+
+def layouts(comm, steps):
+    """Step times (ms) of DDP flat/hierarchical, FSDP/hybrid FSDP (MLP) and GPT (dp, tp, pp) layouts."""
+    import numpy as np
+    from mpi4py import MPI
+    from mpidist import nn
+    from mpidist.comm.mesh import mesh
+    from mpidist.models.gpt import GPT, GPTConfig
+    from mpidist.models.gpt_parallel import tensor_parallel
+    from mpidist.parallel.ddp import DDP
+    from mpidist.parallel.fsdp import FSDP
+    sys.path.insert(0, HERE)
+    from ddp_step import mlp
+    from train_step import time_steps
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    hosts = comm.allgather(MPI.Get_processor_name())
+    if size != 4 or hosts[0] != hosts[1] or hosts[2] != hosts[3] or hosts[0] == hosts[2]:
+        raise SystemExit(f"cluster benchmark: layouts need 2 nodes x 2 ranks in block placement (hosts {hosts})")
+    wide = [784, 1024, 1024, 10]
+    rng = np.random.default_rng(rank)
+    x, y = rng.standard_normal((64, wide[0])).astype(np.float32), rng.integers(0, wide[-1], size=64)
+    crit = nn.CrossEntropyLoss()
+    mlps = {"ddp_flat": _Step(DDP(mlp(wide), comm), crit, x, y),
+            "ddp_hierarchical": _Step(DDP(mlp(wide), comm, allreduce="hierarchical"), crit, x, y),
+            "fsdp": _Step(FSDP(mlp(wide), comm), crit, x, y),
+            "hybrid_fsdp": _Step(FSDP(mlp(wide), comm, strategy="hybrid_shard"), crit, x, y)}
+    result = {f"{name}_ms": s * 1e3 for name, s in time_steps(mlps, steps, comm, warmup=2, block=2).items()}
+    del mlps
+
+    config = GPTConfig()
+    tokens = np.random.default_rng(7).integers(0, config.vocab_size, (8, config.block_size + 1))
+
+    def gpt(dp_comm, tp_comm):
+        """The GPT, split over ``tp_comm`` and data-parallel over ``dp_comm``, on its dp rank's sequences."""
+        model = GPT(config, rng=np.random.default_rng(0))
+        if tp_comm.Get_size() > 1:
+            model = tensor_parallel(model, tp_comm)
+        share = 8 // dp_comm.Get_size()
+        mine = slice(dp_comm.Get_rank() * share, (dp_comm.Get_rank() + 1) * share)
+        wrapped = DDP(model, dp_comm) if dp_comm.Get_size() > 1 else model
+        return _Step(wrapped, model.loss, tokens[mine, :-1].copy(), tokens[mine, 1:].copy(), lr=3e-4)
+
+    inside = mesh(comm, dp=2, tp=2)
+    across_tp, across_dp = comm.Split(rank % 2, rank), comm.Split(rank // 2, rank)  # tp pairs {0, 2}, {1, 3}
+    tp_hosts = across_tp.allgather(MPI.Get_processor_name())
+    assert tp_hosts[0] != tp_hosts[1], tp_hosts
+    one = comm.Split(rank, 0)
+    gpts = {"gpt_dp2_tp2_pp1_tp_inside": gpt(inside.dp_comm, inside.tp_comm),
+            "gpt_dp2_tp2_pp1_tp_across": gpt(across_dp, across_tp),
+            "gpt_dp1_tp4_pp1": gpt(one, comm),
+            "gpt_dp4_tp1_pp1": gpt(comm, one)}
+    gpt_steps = max(2, steps // 4)
+    result.update({f"{name}_ms": s * 1e3 for name, s in time_steps(gpts, gpt_steps, comm, warmup=1, block=1).items()})
+    result["gpt_steps"], result["mlp_steps"] = gpt_steps, steps
+    return result
+
+
 def worker(args):
     from mpi4py import MPI
     import mpidist
@@ -98,6 +176,8 @@ def worker(args):
         result["allreduce"] = allreduce_sweep(comm, args.max_size)
     if "ddp" in args.parts:
         result["ddp"] = ddp_steps(comm, args.steps)
+    if "layouts" in args.parts:
+        result["layouts"] = layouts(comm, args.steps)
     if comm.Get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)
@@ -131,6 +211,8 @@ def driver(args):
         flat = launch(cluster, 2, 2, ["allreduce"], args, os.path.join(tmp, "flat.json"))
         ddp = {f"{nodes}x{ppn}": launch(cluster, ppn, nodes, ["ddp"], args, os.path.join(tmp, f"ddp{nodes}{ppn}.json"))
                for nodes, ppn in ((1, 2), (2, 1), (2, 2)) if "ddp" in args.parts}
+        placed = launch(cluster, 2, 2, ["layouts"], args, os.path.join(tmp, "layouts.json")) \
+            if "layouts" in args.parts else None
     n = flat["ranks"]
     for row in flat["allreduce"]:
         for name in ("mpidist", "raw", "hier"):
@@ -143,6 +225,7 @@ def driver(args):
         no_overlap = run["ddp"]["ddp_no_overlap_sync_ms"]
         run["ddp"]["hidden_share"] = 1 - run["ddp"]["ddp_sync_ms"] / no_overlap if no_overlap > 0 else None
     result = {"rate": args.rate, "link_bytes_per_s": link, "allreduce_2x2": flat, "ddp": ddp,
+              "layouts_2x2": placed["layouts"] if placed else None,
               "machine": os.uname().nodename, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(f"virtual cluster, links shaped to {args.rate} ({link / 1e6:.0f} MB/s each way per node)")
     print(f"allreduce float32, {flat['ranks']} ranks on {flat['nodes']} nodes")
@@ -161,6 +244,11 @@ def driver(args):
         hidden = "-" if d["hidden_share"] is None else f"{d['hidden_share']:.2f}"
         print(f"{layout:>14}{d['local_ms']:>10.1f}{d['ddp_ms']:>10.1f}{d['ddp_sync_ms']:>14.1f}"
               f"{d['ddp_no_overlap_ms']:>15.1f}{d['ddp_no_overlap_sync_ms']:>10.1f}{hidden:>8}")
+    if placed:
+        print("step times at 2 nodes x 2 ranks (ms, median of the slowest rank)")
+        for name, ms in placed["layouts"].items():
+            if name.endswith("_ms"):
+                print(f"{name[:-3]:>28}{ms:>10.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -175,7 +263,7 @@ def main(argv=None):
     parser.add_argument("--max-size", type=parse_size, default=64 << 20, help="largest allreduce (default 64M)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--parts", nargs="*", default=["allreduce", "ddp"], choices=["allreduce", "ddp"],
+    parser.add_argument("--parts", nargs="*", default=["allreduce", "ddp"], choices=["allreduce", "ddp", "layouts"],
                         help="what to measure (default both; the allreduce sweep always runs)")
     args = parser.parse_args(argv)
     return worker(args) if args.worker else driver(args)
