@@ -158,26 +158,34 @@ def test_open_mpi_wheel_launches_across_two_nodes_through_its_rsh_agent(cluster)
     assert lines["nodes"].split()[0] == "2", done.stdout
 
 
-@pytest.mark.parametrize("placement", ["block", "cyclic"])
-def test_init_and_layouts_follow_the_nodes(cluster, placement, tmp_path):
+def check_layouts_follow_the_nodes(cluster, placement, tmp_path):
+    """Run tests/cluster/node_job.py on PPN ranks per node; check init and every layout group against host names."""
     done = run_job(cluster, [PYTHON, os.path.join(HERE, "cluster", "node_job.py"), str(tmp_path)],
                    placement=placement)
     assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2 * PPN)]
+    nodes = cluster.nodes
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(nodes * PPN)]
     host = [r["host"] for r in ranks]
-    assert sorted(set(host)) == ["node1", "node2"]
+    assert sorted(set(host)) == cluster.hosts
     # the placement asked for: hydra's node:2 blocks, or one rank per host in turn
-    want = ["node1", "node1", "node2", "node2"] if placement == "block" else ["node1", "node2", "node1", "node2"]
+    want = [cluster.hosts[q // PPN] if placement == "block" else cluster.hosts[q % nodes] for q in range(len(ranks))]
     assert host == want
+    first_on_node = sorted(host.index(h) for h in cluster.hosts)
     for r in ranks:
         same_node = [q for q in range(len(ranks)) if host[q] == r["host"]]
-        assert r["init"] == {"nodes": 2, "local_rank": same_node.index(r["rank"]), "local_size": PPN,
+        assert r["init"] == {"nodes": nodes, "local_rank": same_node.index(r["rank"]), "local_size": PPN,
                              "launcher": "mpiexec"}
-        assert r["allreduce_ok"]
+        assert r["allreduce_ok"] and r["hierarchical_ok"]
+        assert r["leaders"] == first_on_node  # one leader per node, its lowest rank
         for inside in ("tp", "shard", "pp"):  # tensor parallel, hybrid-FSDP shard groups, pipelines: one node
             assert {host[q] for q in r[inside]} == {r["host"]}, (inside, r)
         for across in ("tp_dp", "replicate", "pp_dp"):  # data parallel and FSDP replicas: one rank per node
-            assert sorted(host[q] for q in r[across]) == ["node1", "node2"], (across, r)
+            assert sorted(host[q] for q in r[across]) == cluster.hosts, (across, r)
+
+
+@pytest.mark.parametrize("placement", ["block", "cyclic"])
+def test_init_and_layouts_follow_the_nodes(cluster, placement, tmp_path):
+    check_layouts_follow_the_nodes(cluster, placement, tmp_path)
 
 
 # -- losing a whole node under ULFM (Open MPI wheel) -------------------------------------------------------------
@@ -277,3 +285,32 @@ def test_a_node_whose_link_goes_down_ends_the_job_with_the_watchdogs_report(clus
     assert "did not complete within 10 s" in log and "ranks that did not: [1] (on node2)" in log, log[-3000:]
     assert "node node2 unreachable: none of its ranks [1] answered" in log, log[-3000:]
 
+
+
+# -- three nodes -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster3():
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with vcluster.VirtualCluster(nodes=3, rate=RATE) as c:
+            yield c
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("placement", ["block", "cyclic"])
+def test_init_and_layouts_follow_three_nodes(cluster3, placement, tmp_path):
+    """3 nodes x 2 ranks: tp pairs, pipelines and hybrid-FSDP shards in a node; dp and replicas over all three."""
+    check_layouts_follow_the_nodes(cluster3, placement, tmp_path)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("path", ["tests/test_cluster_allreduce.py", "tests/test_cluster_ddp.py"])
+def test_hierarchical_allreduce_and_ddp_over_it_on_three_nodes(cluster3, path):
+    """The files' parity tests with 6 ranks round-robin over 3 nodes (3 node leaders, each node 2 ranks)."""
+    done = run_job(cluster3, [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=240",
+                              "--timeout-method=thread", "--with-mpi", "--color=no", "-k", "under_mpi or choice", path],
+                   placement="cyclic", timeout=500, cwd=REPO)
+    tail = done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.returncode == 0, tail
+    assert " passed" in done.stdout and " failed" not in done.stdout, tail

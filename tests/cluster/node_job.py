@@ -4,7 +4,7 @@
 
 Each rank writes OUT_DIR/rank<r>.json: its host (``MPI.Get_processor_name``), what ``mpidist.init()`` reports,
 and the world ranks in its groups of ``mesh(tp=2)``, ``mesh(pp=2)`` and hybrid FSDP without ``shard_size``,
-plus an 8 MiB allreduce's result. tests/test_cluster.py checks these against the host names.
+plus an 8 MiB allreduce's result, flat and through ``HierarchicalAllreduce`` (with its node leaders). tests/test_cluster.py checks these against the host names.
 """
 
 import json
@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 import mpidist
 import mpidist.nn as nn
+from mpidist.collectives_hier import HierarchicalAllreduce
 from mpidist.parallel import mesh
 from mpidist.parallel.fsdp import FSDP
 
@@ -34,6 +35,10 @@ def main(out_dir):
     shard, replicate = fsdp.communicators()
     x = np.full(1 << 20, float(rank + 1))  # 8 MiB of float64
     total = mpidist.allreduce(x, comm)
+    with HierarchicalAllreduce(comm, "hierarchical") as hierarchical:
+        leaders = comm.allgather(rank if hierarchical.local_rank == 0 else None)
+        y = np.full(1 << 20, float(rank + 1))
+        hierarchical(y)
     report = {
         "rank": rank, "size": size, "host": MPI.Get_processor_name(),
         "init": {"nodes": info.nodes, "local_rank": info.local_rank, "local_size": info.local_size,
@@ -42,6 +47,8 @@ def main(out_dir):
         "pp": members(pp.pp_comm, comm), "pp_dp": members(pp.dp_comm, comm),
         "shard": members(shard, comm), "replicate": members(replicate, comm),
         "allreduce_ok": bool(np.all(total == size * (size + 1) / 2)),
+        "hierarchical_ok": bool(np.all(y == size * (size + 1) / 2)),
+        "leaders": [r for r in leaders if r is not None],
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
