@@ -268,27 +268,76 @@ class _Pack:
         return flat, new
 
     def blocks(self):
-        """Yield ``(a, b, grad, src, dst)`` over the pack's flat range in blocks of at most ``_BLOCK`` elements
-        (none crossing a parameter unless the parameters lie back to back): the gradient there, the parameters'
-        values to read, and where the update writes them: the same memory, or, if a parameter is held, a spare
-        flat buffer that the parameters move to once every block is done (see the module's copy-on-write).
-        Parameters and gradients must be C-contiguous."""
+        """Yield ``(a, b, grad, src, dst)`` over the pack's flat range in blocks of at most ``_BLOCK`` elements: the
+        gradient there, the parameters' values to read, and where the update writes them (``dst`` may be ``src``).
+
+        Gradients are read where they lie, so the scratch is a few blocks whatever the model's size: a block is a
+        slice of one parameter (or of the whole pack when parameters and gradients lie back to back), or several
+        small parameters copied into block-sized scratch (one block instead of many tiny ones) and copied back
+        once the consumer has written ``dst``. If a parameter is held, the update writes into a spare flat
+        buffer that the parameters move to once every block is done (see the module's copy-on-write).
+        """
         arrays, grads = [p.data for p in self.params], [p.grad for p in self.params]
         new = None if not any(is_held(d) for d in arrays) else self.spares.take(self.size, arrays[0].dtype, self.xp)
-        whole = _flat_view(arrays) if len(arrays) > 1 else arrays[0].reshape(-1)
-        flat_grads = _flat_view(grads) if len(grads) > 1 else grads[0].reshape(-1)
+        whole = _flat_view(arrays) if len(arrays) > 1 else None
+        flat_grads = _flat_view(grads) if len(grads) > 1 else None
         if whole is not None and flat_grads is not None:
-            segments = [(0, self.size, flat_grads, whole)]
+            for a, b in _blocks(self.size):
+                src = whole[a:b]
+                yield a, b, flat_grads[a:b], src, (src if new is None else new[a:b])
         else:
-            segments = [(a, b, g.reshape(-1), d.reshape(-1)) for g, d, (a, b) in zip(grads, arrays, self.spans)]
-        for start, stop, g, d in segments:
-            for a in range(start, stop, _BLOCK):
-                b = min(a + _BLOCK, stop)
-                src = d[a - start:b - start]
-                yield a, b, g[a - start:b - start], src, (src if new is None else new[a:b])
+            run = []  # (index, span) of small contiguous parameters gathered into one block
+            for i, (a, b) in enumerate(self.spans):
+                if b - a < _BLOCK and arrays[i].flags.c_contiguous and grads[i].flags.c_contiguous:
+                    if run and b - run[0][1][0] > _BLOCK:
+                        yield from self._gathered(run, arrays, grads, new)
+                        run = []
+                    run.append((i, (a, b)))
+                    continue
+                if run:
+                    yield from self._gathered(run, arrays, grads, new)
+                    run = []
+                yield from self._one(arrays[i], grads[i], a, new)
+            if run:
+                yield from self._gathered(run, arrays, grads, new)
         if new is not None:
             for p, d, (a, b) in zip(self.params, arrays, self.spans):
                 p.data = new[a:b].reshape(d.shape)
+
+    def _one(self, d, g, start, new):
+        """Blocks of one parameter ``d`` (gradient ``g``) at pack offset ``start``; a non-contiguous one goes
+        through a contiguous copy written back at the end."""
+        xp, copied = self.xp, not d.flags.c_contiguous
+        flat = (xp.ascontiguousarray(d) if copied else d).reshape(-1)
+        grad = (g if g.flags.c_contiguous else xp.ascontiguousarray(g)).reshape(-1)
+        for a, b in _blocks(flat.size):
+            src = flat[a:b]
+            yield start + a, start + b, grad[a:b], src, (src if new is None or copied else new[start + a:start + b])
+        if copied:
+            if new is None:
+                d[...] = flat.reshape(d.shape)
+            else:
+                new[start:start + flat.size] = flat
+
+    def _gathered(self, run, arrays, grads, new):
+        """One block over the small parameters of ``run`` (``[(index, (a, b))]``, consecutive in the pack)."""
+        if len(run) == 1:
+            i, (a, b) = run[0]
+            yield from self._one(arrays[i], grads[i], a, new)
+            return
+        start, n = run[0][1][0], min(_BLOCK, self.size)
+        g = self.scratch("gathered grad", grads[run[0][0]].dtype, n)
+        d = self.scratch("gathered data", arrays[run[0][0]].dtype, n)
+        for i, (a, b) in run:
+            g[a - start:b - start] = grads[i].reshape(-1)
+            d[a - start:b - start] = arrays[i].reshape(-1)
+        stop = run[-1][1][1]
+        yield start, stop, g[:stop - start], d[:stop - start], d[:stop - start]
+        for i, (a, b) in run:
+            if new is None:
+                arrays[i].reshape(-1)[...] = d[a - start:b - start]
+            else:
+                new[a:b] = d[a - start:b - start]
 
     def subtract(self, step):
         """``p.data -= step`` for every parameter (see ``_apply``)."""
@@ -647,28 +696,39 @@ class Adam(Optimizer):
     def _update(self, pack, group):
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         xp = pack.xp
-        g = pack.grads()
-        if wd:
-            if self._decoupled:
-                pack.scale(1 - lr * wd)
-            else:
-                g = g + wd * pack.data()
         m_in, m = pack.state_io(self, "exp_avg")  # to read, to write: the same arrays unless held
         v_in, v = pack.state_io(self, "exp_avg_sq")
         for i in pack.indices:
             self.state[i]["step"] = self.state[i].get("step", 0) + 1
         t = self.state[pack.indices[0]]["step"]
-        # Scratch arrays instead of a fresh temporary per operation, block by block (see _BLOCK). The
-        # operations, their order and each intermediate's dtype are those of the plain expressions, so
-        # results are bit-for-bit the same, also when grads and params differ in dtype.
+        # Block by block (see _Pack.blocks): gradients are read where they lie and each block's step is
+        # subtracted at once, so the scratch is a few blocks whatever the model's size. The operations, their
+        # order and each intermediate's dtype are those of the plain expressions (g = g + wd * p, or
+        # p *= 1 - lr * wd; m = b1 * m + (1 - b1) * g; ...; p -= step), so results are bit-for-bit the same,
+        # also when grads and params differ in dtype. Dtypes come from arrays of the operands' dtypes, as numpy
+        # promotes an array with a Python number.
         n = min(_BLOCK, pack.size)
-        work = pack.scratch("work", xp.result_type(g, 1 - b1), n)
+        p0, g0 = pack.params[0].data, pack.params[0].grad
+        l2 = bool(wd) and not self._decoupled
+        if l2:
+            decay_dtype = xp.result_type(p0, wd)                          # wd * p
+            g_dtype = xp.result_type(g0, xp.empty(0, dtype=decay_dtype))  # g + wd * p
+            decayed = pack.scratch("decayed", decay_dtype, n)
+            summed = decayed if g_dtype == decay_dtype else pack.scratch("summed", g_dtype, n)
+        else:
+            g_dtype = g0.dtype
+        work = pack.scratch("work", xp.result_type(xp.empty(0, dtype=g_dtype), 1 - b1), n)
         denom = pack.scratch("denom", v.dtype, n)
-        step = pack.scratch("step", m.dtype)
+        step = pack.scratch("step", m.dtype, n)
+        shrink = 1 - lr * wd if wd and self._decoupled else None
         c1, c2 = lr / (1 - b1 ** t), math.sqrt(1 - b2 ** t)
-        for a, b in _blocks(pack.size):
-            gb, mb, vb, sb = g[a:b], m[a:b], v[a:b], step[a:b]
-            w, den = work[:b - a], denom[:b - a]
+        for a, b, gb, src, dst in pack.blocks():
+            k = b - a
+            if l2:
+                xp.multiply(src, wd, out=decayed[:k])
+                gb = xp.add(gb, decayed[:k], out=summed[:k])
+            mb, vb, sb = m[a:b], v[a:b], step[:k]
+            w, den = work[:k], denom[:k]
             xp.multiply(gb, 1 - b1, out=w)       # (1 - b1) * g
             xp.multiply(m_in[a:b], b1, out=mb)   # m *= b1
             mb += w
@@ -681,7 +741,10 @@ class Adam(Optimizer):
             den += eps
             xp.multiply(mb, c1, out=sb)          # (lr / (1 - b1 ** t)) * m / denom
             sb /= den
-        pack.subtract(step)
+            if shrink is not None:
+                xp.multiply(src, shrink, out=dst)  # p *= 1 - lr * wd (decoupled), before the step
+                src = dst
+            xp.subtract(src, sb, out=dst)        # p -= step
 
 
 class AdamW(Adam):
