@@ -13,7 +13,7 @@ import test_full_state as full_state_tests
 from mpidist.export import load_safetensors, read_safetensors, save_safetensors
 from mpidist.models import GPT
 from mpidist.nn.precision import Policy, apply_policy, bfloat16
-from mpidist.parallel import FSDP, full_state_dict, iter_full_state, load_full_state_dict
+from mpidist.parallel import FSDP, full_optimizer_state_dict, full_state_dict, iter_full_state, load_full_state_dict
 
 LAYOUTS = [(kind, None) for kind in full_state_tests.KINDS] + [("mesh", (1, 2, 2)), ("mesh", (2, 2, 1))]
 LAYOUT_IDS = [kind if dims is None else "x".join(map(str, dims)) for kind, dims in LAYOUTS]
@@ -130,3 +130,38 @@ def test_a_dtype_option_that_is_not_a_float_dtype_raises_on_every_rank(comm, tmp
                       "save_safetensors")):
         with pytest.raises(ValueError, match=rf"{fn}: dtype: dtype must be float16, bfloat16 or float32"):
             call()
+
+
+@pytest.mark.world_sizes(1, 2, 4)
+@pytest.mark.parametrize("kind, dims", LAYOUTS, ids=LAYOUT_IDS)
+def test_optimizer_state_of_a_bf16_model_gathers_float32_masters(comm, kind, dims):
+    """After a step, the unsplit float32 masters round to the unsplit bfloat16 parameters (tested bitwise above
+    against one process), and the moments are float32 of the parameters' shapes."""
+    layout = build(comm, kind, dims)
+    layout.train(1)
+    params = full_state_dict(layout.wrapped, layout.comm)
+    state = full_optimizer_state_dict(layout.wrapped, layout.opt, layout.comm)
+    if rank_of(layout) == 0:
+        names = [name for name, value in params.items() if value.dtype == bfloat16]
+        assert names and sorted(state["state"]) == sorted(names)
+        for name in names:
+            entry = state["state"][name]
+            assert {entry[k].dtype for k in ("master_param", "exp_avg", "exp_avg_sq")} == {np.dtype(np.float32)}
+            assert entry["exp_avg"].shape == params[name].shape
+            np.testing.assert_array_equal(entry["master_param"].astype(bfloat16).view(np.uint16),
+                                          params[name].view(np.uint16), err_msg=name)
+    layout.close()
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_a_pipeline_of_bf16_activations_evaluates_the_one_process_loss(comm):
+    """Policy("bf16") sends bfloat16 activations between stages (as bits): the pipeline's loss is one process's
+    (its micro-batches' mean in float32: within 1e-3 of the whole batch's)."""
+    layout = build(comm, "pp", None)
+    x, y = full_state_tests.batch()
+    got = layout.wrapped.evaluate(x, y, broadcast_loss=True)
+    model = GPT(full_state_tests.UNTIED, rng=np.random.default_rng(0))
+    apply_policy(model, BF16)
+    want = float(model.loss(model(x), y).data)
+    assert abs(got - want) <= 1e-3 * abs(want)
+    layout.close()

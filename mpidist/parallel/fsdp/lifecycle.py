@@ -26,6 +26,7 @@ from ...nn.deferred import fill_boxes, is_deferred
 from ...nn.module import Parameter
 from ...nn.placement import FlatShard, placement_of
 from ...xp import get_array_module
+from ...nn.precision import bfloat16
 from ..comm_hooks import as_bytes, ring_reduce_scatter_16
 from .layout import ParamSpan, UnitShard
 from .settings import ShardingStrategy
@@ -333,11 +334,15 @@ class Unit:
             if result.dtype != self.shard.data.dtype:
                 result = result.astype(self.shard.data.dtype)  # the shard's grad (float32 masters); replicas in it
             if groups.num_replicas > 1:
+                if result.dtype == bfloat16:  # bfloat16 shards: MPI cannot sum bfloat16; in float32, rounded once below
+                    result = result.astype(np.float32)
                 r.handle, r.stage = collectives.iallreduce(result, groups.replicate_comm, op="mean"), _Stage.REPLICAS
                 self.ctx.stats["comm_wait_s"] += time.perf_counter() - start
                 return False
         self.reduction = None
         if not self.no_shard:
+            if result.dtype != self.shard.data.dtype:  # a bfloat16 shard's replicas averaged in float32
+                result = result.astype(self.shard.data.dtype)
             if self.shard.grad is None:
                 self.shard.grad = result
             else:
