@@ -256,3 +256,33 @@ def test_multi_head_attention_sequence_by_sequence_is_split_heads_attention(caus
     out, (grad,) = _grads(lambda x: F.multi_head_attention(x, h, is_causal=causal), [qkv], dy)
     np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("sum", 0.1), ("none", 0.2)])
+def test_cross_entropy_float32_within_float64_reference(reduction, smoothing):
+    # Backward reuses the forward's exponentials and their row sums; log p is formed only at the labels.
+    rng = np.random.default_rng(11)
+    z = (4 * rng.standard_normal((6, 50, 64))).astype(np.float32)
+    y = rng.integers(0, 64, (6, 50))
+    y[0, :7] = -1  # ignored
+    dy = np.float32(1.5) if reduction != "none" else rng.standard_normal((6, 50)).astype(np.float32)
+    out, (gz,) = _grads(lambda t: F.cross_entropy(t, y, ignore_index=-1, label_smoothing=smoothing,
+                                                 reduction=reduction), [z], dy)
+    z64 = z.astype(np.float64).reshape(-1, 64)
+    logp = z64 - z64.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    valid = (y.reshape(-1) != -1)
+    safe = np.where(valid, y.reshape(-1), 0)
+    target = np.full(z64.shape, smoothing / 64)
+    target[np.arange(len(safe)), safe] += 1 - smoothing
+    nll = -(target * logp).sum(-1) * valid
+    grad = (np.exp(logp) - target) * valid[:, None]
+    if reduction == "mean":
+        ref, grad = nll.sum() / valid.sum(), grad * 1.5 / valid.sum()
+    elif reduction == "sum":
+        ref, grad = nll.sum(), grad * 1.5
+    else:
+        ref, grad = nll.reshape(6, 50), grad * dy.reshape(-1, 1)
+    assert out.dtype == gz.dtype == np.float32
+    _close(out, ref)
+    _close(gz, grad.reshape(z.shape))

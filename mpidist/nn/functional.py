@@ -613,15 +613,19 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
     if bad.size and (int(bad.min()) < 0 or int(bad.max()) >= c):
         raise IndexError(f"cross_entropy: label out of range [0, {c}) (min: {int(bad.min())}, "
                          f"max: {int(bad.max())}; ignore_index: {ignore_index})")
+    # Backward keeps the exponentials and their row sums (softmax = e / sum) instead of the log-probabilities:
+    # log p is only needed at the labels (and, with smoothing, its row mean), so it is never formed in full.
     z2 = z.reshape(-1, c)
     shifted = z2 - z2.max(axis=-1, keepdims=True)
-    lse = xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
-    logp = shifted - lse
+    e = xp.exp(shifted)
+    sums = e @ xp.ones(c, dtype=e.dtype)
+    lse = xp.log(sums)
     safe = xp.where(valid, labels, 0)
     rows = xp.arange(labels.shape[0])
-    nll = -logp[rows, safe]
+    nll = lse - shifted[rows, safe]
     if label_smoothing:
-        nll = (1 - label_smoothing) * nll - label_smoothing * logp.mean(axis=-1)
+        nll = (1 - label_smoothing) * nll - label_smoothing * (shifted.mean(axis=-1) - lse)
+    del shifted
     nll = nll * valid
     count = int(valid.sum())
     if reduction == "mean":
@@ -633,17 +637,18 @@ def cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduct
     out = xp.asarray(out, dtype=z.dtype)
 
     def backward(g, n):
-        grad = xp.exp(logp)
-        if label_smoothing:
-            grad -= label_smoothing / c
-            grad[rows, safe] -= 1 - label_smoothing
-        else:
-            grad[rows, safe] -= 1
-        grad *= valid[:, None]
+        # Each row's factor (its incoming gradient, zero where ignored) folded into the one pass that forms
+        # softmax: (softmax - target) * factor = e * (factor / sum) - target * factor.
         if reduction == "none":
-            grad *= g.reshape(-1, 1)
+            factor = g.reshape(-1) * valid
         else:
-            grad *= g / builtins.max(count, 1) if reduction == "mean" else g
+            factor = valid * (g / builtins.max(count, 1) if reduction == "mean" else g)
+        grad = e * (factor / sums)[:, None]
+        if label_smoothing:
+            grad -= (label_smoothing / c) * factor[:, None]
+            grad[rows, safe] -= (1 - label_smoothing) * factor
+        else:
+            grad[rows, safe] -= factor
         return (grad.reshape(z.shape).astype(z.dtype, copy=False),)
     return make_result("CrossEntropy", out, (logits,), backward)
 

@@ -37,7 +37,7 @@ LOW_PRECISION = (float16, bfloat16)
 # variance), attention (its softmax), and the losses (which return float32). batch_norm is not listed: it
 # computes its statistics in float64 already.
 FP32_OPS = ("sum", "mean", "var", "softmax", "log_softmax", "layer_norm", "rms_norm",
-            "scaled_dot_product_attention", "cross_entropy", "mse_loss")
+            "scaled_dot_product_attention", "multi_head_attention", "cross_entropy", "mse_loss")
 
 _NAMES = {"bfloat16": bfloat16, "bf16": bfloat16, "float16": float16, "fp16": float16, "half": float16,
           "float32": float32, "fp32": float32}
