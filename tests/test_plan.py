@@ -149,3 +149,18 @@ def test_nodes_sharing_one_link_slow_the_groups_crossing_it():
     one, eight = calls[1]["pp"], calls[8]["pp"]
     assert one > 0 and eight == pytest.approx(8 * one)
     assert calls[1]["tp"] == calls[8]["tp"]   # inside a node: NVLink, no NIC
+
+
+def test_branch_and_bound_keeps_the_best_layouts_of_the_full_search():
+    """Pruning by the lower bound drops only layouts slower than the ``keep`` best: the top is unchanged."""
+    from mpidist.plan import estimate
+    from mpidist.plan.estimate import lower_bound
+    shape = ModelShape(layers=4, hidden=32, heads=4, vocab=32, seq=8)
+    profile = load_profile("local")
+    full = [e for e in plan(shape, 16, 4, 4, profile, keep=10**9) if e.feasible]
+    pruned = plan(shape, 16, 4, 4, profile, keep=5)
+    assert [e.layout for e in pruned[:5]] == [e.layout for e in full[:5]]
+    assert any(e.reason.startswith("not ranked") for e in pruned)
+    for e in full:
+        assert lower_bound(shape, e.layout, profile, 4) <= e.time["step"]
+        assert estimate(shape, e.layout, profile, 4).time == e.time

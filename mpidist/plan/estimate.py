@@ -27,7 +27,7 @@ from .model import ModelShape, parameters, stage_layers
 from .profile import Profile
 from .volumes import Call, calls_per_rank, ddp_buckets, fsdp_units, summarize
 
-__all__ = ["Estimate", "estimate", "plan", "memory_per_rank", "collective_seconds", "build_schedule", "activation_bytes"]
+__all__ = ["Estimate", "estimate", "plan", "lower_bound", "memory_per_rank", "collective_seconds", "build_schedule", "activation_bytes"]
 
 _BUILDERS = {"gpipe": lambda p, m, v: _schedules.gpipe(p, m), "1f1b": lambda p, m, v: _schedules.one_f_one_b(p, m),
              "interleaved": _schedules.interleaved_1f1b, "zb_h1": lambda p, m, v: _schedules.zero_bubble_h1(p, m)}
@@ -203,12 +203,8 @@ def _compute_seconds(shape, layout, layers, profile, ranks_per_node):
 
 def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node: int) -> Estimate:
     """Return the ``Estimate`` of ``layout`` (infeasible with a reason when it cannot run or does not fit)."""
-    est = Estimate(layout)
-    if layout.sequence_parallel and shape.seq % layout.tp:
-        est.reason = f"sequence parallel: seq {shape.seq} does not split over tp={layout.tp}"
-        return est
-    if layout.tp > ranks_per_node:
-        est.reason = f"tp={layout.tp} spans nodes ({ranks_per_node} ranks per node)"
+    est = Estimate(layout, reason=estimate_structure(shape, layout, ranks_per_node))
+    if est.reason:
         return est
     pp, v, m = layout.pp, layout.chunks, layout.num_micro
     stages = stage_layers(shape, pp * v)
@@ -311,21 +307,73 @@ def _merge_time(worst, new):
     return new if cost(new) > cost(worst) else worst
 
 
+def lower_bound(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node: int) -> float:
+    """Return a lower bound of ``estimate(...).time["step"]`` without simulating the schedule: the busiest
+    position's compute, tensor-parallel communication and optimizer (a step is never shorter than its busy time)."""
+    pp, v = layout.pp, layout.chunks
+    stages = stage_layers(shape, pp * v)
+    best = 0.0
+    seen = set()
+    for position in range(pp):
+        mine = [s for s in range(pp * v) if s % pp == position]
+        kind = tuple((sum(x.startswith("blocks.") for x in stages[s]), "embed" in stages[s], "head" in stages[s])
+                     for s in mine)
+        if kind in seen:
+            continue
+        seen.add(kind)
+        layers = [layer for s in mine for layer in stages[s]]
+        f, b = _compute_seconds(shape, layout, layers, profile, ranks_per_node)
+        calls = calls_per_rank(shape, layout, position)
+        tp_s = _calls_seconds(calls, profile, layout, ranks_per_node, {"tp"})
+        best = max(best, layout.num_micro * (f + b) + tp_s)
+    return best
+
+
 def plan(shape: ModelShape, global_batch: int, ranks: int, ranks_per_node: int, profile: Profile,
-         max_micro_batch: Optional[int] = None, **choices) -> List[Estimate]:
-    """Return every layout's Estimate: feasible ones fastest first, then the infeasible ones with reasons."""
+         max_micro_batch: Optional[int] = None, keep: int = 50, **choices) -> List[Estimate]:
+    """Return every layout's Estimate: feasible ones fastest first, then the others with the reason.
+
+    Branch and bound: layouts are estimated in the order of a cheap lower bound of their step time
+    (``lower_bound``); once that bound exceeds the ``keep``-th fastest step found, the remaining layouts cannot
+    enter the best ``keep`` and are listed as not ranked, with their bound, instead of simulated.
+    """
     if ranks < 1 or ranks_per_node < 1 or global_batch < 1:
         raise ValueError(f"plan: ranks, ranks_per_node and global_batch must be >= 1 (ranks={ranks}, "
                          f"ranks_per_node={ranks_per_node}, global_batch={global_batch})")
     if ranks % ranks_per_node and ranks > ranks_per_node:
         raise ValueError(f"plan: {ranks} ranks do not fill nodes of {ranks_per_node}")
     ranks_per_node = min(ranks_per_node, ranks)
-    out = []
+    out, candidates = [], []
     for layout, why in enumerate_layouts(ranks, global_batch, ranks_per_node, shape.layers, shape.heads,
                                          max_micro_batch=max_micro_batch, **choices):
         if why:
             out.append(Estimate(layout, reason=why))
+            continue
+        quick = estimate_structure(shape, layout, ranks_per_node)
+        if quick:
+            out.append(Estimate(layout, reason=quick))
         else:
-            out.append(estimate(shape, layout, profile, ranks_per_node))
+            candidates.append((lower_bound(shape, layout, profile, ranks_per_node), layout))
+    candidates.sort(key=lambda c: c[0])
+    steps: List[float] = []   # the feasible step times found so far, sorted
+    for bound, layout in candidates:
+        if len(steps) >= keep and bound > steps[keep - 1]:
+            out.append(Estimate(layout, reason=f"not ranked: its step is at least {bound:.4g} s, slower than the "
+                                               f"{keep} best layouts"))
+            continue
+        est = estimate(shape, layout, profile, ranks_per_node)
+        out.append(est)
+        if est.feasible:
+            steps.append(est.time["step"])
+            steps.sort()
     feasible = sorted((e for e in out if e.feasible), key=lambda e: (e.time["step"], e.memory["total"]))
     return feasible + [e for e in out if not e.feasible]
+
+
+def estimate_structure(shape: ModelShape, layout: Layout, ranks_per_node: int) -> str:
+    """Return why ``layout`` cannot run on this model and node size ("" if it can), before any estimate."""
+    if layout.sequence_parallel and shape.seq % layout.tp:
+        return f"sequence parallel: seq {shape.seq} does not split over tp={layout.tp}"
+    if layout.tp > ranks_per_node:
+        return f"tp={layout.tp} spans nodes ({ranks_per_node} ranks per node)"
+    return ""

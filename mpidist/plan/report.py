@@ -41,7 +41,11 @@ def format_table(estimates: List[Estimate], top: int = 15, reasons: int = 8) -> 
 
 def _reason_kind(reason: str) -> str:
     """Group reasons that differ only in numbers (memory needed) for the summary."""
-    return "does not fit in memory" if reason.startswith("needs ") else reason
+    if reason.startswith("needs "):
+        return "does not fit in memory"
+    if reason.startswith("not ranked"):
+        return "not ranked: slower than the best layouts whatever their bubble (lower bound)"
+    return reason
 
 
 def to_json(estimates: List[Estimate], top: int = 50) -> dict:
