@@ -183,14 +183,12 @@ class ParallelAttention(TensorParallelModule):
         self.proj = RowParallelLinear(attn.proj, comm, sequence_parallel, local_in=width)
 
     def forward(self, x):
-        full = self.column_input(x)
-        b, t, _ = full.shape
-        h, dh = self.local_heads, self.head_dim
-        qkv = F.permute(F.reshape(F.linear(full, self.qkv.weight, self.qkv.bias), (b, t, 3, h, dh)), (2, 0, 3, 1, 4))
-        q, k, v = (F.reshape(a, (b, h, t, dh)) for a in F.split(qkv, 3, axis=0))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=self.dropout,
-                                           training=self.training)
-        return self.proj(F.reshape(F.permute(y, (0, 2, 1, 3)), (b, t, h * dh)))
+        # The local projection is [q | k | v] of this rank's heads: the packed layout multi_head_attention reads
+        # in place (no split, permute or copy), the heads side by side as the row-parallel projection wants.
+        qkv = F.linear(self.column_input(x), self.qkv.weight, self.qkv.bias)
+        y = F.multi_head_attention(qkv, self.local_heads, is_causal=self.causal, dropout_p=self.dropout,
+                                   training=self.training)
+        return self.proj(y)
 
 
 class ParallelMLP(TensorParallelModule):
