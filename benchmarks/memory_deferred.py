@@ -11,8 +11,8 @@ stage's tensor-parallel slices. Float32 parameters with AdamW: 16 bytes per para
 moments), so the prediction per rank is, from the deferred model alone (``predict``, nothing allocated):
 - persistent: 16 x (elements this rank holds): FSDP sum over units of ceil(numel / N) (ZeRO-3: 16 Psi / N);
   tp x pp the stage's local shapes (sharded matrices / tp, replicated norms and positions whole);
-- peak: persistent + transient: ``mpidist.optim.AdamW``'s scratch (a flat copy of the gradients and the step,
-  8 bytes per element held: the optimizer packs a rank's parameters into one flat update) + FSDP's two
+- peak: persistent + transient: ``mpidist.optim.AdamW``'s scratch (a few blocks of ``optim._BLOCK`` elements
+  whatever the model's size: the update runs block by block in place, see ``ADAM_SCRATCH_BLOCKS``) + FSDP's two
   gathered units and two unsharded unit gradients (prefetch and the reduce-scatter in flight: 4 x the largest
   unit; tp x pp has none) - plus the activations, which the table shows as what the measured peak has beyond
   the prediction.
@@ -23,8 +23,11 @@ Rows give the largest rank.
 ``--fit``: a model whose parameters + gradients + Adam state (16 Psi) is at least 3x ``--cap-mb`` trains at 4
 ranks under ``RLIMIT_DATA`` = cap in each rank (heap and anonymous mappings: numpy's arrays), with FSDP and with
 tp x pp, and each rank's parameters after ``--steps`` steps are compared with a one-process run of the same model
-without the cap (read box by box from the safetensors file that run writes). The same job building the model
-whole hits the cap at construction (MemoryError), which shows the cap binds.
+without the cap (read box by box from the safetensors file that run writes). ``--whole-too``: the same job
+building the model whole; tp x pp hits the cap at construction (MemoryError: the whole model and the slices). FSDP
+at 4 ranks does not: a rank's 16 Psi / 4 is the whole model's 4 Psi float32 parameters, so a cap that fits the
+sharded training fits the whole construction too; ``--ranks 1`` under the cap shows it binds (the backward fails).
+``MALLOC_MMAP_THRESHOLD_`` is fixed for the ranks (see ``launch``) so freed arrays do not fragment the heap.
 """
 
 import argparse
@@ -43,7 +46,9 @@ import tracemalloc
 import numpy as np
 
 ADAM_BYTES = 16  # float32 parameter, gradient and two moments
-ADAM_SCRATCH_BYTES = 8  # mpidist.optim.AdamW's flat gradient copy and step array, float32
+# mpidist.optim.AdamW's scratch per parameter pack (one here: float32, one group): the work, denominator and step
+# blocks and the blocks that gather small parameters' gradients and values, float32.
+ADAM_SCRATCH_BLOCKS = 5
 # A float32 gradient near 0 differs between layouts in its last bits (other summation orders); Adam's default
 # eps 1e-8 turns that into an update of +-lr either way. eps 1e-3 keeps the update linear in such gradients, so
 # the comparison with one process measures the layout, not Adam's sign of noise.
@@ -77,7 +82,7 @@ def predict(args, layout, size, rank):
             units.append(numel)
         held = sum(-(-n // size) for n in units)
         largest = max(-(-n // size) * size for n in units) * 4
-        return ADAM_BYTES * held, ADAM_SCRATCH_BYTES * held + (4 * largest if size > 1 else 0)
+        return ADAM_BYTES * held, adam_scratch_bytes(held) + (4 * largest if size > 1 else 0)
     # tp x pp: the stage's local shapes; tensor_parallel on a deferred model only needs the tp group's size.
     tp, pp = size // 2, 2
     stage_rank, tp_rank = rank // tp, rank % tp
@@ -86,7 +91,13 @@ def predict(args, layout, size, rank):
         held += n if _in_stage(model, name, pp, stage_rank) else 0
     if model.config.tie_weights and stage_rank == pp - 1:  # the last stage's own copy of the tied head
         held += _tp_local_sizes(model, tp, tp_rank)["embed.wte.weight"]
-    return ADAM_BYTES * held, ADAM_SCRATCH_BYTES * held
+    return ADAM_BYTES * held, adam_scratch_bytes(held)
+
+
+def adam_scratch_bytes(held):
+    """Return the bytes of AdamW's scratch for a rank holding ``held`` float32 elements: a few blocks."""
+    from mpidist.optim import _BLOCK
+    return ADAM_SCRATCH_BLOCKS * min(_BLOCK, held) * 4
 
 
 def _tp_local_sizes(model, tp, tp_rank):
@@ -256,12 +267,16 @@ def model_args(args):
 def launch(args, n, layout, extra=()):
     cmd = [*launch_command(n), sys.executable, os.path.abspath(__file__), "--worker", "--layout", layout,
            *model_args(args), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    # glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB), after which the
+    # gathered units and per-step arrays come from the heap and fragment it: under RLIMIT_DATA a 12 MiB unit
+    # then fails with 100 MiB free. A fixed threshold keeps large arrays in their own mappings, returned on free.
+    env = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024), **os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("ROWS "):
             return json.loads(line[5:])
-        if line.startswith("ROW "):
-            return [json.loads(line[4:])]
+        if line.startswith("ROW "):  # a rank's failure (several may print at once: the first is read)
+            return [json.JSONDecoder().raw_decode(line[4:])[0]]
     sys.exit(f"memory_deferred: {shlex.join(cmd)} exited with {proc.returncode}:\n{proc.stdout}{proc.stderr}")
 
 
@@ -305,7 +320,7 @@ def run_driver(args):
                 whole = launch(args, n, layout, [*extra, "--whole"])
                 failed = [r for r in whole if "construction_error" in r]
                 print(f"| {layout} | {n} | whole | " + (f"failed at construction: {failed[0]['construction_error']}"
-                                                       if failed else "did NOT fail: the cap does not bind") + " |")
+                                                       if failed else "did NOT fail at construction") + " |")
 
 
 def main():
