@@ -286,3 +286,28 @@ def test_cross_entropy_float32_within_float64_reference(reduction, smoothing):
     assert out.dtype == gz.dtype == np.float32
     _close(out, ref)
     _close(gz, grad.reshape(z.shape))
+
+
+def _op_names(t):
+    """Return the names of the ops in ``t``'s autograd graph."""
+    names, todo, seen = set(), [t.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or not hasattr(node, "edges") or id(node) in seen:
+            continue
+        seen.add(id(node))
+        names.add(node.name)
+        todo.extend(e[0] for e in node.edges if e is not None)
+    return names
+
+
+@pytest.mark.world_sizes(2)
+def test_tensor_parallel_attention_reads_its_heads_packed_without_copies(comm):
+    # Each rank's projection is [q | k | v] of its heads: multi_head_attention's packed layout, so neither the
+    # projection nor the output is reshaped, permuted or split on the way to the row-parallel projection.
+    from mpidist.parallel.tensor import ParallelAttention
+    layer = ParallelAttention(nn.MultiheadAttention(16, 4, causal=True, rng=np.random.default_rng(12)), comm)
+    x = nn.Tensor(np.random.default_rng(13).standard_normal((2, 5, 16)).astype(np.float32), requires_grad=True)
+    names = _op_names(layer(x))
+    assert "MultiHeadAttention" in names
+    assert not names & {"Permute", "Split", "Attention"}, names
