@@ -476,12 +476,20 @@ class Optimizer:
                     if state is None:
                         state = self.state[i] = {}
                     if _is_low(p.data):
-                        p = self._master(i, p, state)
-                    key = (p.data.dtype, p.grad.dtype, type(p.data), self._phase(state))
+                        # Its own pack, its gradient cast to float32 just before its update (and dropped after):
+                        # one parameter's float32 gradient at a time, not the whole model's.
+                        self._master(i, p, state)
+                        key = (i,)
+                    else:
+                        key = (p.data.dtype, p.grad.dtype, type(p.data), self._phase(state))
                     packs.setdefault(key, []).append(i)
                 i += 1
             for indices in packs.values():
                 pack = self._pack(tuple(indices))
+                for index, p in zip(pack.indices, pack.params):
+                    if isinstance(p, _MasterParam):
+                        g = self.params[index].grad
+                        p.grad = g if g.dtype == get_array_module(g).float32 else g.astype(get_array_module(g).float32)
                 self._update(pack, group)
                 for index, p in zip(pack.indices, pack.params):
                     if isinstance(p, _MasterParam):
@@ -491,7 +499,8 @@ class Optimizer:
     def _master(self, i, p, state):
         """Return the _MasterParam of 16-bit parameter ``i`` ready for this step: its float32 master weight
         (made from the parameter's values the first time, and again if something else put other values in
-        ``p.data``: a model's ``load_state_dict`` without the optimizer's) and its gradient in float32 (a float32 gradient is used as it is)."""
+        ``p.data``: a model's ``load_state_dict`` without the optimizer's); ``_step`` gives it its gradient in float32
+        just before its update (a float32 gradient is used as it is)."""
         xp = get_array_module(p.data)
         master = state.get("master_param")
         if master is None or (self._written.get(i) is not p.data and not bool(
@@ -501,7 +510,6 @@ class Optimizer:
         if proxy is None:
             proxy = self._masters[i] = _MasterParam()
         proxy.data = master
-        proxy.grad = p.grad if p.grad.dtype == xp.float32 else p.grad.astype(xp.float32)
         return proxy
 
     def _write_back(self, i, proxy):

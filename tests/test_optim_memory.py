@@ -72,3 +72,20 @@ def test_blocked_adamw_matches_the_plain_expressions():
             ref[i] = ref[i] - (m[i] * c1) / (np.sqrt(v[i]) / c2 + eps)
     for p, r in zip(params, ref):
         np.testing.assert_array_equal(p.data, r)
+
+
+def test_master_weights_cast_one_gradient_at_a_time():
+    """bfloat16 parameters: the float32 copy of a gradient lives only during its own parameter's update."""
+    from mpidist.nn.precision import bfloat16
+    rng = np.random.default_rng(2)
+    params = [nn.Parameter(rng.standard_normal(4 * _BLOCK).astype(bfloat16)) for _ in range(12)]
+    for p in params:
+        p.grad = rng.standard_normal(p.data.shape).astype(bfloat16)
+    opt = optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    opt.step()  # the first step makes the masters and moments: 12 bytes per element
+    largest = 4 * _BLOCK * 4  # one parameter's float32 gradient
+    bound = largest + 8 * _BLOCK * 4
+    assert 12 * largest > 3 * bound
+    peak, retained = _step_bytes(opt)
+    assert peak < bound, (peak, bound)
+    assert retained < bound, (retained, bound)
