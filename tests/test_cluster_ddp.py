@@ -7,7 +7,6 @@ is test_ddp's single process on the whole batch (float64); each rank trains on i
 
 import threading
 
-import numpy as np
 import pytest
 
 import mpidist
