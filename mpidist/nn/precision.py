@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from mpidist.nn.autograd import Tensor, make_result
+from mpidist.nn.deferred import deferred_like, is_deferred
 
 __all__ = ["bfloat16", "float16", "float32", "LOW_PRECISION", "FP32_OPS", "as_dtype", "is_low_precision",
            "fp32_op", "cast", "Policy", "apply_policy"]
@@ -149,6 +150,13 @@ def _cast_floating(value, dtype):
     return value
 
 
+def _deferred_as(data, dtype):
+    """Return a copy of DeferredArray ``data`` of ``dtype``: no values to cast, it is drawn (or read) in it."""
+    out = deferred_like(data, data.shape)
+    out.dtype = dtype
+    return out
+
+
 def apply_policy(module, policy):
     """Cast ``module``'s floating parameters to ``policy.param_dtype`` in place; cast activations to its
     ``compute_dtype`` (the root's floating inputs, and the outputs of every module holding parameters).
@@ -160,7 +168,8 @@ def apply_policy(module, policy):
     for _, p in module.named_parameters():
         if p.data.dtype.kind == "f" or p.data.dtype == bfloat16:
             if p.data.dtype != policy.param_dtype:
-                p.data = p.data.astype(policy.param_dtype)
+                p.data = _deferred_as(p.data, policy.param_dtype) if is_deferred(p.data) \
+                    else p.data.astype(policy.param_dtype)
     compute = policy.compute_dtype
 
     def cast_inputs(_, args):
