@@ -433,7 +433,7 @@ def test_no_mpidist_module_unpickles_or_evaluates_what_it_reads(tmp_path):
 
 
 def pipeline_state(root, rng, extra):
-    """A StageState (one rank, real MPI) saving a disk checkpoint at every commit, and its build function."""
+    """A module-less State (one rank, real MPI) saving a disk checkpoint at every commit, and its build function."""
     from mpidist import elastic
     from mpidist.parallel import Pipeline
 
@@ -441,8 +441,8 @@ def pipeline_state(root, rng, extra):
         model = make_model(0)
         return Pipeline(model, comm, 2, "1f1b", loss_fn=nn.CrossEntropyLoss())
 
-    state = elastic.StageState(lambda params: optim.Adam(params, lr=0.01), lambda opt: optim.StepLR(opt, 2),
-                               rngs=[rng], extra=extra, checkpoint=str(root), checkpoint_every=1)
+    state = elastic.State(None, lambda params: optim.Adam(params, lr=0.01), lambda opt: optim.StepLR(opt, 2),
+                          rngs=[rng], extra=extra, checkpoint=str(root), checkpoint_every=1)
     return state, build
 
 
@@ -458,7 +458,7 @@ def run_and_commit(state, build, comm, steps):
         state.commit()
 
 
-@pytest.mark.mpi_skip  # StageState asks MPI for world ranks: a real communicator of one rank
+@pytest.mark.mpi_skip  # State asks MPI for world ranks: a real communicator of one rank
 def test_a_pipeline_disk_checkpoint_holds_json_and_raw_bytes_and_restores_the_small_state(tmp_path):
     import types
     from mpi4py import MPI

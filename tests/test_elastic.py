@@ -930,6 +930,50 @@ def test_one_state_restores_every_layout_over_the_survivors(kind):
 
 
 @pytest.mark.mpi_skip
+def test_bfloat16_fsdp_shards_restore_bitwise_from_the_buddies():
+    """FSDP over bfloat16 parameters (Policy("bf16")), replicas=2: rank 2 is lost after a commit and a further
+    step; the 3 survivors take its shards from their buddy packets and hold bit for bit the bfloat16 parameters
+    and optimizer state gathered at the commit with full_state_dict (a packet once kept the dtype as '<V2')."""
+    from mpidist.nn.precision import Policy, apply_policy
+    from mpidist.parallel import full_optimizer_state_dict, full_state_dict
+
+    def bits(a):
+        a = np.asarray(a)
+        return a.dtype.name, a.shape, np.ascontiguousarray(a).view(np.uint8).tobytes()
+
+    def run(comm):
+        module, build, train, _ = _layout_kind("fsdp")
+        apply_policy(module, Policy("bf16"))
+        state = elastic.State(module, lambda params: optim.AdamW(params, lr=0.01), replicas=2)
+        built = state.start(build, comm)
+        train(built, state)
+        state.step += 1
+        state.commit()
+        want = {k: bits(v) for k, v in full_state_dict(built, comm, all_ranks=True).items()}
+        want_opt = full_optimizer_state_dict(built, state.optimizer, comm)
+        train(built, state)  # past the commit: the restore must go back
+        state.step += 1
+        survivors = comm.Split(0 if comm.Get_rank() != 2 else 1)
+        if comm.Get_rank() == 2:
+            return None
+        failure = types.SimpleNamespace(commit=state.committed_id, restored_from=None)
+        again = state.restore(failure, build, survivors)
+        got = {k: bits(v) for k, v in full_state_dict(again, survivors, all_ranks=True).items()}
+        got_opt = full_optimizer_state_dict(again, state.optimizer, survivors)
+        return want, want_opt, got, got_opt, failure.restored_from
+
+    results = simulate(4, run)
+    want, want_opt = results[0][0], results[0][1]
+    assert want and all(dtype == "bfloat16" for dtype, _, _ in want.values()), {k: v[0] for k, v in want.items()}
+    for rank, (_, _, got, got_opt, how) in enumerate(r for r in results if r is not None):
+        assert "re-laid out 4 -> 3 ranks" in how, how
+        assert got == want
+        if rank == 0:
+            assert {n: {k: bits(v) for k, v in e.items()} for n, e in got_opt["state"].items()} == \
+                {n: {k: bits(v) for k, v in e.items()} for n, e in want_opt["state"].items()}
+
+
+@pytest.mark.mpi_skip
 def test_a_piece_without_a_live_holder_is_named_on_every_survivor():
     """FSDP without buddies loses rank 2's shard: every survivor raises the same error naming it."""
 
@@ -950,17 +994,6 @@ def test_a_piece_without_a_live_holder_is_named_on_every_survivor():
     messages = [m for m in simulate(4, run) if m is not None]
     assert len(set(messages)) == 1 and "the shards of position 2 (world rank 2) are lost: all 1 holder(s), world " \
         "ranks [2], failed" in messages[0] and "use more replicas or a disk checkpoint" in messages[0], messages
-
-
-def test_the_old_state_names_are_deprecated_spellings_of_state():
-    model = _model()
-    factory = lambda params: optim.SGD(params, lr=0.1)  # noqa: E731
-    with pytest.warns(DeprecationWarning, match="ShardedState is State"):
-        sharded = elastic.ShardedState(model, factory)
-    with pytest.warns(DeprecationWarning, match="StageState is State"):
-        stages = elastic.StageState(factory, checkpoint="unused", checkpoint_every=3)
-    assert type(sharded) is type(stages) is elastic.State
-    assert (sharded.module, sharded.replicas, stages.module, stages.checkpoint_every) == (model, 2, None, 3)
 
 
 def test_state_arguments_that_cannot_work_are_refused_naming_them():

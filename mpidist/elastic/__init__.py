@@ -15,9 +15,9 @@ from .failure import RankFailure, process_failure, recover
 from .fault import Fault, InjectedFault, faults_from_env, install_kill_on_error, parse_fault, parse_faults
 from .job import Elastic, init
 from .sampler import ElasticSampler
-from .state import ShardedState, StageState, State
+from .state import State
 from .support import FaultToleranceUnavailable, check_support, ft_problem
 
-__all__ = ["init", "Elastic", "RankFailure", "FaultToleranceUnavailable", "State", "ShardedState", "StageState", "ElasticSampler", "Fault",
+__all__ = ["init", "Elastic", "RankFailure", "FaultToleranceUnavailable", "State", "ElasticSampler", "Fault",
            "InjectedFault", "parse_fault", "parse_faults", "faults_from_env", "install_kill_on_error", "check_support", "ft_problem",
            "process_failure", "recover"]

@@ -8,12 +8,12 @@ started in) fail at step S (several faults: separate them with ``;``, e.g. ``ran
   optimizer's step): the others lose it after their own updates, in a collective later in the step (the
   example's allgather of sample ids), so they all stepped past their latest commit.
 - ``at=commit``: in the middle of the commit taken once S steps are done, between the first and second buddy
-  exchanges of a ``ShardedState`` (``replicas >= 3``): some ranks complete that commit, others do not (S = 0: the
+  exchanges of a split ``State`` (``replicas >= 3``): some ranks complete that commit, others do not (S = 0: the
   first commit, after FSDP took the module apart, so the survivors start again).
 - ``at=start``: before the wrappers are first built (S must be 0): the others lose it while building them,
   before the first commit.
 - ``at=save``: in the middle of the disk checkpoint save of step S, the one written once S steps are done
-  (``StageState(checkpoint=...)`` saves every ``checkpoint_every`` steps; ``Elastic.train`` refuses a step
+  (``State(checkpoint=...)`` saves every ``checkpoint_every`` steps; ``Elastic.train`` refuses a step
   with no save): the rank dies while writing its rank file, which it leaves partly written under its
   temporary name, so the save never commits (no manifest). Only ``sigkill`` and ``exit``: an exception
   inside a save is not a lost rank, the checkpoint turns it into the same ``CheckpointError`` on every rank.

@@ -60,7 +60,6 @@ import collections
 import copy
 import os
 import time
-import warnings
 
 import numpy as np
 from mpi4py import MPI
@@ -74,7 +73,7 @@ from ..parallel.interface import as_wrapper
 from ..xp import copy_into, get_array_module, to_numpy
 from .fault import failing_save
 
-__all__ = ["State", "ShardedState", "StageState", "ID_SCALE", "holders_per_packet"]
+__all__ = ["State", "ID_SCALE", "holders_per_packet"]
 
 ID_SCALE = 1 << 20  # commit id = step * ID_SCALE + ranks lost at the layout (fewer than this many ranks)
 _TAG = 0x5E1A  # point-to-point tag of the buddy exchange
@@ -673,22 +672,6 @@ class State:
         return built
 
 
-def ShardedState(module, optimizer, scheduler=None, sampler=None, rngs=(), extra=None, replicas=2, keep=2):
-    """Deprecated: ``State(module, optimizer, scheduler, ..., replicas=replicas)`` (one state for every layout)."""
-    warnings.warn("elastic.ShardedState is State(module, optimizer_factory, ..., replicas=2)", DeprecationWarning,
-                  stacklevel=2)
-    return State(module, optimizer, scheduler, sampler, rngs, extra, replicas=replicas, keep=keep)
-
-
-def StageState(optimizer, scheduler=None, sampler=None, rngs=(), extra=None, checkpoint=None, checkpoint_every=None,
-               keep=2):
-    """Deprecated: ``State(None, optimizer, scheduler, ..., checkpoint=, checkpoint_every=)``."""
-    warnings.warn("elastic.StageState is State(None, optimizer_factory, ..., checkpoint=, checkpoint_every=)",
-                  DeprecationWarning, stacklevel=2)
-    return State(None, optimizer, scheduler, sampler, rngs, extra, checkpoint=checkpoint,
-                 checkpoint_every=checkpoint_every, keep=keep)
-
-
 # -- pieces: who holds what, packets, assembling the full tensors -------------------------------------------------
 def _own_holding(record):
     """Return ``(pieces, arrays, scalars, versions)`` of this rank's own commit (see ``_pack``)."""
@@ -715,7 +698,8 @@ def _pack(layout, holding):
     fields, offset = [], 0
     for (slot, key), a in arrays.items():
         a = to_numpy(a)
-        fields.append((slot, key, tuple(a.shape), a.dtype.str, offset))
+        # The dtype object, not ``dtype.str``: bfloat16's ``str`` is '<V2', which rebuilds as raw void bytes.
+        fields.append((slot, key, tuple(a.shape), a.dtype, offset))
         offset += a.nbytes
     packet = np.empty(offset, np.uint8)
     for (slot, key, shape, dtype, at), a in zip(fields, arrays.values()):
