@@ -79,7 +79,7 @@ def gather_state(obj, comm=None, *, rank=0, context="gather_state", dtype=None):
 
 def _cast_floating(array, dtype):
     """Return ``array`` cast to ``dtype`` if it is floating (bfloat16 included), else as it is."""
-    return array.astype(dtype, copy=False) if array.dtype.kind == "f" or array.dtype == bfloat16 else array
+    return array.astype(dtype, copy=False) if is_floating(array.dtype) else array
 
 
 def save_safetensors(model_or_state_dict, path, *, config=None, metadata: Optional[Mapping[str, str]] = None,

@@ -19,6 +19,7 @@ import gc
 import math
 import weakref
 
+from mpidist.nn.precision import is_low_precision
 from mpidist.xp import asarray_like, get_array_module
 
 __all__ = ["Optimizer", "state_like", "SGD", "Adam", "AdamW", "LRScheduler", "LambdaLR", "StepLR", "LinearLR",
@@ -56,11 +57,10 @@ def register_optimizer_step_post_hook(hook):
 # (float16's smallest normal is 6e-5), turning the first step into 0/0 = NaN. So a float16 or bfloat16
 # parameter gets a float32 master weight (``state[i]["master_param"]``): the update and the optimizer state
 # are float32, and each step writes the master back to the parameter rounded to its dtype (mixed precision).
-_LOW_PRECISION = ("float16", "bfloat16")
 
 
 def _is_low(array):
-    return str(getattr(array, "dtype", "")) in _LOW_PRECISION
+    return is_low_precision(array.dtype)
 
 
 def state_like(data, copy=True):

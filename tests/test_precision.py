@@ -11,7 +11,7 @@ import pytest
 import mpidist.nn as nn
 import mpidist.nn.functional as F
 from mpidist.nn.precision import (FP32_OPS, Policy, apply_policy, as_dtype, bfloat16, float16, float32,
-                                  is_low_precision)
+                                  is_floating, is_low_precision)
 from mpidist.optim import SGD, Adam, AdamW
 
 LOW = [pytest.param(float16, id="float16"), pytest.param(bfloat16, id="bfloat16")]
@@ -29,6 +29,13 @@ def _close_to_one_rounding(out, ref, dtype, atol=0.0):
     out = np.asarray(out).astype(np.float64)
     atol = max(atol, 2.0 ** -25 if dtype == float16 else 0.0)  # float16's subnormals have absolute steps
     return np.all(np.abs(out - ref) <= 1.01 * HALF_ULP[dtype] * np.abs(ref) + atol)
+
+
+@pytest.mark.parametrize("dtype, floating", [(bfloat16, True), (float16, True), (float32, True),
+                                             (np.float64, True), (np.complex64, False), (np.int32, False),
+                                             (np.uint16, False), (np.bool_, False), (np.void, False)])
+def test_is_floating_is_real_floating_bfloat16_included(dtype, floating):
+    assert is_floating(np.dtype(dtype)) is floating
 
 
 def test_as_dtype_names_and_refusals():

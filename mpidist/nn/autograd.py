@@ -262,7 +262,8 @@ class Tensor:
 
     def requires_grad_(self, mode=True):
         """Mark this leaf as needing a gradient (in place); return self."""
-        if mode and self.grad_fn is None and self.data.dtype.kind not in "fc" and self.data.dtype.name != "bfloat16":
+        from mpidist.nn.precision import is_floating  # precision imports this module (Tensor, make_result)
+        if mode and self.grad_fn is None and self.data.dtype.kind != "c" and not is_floating(self.data.dtype):
             raise TypeError(f"Tensor.requires_grad_: only floating point tensors can require grad "
                             f"(dtype: {self.data.dtype})")
         if not mode and self.grad_fn is not None:

@@ -25,7 +25,7 @@ from mpidist.nn.autograd import Tensor, make_result
 from mpidist.nn.deferred import deferred_like, is_deferred
 
 __all__ = ["bfloat16", "float16", "float32", "LOW_PRECISION", "FP32_OPS", "as_dtype", "is_low_precision",
-           "fp32_op", "cast", "Policy", "apply_policy"]
+           "is_floating", "fp32_op", "cast", "Policy", "apply_policy"]
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float16 = np.dtype(np.float16)
@@ -61,6 +61,11 @@ def as_dtype(dtype, context="precision"):
 def is_low_precision(dtype):
     """Whether ``dtype`` is float16 or bfloat16."""
     return dtype in LOW_PRECISION
+
+
+def is_floating(dtype):
+    """Whether ``dtype`` is a real floating dtype, bfloat16 included (numpy gives ml_dtypes' bfloat16 kind "V")."""
+    return dtype.kind == "f" or dtype == bfloat16
 
 
 def cast(x, dtype):
@@ -142,7 +147,7 @@ class _PolicyHandle:
 def _cast_floating(value, dtype):
     if isinstance(value, Tensor) or hasattr(value, "__array_interface__"):
         data = value.data if isinstance(value, Tensor) else value
-        if data.dtype.kind == "f" or data.dtype == bfloat16:
+        if is_floating(data.dtype):
             return cast(value, dtype)
         return value
     if isinstance(value, tuple):
@@ -166,7 +171,7 @@ def apply_policy(module, policy):
     if not isinstance(policy, Policy):
         raise TypeError(f"apply_policy: policy must be an mpidist.nn.precision.Policy (got {type(policy).__name__})")
     for _, p in module.named_parameters():
-        if p.data.dtype.kind == "f" or p.data.dtype == bfloat16:
+        if is_floating(p.data.dtype):
             if p.data.dtype != policy.param_dtype:
                 p.data = _deferred_as(p.data, policy.param_dtype) if is_deferred(p.data) \
                     else p.data.astype(policy.param_dtype)

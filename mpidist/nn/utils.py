@@ -18,6 +18,7 @@ import numpy as np
 from mpidist.comm.agree import raise_if_any
 from mpidist.nn.module import Parameter
 from mpidist.nn.placement import Replicate, placement_of
+from mpidist.nn.precision import is_floating
 from mpidist.xp import get_array_module
 
 __all__ = ["clip_grad_norm_", "clip_coefficient", "grad_norm", "GradParts"]
@@ -70,7 +71,7 @@ def _grads(fn, parameters, comm):
 
 def _check_float(fn, grads, comm):
     """Raise TypeError (on every rank of ``comm`` when given) if a gradient is not floating point."""
-    bad = [(i, g.dtype) for i, g in enumerate(grads) if g.dtype.kind not in "fc" and g.dtype.name != "bfloat16"]
+    bad = [(i, g.dtype) for i, g in enumerate(grads) if g.dtype.kind != "c" and not is_floating(g.dtype)]
     problem = f"gradient {bad[0][0]} is {bad[0][1]}" if bad else None
     if comm is not None:
         raise_if_any(comm, problem, f"{fn}: gradients must be floating point", TypeError)

@@ -34,7 +34,7 @@ import numpy as np
 from .. import collectives, wire
 from ..comm.agree import describe_ranks, raise_if_any
 from ..nn.placement import boxes, check_tiling, global_shape
-from ..nn.precision import as_dtype, bfloat16
+from ..nn.precision import as_dtype, bfloat16, is_floating
 from ..xp import copy_into, get_array_module, to_numpy
 from .comm_hooks import as_bytes
 from .interface import as_wrapper, placement_comms
@@ -43,11 +43,6 @@ __all__ = ["iter_full_state", "full_state_dict", "load_full_state_dict", "full_o
 
 # Point-to-point tag of full-state transfers; far from the small tags user code tends to pick.
 _TAG = 0x5E57
-
-
-def _floating(dtype):
-    """Whether ``dtype`` is a floating dtype, bfloat16 (numpy kind "V") included."""
-    return dtype.kind == "f" or dtype == bfloat16
 
 
 def _arrived(piece, dtype):
@@ -62,7 +57,7 @@ def _check_dtype(fn, dtype):
 
 def _cast(array, dtype):
     """Return ``array`` with a floating dtype cast to ``dtype`` (None: as it is); integers and bools stay."""
-    if array is None or dtype is None or not _floating(array.dtype):
+    if array is None or dtype is None or not is_floating(array.dtype):
         return array
     return array.astype(dtype, copy=False)
 
