@@ -60,8 +60,10 @@ def _is_array(x):
     return isinstance(x, np.ndarray) or _xp.is_device_array(x)
 
 
-def _begin(comm, op, x=None, root=-1, reduction="", rows=False, sized=True):
+def record_collective(comm, op, x=None, root=-1, reduction="", rows=False, sized=True):
     """Record collective ``op`` with the guard (checking its fingerprint when due); return the record.
+
+    Public for collectives built on these (``mpidist.collectives_hier``): pass the record to ``run_recorded``.
 
     Runs before input validation, so it must not trip over bad arguments (a list, a scalar, a torch
     tensor whose ``size`` is a method): anything but a numpy or device array is recorded with neutral
@@ -100,7 +102,7 @@ def _compare_stamps(comm, stamps):
         _guard.fingerprint.compare_stamps(_record.entry_of(comm).name, stamps)
 
 
-def _tracked(token, call, *args):
+def run_recorded(token, call, *args):
     """Run ``call(*args)``; the guard forgets ``token`` when the result is complete (a Handle: on wait)."""
     if token is None:
         return call(*args)
@@ -132,7 +134,8 @@ def _check_array(fn, x, name="x"):
         raise TypeError(f"{fn}: unsupported dtype {x.dtype} (supported: {', '.join(map(str, SUPPORTED_DTYPES))})")
 
 
-def _check_writable(fn, x):
+def check_in_place(fn, x):
+    """Raise ValueError (prefixed with ``fn``) unless ``x`` can be written in place: writable, no overlapping elements."""
     if isinstance(x, np.ndarray) and not x.flags.writeable:
         raise ValueError(f"{fn}: array is read-only and cannot be written in place (shape: {x.shape})")
     if not x.flags.c_contiguous and any(s == 0 for s, n in zip(x.strides, x.shape) if n > 1):
@@ -334,19 +337,19 @@ def allreduce(x, comm, op="sum"):
             if entry[1]:
                 x /= comm.Get_size()
             return x
-    return _tracked(_begin(comm, "allreduce", x, reduction=op), _iallreduce, x, comm, op, True)
+    return run_recorded(record_collective(comm, "allreduce", x, reduction=op), _iallreduce, x, comm, op, True)
 
 
 def iallreduce(x, comm, op="sum"):
     """Start an in-place allreduce of ``x``; ``wait()`` returns ``x`` holding the result."""
-    return _tracked(_begin(comm, "iallreduce", x, reduction=op), _iallreduce, x, comm, op, False)
+    return run_recorded(record_collective(comm, "iallreduce", x, reduction=op), _iallreduce, x, comm, op, False)
 
 
 def _iallreduce(x, comm, op, _blocking):
     _check_array("allreduce", x)
     reduction = _resolve_op("allreduce", op, x.dtype)
     mpi_op, mean = reduction.mpi, reduction.mean
-    _check_writable("allreduce", x)
+    check_in_place("allreduce", x)
     size = comm.Get_size()
     if not isinstance(x, np.ndarray) and _xp.is_device_array(x):
         _gpu(x).allreduce(x, comm, reduction)
@@ -396,18 +399,18 @@ def broadcast(x, comm, root=0):
             if token is not None:
                 _record.leave(token)
         return x
-    return _tracked(_begin(comm, "broadcast", x, root=root), _ibroadcast, x, comm, root, True)
+    return run_recorded(record_collective(comm, "broadcast", x, root=root), _ibroadcast, x, comm, root, True)
 
 
 def ibroadcast(x, comm, root=0):
     """Start a broadcast of ``x`` from ``root``; ``wait()`` returns ``x``."""
-    return _tracked(_begin(comm, "ibroadcast", x, root=root), _ibroadcast, x, comm, root, False)
+    return run_recorded(record_collective(comm, "ibroadcast", x, root=root), _ibroadcast, x, comm, root, False)
 
 
 def _ibroadcast(x, comm, root, _blocking):
     _check_array("broadcast", x)
     root = _check_rank("broadcast", root, comm, "root")
-    _check_writable("broadcast", x)
+    check_in_place("broadcast", x)
     gpu = None if isinstance(x, np.ndarray) else _gpu(x)
     if gpu is not None:
         gpu.broadcast(x, comm, root)
@@ -446,7 +449,7 @@ def _gather_shapes(x, comm, op):
 
 def _check_allgather_out(x, out, size):
     _check_array("allgather", out, "out")
-    _check_writable("allgather", out)
+    check_in_place("allgather", out)
     rows = x.shape[0] if x.ndim else 1
     if out.dtype != x.dtype or out.shape[0] != size * rows or out.size != size * x.size:
         raise ValueError(f"allgather: out must have dtype {x.dtype} and shape ({size} * {rows}, ...) matching x {x.shape} (got {out.dtype} {out.shape})")
@@ -470,12 +473,12 @@ def allgather(x, comm, out=None):
 
     With ``out`` (shape ``(size * n, ...)``) every rank must pass the same shape; no size exchange is needed.
     """
-    return _tracked(_begin(comm, "allgather", x, rows=out is None, sized=out is not None), _iallgather, x, comm, out, True)
+    return run_recorded(record_collective(comm, "allgather", x, rows=out is None, sized=out is not None), _iallgather, x, comm, out, True)
 
 
 def iallgather(x, comm, out=None):
     """Start an allgather; ``wait()`` returns the concatenated array."""
-    return _tracked(_begin(comm, "iallgather", x, rows=out is None, sized=out is not None), _iallgather, x, comm, out, False)
+    return run_recorded(record_collective(comm, "iallgather", x, rows=out is None, sized=out is not None), _iallgather, x, comm, out, False)
 
 
 def _iallgather(x, comm, out, _blocking):
@@ -527,7 +530,7 @@ def reduce_scatter(x, comm, op="sum"):
     Rows (axis 0) are split as ``split_sizes(len(x), size)``: when ``len(x)`` does not divide evenly,
     the first ``len(x) % size`` ranks get one row more. Every rank must pass the same shape.
     """
-    return _tracked(_begin(comm, "reduce_scatter", x, reduction=op), _ireduce_scatter, x, comm, op, True)
+    return run_recorded(record_collective(comm, "reduce_scatter", x, reduction=op), _ireduce_scatter, x, comm, op, True)
 
 
 def ireduce_scatter(x, comm, op="sum"):
@@ -535,7 +538,7 @@ def ireduce_scatter(x, comm, op="sum"):
 
     ``x`` must not change until the handle completes: MPI reads it while the operation is in flight.
     """
-    return _tracked(_begin(comm, "ireduce_scatter", x, reduction=op), _ireduce_scatter, x, comm, op, False)
+    return run_recorded(record_collective(comm, "ireduce_scatter", x, reduction=op), _ireduce_scatter, x, comm, op, False)
 
 
 def _ireduce_scatter(x, comm, op, _blocking):
@@ -589,7 +592,7 @@ def alltoall(x, comm, splits=None, return_splits=False, out=None):
     comes first, so no rank is left waiting). Any dtype; device arrays go through a host copy.
     ``out``: a C-contiguous numpy array of the arriving shape to receive into (no allocation per call).
     """
-    return _tracked(_begin(comm, "alltoall", x, rows=True, sized=False), _alltoall, x, comm, splits, return_splits, out)
+    return run_recorded(record_collective(comm, "alltoall", x, rows=True, sized=False), _alltoall, x, comm, splits, return_splits, out)
 
 
 def _alltoall(x, comm, splits, return_splits, out):
@@ -664,7 +667,7 @@ def _alltoall(x, comm, splits, return_splits, out):
 
 def barrier(comm):
     """Block until every rank of ``comm`` has called barrier."""
-    _tracked(_begin(comm, "barrier"), comm.Barrier)
+    run_recorded(record_collective(comm, "barrier"), comm.Barrier)
 
 
 # -- point to point: a small header carries dtype and shape, so the receiver needs to know neither ---
@@ -715,7 +718,7 @@ def isend(x, dest, comm, tag=0, stamp=None):
 
     ``stamp``: a pair of non-negative ints the receiver checks (``recv(..., stamp=)``), e.g. (step, micro-batch).
     """
-    return _tracked(_p2p_begin(comm, "send", x, dest), _isend, x, dest, comm, tag, stamp)
+    return run_recorded(_p2p_begin(comm, "send", x, dest), _isend, x, dest, comm, tag, stamp)
 
 
 def _p2p_begin(comm, op, x, peer):
@@ -764,7 +767,7 @@ def irecv(source, comm, tag=0, out=None, stamp=None):
     ``out``: no allocation per message, which matters for large messages received again and again.
     The handle's ``cancel()`` (or dropping it) withdraws the receive; its message stays queued.
     """
-    return _tracked(_p2p_begin(comm, "recv", out, source), _irecv, source, comm, tag, out, stamp)
+    return run_recorded(_p2p_begin(comm, "recv", out, source), _irecv, source, comm, tag, out, stamp)
 
 
 def _irecv(source, comm, tag, out, stamp=None):
@@ -779,7 +782,7 @@ def _check_recv_args(source, comm, out):
         _check_rank("recv", source, comm, "source")
     if out is not None:
         _check_array("recv", out, "out")
-        _check_writable("recv", out)
+        check_in_place("recv", out)
 
 
 class _ArrayReceive(Handle):

@@ -9,6 +9,7 @@ Horovod do across nodes. Within a node, and with one rank per node, it would onl
     allreduce = HierarchicalAllreduce(comm)          # collective over comm; "auto": measured, per size
     allreduce(grad)                                  # in place, as mpidist.allreduce(grad, comm)
     allreduce.algorithm_for(grad.nbytes)             # "flat" or "hierarchical", the same on every rank
+    allreduce.free()                                 # collective; instances over one comm share its splits
 
 ``algorithm="auto"`` times both on the first array of each power-of-two size class (on a copy, every rank
 alike) and keeps the faster by the slowest rank's time, so every rank takes the same path; ``"flat"`` is
@@ -17,9 +18,11 @@ alike) and keeps the faster by the slowest rank's time, so every rank takes the 
 ``mean`` divides by the size of ``comm``; every rank ends with the same bits (the last step is a broadcast).
 """
 
+import threading
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from . import collectives
 from .comm import check_comm
@@ -39,16 +42,13 @@ class HierarchicalAllreduce:
         check_comm("HierarchicalAllreduce", comm)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"HierarchicalAllreduce: algorithm must be one of {ALGORITHMS} (got {algorithm!r})")
-        from mpi4py import MPI
         self.comm = comm
         self.algorithm = algorithm
-        nodes = node_of_ranks(comm)  # collective; the same list on every rank
-        rank = comm.Get_rank()
+        self._splits = _NodeSplits.acquire(comm)
+        nodes, rank = self._splits.nodes, comm.Get_rank()
         self.nodes = max(nodes) + 1
         self.local_rank = sum(1 for r in range(rank) if nodes[r] == nodes[rank])
-        # Ranks in comm's order within their node; leaders in node order: the same on every rank.
-        self.node_comm = comm.Split(color=nodes[rank], key=rank)
-        self.leader_comm = comm.Split(color=0 if self.local_rank == 0 else MPI.UNDEFINED, key=nodes[rank])
+        self.node_comm, self.leader_comm = self._splits.node_comm, self._splits.leader_comm
         # Worth doing only with several nodes of which some hold several ranks.
         self.useful = 1 < self.nodes < comm.Get_size()
         self._chosen = {}  # size class (bytes rounded up to a power of two) -> "flat" or "hierarchical"
@@ -62,11 +62,11 @@ class HierarchicalAllreduce:
             raise TypeError(f"HierarchicalAllreduce: dtype {x.dtype} is not supported "
                             f"(supported: {', '.join(d.name for d in collectives.SUPPORTED_DTYPES)})")
         resolve("HierarchicalAllreduce", op, x.dtype)  # a bad op fails here, before any size class is measured
-        collectives._check_writable("HierarchicalAllreduce", x)
+        collectives.check_in_place("HierarchicalAllreduce", x)
         if self.algorithm_for(x.nbytes, x, op) == "flat":
             return collectives.allreduce(x, self.comm, op)
-        return collectives._tracked(collectives._begin(self.comm, "allreduce", x, reduction=op),
-                                    self._hierarchical, x, op)
+        return collectives.run_recorded(collectives.record_collective(self.comm, "allreduce", x, reduction=op),
+                                        self._hierarchical, x, op)
 
     def algorithm_for(self, nbytes, x=None, op="sum"):
         """Return the algorithm used for arrays of ``nbytes`` ("flat" or "hierarchical"); collective under "auto".
@@ -125,14 +125,65 @@ class HierarchicalAllreduce:
         return x
 
     def free(self):
-        """Free the node and leader communicators."""
-        from mpi4py import MPI
-        for sub in (self.node_comm, self.leader_comm):
-            if sub != MPI.COMM_NULL:
-                sub.Free()
+        """Release the node and leader communicators: freed (collectively) once no instance over ``comm`` uses them.
+
+        Call it on every rank alike (``DDP.remove()`` does); an instance dropped without it keeps its communicators
+        until the process ends, but at most one pair per communicator (later instances share it).
+        """
+        if self._splits is not None:
+            self._splits.release()
+            self._splits = None
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.free()
+
+
+class _NodeSplits:
+    """One communicator's node and leader communicators, shared by the HierarchicalAllreduce instances over it.
+
+    Freeing a communicator is collective and a finalizer runs whenever each rank's collector gets to it, so
+    nothing frees them behind the caller's back; sharing bounds what dropped instances leave behind instead.
+    """
+
+    _cache = []  # the shared ones, one per communicator (identity: mpi4py communicators are not hashable)
+    _lock = threading.Lock()  # SimComm's ranks are threads of one process
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.nodes = node_of_ranks(comm)  # collective; the same list on every rank
+        rank = comm.Get_rank()
+        local_rank = sum(1 for r in range(rank) if self.nodes[r] == self.nodes[rank])
+        # Ranks in comm's order within their node; leaders in node order: the same on every rank.
+        self.node_comm = comm.Split(color=self.nodes[rank], key=rank)
+        self.leader_comm = comm.Split(color=0 if local_rank == 0 else MPI.UNDEFINED, key=self.nodes[rank])
+        self.users = 0
+
+    @classmethod
+    def acquire(cls, comm):
+        """Return ``comm``'s shared splits, made now if needed (collective: every rank shares or splits alike)."""
+        with cls._lock:
+            cached = next((s for s in cls._cache if s.comm is comm), None)
+        # Splitting is collective: the ranks share only if all of them can, else all split anew.
+        if not all(comm.allgather(cached is not None)):
+            fresh = cls(comm)
+            if cached is None:
+                with cls._lock:
+                    cls._cache.append(fresh)
+            cached = fresh  # where this rank had some already, the fresh ones are this instance's own
+        with cls._lock:
+            cached.users += 1
+        return cached
+
+    def release(self):
+        """Drop one user; free the communicators (collective) when none is left."""
+        with self._lock:
+            self.users -= 1
+            if self.users:
+                return
+            self._cache[:] = [s for s in self._cache if s is not self]
+        for sub in (self.node_comm, self.leader_comm):
+            if sub != MPI.COMM_NULL:
+                sub.Free()

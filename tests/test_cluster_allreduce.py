@@ -153,3 +153,30 @@ def test_hierarchical_allreduce_matches_numpy_under_mpi(comm):
             big = inputs(comm.Get_size(), "float64", "sum", shape=(1 << 17,))  # 1 MiB: MPI's large-message path
             x = big[comm.Get_rank()].copy()
             np.testing.assert_array_equal(allreduce(x), big.sum(axis=0))
+
+
+def test_instances_over_one_comm_share_node_communicators_until_the_last_is_freed():
+    """A dropped instance (a DDP never removed) leaves at most the one pair later instances over its comm share."""
+    def run(comm):
+        first = HierarchicalAllreduce(comm, algorithm="hierarchical")
+        dropped = HierarchicalAllreduce(comm, algorithm="hierarchical")  # never freed
+        shared = dropped.node_comm is first.node_comm and dropped.leader_comm is first.leader_comm
+        first.free()  # not the last user: the dropped one still reduces over the pair
+        arrays = inputs(comm.Get_size(), "float64", "sum")
+        x = arrays[comm.Get_rank()].copy()
+        dropped(x)
+        return shared, np.array_equal(x, arrays.sum(axis=0))
+
+    for shared, correct in mpidist.simulate(4, run, ranks_per_node=2):
+        assert shared and correct, (shared, correct)
+
+
+def test_freed_node_communicators_are_not_handed_out_again(comm):
+    first = HierarchicalAllreduce(comm, algorithm="hierarchical")
+    node_comm = first.node_comm
+    first.free()
+    with HierarchicalAllreduce(comm, algorithm="hierarchical") as second:
+        assert second.node_comm is not node_comm
+        arrays = inputs(comm.Get_size(), "int64", "sum")
+        x = arrays[comm.Get_rank()].copy()
+        np.testing.assert_array_equal(second(x), arrays.sum(axis=0))

@@ -85,3 +85,11 @@ def test_ddp_bad_allreduce_raises_on_every_rank():
     for bad, disagree in mpidist.simulate(4, run, ranks_per_node=2):
         assert bad == "DDP: allreduce must be one of ('auto', 'flat', 'hierarchical') (got 'ring')", bad
         assert disagree is not None and "allreduce choice" in disagree and "'flat'" in disagree, disagree
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_ddp_allreduce_rejected_by_one_rank_raises_on_every_rank(comm):
+    """Rank 1 alone passes a bad value: every rank raises, naming it (before: rank 1 alone, the others waited)."""
+    with pytest.raises(ValueError, match="allreduce choice") as raised:
+        DDP(make_model(), comm, allreduce="ring" if comm.Get_rank() == 1 else "flat")
+    assert "rank 1: 'ring'" in str(raised.value), raised.value

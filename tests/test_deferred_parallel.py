@@ -6,6 +6,7 @@ its part (DDP: the whole model, without a broadcast; tensor parallel: its slices
 each unit; a pipeline: its stage's layers), and ``full_state_dict`` gathers it back. Memory: under SimComm the
 ranks together allocate about one model, not one per rank; under mpiexec each process about its share.
 """
+import sys
 import tracemalloc
 
 import numpy as np
@@ -236,3 +237,35 @@ def test_nothing_is_broadcast_at_construction(kind, monkeypatch):
     sent.clear()
     mpidist.simulate(2, build, True)
     assert sent == []
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_ddp_refuses_deferred_parameters_seeded_by_rank(comm):
+    """manual_seed(base + rank) before a deferred build: replicas would differ; every rank raises naming them."""
+    with nn.deferred(seed=SEED + comm.Get_rank()):
+        model = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="deferred seed") as raised:
+        DDP(model, comm)
+    assert f"rank 0: ('weight', {SEED})" in str(raised.value) and f"rank 1: ('weight', {SEED + 1})" in str(
+        raised.value), raised.value
+
+
+@pytest.mark.world_sizes(2)
+def test_pipeline_refuses_tied_copies_deferred_under_different_seeds(comm):
+    with nn.deferred(seed=SEED + comm.Get_rank()):
+        model = GPT(CONFIG)
+    stage = model.pipeline_stages(2)[comm.Get_rank()]
+    with pytest.raises(ValueError, match="tied parameter") as raised:
+        Pipeline(stage, comm, 2, "1f1b", loss_fn=model.loss, tied_parameters=stage.tied)
+    assert f"{SEED}" in str(raised.value) and f"{SEED + 1}" in str(raised.value), raised.value
+
+
+def test_materialize_refuses_a_module_already_holding_gpu_arrays(monkeypatch):
+    """Deferred parameters are drawn on the host: next to GPU arrays they would leave the model half on the host."""
+    on_gpu = nn.Linear(3, 2)
+    with nn.deferred(seed=SEED):
+        model = nn.Sequential(on_gpu, nn.Linear(2, 2))
+    # No GPU here: stand in a CuPy array by saying the first layer's weight is one.
+    monkeypatch.setattr(sys.modules["mpidist.nn.deferred"], "is_device_array", lambda a: a is on_gpu.weight.data)
+    with pytest.raises(ValueError, match=r"materialize: Sequential holds GPU arrays \(0.weight\)"):
+        nn.materialize(model)

@@ -27,9 +27,10 @@ import numpy as np
 from mpidist.nn.init import FromSource, draw_box_into
 from mpidist.nn.placement import FlatShard, boxes, global_shape
 from mpidist.nn.random import default_generator, initial_seed
+from mpidist.xp import is_device_array
 
-__all__ = ["deferred", "DeferredArray", "DeferredParameterError", "is_deferred", "materialize", "new_parameter",
-           "set_initializer", "deferred_like", "fill_boxes", "deferred_bytes", "load_deferred"]
+__all__ = ["deferred", "DeferredArray", "DeferredParameterError", "is_deferred", "deferred_key", "materialize",
+           "new_parameter", "set_initializer", "deferred_like", "fill_boxes", "deferred_bytes", "load_deferred"]
 
 _local = threading.local()
 
@@ -105,6 +106,16 @@ class DeferredArray:
         return f"DeferredArray({self.name!r}, shape={self.shape}, dtype={self.dtype}, init={self.init})"
 
 
+def deferred_key(name, param):
+    """Return what fixes ``param``'s initial values: (draw name, seed) if deferred, else (``name``, "materialized").
+
+    Ranks whose keys agree draw bitwise equal values without sending any; the parallel wrappers compare them
+    across ranks before skipping a broadcast.
+    """
+    data = param.data
+    return (data.name, data.seed) if isinstance(data, DeferredArray) else (name, "materialized")
+
+
 def is_deferred(x):
     """Return True if ``x`` (a Parameter or its data) is deferred: it has no values yet."""
     # Not getattr(x, "data") of an ndarray: its memoryview raises for ml_dtypes' bfloat16 ("cannot include dtype 'E'").
@@ -172,7 +183,17 @@ def materialize(module):
 
     A tensor-parallel slice gets its rows of the whole parameter, padding stays zero. Parameters that hold values
     already are left alone. Collective-free: every rank draws its own part.
+
+    Arrays are allocated on the host: modules have no device of their own, so a module that already holds GPU
+    arrays is refused (materialize first, then move the model) rather than left half on the host.
     """
+    pending = [p for _, p in module.named_parameters() if isinstance(p.data, DeferredArray)]
+    on_device = [name for name, a in [*((n, p.data) for n, p in module.named_parameters()), *module.named_buffers()]
+                 if is_device_array(a)]
+    if pending and on_device:
+        raise ValueError(f"materialize: {type(module).__name__} holds GPU arrays ({', '.join(on_device)}) and "
+                         f"{len(pending)} deferred parameters, which are drawn on the host; materialize before "
+                         f"moving the model to the GPU")
     for _, p in module.named_parameters():
         data = p.data
         if isinstance(data, DeferredArray):

@@ -36,7 +36,7 @@ from .. import collectives
 from ..collectives_hier import ALGORITHMS as ALLREDUCE_ALGORITHMS, HierarchicalAllreduce
 from ..comm.agree import check_same
 from ..nn import is_grad_enabled, queue_callback
-from ..nn.deferred import is_deferred, materialize
+from ..nn.deferred import deferred_key, is_deferred, materialize
 from ..xp import get_array_module, to_numpy
 from .agreement import StepStamp, TrainableAtBuild, check_same_shards, check_same_structure
 from . import comm_hooks
@@ -144,6 +144,9 @@ class DDP(WholeModuleWrapper):
                     f"a mesh must have one dimension, the data-parallel ranks (got {dimensions(self.mesh)}); pass "
                     f"that dimension's mesh, e.g. mesh.submesh('dp')", "DDP")
         comm = self.mesh[self.mesh.names[0]]
+        # Agreed before it is validated: a rank that alone rejected its value would leave the others waiting in
+        # the first collective below; agreed, a bad value fails alike on every rank.
+        check_same(comm, [allreduce], "DDP", what="allreduce choice")
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError(f"DDP: bucket sizes must be positive (bucket_cap_mb={bucket_cap_mb}, first_bucket_mb={first_bucket_mb})")
         if unused_parameters not in ("zero", "error"):
@@ -168,7 +171,10 @@ class DDP(WholeModuleWrapper):
         # The step check reads the parameters' update counts every step: a list, not a walk of the module
         # tree (parameters() took 0.4 ms for 240 tensors, most of the check's cost on a narrow model).
         self._stamp_params = [p for _, p in named]
-        # Deferred parameters (mpidist.nn.deferred) are drawn by name, the same on every rank: nothing to send.
+        # Deferred parameters (mpidist.nn.deferred) are drawn by (seed, name): nothing to send, provided every
+        # rank deferred the same ones under the same seed (manual_seed(base + rank) would make replicas differ).
+        check_same(comm, [deferred_key(name, p) for name, p in named], "DDP",
+                   what="parameter (name, deferred seed or 'materialized')")
         drawn = {id(p) for _, p in named if is_deferred(p)}
         materialize(module)
         self._broadcast_state([p.make_writable() for _, p in named if id(p) not in drawn])  # in place: never into a commit's arrays
@@ -201,8 +207,8 @@ class DDP(WholeModuleWrapper):
         # register_comm_hook's (state, hook); MPI cannot sum bfloat16, so such buckets default to a float32 sum
         self._comm_hook = (None, comm_hooks.allreduce_hook) if any(
             comm_hooks.as_bytes(b.flat) is not b.flat for b in self.buckets) else None
-        # Constructing the node communicators is collective: ranks that chose differently would hang there.
-        check_same(comm, [allreduce], "DDP", what="allreduce choice")
+        # Its node communicators are freed by remove() (collective); a DDP dropped without it leaves them to the
+        # ones later DDPs over this comm share (collectives_hier), not one pair per DDP.
         self._hierarchical = None
         if allreduce != "flat":
             self._hierarchical = HierarchicalAllreduce(comm, allreduce)

@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from mpidist import collectives
 from mpidist.comm.agree import describe_ranks, raise_if_any
-from mpidist.nn.deferred import is_deferred
+from mpidist.nn.deferred import deferred_key, is_deferred
 from mpidist.nn.precision import bfloat16
 from mpidist.parallel.comm_hooks import as_bytes
 
@@ -44,8 +44,13 @@ class TiedParameters:
         if len({c for c in copies if c is not None}) > 1:
             raise ValueError(f"Pipeline: the copies of tied parameter {name!r} differ between ranks (shape, dtype, "
                              f"requires_grad): {describe_ranks(copies)}")
+        # Deferred copies (mpidist.nn.deferred) draw the same values under one name and seed: nothing to send,
+        # provided every holder deferred them under the same seed (not manual_seed(base + rank)).
+        keys = comm.allgather(deferred_key(name, self.params[0]) if self.params else None)
+        if len({k for k in keys if k is not None}) > 1:
+            raise ValueError(f"Pipeline: the copies of tied parameter {name!r} would not start equal (draw name and "
+                             f"deferred seed, or 'materialized'): {describe_ranks(keys)}")
         self.group = comm.Split(0 if self.params else MPI.UNDEFINED, rank)
-        # Deferred copies (mpidist.nn.deferred) draw the same values under one name: nothing to send.
         if self.params and not is_deferred(self.params[0]):
             first = self.params[0].data
             if self.group.Get_size() > 1:
