@@ -7,7 +7,9 @@ a parameter (a forward, an optimizer, ``state_dict``) raises ``DeferredParameter
 (``mpidist.nn.placement.boxes``: the whole tensor, a tensor-parallel slice) with the keyed draw of ``init``:
 element values depend on (seed, name) only, so any layout holds bitwise the values of the whole model.
 The parallel wrappers accept deferred modules and materialize the rank's part themselves (FSDP: its shard of
-each unit; DDP and pipeline stages: their modules; tensor parallelism: its slices), with no broadcast.
+each unit; DDP and pipeline stages: their modules; tensor parallelism: its slices), with no broadcast. DDP and
+tied pipeline copies first check that every rank deferred them under the same seed (``deferred_key``): a seed
+per rank (``manual_seed(base + rank)``) would start the replicas different, so it raises on every rank.
 
 Names: a deferred parameter's name is its ``named_parameters()`` name in the outermost module it has been
 registered under (``blocks.0.attn.qkv.weight`` in a GPT). A tied parameter keeps the name it got first,
