@@ -30,7 +30,7 @@ import safetensors.numpy
 from mpidist.comm.agree import agreed
 from mpidist.files import atomic_path, write_text_atomic
 from mpidist.nn.module import Module
-from mpidist.nn.precision import as_dtype, bfloat16
+from mpidist.nn.precision import as_dtype, bfloat16, is_floating
 from mpidist.parallel.full_state import full_state_dict, load_full_state_dict
 from mpidist.parallel.interface import Wrapper, as_wrapper
 from mpidist.xp import to_numpy

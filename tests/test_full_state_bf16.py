@@ -121,6 +121,17 @@ def test_fsdp_float32_shards_export_as_bf16_equal_the_cast_reference(comm, tmp_p
     wrapped.remove()
 
 
+def test_a_state_mapping_exports_with_its_floating_arrays_cast_to_dtype(tmp_path):
+    """A mapping is written by this process: ``dtype`` casts its floating arrays (bfloat16 too), not the others."""
+    rng = np.random.default_rng(3)
+    state = {"w": rng.standard_normal((3, 4)).astype(np.float32), "b": rng.standard_normal(5).astype(bfloat16),
+             "steps": np.arange(4, dtype=np.int64)}
+    for dtype, name in ((bfloat16, "bf16"), (np.dtype(np.float32), "fp32")):
+        save_safetensors(state, tmp_path / f"{name}.safetensors", dtype=name)
+        got = read_safetensors(tmp_path / f"{name}.safetensors")  # safetensors orders the names
+        assert_bitwise({key: got[key] for key in state}, cast(state, dtype))
+
+
 @pytest.mark.world_sizes(1, 2)
 def test_a_dtype_option_that_is_not_a_float_dtype_raises_on_every_rank(comm, tmp_path):
     model = GPT(full_state_tests.CONFIG, rng=np.random.default_rng(0))
