@@ -190,6 +190,8 @@ def materialize(module):
     arrays is refused (materialize first, then move the model) rather than left half on the host.
     """
     pending = [p for _, p in module.named_parameters() if isinstance(p.data, DeferredArray)]
+    if not pending:  # nothing to draw (also: wrappers such as FSDP pass through here, holding no buffers API)
+        return module
     on_device = [name for name, a in [*((n, p.data) for n, p in module.named_parameters()), *module.named_buffers()]
                  if is_device_array(a)]
     if pending and on_device:
