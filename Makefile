@@ -74,7 +74,7 @@ endif
 # The single-process tests that start their own mpiexec: the test files that import tests/launcher.py.
 LAUNCH_TESTS = $(shell grep -l '^import launcher' tests/test_*.py)
 
-.PHONY: venv test lint test-sim test-mpi test-launch demo demo-digits bench clean test-slurm bench-plot test-mpi4py \
+.PHONY: venv test lint test-sim test-slow test-mpi test-launch demo demo-digits bench clean test-slurm bench-plot test-mpi4py \
         test-elastic demo-elastic test-cluster test-hf
 
 $(MARKER): setup.cfg pyproject.toml
@@ -95,7 +95,11 @@ lint: venv
 	$(VENV)/bin/ruff check mpidist tests benchmarks examples
 
 test-sim: venv
-	$(PY) $(PYTEST)
+	$(PY) $(PYTEST) -m 'not slow'
+
+# The tests marked slow (launch-based, over ~5 s each): kept out of `make test` for its 10-minute budget; CI runs them.
+test-slow: venv
+	$(PY) $(PYTEST) -m slow
 
 test-mpi: venv
 	$(LAUNCH) -n 2 $(PY) $(PYTEST_MPI)

@@ -121,6 +121,7 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_a_save_killed_after_any_file_operation_leaves_the_previous_or_the_new_checkpoint(tmp_path, scenario):
     existing, (step, seed, keep_last) = SCENARIOS[scenario]

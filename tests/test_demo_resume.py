@@ -41,6 +41,7 @@ def segments(out):
         return json.load(f)["segments"]
 
 
+@pytest.mark.slow
 def test_resumed_at_other_world_sizes_and_strategies_matches_its_reference(tmp_path):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     first = demo(4, "--ckpt", ckpt, "--epochs", "2", "--out", out)
@@ -56,6 +57,7 @@ def test_resumed_at_other_world_sizes_and_strategies_matches_its_reference(tmp_p
     assert segments(out) == [[4, BATCH, 0, 0], [2, BATCH, 2, 0], [3, BATCH, 3, 0]]
 
 
+@pytest.mark.slow
 def test_stopped_mid_epoch_and_resumed_as_a_pipeline_of_another_size_matches_its_reference(tmp_path):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     job = subprocess.Popen(launcher.mpiexec(4, sys.executable, DEMO, "--ckpt", ckpt, "--epochs", "3",

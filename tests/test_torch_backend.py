@@ -53,6 +53,7 @@ def test_ranks_calling_different_ops_or_sizes_raise_desync_on_every_rank():
                      "rank 1: #2 allreduce(dtype=float32, count=5, op=sum)") == 2, out
 
 
+@pytest.mark.slow
 def test_split_monitored_barrier_abort_and_shutdown():
     scenarios = ("split", "monitor", "abort", "abort_thread", "shutdown")
     proc = run(4, "torch_lifecycle.py", *scenarios, timeout=180, MPIDIST_TORCH_PROGRESS="poll")
@@ -93,6 +94,7 @@ def _compare(a, b):
     return max(float(np.max(np.abs(a[k] - b[k]) / (1 + np.abs(b[k])))) for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_unmodified_pytorch_matches_one_process_and_gloo(scenario, n, parity):
