@@ -84,6 +84,45 @@ def allreduce_sweep(comm, max_size, budget_s=0.6):
     return rows
 
 
+def _cpu_ticks():
+    """Return (busy, total) clock ticks of the whole machine so far (/proc/stat's first line)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return sum(ticks) - idle, sum(ticks)
+
+
+def link_probe(comm, seconds=3.0, size=8 << 20):
+    """Bytes per second each way between two ranks on two nodes (both directions at once), and the CPU it costs.
+
+    Rank 0 and rank 1 exchange ``size`` bytes with ``Sendrecv`` for about ``seconds``: the raw MPI-over-TCP
+    throughput of the link. CPU: the machine's busy share over the probe (/proc/stat: all cores, the TCP stack
+    included) and the two ranks' own CPU seconds (user + system).
+    """
+    import numpy as np
+    from mpi4py import MPI
+
+    if comm.Get_size() != 2:
+        raise SystemExit(f"cluster benchmark: the link probe needs 2 ranks on 2 nodes (got {comm.Get_size()})")
+    peer = 1 - comm.Get_rank()
+    send, recv = np.ones(size, dtype=np.uint8), np.empty(size, dtype=np.uint8)
+    comm.Sendrecv(send, peer, recvbuf=recv, source=peer)  # warm-up: connections, registration
+    comm.Barrier()
+    busy0, total0 = _cpu_ticks()
+    cpu0, start, rounds = sum(os.times()[:2]), time.perf_counter(), 0
+    while True:
+        comm.Sendrecv(send, peer, recvbuf=recv, source=peer)
+        rounds += 1
+        if comm.bcast(time.perf_counter() - start >= seconds, root=0):
+            break
+    elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+    cpu = comm.allreduce(sum(os.times()[:2]) - cpu0)
+    busy1, total1 = _cpu_ticks()
+    return {"bytes_each_way_per_s": rounds * size / elapsed, "seconds": elapsed, "message_bytes": size,
+            "machine_busy_share": (busy1 - busy0) / max(total1 - total0, 1), "cores": os.cpu_count(),
+            "ranks_cpu_s_per_s": cpu / elapsed}
+
+
 def ddp_steps(comm, steps):
     sys.path.insert(0, HERE)
     from ddp_step import Runner, measure  # the DDP step benchmark's model, modes and timing
@@ -172,6 +211,8 @@ def worker(args):
     comm, info = mpidist.init()
     result = {"ranks": comm.Get_size(), "nodes": info.nodes, "ranks_per_node": info.local_size,
               "hosts": sorted(set(comm.allgather(MPI.Get_processor_name())))}
+    if "link" in args.parts:
+        result["link"] = link_probe(comm)
     if "allreduce" in args.parts:
         result["allreduce"] = allreduce_sweep(comm, args.max_size)
     if "ddp" in args.parts:
@@ -206,9 +247,12 @@ def driver(args):
     if why:
         print(why)
         return 0
+    if "link" in args.parts:
+        return link_driver(args, vcluster)
     link = rate_bytes(args.rate)
     with vcluster.VirtualCluster(nodes=2, rate=args.rate) as cluster, tempfile.TemporaryDirectory() as tmp:
-        flat = launch(cluster, 2, 2, ["allreduce"], args, os.path.join(tmp, "flat.json"))
+        flat = launch(cluster, 2, 2, ["allreduce"], args, os.path.join(tmp, "flat.json")) \
+            if "allreduce" in args.parts else {"ranks": 4, "nodes": 2, "allreduce": []}
         ddp = {f"{nodes}x{ppn}": launch(cluster, ppn, nodes, ["ddp"], args, os.path.join(tmp, f"ddp{nodes}{ppn}.json"))
                for nodes, ppn in ((1, 2), (2, 1), (2, 2)) if "ddp" in args.parts}
         placed = launch(cluster, 2, 2, ["layouts"], args, os.path.join(tmp, "layouts.json")) \
@@ -228,9 +272,10 @@ def driver(args):
               "layouts_2x2": placed["layouts"] if placed else None,
               "machine": os.uname().nodename, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(f"virtual cluster, links shaped to {args.rate} ({link / 1e6:.0f} MB/s each way per node)")
-    print(f"allreduce float32, {flat['ranks']} ranks on {flat['nodes']} nodes")
-    print(f"{'size':>10}{'flat us':>12}{'raw us':>12}{'hier us':>12}{'flat of link':>14}{'hier of link':>14}"
-          f"{'hier busbw GB/s':>17}{'auto':>14}")
+    if flat["allreduce"]:
+        print(f"allreduce float32, {flat['ranks']} ranks on {flat['nodes']} nodes")
+        print(f"{'size':>10}{'flat us':>12}{'raw us':>12}{'hier us':>12}{'flat of link':>14}{'hier of link':>14}"
+              f"{'hier busbw GB/s':>17}{'auto':>14}")
     for row in flat["allreduce"]:
         print(f"{row['bytes']:>10}{row['mpidist_us']:>12.1f}{row['raw_us']:>12.1f}{row['hier_us']:>12.1f}"
               f"{row['mpidist_of_link_limit']:>14.2f}{row['hier_of_link_limit']:>14.2f}"
@@ -255,6 +300,29 @@ def driver(args):
     return 0
 
 
+def link_driver(args, vcluster):
+    """Probe the link at each of ``args.link_rates`` (and unshaped): one rank on each of 2 nodes."""
+    rows = []
+    for rate in args.link_rates:
+        shaped = None if rate in ("0", "none") else rate
+        with vcluster.VirtualCluster(nodes=2, rate=shaped) as cluster, tempfile.TemporaryDirectory() as tmp:
+            got = launch(cluster, 1, 2, ["link"], args, os.path.join(tmp, "link.json"))["link"]
+        got["rate"] = shaped or "unshaped"
+        got["of_link"] = got["bytes_each_way_per_s"] / rate_bytes(shaped) if shaped else None
+        rows.append(got)
+    print("MPI Sendrecv between 2 nodes (1 rank each, both directions at once)")
+    print(f"{'rate':>10}{'MB/s each way':>15}{'of link':>9}{'machine busy':>14}{'ranks CPU s/s':>15}")
+    for row in rows:
+        share = "-" if row["of_link"] is None else f"{row['of_link']:.2f}"
+        print(f"{row['rate']:>10}{row['bytes_each_way_per_s'] / 1e6:>15.1f}{share:>9}"
+              f"{row['machine_busy_share']:>14.2f}{row['ranks_cpu_s_per_s']:>15.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"link": rows, "cores": os.cpu_count(), "machine": os.uname().nodename,
+                       "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, f, indent=1)
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", default="1gbit", help="each node's link rate, tc syntax (default 1gbit)")
@@ -263,8 +331,11 @@ def main(argv=None):
     parser.add_argument("--max-size", type=parse_size, default=64 << 20, help="largest allreduce (default 64M)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--parts", nargs="*", default=["allreduce", "ddp"], choices=["allreduce", "ddp", "layouts"],
-                        help="what to measure (default both; the allreduce sweep always runs)")
+    parser.add_argument("--parts", nargs="*", default=["allreduce", "ddp"],
+                        choices=["allreduce", "ddp", "layouts", "link"],
+                        help="what to measure (default allreduce and ddp; link: the link probe alone, at --link-rates)")
+    parser.add_argument("--link-rates", nargs="*", default=["1gbit", "400mbit", "200mbit", "100mbit", "none"],
+                        help="rates the link probe brings the cluster up with (none: unshaped)")
     args = parser.parse_args(argv)
     return worker(args) if args.worker else driver(args)
 

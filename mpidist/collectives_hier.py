@@ -6,7 +6,14 @@ hierarchical one first combines the node's ranks over shared memory, so only one
 local rank 0) talks across nodes and each node's link carries one array's worth each way: what NCCL and
 Horovod do across nodes. Within a node, and with one rank per node, it would only add steps.
 
+The three steps run pipelined over chunks of ``chunk_bytes``: while chunk k crosses the link (the leaders'
+nonblocking allreduce, which MPI advances inside the node's calls) the node reduces chunk k+1 and broadcasts
+chunk k-1, so the link is not left idle during the node's steps and large arrays reach the link's rate. Between
+the leaders MPI's allreduce of a large array is a reduce-scatter and an allgather, which moves the minimum,
+2(N-1)/N of the array, over each node's link each way.
+
     allreduce = HierarchicalAllreduce(comm)          # collective over comm; "auto": measured, per size
+    HierarchicalAllreduce(comm, chunk_bytes=4 << 20) # pipeline chunk (default 1 MiB); the same on every rank
     allreduce(grad)                                  # in place, as mpidist.allreduce(grad, comm)
     allreduce.algorithm_for(grad.nbytes)             # "flat" or "hierarchical", the same on every rank
     allreduce.free()                                 # collective; instances over one comm share its splits
@@ -26,6 +33,7 @@ from mpi4py import MPI
 
 from . import collectives
 from .comm import check_comm
+from .comm.agree import check_same, raise_if_any
 from .comm.nodes import node_of_ranks
 from .wire import resolve
 
@@ -33,17 +41,27 @@ __all__ = ["HierarchicalAllreduce", "ALGORITHMS"]
 
 ALGORITHMS = ("auto", "flat", "hierarchical")
 _TRIALS = 3  # timed calls per algorithm when choosing (after one untimed call each)
+# Pipeline chunk: small enough that a 4 MiB array fills the pipeline, large enough that each chunk's fixed
+# cost (three calls, one link round trip) is small next to its transfer (8 ms at 1 Gbit/s).
+CHUNK_BYTES = 1 << 20
 
 
 class HierarchicalAllreduce:
     """Allreduce numpy arrays over ``comm``, through node leaders when that is faster (or when told to)."""
 
-    def __init__(self, comm, algorithm="auto"):
+    def __init__(self, comm, algorithm="auto", chunk_bytes=CHUNK_BYTES):
         check_comm("HierarchicalAllreduce", comm)
+        problem = None
         if algorithm not in ALGORITHMS:
-            raise ValueError(f"HierarchicalAllreduce: algorithm must be one of {ALGORITHMS} (got {algorithm!r})")
+            problem = f"algorithm must be one of {ALGORITHMS} (got {algorithm!r})"
+        elif not isinstance(chunk_bytes, (int, np.integer)) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
+            problem = f"chunk_bytes must be a positive int (got {chunk_bytes!r})"
+        raise_if_any(comm, problem, "HierarchicalAllreduce")  # every rank raises, none waits in the splits
+        # Ranks that chunk differently would pair unlike calls: the settings must agree.
+        check_same(comm, [algorithm, int(chunk_bytes)], "HierarchicalAllreduce", what="setting")
         self.comm = comm
         self.algorithm = algorithm
+        self.chunk_bytes = int(chunk_bytes)
         self._splits = _NodeSplits.acquire(comm)
         nodes, rank = self._splits.nodes, comm.Get_rank()
         self.nodes = max(nodes) + 1
@@ -111,10 +129,23 @@ class HierarchicalAllreduce:
         else:
             buf = x
         step = "sum" if reduction.name == "mean" else reduction.name
-        collectives.allreduce(buf, self.node_comm, step)  # shared memory: as cheap as a reduce to the leader
-        if self.local_rank == 0:
-            collectives.allreduce(buf, self.leader_comm, step)
-        collectives.broadcast(buf, self.node_comm, 0)
+        flat = buf.reshape(-1)
+        per_chunk = max(1, self.chunk_bytes // flat.itemsize)
+        chunks = [flat[start:start + per_chunk] for start in range(0, flat.size, per_chunk)]
+        leader = self.local_rank == 0
+        # Pipelined: chunk k crosses the link (the leaders' nonblocking allreduce) while the node reduces chunk k+1
+        # and broadcasts chunk k-1, so the link stays busy; MPI advances the transfer inside those calls. The
+        # node's calls come in one order on every rank of it: reduce 0, then (reduce k+1, broadcast k) for each k.
+        across = [None] * len(chunks)
+        for k in range(len(chunks) + 1):
+            if k < len(chunks):
+                collectives.allreduce(chunks[k], self.node_comm, step)  # shared memory: as cheap as a reduce
+                if leader:
+                    across[k] = collectives.iallreduce(chunks[k], self.leader_comm, step)
+            if k > 0:
+                if leader:
+                    across[k - 1].wait()
+                collectives.broadcast(chunks[k - 1], self.node_comm, 0)
         if reduction.name == "mean":
             buf /= self.comm.Get_size()
         if buf is not x:
