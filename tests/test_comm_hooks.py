@@ -2,14 +2,16 @@
 
 References: float64 sums of every rank's inputs, one process training on the whole batch, plain DDP."""
 
+import time
+
 import numpy as np
 import pytest
 
 from mpidist import nn, optim
 from mpidist.nn import functional as F
 from mpidist.nn.precision import Policy, apply_policy, bfloat16, float16
-from mpidist.parallel.comm_hooks import (PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook,
-                                         powerSGD_hook, ring_allreduce_16)
+from mpidist.parallel.comm_hooks import (HookBucket, PowerSGDState, allreduce_hook, bf16_compress_hook,
+                                         fp16_compress_hook, powerSGD_hook, ring_allreduce_16)
 from mpidist.parallel.ddp import DDP
 
 IN, HIDDEN, OUT = 6, 12, 4
@@ -238,3 +240,153 @@ def test_hooks_run_once_per_synchronization_under_no_sync(comm):
     assert runs[1][1].iter == 4
     for p, q in zip(runs[1][0].parameters(), runs[0][0].parameters()):
         np.testing.assert_allclose(p.data, q.data, rtol=0, atol=1e-5)
+
+
+# -- overlap: the hooks return pending work that DDP advances during backward -----------------------------------
+def ring_reference(inputs, dtype):
+    """The 16-bit ring's result from every rank's 1-D input, in numpy: chunk c (ceil(size / n) elements) starts at
+    rank c + 1 and travels right, each rank adding its float32 value to the 16-bit message it received; rank c
+    rounds the last sum, and every rank gets those bits."""
+    n, size = len(inputs), inputs[0].size
+    chunk = -(-size // n)
+    out = np.empty(size, dtype)
+    for c in range(n):
+        span = slice(c * chunk, min((c + 1) * chunk, size))
+        acc = inputs[(c + 1) % n][span].astype(np.float32)
+        for j in range(2, n + 1):
+            acc = inputs[(c + j) % n][span].astype(np.float32) + acc.astype(dtype).astype(np.float32)
+        out[span] = acc.astype(dtype)
+    return out
+
+
+def fake_bucket(comm, index, shapes, seed):
+    """A HookBucket over a fresh flat float32 buffer holding gradients of ``shapes`` (rank-dependent values)."""
+    sizes = [int(np.prod(s)) for s in shapes]
+    flat = np.random.default_rng([seed, index, comm.Get_rank()]).standard_normal(sum(sizes)).astype(np.float32)
+    offsets = np.cumsum([0] + sizes)
+    views = [flat[a:b].reshape(s) for a, b, s in zip(offsets[:-1], offsets[1:], shapes)]
+    return HookBucket(flat, index, False, [None] * len(shapes), views, comm)
+
+
+def drive_with_test(works):
+    """Complete ``works`` by test() alone (no wait()), as DDP's progress calls do between layers."""
+    pending = list(works)
+    while pending:
+        pending = [w for w in pending if not w.test()]
+        time.sleep(0)  # SimComm: let the other rank threads run
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("drive", ["test", "wait"])
+@pytest.mark.parametrize("hook,dtype", [(bf16_compress_hook, bfloat16), (fp16_compress_hook, float16)],
+                         ids=["bf16", "fp16"])
+def test_compress_hooks_return_pending_rings_that_finish_to_the_numpy_ring(comm, hook, dtype, drive):
+    """Three buckets launched before any is waited for (DDP's order; sizes that do and do not divide by the ranks,
+    one smaller than the world): each hook returns work still pending (done() is False: the ring has more steps
+    than it can take before anyone advances it); completed by test() alone or by wait() in launch order, every
+    bucket holds the numpy emulation of the ring on all ranks' inputs, bitwise."""
+    size = comm.Get_size()
+    shapes = [[(5, 7), (7,)], [(64,)], [(1,)]]
+    buckets = [fake_bucket(comm, i, s, seed=3) for i, s in enumerate(shapes)]
+    inputs = [comm.allgather(b.buffer().astype(dtype)) for b in buckets]
+    works = [hook(None, b) for b in buckets]
+    assert not any(w.done() for w in works)
+    if drive == "test":
+        drive_with_test(works)
+    results = [w.wait() for w in works]
+    assert all(w.done() for w in works)
+    for b, got, every in zip(buckets, results, inputs):
+        assert got is b.buffer()
+        want = ring_reference(every, dtype).astype(np.float32)
+        np.testing.assert_array_equal(got, want)
+        assert np.abs(want - np.sum([a.astype(np.float64) for a in every], axis=0)).max() < 0.1 * size
+    assert_same_on_every_rank(comm, results)
+
+
+def powerSGD_reference(inputs, shapes, qs):
+    """PowerSGD of one bucket from every rank's flat input, in numpy float64: P = sum M Q, orthonormalized (QR with
+    a positive diagonal: Gram-Schmidt's), Q' = sum M^T P, M ~ P Q'^T; 1-D gradients summed plainly."""
+    out, at = np.zeros(inputs[0].size), 0
+    for shape, q in zip(shapes, qs):
+        n = int(np.prod(shape))
+        ms = [a[at: at + n].astype(np.float64).reshape(shape[0], -1) for a in inputs]
+        if len(shape) == 1:
+            out[at: at + n] = np.sum(ms, axis=0).reshape(-1)
+        else:
+            p, tri = np.linalg.qr(np.sum([m @ q for m in ms], axis=0))
+            p *= np.sign(np.diag(tri))
+            out[at: at + n] = (p @ np.sum([m.T @ p for m in ms], axis=0).T).reshape(-1)
+        at += n
+    return out
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_powerSGD_returns_pending_work_that_finishes_to_the_numpy_reference(comm):
+    """After warm-up, PowerSGD's hook returns with the rest's and P's allreduces started and Q's not (done() is
+    False); two buckets launched before either is waited for, the first completed by test() alone (Q's allreduce
+    starts there), the second by wait(): each equals numpy's rank-2 PowerSGD on all ranks' inputs (1e-5), the
+    same bits on every rank."""
+    state = PowerSGDState(matrix_approximation_rank=2, start_powerSGD_iter=1, min_compression_rate=1.0)
+    shapes = [[(6, 5), (5,), (6, 4)], [(8, 4)]]  # each matrix compressed: rows * cols >= (rows + cols) * 2
+    warm = [fake_bucket(comm, i, s, seed=9) for i, s in enumerate(shapes)]
+    for w in [powerSGD_hook(state, b) for b in warm]:  # the plain allreduce of synchronization 1
+        w.wait()
+    buckets = [fake_bucket(comm, i, s, seed=11) for i, s in enumerate(shapes)]
+    inputs = [comm.allgather(b.buffer().copy()) for b in buckets]
+    qs = [[state.qs.get((i, k)) for k in range(len(s))] for i, s in enumerate(shapes)]
+    works = [powerSGD_hook(state, b) for b in buckets]
+    assert not any(w.done() for w in works)
+    drive_with_test(works[:1])
+    results = [works[0].wait(), works[1].wait()]
+    for i, (b, got, every) in enumerate(zip(buckets, results, inputs)):
+        assert got is b.buffer()
+        first_qs = [rng_q(state, i, k, s) for k, s in enumerate(shapes[i])]
+        assert all(q is None for q in qs[i])  # the first compressed step: Q from the seed
+        np.testing.assert_allclose(got, powerSGD_reference(every, shapes[i], first_qs), rtol=0, atol=1e-5)
+    assert_same_on_every_rank(comm, results)
+
+
+def rng_q(state, bucket, index, shape):
+    """The first Q PowerSGD draws for a matrix (seeded alike on every rank), orthonormalized in float64."""
+    if len(shape) == 1:
+        return None
+    cols = int(np.prod(shape[1:]))
+    q = np.random.default_rng([state.seed, bucket, index, 0]).standard_normal((cols, 2)).astype(np.float32)
+    basis, tri = np.linalg.qr(q.astype(np.float64))
+    return basis * np.sign(np.diag(tri))
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("hook,dtype", [(bf16_compress_hook, bfloat16)], ids=["bf16"])
+def test_ddp_overlaps_the_ring_with_backward_and_ends_with_the_numpy_ring(comm, hook, dtype):
+    """DDP with 1-parameter buckets: every bucket's ring is pending when its hook returns, DDP advances it with
+    test() at the later buckets' ready points, and after backward each bucket's gradients are the numpy ring of
+    all ranks' bucket inputs, bitwise."""
+    seen = []
+
+    def recording_hook(state, bucket):
+        given = bucket.buffer().astype(dtype)
+        work = hook(state, bucket)
+        seen.append((bucket.index(), given, work, work.done()))
+        calls = [0]
+        test = work.test
+
+        def counted_test():
+            calls[0] += 1
+            return test()
+        work.test = counted_test
+        seen[-1] += (calls,)
+        return work
+
+    ddp = DDP(make_model(), comm, bucket_cap_mb=1e-6, first_bucket_mb=1e-6)
+    assert len(ddp.buckets) > 3
+    ddp.register_comm_hook(None, recording_hook)
+    x, y = shard(comm, 0, 4)
+    F.cross_entropy(ddp(x), y).backward()
+    assert [s[0] for s in seen] == list(range(len(ddp.buckets)))
+    assert not any(s[3] for s in seen)  # pending when the hook returned
+    assert all(s[4][0] > 0 for s in seen[:-1])  # advanced by DDP while later gradients were computed
+    for (index, given, work, _, _), bucket in zip(seen, ddp.buckets):
+        assert work.done()
+        want = ring_reference(comm.allgather(given), dtype).astype(np.float32)
+        np.testing.assert_array_equal(bucket.flat, want)

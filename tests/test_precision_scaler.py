@@ -100,6 +100,26 @@ def _inject_inf(param, when, step_box):
     return param.register_hook(hook)
 
 
+def _train_with_inf_on_last_rank(wrapped, opt, scaler, comm, steps, bad, per_rank, observe):
+    """Train ``wrapped`` with ``scaler`` on each rank's part of the global batches, an Inf put into the first
+    layer's weight gradient on the last rank at step ``bad``; return ``observe()`` after each backward."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    step_box = [None]
+    if rank == size - 1:
+        _inject_inf(wrapped.module[0].weight, bad, step_box)
+    seen = []
+    for step in range(steps):
+        step_box[0] = step
+        x, y = global_batch(step, per_rank * size)
+        part = slice(rank * per_rank, (rank + 1) * per_rank)
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(wrapped(x[part]), y[part])).backward()
+        seen.append(observe())
+        scaler.step(opt)
+        scaler.update()
+    return seen
+
+
 @pytest.mark.world_sizes(2, 4)
 @pytest.mark.parametrize("hook", [None, "bf16", "powerSGD"])
 def test_ddp_inf_on_one_rank_skips_the_step_on_every_rank(comm, hook):
@@ -108,7 +128,7 @@ def test_ddp_inf_on_one_rank_skips_the_step_on_every_rank(comm, hook):
     equal one process's training on the whole batch that skips step 2 (float32; power-of-two scales unscale
     exactly; 16-bit gradients on the wire: 1e-2). PowerSGD (plain for 1 synchronization, full rank) keeps its
     memory finite through the skipped step."""
-    size, rank = comm.Get_size(), comm.Get_rank()
+    size = comm.Get_size()
     per_rank, steps, bad = 3, 6, 2
     ddp = DDP(make_model(), comm)
     state = None
@@ -120,19 +140,7 @@ def test_ddp_inf_on_one_rank_skips_the_step_on_every_rank(comm, hook):
         ddp.register_comm_hook(state, comm_hooks.powerSGD_hook)
     opt = optim.Adam(ddp.parameters(), lr=0.01)
     scaler = GradScaler(init_scale=2.0 ** 10, growth_interval=2)
-    step_box = [None]
-    if rank == size - 1:
-        _inject_inf(ddp.module[0].weight, bad, step_box)
-    scales = []
-    for step in range(steps):
-        step_box[0] = step
-        x, y = global_batch(step, per_rank * size)
-        opt.zero_grad()
-        part = slice(rank * per_rank, (rank + 1) * per_rank)
-        scaler.scale(F.cross_entropy(ddp(x[part]), y[part])).backward()
-        scales.append(scaler.get_scale())
-        scaler.step(opt)
-        scaler.update()
+    scales = _train_with_inf_on_last_rank(ddp, opt, scaler, comm, steps, bad, per_rank, scaler.get_scale)
     assert scaler.skipped_steps == [bad]
     assert scales == expected_scales(2.0 ** 10, 2, {bad}, steps)
     everyone = comm.allgather((scaler.skipped_steps, scales))
@@ -212,24 +220,14 @@ def test_fsdp_shards_agree_through_comm(comm):
     the parameters equal one process on the whole batch that skips step 1."""
     from mpidist.parallel.fsdp import FSDP
     from mpidist.parallel.full_state import full_state_dict
-    size, rank = comm.Get_size(), comm.Get_rank()
+    size = comm.Get_size()
     per_rank, steps, bad = 3, 4, 1
     fsdp = FSDP(make_model(), comm)
     opt = optim.SGD(fsdp.parameters(), lr=0.5)
     scaler = GradScaler(init_scale=2.0 ** 8, growth_interval=100, comm=comm)
-    step_box = [None]
-    if rank == size - 1:
-        _inject_inf(fsdp.module[0].weight, bad, step_box)
-    local_found = []
-    for step in range(steps):
-        step_box[0] = step
-        x, y = global_batch(step, per_rank * size)
-        part = slice(rank * per_rank, (rank + 1) * per_rank)
-        opt.zero_grad()
-        scaler.scale(F.cross_entropy(fsdp(x[part]), y[part])).backward()
-        local_found.append(any(not np.isfinite(p.grad).all() for p in fsdp.parameters() if p.grad is not None))
-        scaler.step(opt)
-        scaler.update()
+    local_found = _train_with_inf_on_last_rank(
+        fsdp, opt, scaler, comm, steps, bad, per_rank,
+        lambda: any(not np.isfinite(p.grad).all() for p in fsdp.parameters() if p.grad is not None))
     assert scaler.skipped_steps == [bad] and scaler.get_scale() == 2.0 ** 7
     assert not all(comm.allgather(local_found[bad]))  # why comm= is needed: some rank saw no Inf itself
     reference = make_model()

@@ -18,8 +18,11 @@ Glossary:
 Built-ins: ``allreduce_hook`` (float32/64 through MPI, nonblocking; a bfloat16 bucket reduced in float32),
 ``fp16_compress_hook`` and ``bf16_compress_hook`` (the 16-bit ring; the result cast back to the bucket's
 dtype), and ``powerSGD_hook`` with ``PowerSGDState`` (rank-r compression with error feedback).
-The compression hooks run their ring when DDP launches the bucket (blocking), so they do not overlap with the
-rest of backward; they pay where the link, not the CPU, is the bottleneck.
+Every hook returns pending work: the ring posts its first step's Isend/Irecv and returns, and each ``test()``
+(DDP calls it on every launched bucket whenever a later gradient is ready) finishes the steps whose messages
+arrived and posts the next; PowerSGD starts its allreduces of the rest and of P at once and Q's at the first
+``test()`` or ``wait()`` after P is summed. DDP waits for them in launch order when backward ends, so the
+communication overlaps the rest of backward. They pay where the link, not the CPU, is the bottleneck.
 """
 
 import numpy as np
@@ -31,7 +34,8 @@ from ..xp import get_array_module
 __all__ = ["HookBucket", "HookWork", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
            "ring_allreduce_16", "ring_reduce_scatter_16", "PowerSGDState", "powerSGD_hook", "as_bytes"]
 
-_RING_TAG = 7301  # point-to-point tag of the 16-bit ring (DDP's other traffic is collective)
+_RING_TAG = 7301  # point-to-point tag of the blocking 16-bit ring (DDP's other traffic is collective)
+_RING_TAGS = 4096  # the hooks' rings use tags _RING_TAG + 1 + bucket index modulo this (MPI promises 32767)
 
 
 def as_bytes(array):
@@ -69,23 +73,33 @@ class HookBucket:
 
 
 class HookWork:
-    """A hook's pending result: ``wait()`` returns the reduced flat array; ``test()`` advances it.
+    """A hook's pending result: ``wait()`` returns the reduced flat array; ``test()`` advances it; ``done()`` says
+    whether it completed.
 
-    ``handle``: a collectives handle still running (or None when the work is done); ``finish``: called once after
-    it completes, returning the result."""
+    ``handle``: what is still running (anything with ``test()`` and ``wait()``: a collectives handle, the 16-bit
+    ring, PowerSGD's stages; None when the work is done); ``finish``: called once after it completes, returning
+    the result."""
 
     def __init__(self, handle=None, finish=None, value=None):
         self._handle, self._finish, self._value, self._done = handle, finish, value, False
+        self._completed = handle is None  # the handle's test() or wait() has returned
+
+    def done(self):
+        """Return whether the communication has completed, as far as ``test()``/``wait()`` have seen (no advance)."""
+        return self._completed
 
     def test(self):
         """Advance the work; return whether it completed."""
-        return True if self._handle is None else self._handle.test()
+        if not self._completed:
+            self._completed = bool(self._handle.test())
+        return self._completed
 
     def wait(self):
         """Return the reduced flat array (blocking until it is there)."""
         if not self._done:
             if self._handle is not None:
                 self._handle.wait()
+                self._completed = True
             if self._finish is not None:
                 self._value = self._finish()
             self._done = True
@@ -109,29 +123,86 @@ def allreduce_hook(state, bucket):
     return HookWork(collectives.iallreduce(wide, comm, op="sum"), finish)
 
 
-def _ring_reduce_scatter(flat, comm, mean):
-    """The ring's first half: return (float32 accumulator of ``n * chunk`` elements, ``flat`` zero-padded to equal
-    chunks, and ``chunk``) with chunk ``rank`` summed over the ranks (divided by their number with ``mean``).
-    Equal chunks let the allgather that follows run without exchanging shapes first."""
-    dtype = flat.dtype
-    n, rank = comm.Get_size(), comm.Get_rank()
-    chunk = -(-flat.size // n)
-    acc = np.zeros(n * chunk, np.float32)
-    acc[:flat.size] = flat
-    send16, recv16 = np.empty(chunk, dtype), np.empty(chunk, dtype)
-    right, left = (rank + 1) % n, (rank - 1) % n
-    # Step k sends chunk (rank - k - 1) and adds the left neighbour's chunk (rank - k - 2): after n - 1 steps
-    # rank r holds the whole sum of chunk r.
-    for k in range(n - 1):
-        s, c = (rank - k - 1) % n, (rank - k - 2) % n
-        send16[...] = acc[s * chunk: (s + 1) * chunk]
-        request = collectives.isend(send16.view(np.uint16), right, comm, tag=_RING_TAG)
-        collectives.recv(left, comm, tag=_RING_TAG, out=recv16.view(np.uint16))
-        acc[c * chunk: (c + 1) * chunk] += recv16
-        request.wait()
-    if mean:
-        acc[rank * chunk: (rank + 1) * chunk] /= np.float32(n)
-    return acc, chunk
+class _Ring16:
+    """The 16-bit ring as a nonblocking state machine: each step posts one Isend and one Irecv of a 16-bit chunk;
+    ``test()`` finishes the steps whose messages arrived and posts the next, ``wait()`` runs them to the end.
+
+    ``flat``: a 1-D float16/bfloat16 array. The reduce-scatter (n - 1 steps) leaves chunk ``rank`` of the float32
+    accumulator ``acc`` summed over the ranks (divided by their number with ``mean``); with ``gather`` an
+    allgather ring (n - 1 more steps) then forwards the finished 16-bit chunks as they are into ``gathered``.
+    ``tag``: every message's tag. Two rings pending at once on one communicator need different tags (messages
+    with one tag from one sender match the receives in the order they were posted). Chunks are equal
+    (``ceil(size / n)`` elements, the accumulator zero-padded): both ends know every message's size, so receives
+    are posted into their buffers and MPI moves the bytes while the caller computes."""
+
+    def __init__(self, flat, comm, tag, mean=False, gather=True):
+        self.comm, self.tag, self.mean, self.dtype = comm, tag, mean, flat.dtype
+        n, self.rank = comm.Get_size(), comm.Get_rank()
+        self.n, self.chunk = n, -(-flat.size // n)
+        self.acc = np.zeros(n * self.chunk, np.float32)
+        self.acc[:flat.size] = flat
+        self.send16, self.recv16 = np.empty(self.chunk, flat.dtype), np.empty(self.chunk, flat.dtype)
+        self.gathered = np.empty(n * self.chunk, flat.dtype) if gather else None
+        self.steps = (n - 1) * (2 if gather else 1)
+        self.step, self.requests = 0, []
+        self._post()
+
+    def _span(self, c):
+        return slice(c * self.chunk, (c + 1) * self.chunk)
+
+    def _post(self):
+        """Post step ``self.step``'s two messages (after the reduce-scatter's last step: finish it first)."""
+        n, rank, k = self.n, self.rank, self.step
+        if k == n - 1:
+            mine = self.acc[self._span(rank)]
+            if self.mean:
+                mine /= np.float32(n)
+            if self.gathered is not None:
+                self.gathered[self._span(rank)] = mine  # rounds once; every rank receives these bits as they are
+        if k == self.steps:
+            return
+        right, left = (rank + 1) % n, (rank - 1) % n
+        if k < n - 1:
+            # Step k sends chunk (rank - k - 1) and adds the left neighbour's chunk (rank - k - 2): after n - 1
+            # steps rank r holds the whole sum of chunk r.
+            self.send16[...] = self.acc[self._span((rank - k - 1) % n)]
+            send, receive = self.send16, self.recv16
+        else:
+            # Allgather step j forwards chunk (rank - j), finished by its owner, and receives chunk (rank - j - 1).
+            j = k - (n - 1)
+            send, receive = self.gathered[self._span((rank - j) % n)], self.gathered[self._span((rank - j - 1) % n)]
+        self.requests = [self.comm.Irecv(receive.view(np.uint16), left, self.tag),
+                         self.comm.Isend(send.view(np.uint16), right, self.tag)]
+
+    def _advance(self):
+        """Finish the step whose messages completed and post the next."""
+        k = self.step
+        if k < self.n - 1:
+            c = (self.rank - k - 2) % self.n
+            self.acc[self._span(c)] += self.recv16
+        self.step += 1
+        self._post()
+
+    def done(self):
+        """Whether every step has completed (as far as ``test()``/``wait()`` have seen)."""
+        return self.step == self.steps
+
+    def test(self):
+        """Advance as far as the messages that arrived allow, without blocking; return whether it completed."""
+        while not self.done():
+            self.requests = [r for r in self.requests if not r.Test()]
+            if self.requests:
+                return False
+            self._advance()
+        return True
+
+    def wait(self):
+        """Run the remaining steps, blocking on each one's messages."""
+        while not self.done():
+            for r in self.requests:
+                r.Wait()
+            self.requests = []
+            self._advance()
 
 
 def _check_16(fn, flat):
@@ -144,9 +215,10 @@ def ring_reduce_scatter_16(flat, comm, mean=False):
     16-bit messages, float32 accumulation, rounded once at the end to ``flat``'s dtype. Chunks have
     ``ceil(flat.size / ranks)`` elements (the last ones shorter or empty when that does not divide)."""
     _check_16("ring_reduce_scatter_16", flat)
-    acc, chunk = _ring_reduce_scatter(flat, comm, mean)
-    rank = comm.Get_rank()
-    return acc[rank * chunk: min((rank + 1) * chunk, flat.size)].astype(flat.dtype)
+    ring = _Ring16(flat, comm, _RING_TAG, mean=mean, gather=False)
+    ring.wait()
+    rank, chunk = comm.Get_rank(), ring.chunk
+    return ring.acc[rank * chunk: min((rank + 1) * chunk, flat.size)].astype(flat.dtype)
 
 
 def ring_allreduce_16(flat, comm, out=None):
@@ -155,27 +227,34 @@ def ring_allreduce_16(flat, comm, out=None):
     Returns the sum (in ``out`` if given, else in a new array of ``flat``'s dtype), the same bits on every rank.
     See the module's glossary ("16-bit ring") for the bytes it moves."""
     _check_16("ring_allreduce_16", flat)
+    return _ring_allreduce_16_start(flat, comm, _RING_TAG, out).wait()
+
+
+def _ring_allreduce_16_start(flat, comm, tag, out=None):
+    """Start ``ring_allreduce_16`` with message tag ``tag``; return a HookWork whose ``wait()`` gives ``out``."""
     out = np.empty_like(flat) if out is None else out
     if comm.Get_size() == 1:
         out[...] = flat
+        return HookWork(value=out)
+    ring = _Ring16(flat, comm, tag)
+
+    def finish():
+        out[...] = ring.gathered[:flat.size]
         return out
-    acc, chunk = _ring_reduce_scatter(flat, comm, mean=False)
-    rank, n = comm.Get_rank(), comm.Get_size()
-    mine = acc[rank * chunk: (rank + 1) * chunk].astype(flat.dtype)
-    # The second half: every finished chunk copied as bytes, so every rank holds its owner's bits.
-    gathered = np.empty(n * chunk, flat.dtype)
-    collectives.allgather(mine.view(np.uint16), comm, out=gathered.view(np.uint16))
-    out[...] = gathered[:flat.size]
-    return out
+    return HookWork(ring, finish)
 
 
 def _compress_hook(dtype):
     def hook(state, bucket):
         comm, flat = _comm(state, bucket), bucket.buffer()
         narrow = flat.astype(dtype)
-        ring_allreduce_16(narrow, comm, out=narrow)
-        flat[...] = narrow
-        return HookWork(value=flat)
+        # A tag per bucket: DDP keeps several buckets' rings in flight at once.
+        ring = _ring_allreduce_16_start(narrow, comm, _RING_TAG + 1 + bucket.index() % _RING_TAGS, out=narrow)
+
+        def finish():
+            flat[...] = ring.wait()
+            return flat
+        return HookWork(ring, finish)
     return hook
 
 
@@ -215,6 +294,8 @@ class PowerSGDState:
         self.iter = 0  # synchronizations started (counted at bucket 0, which every synchronization launches first)
         self.errors = {}  # bucket index -> flat float array: what compression left out last time
         self.qs = {}  # (bucket index, gradient index) -> Q (cols, r)
+        self._q_comms = {}  # id(comm) -> (comm, its Dup): where the Q allreduces run
+        self._waiting_for_p = []  # launched buckets' works whose Q allreduce has not started, in launch order
 
     def state_dict(self):
         """Return the iteration, the error feedback and the Qs (copies)."""
@@ -248,76 +329,135 @@ def powerSGD_hook(state, bucket):
     Each gradient of 2 or more dimensions (as a rows x cols matrix M, with the error feedback added) becomes
     P = M Q (allreduced), P orthonormalized, Q = M^T P (allreduced), and M ~ P Q^T: (rows + cols) * r numbers on
     the wire instead of rows * cols. What the approximation misses is kept as error feedback and added to the
-    next step's gradient. Until ``start_powerSGD_iter`` synchronizations have run, a plain allreduce."""
+    next step's gradient. Until ``start_powerSGD_iter`` synchronizations have run, a plain allreduce.
+
+    Nonblocking: the hook starts the allreduces of the uncompressed rest and of P and returns; Q's allreduce
+    starts at the first ``test()`` (DDP's progress at a later bucket) or ``wait()`` that finds P summed."""
     if not isinstance(state, PowerSGDState):
         raise TypeError(f"powerSGD_hook: state must be a PowerSGDState (got {type(state).__name__})")
-    comm, flat = _comm(state.comm, bucket), bucket.buffer()
+    comm = _comm(state.comm, bucket)
     if bucket.index() == 0:  # launched first: this synchronization's number, the same for all its buckets
         state.iter += 1
     if state.iter <= state.start_powerSGD_iter:
         return allreduce_hook(state.comm, bucket)
-    xp = get_array_module(flat)
-    work = flat.astype(np.float32) if flat.dtype != np.float64 else flat.copy()
-    error = state.errors.get(bucket.index())
-    if error is not None:
-        work += error
-    compressed, plain = [], []
-    at = 0
-    for i, g in enumerate(bucket.gradients()):
-        span = slice(at, at + g.size)
-        at += g.size
-        if g.ndim >= 2:
-            rows, cols = g.shape[0], g.size // g.shape[0]
-            r = min(state.rank, rows, cols)
-            if rows * cols >= state.min_compression_rate * (rows + cols) * r:
-                compressed.append((i, span, rows, cols, r))
-                continue
-        plain.append(span)
-    # Uncompressed gradients (biases, small matrices) and the stamp-free tail go in one allreduce.
-    rest = np.concatenate([work[s] for s in plain]) if plain else np.zeros(0, work.dtype)
-    collectives.allreduce(rest, comm, op="sum")
-    before = work.copy()
-    at = 0
-    for s in plain:
-        n = s.stop - s.start
-        work[s] = rest[at: at + n]
-        at += n
-    new_qs = {}
-    if compressed:
-        ps, qs = [], []
-        for i, span, rows, cols, r in compressed:
-            m = work[span].reshape(rows, cols)
-            q = state.qs.get((bucket.index(), i)) if state.warm_start else None
-            if q is None or q.shape != (cols, r):
-                rng = np.random.default_rng([state.seed, bucket.index(), i, 0 if state.warm_start else state.iter])
-                q = rng.standard_normal((cols, r)).astype(work.dtype)
-                _orthonormalize(q)
-            qs.append(q)
-            ps.append(m @ q)
-        p_flat = np.concatenate([p.reshape(-1) for p in ps])
-        collectives.allreduce(p_flat, comm, op="sum")
+    work = _PowerSGDWork(state, bucket, comm)
+    return HookWork(work, work.finish)
+
+
+class _PowerSGDWork:
+    """One bucket's PowerSGD in three stages: rest and P allreduces started at once, Q's when P is summed, the
+    result when both are. Qs start on a communicator of their own (``comm.Dup()``, made at the first compressed
+    bucket, where every rank makes it) in launch order: each rank starts them at its own test() points, and MPI
+    needs the collectives on one communicator started in one order on every rank, which the launches' are."""
+
+    def __init__(self, state, bucket, comm):
+        self.state, self.bucket, self.comm = state, bucket, comm
+        flat = bucket.buffer()
+        work = flat.astype(np.float32) if flat.dtype != np.float64 else flat.copy()
+        error = state.errors.get(bucket.index())
+        if error is not None:
+            work += error
+        self.work, self.before = work, work.copy()
+        self.compressed, self.plain = [], []
         at = 0
-        for k, (i, span, rows, cols, r) in enumerate(compressed):
-            ps[k] = p_flat[at: at + rows * r].reshape(rows, r).copy()
+        for i, g in enumerate(bucket.gradients()):
+            span = slice(at, at + g.size)
+            at += g.size
+            if g.ndim >= 2:
+                rows, cols = g.shape[0], g.size // g.shape[0]
+                r = min(state.rank, rows, cols)
+                if rows * cols >= state.min_compression_rate * (rows + cols) * r:
+                    self.compressed.append((i, span, rows, cols, r))
+                    continue
+            self.plain.append(span)
+        # Uncompressed gradients (biases, small matrices) and the stamp-free tail go in one allreduce.
+        self.rest = np.concatenate([work[s] for s in self.plain]) if self.plain else np.zeros(0, work.dtype)
+        self.rest_handle = collectives.iallreduce(self.rest, comm, op="sum")
+        self.p_handle = self.q_handle = None
+        if self.compressed:
+            ps = []
+            for i, span, rows, cols, r in self.compressed:
+                m = work[span].reshape(rows, cols)
+                q = state.qs.get((bucket.index(), i)) if state.warm_start else None
+                if q is None or q.shape != (cols, r):
+                    rng = np.random.default_rng([state.seed, bucket.index(), i,
+                                                 0 if state.warm_start else state.iter])
+                    q = rng.standard_normal((cols, r)).astype(work.dtype)
+                    _orthonormalize(q)
+                ps.append(m @ q)
+            self.p_flat = np.concatenate([p.reshape(-1) for p in ps])
+            self.p_handle = collectives.iallreduce(self.p_flat, comm, op="sum")
+            pairs = state._q_comms.get(id(comm))
+            if pairs is None:
+                pairs = state._q_comms[id(comm)] = (comm, comm.Dup())  # the comm kept: its id stays its own
+            self.q_comm = pairs[1]
+            state._waiting_for_p.append(self)
+
+    def _start_q(self):
+        """P is summed: orthonormalize it, start the allreduce of Q = M^T P."""
+        self.ps, qs, at = [], [], 0
+        for i, span, rows, cols, r in self.compressed:
+            p = self.p_flat[at: at + rows * r].reshape(rows, r).copy()
             at += rows * r
-            _orthonormalize(ps[k])
-            qs[k] = work[span].reshape(rows, cols).T @ ps[k]
-        q_flat = np.concatenate([q.reshape(-1) for q in qs])
-        collectives.allreduce(q_flat, comm, op="sum")
+            _orthonormalize(p)
+            self.ps.append(p)
+            qs.append(self.work[span].reshape(rows, cols).T @ p)
+        self.q_flat = np.concatenate([q.reshape(-1) for q in qs])
+        self.q_handle = collectives.iallreduce(self.q_flat, self.q_comm, op="sum")
+
+    def _start_qs(self, block):
+        """Start the Q allreduces of this state's buckets in launch order, up to this one (``block``: waiting for
+        their Ps) or as far as the Ps summed so far allow."""
+        pending = self.state._waiting_for_p
+        while self.q_handle is None and pending:
+            first = pending[0]
+            if block:
+                first.p_handle.wait()
+            elif not first.p_handle.test():
+                return
+            pending.pop(0)
+            first._start_q()
+
+    def test(self):
+        """Start Q's allreduce if P is summed; return whether everything is."""
+        if self.p_handle is not None:
+            self._start_qs(block=False)
+            if self.q_handle is None or not self.q_handle.test():
+                return False
+        return self.rest_handle.test()
+
+    def wait(self):
+        """Block until the rest and Q are summed."""
+        if self.p_handle is not None:
+            self._start_qs(block=True)
+            self.q_handle.wait()
+        self.rest_handle.wait()
+
+    def finish(self):
+        """Put the sums into the bucket and keep the error feedback; return the bucket's buffer."""
+        state, bucket, comm, work = self.state, self.bucket, self.comm, self.work
+        flat = bucket.buffer()
         at = 0
-        for k, (i, span, rows, cols, r) in enumerate(compressed):
-            q = q_flat[at: at + cols * r].reshape(cols, r)
-            at += cols * r
-            new_qs[(bucket.index(), i)] = q.copy()
-            work[span] = (ps[k] @ q.T).reshape(-1)
-    # A NaN/Inf from any rank reaches every rank's result (the same on all): that step is skipped (GradScaler), so
-    # the memory keeps the last finite step's, or the NaN would poison every later step through the feedback.
-    if bool(np.isfinite(work).all()):
-        state.qs.update(new_qs)
-        # Error feedback: this rank's input minus its share of what the ranks agree on (compressed parts only).
-        error = before - work / comm.Get_size()
-        for s in plain:
-            error[s] = 0
-        state.errors[bucket.index()] = error
-    flat[...] = xp.asarray(work).astype(flat.dtype, copy=False)
-    return HookWork(value=flat)
+        for s in self.plain:
+            n = s.stop - s.start
+            work[s] = self.rest[at: at + n]
+            at += n
+        new_qs = {}
+        if self.compressed:
+            at = 0
+            for k, (i, span, rows, cols, r) in enumerate(self.compressed):
+                q = self.q_flat[at: at + cols * r].reshape(cols, r)
+                at += cols * r
+                new_qs[(bucket.index(), i)] = q.copy()
+                work[span] = (self.ps[k] @ q.T).reshape(-1)
+        # A NaN/Inf from any rank reaches every rank's result (the same on all): that step is skipped (GradScaler),
+        # so the memory keeps the last finite step's, or the NaN would poison every later step through the feedback.
+        if bool(np.isfinite(work).all()):
+            state.qs.update(new_qs)
+            # Error feedback: this rank's input minus its share of what the ranks agree on (compressed parts only).
+            error = self.before - work / comm.Get_size()
+            for s in self.plain:
+                error[s] = 0
+            state.errors[bucket.index()] = error
+        flat[...] = get_array_module(flat).asarray(work).astype(flat.dtype, copy=False)
+        return flat
