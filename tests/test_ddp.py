@@ -231,6 +231,31 @@ def test_bad_arguments(comm):
         DDP(make_model(), comm, unused_parameters="ignore")
 
 
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.timeout(60)  # before the fix rank 1 raised alone and the others waited in DDP's next collective
+@pytest.mark.parametrize("name, bad", [("bucket_cap_mb", -1), ("first_bucket_mb", 0),
+                                       ("unused_parameters", "ignore"), ("broadcast_buffers", False)])
+def test_an_argument_one_rank_passes_differently_raises_on_every_rank(comm, name, bad):
+    """Rank 1 alone passes another value (invalid, or valid but unlike the others'): every rank raises, naming
+    the argument and each rank's value (a different bucket size or buffer broadcast would mismatch collectives)."""
+    good = {"bucket_cap_mb": 25, "first_bucket_mb": 1, "unused_parameters": "zero", "broadcast_buffers": True}[name]
+    with pytest.raises(ValueError) as raised:
+        DDP(make_model(), comm, **{name: bad if comm.Get_rank() == 1 else good})
+    others = "rank 0" if comm.Get_size() == 2 else "ranks 0,2,3"
+    assert f"{others}: {(name, good)!r}" in str(raised.value), raised.value
+    assert f"rank 1: {(name, bad)!r}" in str(raised.value), raised.value
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.timeout(60)  # before the fix rank 1 raised alone and the others waited in the structure check
+def test_a_module_without_parameters_on_one_rank_raises_on_every_rank(comm):
+    """Rank 1 alone wraps a module without parameters: every rank raises, naming each rank's parameter count."""
+    with pytest.raises(ValueError, match="ranks hold different models") as raised:
+        DDP(nn.Tanh() if comm.Get_rank() == 1 else make_model(), comm)
+    others = "rank 0" if comm.Get_size() == 2 else "ranks 0,2,3"
+    assert f"parameter counts: {others}: 6; rank 1: 0" in str(raised.value), raised.value
+
+
 # -- DistributedSampler ---------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [0, 1, 10, 17])
 @pytest.mark.parametrize("drop_last", [False, True])

@@ -134,7 +134,9 @@ class DDP(WholeModuleWrapper):
     ``allreduce``: how buckets are summed across ranks: "flat" (MPI's own nonblocking allreduce, the default),
     "hierarchical" (``mpidist.collectives_hier``: within each node, across node leaders, back within the node;
     run when the bucket launches, so it does not overlap with the rest of backward) or "auto" (per bucket size,
-    whichever measured faster on this run's ranks, flat keeping its overlap). Alike on every rank.
+    whichever measured faster on this run's ranks, flat keeping its overlap). Alike on every rank, as are the
+    bucket sizes, ``broadcast_buffers``, ``unused_parameters`` and ``check_finite`` (a difference raises on every
+    rank, naming each rank's value).
     """
 
     def __init__(self, module, comm, bucket_cap_mb=25, first_bucket_mb=1, overlap=True, broadcast_buffers=True,
@@ -147,6 +149,12 @@ class DDP(WholeModuleWrapper):
         # Agreed before it is validated: a rank that alone rejected its value would leave the others waiting in
         # the first collective below; agreed, a bad value fails alike on every rank.
         check_same(comm, [allreduce], "DDP", what="allreduce choice")
+        # Likewise the arguments that shape the collectives (bucket boundaries, buffer broadcasts, the error
+        # checks' gathers): a rank-dependent value would also mismatch them later.
+        check_same(comm, [("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb),
+                          ("broadcast_buffers", broadcast_buffers), ("unused_parameters", unused_parameters),
+                          ("check_finite", check_finite)], "DDP: every rank must pass the same arguments",
+                   what="argument")
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError(f"DDP: bucket sizes must be positive (bucket_cap_mb={bucket_cap_mb}, first_bucket_mb={first_bucket_mb})")
         if unused_parameters not in ("zero", "error"):
@@ -163,10 +171,10 @@ class DDP(WholeModuleWrapper):
         self.stats = {"backward_s": 0.0, "sync_wait_s": 0.0, "steps": 0}
 
         named = list(module.named_parameters())  # a tied parameter once
-        if not named:
-            raise ValueError(f"DDP: module {type(module).__name__} has no parameters")
         # Before the first broadcast: different models would fail there with MPI's size error, or worse.
         check_same_structure(comm, named, "DDP")
+        if not named:  # after the agreement: alike on every rank now (one rank without any raised there)
+            raise ValueError(f"DDP: module {type(module).__name__} has no parameters")
         check_same_shards(comm, named, "DDP")
         # The step check reads the parameters' update counts every step: a list, not a walk of the module
         # tree (parameters() took 0.4 ms for 240 tensors, most of the check's cost on a narrow model).
