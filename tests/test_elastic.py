@@ -884,6 +884,35 @@ def _layout_kind(kind):
     return module, build, train, 2 if kind in ("fsdp", "tp", "pp_tied") else 1
 
 
+def _commit_then_lose_rank_2(comm, module, build, train, replicas, steps, read=lambda a: a):
+    """Train ``steps`` steps and commit, take one more, lose rank 2, restore on the survivors; return what to compare.
+
+    Rank 2 returns None; a survivor returns (want, want_opt, got, got_opt, step, restored_from): the full
+    parameters (each through ``read``) and optimizer state gathered with full_state_dict at the commit, the same
+    gathered after the restore over the survivors' own communicator, the restored step and the restore's account.
+    """
+    from mpidist.parallel import full_optimizer_state_dict, full_state_dict
+
+    state = elastic.State(module, lambda params: optim.AdamW(params, lr=0.01), replicas=replicas)
+    built = state.start(build, comm)
+    for _ in range(steps):
+        train(built, state)
+        state.step += 1
+    state.commit()
+    want = {k: read(v) for k, v in full_state_dict(built, comm, all_ranks=True).items()}
+    want_opt = full_optimizer_state_dict(built, state.optimizer, comm)
+    train(built, state)  # past the commit: the restore must go back
+    state.step += 1
+    survivors = comm.Split(0 if comm.Get_rank() != 2 else 1)
+    if comm.Get_rank() == 2:
+        return None
+    failure = types.SimpleNamespace(commit=state.committed_id, restored_from=None)
+    again = state.restore(failure, build, survivors)
+    got = {k: read(v) for k, v in full_state_dict(again, survivors, all_ranks=True).items()}
+    got_opt = full_optimizer_state_dict(again, state.optimizer, survivors)
+    return want, want_opt, got, got_opt, state.step, failure.restored_from
+
+
 @pytest.mark.mpi_skip  # the survivors are simulated ranks
 @pytest.mark.parametrize("kind", ["plain", "ddp", "fsdp", "hybrid", "tp", "pp_tied", "dp_pp"])
 def test_one_state_restores_every_layout_over_the_survivors(kind):
@@ -891,28 +920,10 @@ def test_one_state_restores_every_layout_over_the_survivors(kind):
     is lost; the 3 survivors restore over a communicator of their own, in the layout build(comm) makes for 3
     (FSDP re-sharded, tensor-parallel slices and pipeline stages re-split), and hold exactly the committed full
     parameters and optimizer moments, gathered before the loss with full_state_dict (an independent reader)."""
-    from mpidist.parallel import full_optimizer_state_dict, full_state_dict
 
     def run(comm):
         module, build, train, replicas = _layout_kind(kind)
-        state = elastic.State(module, lambda params: optim.AdamW(params, lr=0.01), replicas=replicas)
-        built = state.start(build, comm)
-        for _ in range(2):
-            train(built, state)
-            state.step += 1
-        state.commit()
-        want = full_state_dict(built, comm, all_ranks=True)
-        want_opt = full_optimizer_state_dict(built, state.optimizer, comm)
-        train(built, state)  # past the commit: the restore must go back
-        state.step += 1
-        survivors = comm.Split(0 if comm.Get_rank() != 2 else 1)
-        if comm.Get_rank() == 2:
-            return None
-        failure = types.SimpleNamespace(commit=state.committed_id, restored_from=None)
-        again = state.restore(failure, build, survivors)
-        got = full_state_dict(again, survivors, all_ranks=True)
-        got_opt = full_optimizer_state_dict(again, state.optimizer, survivors)
-        return want, want_opt, got, got_opt, state.step, failure.restored_from
+        return _commit_then_lose_rank_2(comm, module, build, train, replicas, steps=2)
 
     results = simulate(4, run)
     assert results[2] is None
@@ -935,7 +946,6 @@ def test_bfloat16_fsdp_shards_restore_bitwise_from_the_buddies():
     step; the 3 survivors take its shards from their buddy packets and hold bit for bit the bfloat16 parameters
     and optimizer state gathered at the commit with full_state_dict (a packet once kept the dtype as '<V2')."""
     from mpidist.nn.precision import Policy, apply_policy
-    from mpidist.parallel import full_optimizer_state_dict, full_state_dict
 
     def bits(a):
         a = np.asarray(a)
@@ -944,28 +954,12 @@ def test_bfloat16_fsdp_shards_restore_bitwise_from_the_buddies():
     def run(comm):
         module, build, train, _ = _layout_kind("fsdp")
         apply_policy(module, Policy("bf16"))
-        state = elastic.State(module, lambda params: optim.AdamW(params, lr=0.01), replicas=2)
-        built = state.start(build, comm)
-        train(built, state)
-        state.step += 1
-        state.commit()
-        want = {k: bits(v) for k, v in full_state_dict(built, comm, all_ranks=True).items()}
-        want_opt = full_optimizer_state_dict(built, state.optimizer, comm)
-        train(built, state)  # past the commit: the restore must go back
-        state.step += 1
-        survivors = comm.Split(0 if comm.Get_rank() != 2 else 1)
-        if comm.Get_rank() == 2:
-            return None
-        failure = types.SimpleNamespace(commit=state.committed_id, restored_from=None)
-        again = state.restore(failure, build, survivors)
-        got = {k: bits(v) for k, v in full_state_dict(again, survivors, all_ranks=True).items()}
-        got_opt = full_optimizer_state_dict(again, state.optimizer, survivors)
-        return want, want_opt, got, got_opt, failure.restored_from
+        return _commit_then_lose_rank_2(comm, module, build, train, replicas=2, steps=1, read=bits)
 
     results = simulate(4, run)
     want, want_opt = results[0][0], results[0][1]
     assert want and all(dtype == "bfloat16" for dtype, _, _ in want.values()), {k: v[0] for k, v in want.items()}
-    for rank, (_, _, got, got_opt, how) in enumerate(r for r in results if r is not None):
+    for rank, (_, _, got, got_opt, _, how) in enumerate(r for r in results if r is not None):
         assert "re-laid out 4 -> 3 ranks" in how, how
         assert got == want
         if rank == 0:
