@@ -7,10 +7,14 @@ names) live here; the collectives, the GPU paths, the torch backend and the guar
 The host collectives (``mpidist.collectives``) and the GPU paths (``mpidist.gpu``) both ask this module, so a
 reduction gives one result on every path, on every MPI and on SimComm, whichever rank holds which value:
 
-- Copies (broadcast, allgather, send/recv) carry float16 as its uint16 bit patterns: exact whatever the bits,
-  and MPI 3.1 has no float16 datatype (Open MPI 4.1's mpi4py raises ``KeyError: 'e'`` on such a buffer).
-- float16 ``sum``, ``mean`` and ``prod`` accumulate in float32 and round to float16 once, at the end: float16
-  partial sums overflow where the result fits (the mean of 60000 and 60000 was inf through MPICH's float16).
+- The 16-bit floats, float16 and bfloat16 (``ml_dtypes.bfloat16``, mixed precision's dtype on numpy), are
+  carried by copies (broadcast, allgather, send/recv, alltoall) as their uint16 bit patterns: exact whatever the
+  bits, and MPI 3.1 has neither type (Open MPI 4.1's mpi4py raises ``KeyError: 'e'`` on a float16 buffer; a
+  bfloat16 buffer has no buffer-protocol format at all). Callers pass the 16-bit array as it is.
+- Their ``sum``, ``mean`` and ``prod`` accumulate in float32 (``reduce_as``) and round to the 16-bit dtype once,
+  at the end: float16 partial sums overflow where the result fits (the mean of 60000 and 60000 was inf through
+  MPICH's float16), and a bfloat16 running sum drops small addends (256 + 1 is 256). ``min``/``max`` reduce
+  order keys (below), exact.
 - NaN propagates through ``max`` and ``min``, as in numpy's ``maximum`` and ``minimum``. MPI leaves NaN
   unspecified, and MPICH's MAX returns NaN or not depending on which rank holds it, and different results on
   different ranks of one Allreduce (MPICH 5.0.2, 2 and 4 ranks). So floats reduce as order keys: their bits as
@@ -23,10 +27,11 @@ reduction gives one result on every path, on every MPI and on SimComm, whichever
 import dataclasses
 from typing import Optional, Tuple
 
+import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["DtypeRow", "DTYPES", "DTYPE_BY_NAME", "DTYPE_CODES", "SUPPORTED_DTYPES", "OpRow", "OPS", "OP_BY_NAME",
+__all__ = ["DtypeRow", "BFLOAT16", "FLOATING", "DTYPES", "DTYPE_BY_NAME", "DTYPE_CODES", "SUPPORTED_DTYPES", "OpRow", "OPS", "OP_BY_NAME",
            "REDUCTIONS", "REDUCTION_NAMES", "Reduction", "resolve", "reduction_name", "reduce_dtype", "nccl_type",
            "copy_view", "copy_dtype"]
 
@@ -38,16 +43,20 @@ class DtypeRow:
     code: int                  # index in DTYPES: send/recv headers and desync fingerprints name the dtype by it
     name: str                  # numpy's name, and torch's (``torch.<name>``)
     dtype: Optional[np.dtype]  # None: torch only (numpy has no such dtype); such tensors move as bytes
-    copy: Optional[np.dtype]   # what a copy carries: float16 as uint16 (see above), else ``dtype``
+    copy: Optional[np.dtype]   # what a copy carries: 16-bit floats as uint16 (see above), else ``dtype``
     reduce_as: Optional[str]   # what a staged reduction computes in: float32 for 16-bit floats; None: not reducible
     nccl: Optional[str]        # cupy.cuda.nccl's type constant; None: NCCL has no such type
+
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # numpy has none; its kind is "V", so floating is asked of FLOATING
+_COPIED_AS_BITS = ("float16", "bfloat16")  # MPI 3.1 has no 16-bit float datatype
 
 
 def _dtype_rows(*specs):
     rows = []
     for code, (name, numpy, reduce_as, nccl) in enumerate(specs):
-        dtype = np.dtype(name) if numpy else None
-        copy = np.dtype(np.uint16) if name == "float16" else dtype
+        dtype = (BFLOAT16 if name == "bfloat16" else np.dtype(name)) if numpy else None
+        copy = np.dtype(np.uint16) if name in _COPIED_AS_BITS else dtype
         rows.append(DtypeRow(code, name, dtype, copy, reduce_as, nccl))
     return tuple(rows)
 
@@ -69,12 +78,14 @@ DTYPES = _dtype_rows(
     ("bool", True, "bool", None),
     ("complex64", True, "complex64", None),
     ("complex128", True, "complex128", None),
-    ("bfloat16", False, "float32", None),   # torch only
+    ("bfloat16", True, "float32", None),    # ml_dtypes' on numpy; NCCL_BFLOAT16 needs arrays CuPy lacks
     ("complex32", False, None, None),       # torch only; torch itself reduces it nowhere on CPU
 )
 DTYPE_BY_NAME = {row.name: row for row in DTYPES}
 DTYPE_CODES = {row.dtype: row.code for row in DTYPES if row.dtype is not None}  # numpy dtype -> code
 SUPPORTED_DTYPES = tuple(row.dtype for row in DTYPES if row.dtype is not None)  # what the collectives take
+# The real floating dtypes: what ``mean`` and the float min/max order keys take (numpy calls bfloat16 kind "V").
+FLOATING = frozenset(dt for dt in SUPPORTED_DTYPES if dt.kind == "f" or dt == BFLOAT16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +131,10 @@ _ACCEPTED = f"{', '.join(REDUCTIONS)}); mpi4py's MPI.SUM, MPI.PROD, MPI.MIN and 
 # MPI's other predefined ops, to name an op mpidist has no reduction for
 _OTHER_MPI_OPS = ("MAXLOC", "MINLOC", "REPLACE", "NO_OP", "OP_NULL")
 
-_FLOAT16 = np.dtype(np.float16)
 _COPY_AS = {row.dtype: row.copy for row in DTYPES if row.dtype is not None and row.copy != row.dtype}
+# Dtypes whose sum/mean/prod MPI cannot (or must not) compute as they are: the 16-bit floats, staged in float32.
+_STAGED = {row.dtype: np.dtype(row.reduce_as) for row in DTYPES if row.dtype is not None and row.reduce_as is not None
+           and row.reduce_as != row.name}
 
 
 def reduce_dtype(name):
@@ -137,12 +150,12 @@ def nccl_type(dtype):
 
 
 def copy_dtype(dtype):
-    """Return the dtype MPI carries ``dtype`` as in a copy: uint16 for float16, else ``dtype`` itself."""
+    """Return the dtype MPI carries ``dtype`` as in a copy: uint16 for float16 and bfloat16, else ``dtype``."""
     return _COPY_AS.get(dtype, dtype)
 
 
 def copy_view(buf):
-    """Return host or device buffer ``buf`` as MPI should carry it in a copy: float16 as uint16, else itself."""
+    """Return host or device buffer ``buf`` as MPI should carry it in a copy: 16-bit floats as uint16, else itself."""
     kind = _COPY_AS.get(buf.dtype)
     return buf if kind is None else buf.view(kind)
 
@@ -169,7 +182,7 @@ def reduction_name(op):
 class Reduction:
     """A reduction of one dtype as MPI runs it: the op MPI applies, to which dtype, and the way there and back.
 
-    ``wire`` is the dtype MPI reduces: ``dtype`` itself, float32 for float16 sum/mean/prod, or signed integers
+    ``wire`` is the dtype MPI reduces: ``dtype`` itself, float32 for float16/bfloat16 sum/mean/prod, or signed integers
     of the float's width for float min/max (order keys). When it differs (``converts``), callers fill a
     buffer of ``wire`` with ``to_wire``, reduce it with ``mpi`` (dividing by the size there for ``mean``) and
     bring the result back with ``from_wire``, which rounds once.
@@ -229,15 +242,13 @@ def resolve(fn, op, dtype):
             raise TypeError(f"{fn}: op 'mean' needs a floating or complex array (got {dtype})")
         row = OP_BY_NAME[_BY_NAME[name].on_bool]
         return Reduction(name, dtype, row.mpi, row.mpi_name, False, dtype)
-    if name == "mean" and dtype.kind not in "fc":
+    if name == "mean" and dtype not in FLOATING and dtype.kind != "c":
         raise TypeError(f"{fn}: op 'mean' needs a floating or complex array (got {dtype}); use 'sum' and divide")
     if name in ("min", "max") and dtype.kind == "c":
         raise TypeError(f"{fn}: op {name!r} is not defined for complex arrays (got {dtype})")
     row = _BY_NAME[name]
-    if dtype.kind == "f" and name in ("min", "max"):
+    if dtype in FLOATING and name in ("min", "max"):
         wire = np.dtype(f"i{dtype.itemsize}")
-    elif dtype == _FLOAT16:
-        wire = np.dtype(DTYPE_BY_NAME["float16"].reduce_as)
     else:
-        wire = dtype
+        wire = _STAGED.get(dtype, dtype)
     return Reduction(name, dtype, row.mpi, row.mpi_name, name == "mean", wire)

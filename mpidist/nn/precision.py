@@ -11,8 +11,10 @@ Glossary:
                  cast up exactly, the result is rounded back once to the dtype of its first input (the
                  activation; losses stay float32, so the loss scale and the backward's seed are float32).
 
-bfloat16 on numpy is ``ml_dtypes.bfloat16``; MPI has no such type: collectives carry it as bytes (copies) or
-reduce it in float32 (see ``mpidist.parallel.comm_hooks``).
+bfloat16 on numpy is ``ml_dtypes.bfloat16``; MPI has no such type. The collectives take it as any dtype, by one
+rule (``mpidist.wire``): copies (broadcast, allgather, send/recv, alltoall) carry its uint16 bit patterns, and
+reductions (sum, mean, prod) accumulate in float32 and round once; ``mpidist.parallel.comm_hooks``' 16-bit ring
+keeps 16 bits on the wire instead.
 """
 
 import dataclasses

@@ -15,9 +15,9 @@ Glossary:
   blocking sends in the root's receive order, so a large box waits for the root's receive (MPI's rendezvous)
   and at most the current tensor is in transit; small boxes may sit in MPI's eager buffers.
 
-bfloat16 (``ml_dtypes``; MPI has no such type) travels as its uint16 bit patterns and is viewed back on
-arrival: nothing here reduces, so the bytes are the values. ``dtype=`` casts the floating tensors on the root
-after the transfer (a bfloat16 model written as float32 exactly, or a float32 one rounded to bfloat16).
+bfloat16 (``ml_dtypes``) travels as the collectives carry every copy of it, its uint16 bit patterns
+(``mpidist.wire``): nothing here reduces, so the bytes are the values. ``dtype=`` casts the floating tensors on
+the root after the transfer (a bfloat16 model written as float32 exactly, or a float32 one rounded to bfloat16).
 
 Tensors come in the unsplit model's ``state_dict()`` order: parameters by pipeline stage and then by their
 order on the ranks that hold them, then buffers. Non-primary copies of a tied weight are not gathered (the
@@ -36,18 +36,12 @@ from ..comm.agree import describe_ranks, raise_if_any
 from ..nn.placement import boxes, check_tiling, global_shape
 from ..nn.precision import as_dtype, bfloat16, is_floating
 from ..xp import copy_into, get_array_module, to_numpy
-from .comm_hooks import as_bytes
 from .interface import as_wrapper, placement_comms
 
 __all__ = ["iter_full_state", "full_state_dict", "load_full_state_dict", "full_optimizer_state_dict"]
 
 # Point-to-point tag of full-state transfers; far from the small tags user code tends to pick.
 _TAG = 0x5E57
-
-
-def _arrived(piece, dtype):
-    """Return a received ``piece`` of a ``dtype`` tensor as that dtype: bfloat16 arrives as its uint16 bits."""
-    return piece.view(bfloat16) if dtype == bfloat16 else piece
 
 
 def _check_dtype(fn, dtype):
@@ -169,9 +163,9 @@ class _Layout:
             param_lists.append([e[0] for e in catalog if not e[5] and e[4]])
             buffer_lists.append([e[0] for e in catalog if e[5]])
             for name, shape, dtype, stage, primary, is_buffer, held, opt in catalog:
-                if dtype not in wire.SUPPORTED_DTYPES and dtype != bfloat16:  # found here, on every rank: a send of it fails on one side
+                if dtype not in wire.SUPPORTED_DTYPES:  # found here, on every rank: a send of it fails on one side
                     raise ValueError(f"{fn}: {name!r} has dtype {dtype} on rank {rank}, which mpidist's collectives "
-                                     f"do not carry (supported: {', '.join(d.name for d in wire.SUPPORTED_DTYPES)}, bfloat16)")
+                                     f"do not carry (supported: {', '.join(d.name for d in wire.SUPPORTED_DTYPES)})")
                 t = tensors.get(name)
                 if t is None:
                     t = tensors[name] = _Tensor(name, tuple(shape), dtype, stage, is_buffer)
@@ -233,12 +227,12 @@ def _gather_one(layout, t, root, read=None, dtype=None):
                 array, box = mine[key]
                 piece = box.view(array)
             else:
-                piece = _arrived(collectives.recv(source, layout.comm, tag=_TAG), full.dtype)
+                piece = collectives.recv(source, layout.comm, tag=_TAG)
             full[_index(*key)] = to_numpy(piece)
         elif layout.me == source:
             array, box = mine[key]
             view = box.view(array)
-            collectives.send(as_bytes(get_array_module(view).ascontiguousarray(view)), root, layout.comm, tag=_TAG)
+            collectives.send(get_array_module(view).ascontiguousarray(view), root, layout.comm, tag=_TAG)
     return full
 
 
@@ -281,7 +275,7 @@ def full_state_dict(obj, comm=None, *, rank=0, all_ranks=False, dtype=None) -> D
         if all_ranks and layout.size > 1:
             if full is None:
                 full = np.empty(t.shape, dtype=t.dtype)
-            collectives.broadcast(as_bytes(full), layout.comm, root=rank)  # a view: fills ``full`` in place
+            collectives.broadcast(full, layout.comm, root=rank)
         if full is not None:
             out[t.name] = _cast(full, dtype)
     return out
@@ -348,7 +342,7 @@ def load_full_state_dict(obj, state, comm=None, *, rank=0, strict=True, context=
                 others = [holder for holder in sorted(set(t.holders[key])) if holder != rank]
                 piece = np.ascontiguousarray(full[_index(*key)]) if others else None  # one copy per box, not per holder
                 for holder in others:
-                    pending.append(collectives.isend(as_bytes(piece), holder, layout.comm, tag=_TAG))
+                    pending.append(collectives.isend(piece, holder, layout.comm, tag=_TAG))
             for key, copies in mine.items():
                 for array, box in copies:
                     copy_into(box.view(array), full[_index(*key)])
@@ -356,7 +350,7 @@ def load_full_state_dict(obj, state, comm=None, *, rank=0, strict=True, context=
                 handle.wait()  # the next tensor only when this one has left
         else:
             for key in sorted(mine):
-                piece = _arrived(collectives.recv(rank, layout.comm, tag=_TAG), t.dtype)
+                piece = collectives.recv(rank, layout.comm, tag=_TAG)
                 for array, box in mine[key]:
                     copy_into(box.view(array), piece)
 

@@ -26,8 +26,7 @@ from ...nn.deferred import fill_boxes, is_deferred
 from ...nn.module import Parameter
 from ...nn.placement import FlatShard, placement_of
 from ...xp import get_array_module
-from ...nn.precision import bfloat16
-from ..comm_hooks import as_bytes, ring_reduce_scatter_16
+from ..comm_hooks import ring_reduce_scatter_16
 from .layout import ParamSpan, UnitShard
 from .settings import ShardingStrategy
 
@@ -146,7 +145,7 @@ class Unit:
         flat = xp.zeros(self.padded, dtype=first.dtype)
         for p, view in zip(self.params, self.views(flat)):
             view[...] = p.data
-        collectives.broadcast(as_bytes(flat), self.ctx.comm)  # every rank starts from rank 0's values, like DDP
+        collectives.broadcast(flat, self.ctx.comm)  # every rank starts from rank 0's values, like DDP
         self.placeholder = xp.empty((0,), dtype=self.param_dtype(first.dtype))
         for p in self.params:
             p.grad = None
@@ -200,8 +199,8 @@ class Unit:
         dtype = self.param_dtype(self.shard.data.dtype)
         mine = self.shard.data if dtype == self.shard.data.dtype else self.shard.data.astype(dtype)
         self.gathered = xp.empty(self.padded, dtype=dtype)
-        # Nothing is reduced: a bfloat16 unit moves as its bytes (MPI has no bfloat16)
-        self.handle = collectives.iallgather(as_bytes(mine), self.ctx.groups.shard_comm, out=as_bytes(self.gathered))
+        # Nothing is reduced: a 16-bit unit moves as its bits (mpidist.wire), so the gather is exact
+        self.handle = collectives.iallgather(mine, self.ctx.groups.shard_comm, out=self.gathered)
         self.param_state = ParamState.GATHERING
         self.ctx.transient.add(gathered=self.gathered.nbytes)
 
@@ -333,16 +332,12 @@ class Unit:
             self.release_unsharded_grad()
             if result.dtype != self.shard.data.dtype:
                 result = result.astype(self.shard.data.dtype)  # the shard's grad (float32 masters); replicas in it
-            if groups.num_replicas > 1:
-                if result.dtype == bfloat16:  # bfloat16 shards: MPI cannot sum bfloat16; in float32, rounded once below
-                    result = result.astype(np.float32)
+            if groups.num_replicas > 1:  # a 16-bit shard's replicas average in float32, rounded once (mpidist.wire)
                 r.handle, r.stage = collectives.iallreduce(result, groups.replicate_comm, op="mean"), _Stage.REPLICAS
                 self.ctx.stats["comm_wait_s"] += time.perf_counter() - start
                 return False
         self.reduction = None
         if not self.no_shard:
-            if result.dtype != self.shard.data.dtype:  # a bfloat16 shard's replicas averaged in float32
-                result = result.astype(self.shard.data.dtype)
             if self.shard.grad is None:
                 self.shard.grad = result
             else:

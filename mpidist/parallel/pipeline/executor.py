@@ -38,13 +38,11 @@ from mpidist.guard import DesyncError
 from mpidist.nn.autograd import Tensor, backward, backward_input, no_grad
 from mpidist.nn.deferred import materialize
 from mpidist.nn.module import Module, Sequential
-from mpidist.nn.precision import bfloat16
 from mpidist.nn.placement import placement_of
 from mpidist.partition import split_sizes
 from mpidist.trace import recorder as _trace
 from mpidist.xp import asarray_like, is_device_array
 
-from ..comm_hooks import as_bytes
 from ..interface import PlacedParameter, Wrapper, dimensions, placement_comms, refuse_mesh
 from .tied import TiedParameters
 from .schedules import (Action, Kind, Schedule, gpipe, insert_comms, interleaved_1f1b, one_f_one_b,
@@ -564,14 +562,14 @@ class Pipeline(Wrapper):
         try:
             manifest = self._recv_array(source, tag, mb)
             arrays = tuple(None if code == _NONE else self._to_stage_device(
-                _arrived(self._recv_array(source, tag, mb), code)) for code in manifest.tolist())
+                self._recv_array(source, tag, mb)) for code in manifest.tolist())
         except DesyncError as exc:
             raise DesyncError(f"Pipeline.step {self._step_number}: rank {self.rank} expected micro-batch {mb} of this "
                               f"step from rank {source} (stage {stage}), but the ranks are at "
                               f"different steps (a rank skipped or repeated step(), or continued after an error "
                               f"inside one): {exc}") from None
         self._idle += time.perf_counter() - t0
-        return _Message(arrays, tuple(code & ~_BFLOAT16 == _NEEDS_GRAD for code in manifest.tolist()))
+        return _Message(arrays, tuple(code == _NEEDS_GRAD for code in manifest.tolist()))
 
     def _recv_array(self, source: int, tag: int, mb: int):
         return collectives.recv(source, self.comm, tag=tag, stamp=(self._step_number, mb))
@@ -579,9 +577,8 @@ class Pipeline(Wrapper):
     def _send(self, message: "_Message", stage: int, tag: int, mb: int) -> None:
         dest, stamp = self.schedule.rank_of(stage), (self._step_number, mb)
         manifest = np.array([_NONE if a is None else (_NEEDS_GRAD if needs else _ARRAY)
-                             | (_BFLOAT16 if a.dtype == bfloat16 else 0)
                              for a, needs in zip(message.arrays, message.needs_grad)], dtype=np.int64)
-        for array in (manifest, *(as_bytes(a) for a in message.arrays if a is not None)):
+        for array in (manifest, *(a for a in message.arrays if a is not None)):  # bfloat16 as its bits (wire)
             self._sends.append(collectives.isend(array, dest, self.comm, tag=tag, stamp=stamp))
 
     def _to_stage_device(self, x):
@@ -594,13 +591,6 @@ class Pipeline(Wrapper):
 
 # Manifest codes of a boundary message's entries.
 _NONE, _NEEDS_GRAD, _ARRAY = 0, 1, 2
-# Added to an array's code: it is bfloat16, sent as its uint16 bits (MPI has no bfloat16) and viewed back.
-_BFLOAT16 = 4
-
-
-def _arrived(array, code):
-    """Return a received boundary ``array`` of manifest ``code`` in its dtype (bfloat16 arrives as uint16 bits)."""
-    return array.view(bfloat16) if code & _BFLOAT16 else array
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,6 @@ from mpi4py import MPI
 from mpidist import collectives
 from mpidist.comm.agree import describe_ranks, raise_if_any
 from mpidist.nn.deferred import deferred_key, is_deferred
-from mpidist.nn.precision import bfloat16
-from mpidist.parallel.comm_hooks import as_bytes
 
 __all__ = ["TiedParameters"]
 
@@ -54,8 +52,7 @@ class TiedParameters:
         if self.params and not is_deferred(self.params[0]):
             first = self.params[0].data
             if self.group.Get_size() > 1:
-                # as_bytes: bfloat16 travels as its uint16 bits (MPI has no bfloat16); viewed back on arrival.
-                first[...] = collectives.broadcast(as_bytes(first.copy()), self.group, root=0).view(first.dtype)
+                first[...] = collectives.broadcast(first.copy(), self.group, root=0)  # bfloat16: its bits (wire)
             for p in self.params[1:]:
                 p.data[...] = first
 
@@ -78,10 +75,8 @@ class TiedParameters:
         if total is None:
             total = np.zeros_like(like) if isinstance(like, np.ndarray) else like * 0
         if self.group.Get_size() > 1:
-            if total.dtype == bfloat16:  # MPI cannot sum bfloat16: in float32, rounded once (as DDP's buckets)
-                total = collectives.allreduce(total.astype(np.float32), self.group, op="sum").astype(bfloat16)
-            else:
-                total = collectives.allreduce(total, self.group, op="sum")
+            # bfloat16: summed in float32, rounded once (mpidist.wire), as DDP's buckets
+            total = collectives.allreduce(total, self.group, op="sum")
         for p in self.params:
             if p.grad is None:
                 p.grad = total.copy()

@@ -13,12 +13,14 @@ Sequence parallelism replaces each allreduce of plain tensor parallelism by a re
 of the same total bytes, and keeps the activations between blocks (norms, dropout, residuals) split along the
 sequence. A replicated parameter used on a sequence shard gets only its shard's share of the gradient, so it
 is read through ``copy_to_tp`` as well: its backward adds the shares.
+
+16-bit activations (a ``Policy("bf16")`` model) take the collectives' rule (``mpidist.wire``): the gathers move
+their bits, the sums (allreduce, reduce-scatter) accumulate in float32 and round once.
 """
 from __future__ import annotations
 
 from mpidist import collectives
 from mpidist.nn.autograd import Tensor, make_result
-from mpidist.nn.precision import bfloat16
 from mpidist.xp import get_array_module
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_sequence", "scatter_sequence", "gather_last"]
@@ -29,10 +31,7 @@ def _data(x):
 
 
 def _allreduce(a, comm):
-    xp = get_array_module(a)
-    if a.dtype == bfloat16:  # MPI cannot sum bfloat16: in float32, rounded once (as DDP's bfloat16 buckets)
-        return collectives.allreduce(a.astype(xp.float32), comm, op="sum").astype(bfloat16)
-    return collectives.allreduce(xp.array(a, copy=True, order="C"), comm, op="sum")
+    return collectives.allreduce(get_array_module(a).array(a, copy=True, order="C"), comm, op="sum")
 
 
 def _allgather_axis(a, comm, axis):
