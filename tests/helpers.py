@@ -1,7 +1,10 @@
 """What several test modules share (tests import this module, never each other)."""
 import numpy as np
 
+from mpidist import nn, optim
+from mpidist.models import tensor_parallel
 from mpidist.nn.placement import boxes, global_shape
+from mpidist.parallel import DDP, FSDP, Pipeline, Wrapper, mesh
 
 
 def reassemble(comm, placed, read):
@@ -37,3 +40,75 @@ def assert_reassembles(comm, placed, read, expected, atol=0.0):
     assert sorted(full) == sorted(expected), "the placed names are not the unsplit model's"
     for name, want in expected.items():
         np.testing.assert_allclose(full[name], want, rtol=0, atol=atol, err_msg=name)
+
+
+class GPTLayout:
+    """Wrap one rank's GPT ``model`` at a layout over ``comm``; train it on its share of ``batch``; ``close`` it.
+
+    ``kind``: "plain" (no wrapper; ``comm`` becomes None), "ddp", "tp" (tensor_parallel, materialized: a deferred
+    model has no wrapper to draw it), "fsdp", "hybrid" (hybrid_shard over halves), "no_shard", "pp" and "pp_tied"
+    (one stage per rank, 1F1B over 2 micro-batches), "fsdp_tp" (FSDP over the dp ranks of a dp=2 mesh of
+    tensor-parallel blocks); any other kind is a (dp, pp, tp) mesh of ``dims`` (default: dp about half the ranks,
+    tp 2): DDP or a Pipeline over tensor-parallel blocks. Attributes: ``model``, ``wrapped`` (what to gather
+    from), ``comm`` (the communicator spanning it), ``grid``, ``dp``, ``dp_rank``, ``pipeline``, ``opt`` (AdamW,
+    lr 0.01).
+    """
+
+    def __init__(self, comm, model, kind, dims=None, batch=None, steps=1):
+        size = comm.Get_size()
+        self.model, self.comm, self.batch, self.steps = model, comm, batch, steps
+        self.grid, self.dp, self.dp_rank, self.pipeline = None, 1, 0, False
+        if kind == "plain":
+            self.wrapped, self.comm = model, None
+        elif kind == "ddp":
+            self.wrapped, self.dp, self.dp_rank = DDP(model, comm), size, comm.Get_rank()
+        elif kind == "tp":
+            self.wrapped = nn.materialize(tensor_parallel(model, comm, sequence_parallel=False))
+        elif kind in ("fsdp", "hybrid", "no_shard"):
+            extra = {"strategy": "hybrid_shard", "shard_size": max(1, size // 2)} if kind == "hybrid" else \
+                {"strategy": "no_shard"} if kind == "no_shard" else {}
+            self.wrapped = FSDP(model, comm, units=model.fsdp_units(), **extra)
+            self.dp, self.dp_rank = size, comm.Get_rank()
+        elif kind in ("pp", "pp_tied"):
+            stage = model.pipeline_stages(size)[comm.Get_rank()]
+            self.wrapped = Pipeline(stage, comm, 2, "1f1b", loss_fn=model.loss, tied_parameters=stage.tied)
+            self.pipeline = True
+        elif kind == "fsdp_tp":
+            self.grid = mesh(comm, dp=2, pp=1, tp=size // 2)
+            self.dp, self.dp_rank = 2, self.grid.dp_rank
+            tensor_parallel(model, self.grid.tp_comm, sequence_parallel=False)
+            self.wrapped = FSDP(model, self.grid.dp_comm, units=model.fsdp_units())
+        else:  # a (dp, pp, tp) mesh, gathered over the whole world
+            dp, pp, tp = dims if dims is not None else (max(1, size // 2), 1, min(2, size))
+            self.grid = mesh(comm, dp=dp, pp=pp, tp=tp)
+            self.dp, self.dp_rank = self.grid.dp, self.grid.dp_rank
+            if tp > 1:
+                tensor_parallel(model, self.grid.tp_comm, sequence_parallel=False)
+            if pp > 1:
+                stage = model.pipeline_stages(pp)[self.grid.pp_rank]
+                self.wrapped = Pipeline(stage, self.grid.pp_comm, 2, "1f1b", loss_fn=model.loss,
+                                        dp_comm=self.grid.dp_comm if dp > 1 else None, tied_parameters=stage.tied)
+                self.pipeline = True
+            else:
+                self.wrapped = DDP(model, self.grid.dp_comm)
+        self.opt = optim.AdamW(list(self.wrapped.parameters()), lr=0.01)
+
+    def train(self, steps=None):
+        """Take ``steps`` optimizer steps (the constructor's count by default) on this rank's share of ``batch``."""
+        x, y = self.batch
+        n = len(x) // self.dp
+        mine = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
+        for _ in range(self.steps if steps is None else steps):
+            self.opt.zero_grad()
+            if self.pipeline:
+                self.wrapped.step(x[mine], y[mine])
+            else:
+                self.model.loss(self.wrapped(x[mine]), y[mine]).backward()
+            self.opt.step()
+
+    def close(self):
+        """Detach the wrapper and free the mesh's communicators (collective)."""
+        if isinstance(self.wrapped, Wrapper):
+            self.wrapped.remove()
+        if self.grid is not None:
+            self.grid.free()

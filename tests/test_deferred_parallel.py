@@ -17,7 +17,9 @@ from mpidist import nn, optim
 from mpidist.comm import is_simulated
 from mpidist.models import GPT, GPTConfig, tensor_parallel
 from mpidist.nn.deferred import deferred_bytes
-from mpidist.parallel import DDP, FSDP, Pipeline, Wrapper, full_state_dict, mesh
+from mpidist.parallel import DDP, FSDP, Pipeline, full_state_dict, mesh
+
+from helpers import GPTLayout
 
 CONFIG = GPTConfig(vocab_size=61, block_size=8, n_layer=2, n_head=4, n_embd=16, dtype="float64")
 UNTIED = GPTConfig(vocab_size=61, block_size=8, n_layer=2, n_head=4, n_embd=16, dtype="float64", tie_weights=False)
@@ -46,64 +48,12 @@ def one_process(config, steps):
     return model.state_dict()
 
 
-class Layout:
-    """One rank's deferred GPT wrapped at a layout (materialized by the wrapper), and a trainer."""
+class Layout(GPTLayout):
+    """One rank's deferred GPT at a layout (tests/helpers.py; the wrapper materializes it), and a trainer."""
 
     def __init__(self, comm, kind, dims=None):
-        size = comm.Get_size()
         self.config = UNTIED if kind == "pp" else CONFIG
-        self.model = model = deferred_gpt(self.config)
-        self.grid, self.dp, self.dp_rank, self.pipeline = None, 1, 0, False
-        if kind == "ddp":
-            self.wrapped, self.dp, self.dp_rank = DDP(model, comm), size, comm.Get_rank()
-        elif kind == "tp":
-            self.wrapped = nn.materialize(tensor_parallel(model, comm, sequence_parallel=False))
-        elif kind in ("fsdp", "hybrid", "no_shard"):
-            extra = {"strategy": "hybrid_shard", "shard_size": max(1, size // 2)} if kind == "hybrid" else \
-                {"strategy": "no_shard"} if kind == "no_shard" else {}
-            self.wrapped = FSDP(model, comm, units=model.fsdp_units(), **extra)
-            self.dp, self.dp_rank = size, comm.Get_rank()
-        elif kind in ("pp", "pp_tied"):
-            stage = model.pipeline_stages(size)[comm.Get_rank()]
-            self.wrapped = Pipeline(stage, comm, 2, "1f1b", loss_fn=model.loss, tied_parameters=stage.tied)
-            self.pipeline = True
-        elif kind == "fsdp_tp":  # FSDP over the data-parallel ranks of a tensor-parallel model
-            self.grid = mesh(comm, dp=2, pp=1, tp=size // 2)
-            self.dp, self.dp_rank = 2, self.grid.dp_rank
-            tensor_parallel(model, self.grid.tp_comm, sequence_parallel=False)
-            self.wrapped = FSDP(model, self.grid.dp_comm, units=model.fsdp_units())
-        else:  # a (dp, pp, tp) mesh
-            dp, pp, tp = dims
-            self.grid = mesh(comm, dp=dp, pp=pp, tp=tp)
-            self.dp, self.dp_rank = self.grid.dp, self.grid.dp_rank
-            if tp > 1:
-                tensor_parallel(model, self.grid.tp_comm, sequence_parallel=False)
-            if pp > 1:
-                stage = model.pipeline_stages(pp)[self.grid.pp_rank]
-                self.wrapped = Pipeline(stage, self.grid.pp_comm, 2, "1f1b", loss_fn=model.loss,
-                                        dp_comm=self.grid.dp_comm if dp > 1 else None, tied_parameters=stage.tied)
-                self.pipeline = True
-            else:
-                self.wrapped = DDP(model, self.grid.dp_comm)
-        self.opt = optim.AdamW(list(self.wrapped.parameters()), lr=0.01)
-
-    def train(self, steps=STEPS):
-        x, y = batch()
-        n = BATCH // self.dp
-        mine = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
-        for _ in range(steps):
-            self.opt.zero_grad()
-            if self.pipeline:
-                self.wrapped.step(x[mine], y[mine])
-            else:
-                self.model.loss(self.wrapped(x[mine]), y[mine]).backward()
-            self.opt.step()
-
-    def close(self):
-        if isinstance(self.wrapped, Wrapper):
-            self.wrapped.remove()
-        if self.grid is not None:
-            self.grid.free()
+        super().__init__(comm, deferred_gpt(self.config), kind, dims, batch(), STEPS)
 
 
 def check_parity(comm, layout):

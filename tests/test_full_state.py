@@ -13,10 +13,11 @@ import mpidist
 from mpidist import nn, optim
 from mpidist.models import GPT, GPTConfig
 from mpidist.nn.placement import Shard
-from mpidist.models import tensor_parallel
-from mpidist.parallel import DDP, FSDP, Pipeline, Wrapper, mesh
+from mpidist.parallel import DDP
 from mpidist.parallel import full_optimizer_state_dict, full_state_dict, iter_full_state, load_full_state_dict
 from mpidist.nn.precision import apply_policy
+
+from helpers import GPTLayout
 
 # vocabulary 61: padded rows at tp 2 and 4; float64 so that layouts agree with one process to 1e-12.
 CONFIG = GPTConfig(vocab_size=61, block_size=8, n_layer=2, n_head=4, n_embd=16, dtype="float64")
@@ -32,62 +33,17 @@ def batch():
         rng.integers(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size))
 
 
-class Layout:
-    """One rank's model at a layout: the wrapper to gather from, the communicator spanning it, and a trainer."""
+class Layout(GPTLayout):
+    """One rank's GPT from ``seed`` at a layout (tests/helpers.py), trained ``STEPS`` steps on ``batch()`` by default.
+
+    ``policy``: a mixed-precision Policy, applied before wrapping as apply_policy asks.
+    """
 
     def __init__(self, comm, kind, dims=None, seed=0, policy=None):
-        size = comm.Get_size()
-        config = UNTIED if kind == "pp" else CONFIG
-        self.model = model = GPT(config, rng=np.random.default_rng(seed))
-        if policy is not None:  # a mixed-precision Policy, applied before wrapping as apply_policy asks
+        model = GPT(UNTIED if kind == "pp" else CONFIG, rng=np.random.default_rng(seed))
+        if policy is not None:
             apply_policy(model, policy)
-        self.grid, self.dp, self.dp_rank, self.comm, self.pipeline = None, 1, 0, comm, False
-        if kind == "plain":
-            self.wrapped, self.comm = model, None
-        elif kind == "ddp":
-            self.wrapped, self.dp, self.dp_rank = DDP(model, comm), size, comm.Get_rank()
-        elif kind == "tp":
-            self.wrapped = tensor_parallel(model, comm, sequence_parallel=False)
-        elif kind in ("fsdp", "hybrid"):
-            extra = {"strategy": "hybrid_shard", "shard_size": max(1, size // 2)} if kind == "hybrid" else {}
-            self.wrapped = FSDP(model, comm, units=model.fsdp_units(), **extra)
-            self.dp, self.dp_rank = size, comm.Get_rank()
-        elif kind in ("pp", "pp_tied"):
-            stage = model.pipeline_stages(size)[comm.Get_rank()]
-            self.wrapped = Pipeline(stage, comm, 2, "1f1b", loss_fn=model.loss, tied_parameters=stage.tied)
-            self.pipeline = True
-        else:  # a (dp, pp, tp) mesh: DDP or Pipeline over tensor-parallel blocks, gathered over the whole world
-            dp, pp, tp = dims if dims is not None else (max(1, size // 2), 1, min(2, size))
-            self.grid = mesh(comm, dp=dp, pp=pp, tp=tp)
-            self.dp, self.dp_rank = self.grid.dp, self.grid.dp_rank
-            if tp > 1:
-                tensor_parallel(model, self.grid.tp_comm, sequence_parallel=False)
-            if pp > 1:
-                stage = model.pipeline_stages(pp)[self.grid.pp_rank]
-                self.wrapped = Pipeline(stage, self.grid.pp_comm, 2, "1f1b", loss_fn=model.loss,
-                                        dp_comm=self.grid.dp_comm if dp > 1 else None, tied_parameters=stage.tied)
-                self.pipeline = True
-            else:
-                self.wrapped = DDP(model, self.grid.dp_comm)
-        self.opt = optim.AdamW(list(self.wrapped.parameters()), lr=0.01)
-
-    def train(self, steps=STEPS):
-        x, y = batch()
-        n = BATCH // self.dp
-        mine = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
-        for _ in range(steps):
-            self.opt.zero_grad()
-            if self.pipeline:
-                self.wrapped.step(x[mine], y[mine])
-            else:
-                self.model.loss(self.wrapped(x[mine]), y[mine]).backward()
-            self.opt.step()
-
-    def close(self):
-        if isinstance(self.wrapped, Wrapper):
-            self.wrapped.remove()
-        if self.grid is not None:
-            self.grid.free()
+        super().__init__(comm, model, kind, dims, batch(), STEPS)
 
 
 def one_process(config=CONFIG, state=None, steps=STEPS):
