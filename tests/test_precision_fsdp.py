@@ -2,8 +2,11 @@
 
 Reference: the ranks emulated in one process, rounding exactly where FSDP rounds: the weights gathered as
 the shards rounded to the param dtype, each rank's gradient rounded to it (autograd gives a parameter's
-gradient its dtype), their mean in float32 (or the 16-bit ring's rounding, within its bound)."""
+gradient its dtype), their mean in float32 (its sums exact, asserted: MPI's reduce-scatter order cannot show)
+or in the 16-bit ring's order and roundings, then over hybrid sharding's replicas. Every test is bitwise
+(SimComm 2/4, mpiexec -n 2/4)."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -28,25 +31,86 @@ def global_batch(step, n):
     return rng.standard_normal((n, IN)).astype(np.float32), rng.integers(0, OUT, size=n)
 
 
-def reference(size, dtype):
+def exact_sum_in_float32(values, dtype):
+    """Whether every partial sum of ``values`` (the ranks' gradients, 16-bit ``dtype`` values held as float32,
+    stacked on axis 0) is exact in float32, so that any summation order gives the same bits.
+
+    A ``dtype`` value is a multiple of its unit in the last place; every partial sum is then a multiple of the
+    smallest such unit U among the values and at most the sum S of their magnitudes, and float32 holds every
+    multiple of U up to 2**24 * U exactly."""
+    info = ml_dtypes.finfo(dtype) if dtype == bfloat16 else np.finfo(dtype)
+    wide = values.astype(np.float64)
+    _, exponent = np.frexp(wide)
+    ulp = np.maximum(np.ldexp(1.0, exponent - (info.nmant + 1)), float(info.smallest_subnormal))
+    smallest = np.where(wide != 0, ulp, np.inf).min(axis=0)
+    return bool((np.abs(wide).sum(axis=0) <= 2.0 ** 24 * smallest).all())
+
+
+def ring_mean(flats, shard_numel, dtype):
+    """Return the 16-bit ring's mean (comm_hooks.ring_reduce_scatter_16) of the ranks' flat gradients ``flats``
+    (float32 holding 16-bit values, padded to ``len(flats)`` chunks of ``shard_numel``). Chunk c, owned by rank
+    c: rank c + 1's value travels right, each rank adds what arrives (rounded to ``dtype`` for the message) to
+    its own in float32, rank c adds last; then the mean in float32, rounded to ``dtype`` once."""
+    n = len(flats)
+    chunks = [[f[c * shard_numel:(c + 1) * shard_numel] for c in range(n)] for f in flats]
+    out = []
+    for c in range(n):
+        acc = chunks[(c + 1) % n][c].copy()
+        for k in range(2, n + 1):
+            acc = chunks[(c + k) % n][c] + acc.astype(dtype).astype(np.float32)
+        out.append((acc / np.float32(n)).astype(dtype).astype(np.float32))
+    return np.concatenate(out)
+
+
+def reference(size, dtype, reduce_dtype=None, units=None, shard_size=None):
     """float32 masters; each step every emulated rank runs on the masters rounded to ``dtype`` and rounds its
-    gradient to ``dtype``; the mean over ranks is taken in float32, rank by rank."""
+    gradient to ``dtype`` (autograd gives a parameter's gradient its dtype); the ranks' gradients are reduced
+    where and as FSDP reduces them: over each shard group of ``shard_size`` consecutive ranks (default: all) a
+    float32 mean (its sum exact, asserted, so MPI's order does not matter) or, with a 16-bit ``reduce_dtype``,
+    the ring's order and roundings on each unit's flat gradient (``units``: FSDP.units(), padded to equal
+    shards); then the float32 mean over the replicas (two: one addition, whatever the order)."""
     model = make_model()
-    masters = [p.data.copy() for p in model.parameters()]
+    names = [name for name, _ in model.named_parameters()]
+    masters = {name: p.data.copy() for name, p in model.named_parameters()}
+    k = size if shard_size is None else shard_size
     for step in range(STEPS):
         x, y = global_batch(step, PER_RANK * size)
-        total = [np.zeros_like(m) for m in masters]
+        grads = []  # per rank: name -> its gradient, a 16-bit value held in float32
         for r in range(size):
-            for p, m in zip(model.parameters(), masters):
-                p.data = m.astype(dtype).astype(np.float32)
+            for name, p in model.named_parameters():
+                p.data = masters[name].astype(dtype).astype(np.float32)
                 p.grad = None
             part = slice(r * PER_RANK, (r + 1) * PER_RANK)
             F.cross_entropy(model(x[part]), y[part]).backward()
-            for t, p in zip(total, model.parameters()):
-                t += p.grad.astype(dtype).astype(np.float32)
-        for m, t in zip(masters, total):
-            m -= np.float32(LR) * (t / np.float32(size))
-    return masters
+            grads.append({name: p.grad.astype(dtype).astype(np.float32) for name, p in model.named_parameters()})
+        group_means = []  # per shard group: name -> the group's mean as FSDP's shard grads hold it (float32)
+        for g in range(size // k):
+            members = grads[g * k:(g + 1) * k]
+            if reduce_dtype is None:
+                mean = {}
+                for name in names:
+                    stack = np.stack([m[name] for m in members])
+                    assert exact_sum_in_float32(stack, dtype), name
+                    mean[name] = stack.sum(axis=0) / np.float32(k)
+            else:
+                mean = {}
+                for unit in (u for u in units if u.params):
+                    padded = unit.shard_numel * k
+                    flats = [np.zeros(padded, np.float32) for _ in members]
+                    for flat, m in zip(flats, members):
+                        flat[:unit.numel] = np.concatenate([m[name].reshape(-1) for name in unit.params])
+                    flat = ring_mean(flats, unit.shard_numel, reduce_dtype)
+                    offset = 0
+                    for name in unit.params:
+                        mean[name] = flat[offset: offset + masters[name].size].reshape(masters[name].shape)
+                        offset += masters[name].size
+            group_means.append(mean)
+        for name in names:
+            total = group_means[0][name]
+            for mean in group_means[1:]:
+                total = total + mean[name]
+            masters[name] -= np.float32(LR) * (total / np.float32(len(group_means)))
+    return list(masters.values())
 
 
 def run_fsdp(comm, **kwargs):
@@ -63,11 +127,17 @@ def run_fsdp(comm, **kwargs):
     return fsdp, list(full_state_dict(fsdp, all_ranks=True).values())
 
 
+def assert_bitwise(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == np.float32
+        np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+
+
 @pytest.mark.world_sizes(2, 4)
 @pytest.mark.parametrize("dtype", [bfloat16, float16], ids=["bf16", "fp16"])
 def test_param_dtype_gathers_16_bit_and_keeps_float32_shards(comm, dtype):
     """The gathered weights are the float32 shards rounded to ``dtype`` (checked inside a forward), and training
-    equals the reference that rounds there and at the gradients (float32 sums: 1e-6; 2 ranks add exactly)."""
+    equals, bitwise, the reference that rounds there and at the gradients and averages in float32."""
     fsdp, params = run_fsdp(comm, param_dtype=dtype)
     seen = []
     hook = fsdp.module[0].register_forward_pre_hook(lambda mod, args: seen.append(mod.weight.data.copy()))
@@ -75,19 +145,19 @@ def test_param_dtype_gathers_16_bit_and_keeps_float32_shards(comm, dtype):
     hook.remove()
     assert seen[0].dtype == dtype
     np.testing.assert_array_equal(seen[0], params[0].astype(dtype))
-    for got, want in zip(params, reference(comm.Get_size(), dtype)):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert_bitwise(params, reference(comm.Get_size(), dtype))
 
 
 @pytest.mark.world_sizes(2, 4)
-def test_reduce_dtype_bf16_tracks_the_float32_reduction(comm):
-    """Gradients reduce-scattered as bfloat16 (the 16-bit ring): within bfloat16 rounding of the float32
-    reduction's training (|difference| <= LR * STEPS * 2**-7 * the largest gradient, bounded by 1e-2 here)."""
-    _, exact = run_fsdp(comm, param_dtype="bf16")
-    _, narrow = run_fsdp(comm, param_dtype="bf16", reduce_dtype="bf16")
-    for a, b in zip(narrow, exact):
-        assert float(np.abs(a - b).max()) < 1e-2
-    assert any(not np.array_equal(a, b) for a, b in zip(narrow, exact))  # it did round somewhere
+@pytest.mark.parametrize("dtype", [bfloat16, float16], ids=["bf16", "fp16"])
+def test_16_bit_reduce_dtype_equals_the_rings_order_and_roundings(comm, dtype):
+    """Gradients reduce-scattered in ``dtype`` (the 16-bit ring, float32 accumulation): bitwise the reference
+    that sums each chunk in the ring's order and rounds each message to ``dtype``; and not the float32 mean's
+    training (so the reference's ring is not the float32 reduction under another name)."""
+    fsdp, params = run_fsdp(comm, param_dtype=dtype, reduce_dtype=dtype)
+    want = reference(comm.Get_size(), dtype, reduce_dtype=dtype, units=fsdp.units)
+    assert_bitwise(params, want)
+    assert any(not np.array_equal(a, b) for a, b in zip(want, reference(comm.Get_size(), dtype)))
 
 
 def test_bad_precision_arguments_raise(comm):
@@ -102,9 +172,9 @@ def test_bad_precision_arguments_raise(comm):
 @pytest.mark.world_sizes(4)
 @pytest.mark.parametrize("reduce_dtype", [None, "bf16"], ids=["reduce_fp32", "reduce_bf16"])
 def test_hybrid_sharding_with_param_and_reduce_dtypes(comm, reduce_dtype):
-    """Hybrid sharding (2 shard groups of 2): a 16-bit reduce-scatter within the group, then the float32 chunk
-    averaged over the replicas; the reference rounds where FSDP rounds (float32 reduction: 1e-6; bfloat16 on the
-    wire: 1e-2), and the shards are float32 everywhere."""
-    _, params = run_fsdp(comm, strategy="hybrid_shard", shard_size=2, param_dtype="bf16", reduce_dtype=reduce_dtype)
-    for got, want in zip(params, reference(comm.Get_size(), bfloat16)):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 if reduce_dtype is None else 1e-2)
+    """Hybrid sharding (2 shard groups of 2 consecutive ranks): the reduce-scatter within the group (float32 or
+    the 16-bit ring), then the float32 chunk averaged over the replicas; bitwise the reference that reduces in
+    the same groups, order and roundings, and the shards are float32 everywhere."""
+    fsdp, params = run_fsdp(comm, strategy="hybrid_shard", shard_size=2, param_dtype="bf16", reduce_dtype=reduce_dtype)
+    assert_bitwise(params, reference(comm.Get_size(), bfloat16, reduce_dtype=None if reduce_dtype is None else bfloat16,
+                                     units=fsdp.units, shard_size=2))
