@@ -6,12 +6,13 @@ the bytes each rank passed in), and compares them, per rank, with ``calls_per_ra
 gradient and optimizer bytes the wrappers report with ``memory_per_rank``. Equal, not close.
 """
 import contextlib
+import threading
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from mpidist.parallel import DDP, FSDP
+from mpidist.parallel import DDP, FSDP, comm_hooks
 from mpidist.plan import Layout, ModelShape, calls_per_rank, memory_per_rank
 from mpidist.plan.execute import LayoutRun, traced_calls
 
@@ -26,6 +27,19 @@ LAYOUTS_2 = [
     Layout(1, 1, 2, num_micro=3, schedule="1f1b"),
     Layout(1, 1, 2, num_micro=2, schedule="interleaved", chunks=2),
     Layout(1, 1, 2, num_micro=3, schedule="zb_h1"),
+    # mixed precision (nn.precision.Policy, FSDP's param_dtype/reduce_dtype, DDP's communication hooks)
+    Layout(2, 1, 1, num_micro=2, param_dtype="bfloat16"),          # buckets summed in float32, stamp apart
+    Layout(2, 1, 1, param_dtype="float16", compute_dtype="float32"),   # the stamp rides in a float16 bucket
+    Layout(2, 1, 1, comm_hook="fp16"),
+    Layout(2, 1, 1, param_dtype="bfloat16", comm_hook="bf16"),
+    Layout(2, 1, 1, comm_hook="powersgd", powersgd_rank=2),
+    Layout(2, 1, 1, "fsdp", param_dtype="bfloat16"),                # 16-bit shards: the ring reduce-scatter
+    Layout(2, 1, 1, "fsdp", num_micro=2, gather_dtype="bfloat16"),  # float32 shards gathered in bfloat16
+    Layout(1, 2, 1, param_dtype="bfloat16", compute_dtype="float32"),
+    Layout(1, 2, 1, param_dtype="bfloat16", compute_dtype="float32", sequence_parallel=True),
+    Layout(1, 2, 1, param_dtype="float16", sequence_parallel=True, recompute="full"),
+    Layout(1, 1, 2, num_micro=2, schedule="1f1b", param_dtype="bfloat16"),
+    Layout(1, 1, 2, num_micro=2, schedule="1f1b", param_dtype="float16", compute_dtype="float32"),
 ]
 LAYOUTS_4 = [
     Layout(4, 1, 1, "hybrid", shard_size=2),
@@ -34,6 +48,12 @@ LAYOUTS_4 = [
     Layout(1, 2, 2, num_micro=2, schedule="gpipe", sequence_parallel=True),
     Layout(2, 2, 1, micro_batch=2, recompute="full"),
     Layout(1, 1, 4, num_micro=4, schedule="1f1b"),   # middle stages hold no copy of the tied weight
+    Layout(4, 1, 1, "hybrid", shard_size=2, param_dtype="bfloat16"),   # replicas average bfloat16 in float32
+    Layout(4, 1, 1, "hybrid", shard_size=2, gather_dtype="bfloat16", reduce_dtype="float16"),
+    Layout(4, 1, 1, comm_hook="bf16"),
+    Layout(4, 1, 1, comm_hook="powersgd"),
+    Layout(2, 1, 2, num_micro=2, schedule="1f1b", param_dtype="bfloat16"),
+    Layout(2, 2, 1, "fsdp", gather_dtype="bfloat16", compute_dtype="float32"),
 ]
 
 
@@ -45,10 +65,64 @@ def planned(layout, position):
     return out
 
 
+_ring_calls = threading.local()   # this rank's Counter while ``ring_messages_counted`` runs (ranks may be threads)
+
+
+def _counting(comm, calls):
+    """A proxy of ``comm`` recording (op, bytes) of every Isend and Irecv in ``calls`` (a receive as -1, as the
+    trace records it)."""
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(comm, name)
+
+        def Isend(self, buf, dest, tag=0):
+            calls[("send", int(np.asarray(buf).nbytes))] += 1
+            return comm.Isend(buf, dest, tag)
+
+        def Irecv(self, buf, source, tag=0):
+            calls[("recv", -1)] += 1
+            return comm.Irecv(buf, source, tag)
+    return Counting()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _count_rings():
+    """The 16-bit rings (``comm_hooks``: DDP's compression hooks, FSDP's 16-bit reduce-scatter) post Isend/Irecv
+    on the communicator directly, where ``mpidist.trace`` does not see them: give each ring a counting proxy of
+    its communicator (nothing to do where the rings go through ``mpidist.collectives``: the trace has them)."""
+    ring = getattr(comm_hooks, "_Ring16", None)
+    if ring is None:
+        yield
+        return
+
+    class CountedRing(ring):
+        def __init__(self, flat, comm, *args, **kwargs):
+            calls = getattr(_ring_calls, "calls", None)
+            super().__init__(flat, comm if calls is None else _counting(comm, calls), *args, **kwargs)
+
+    comm_hooks._Ring16 = CountedRing
+    try:
+        yield
+    finally:
+        comm_hooks._Ring16 = ring
+
+
+@contextlib.contextmanager
+def ring_messages_counted(calls):
+    """Add this rank's 16-bit rings' messages to Counter ``calls`` while the block runs."""
+    _ring_calls.calls = calls
+    try:
+        yield
+    finally:
+        _ring_calls.calls = None
+
+
 def check_layout(comm, layout):
     run = LayoutRun(SHAPE, layout, comm)
     run.step()   # the first step allocates (optimizer state, buckets); the traced one is a steady step
-    measured = traced_calls(run, comm)
+    rings = Counter()
+    with ring_messages_counted(rings):
+        measured = traced_calls(run, comm) + rings
     position = run.grid.pp_rank
     want = planned(layout, position)
     assert measured == want, (f"{layout.name()} rank {comm.Get_rank()}: measured only {sorted((measured - want).items())}"
@@ -84,13 +158,21 @@ class OneRankOfMany:
     """Rank ``rank`` of a ``size``-rank world in which every rank holds what this one holds (mpi4py's methods).
 
     A reduction returns what ``size`` equal contributions give (SUM: size x), a gather ``size`` copies, a
-    reduce-scatter this rank's block of that sum, so agreement checks pass as in a well-behaved run. Each data
-    call is recorded as (op, bytes this rank passes in) while ``recording``: what the guard and the trace record.
+    reduce-scatter this rank's block of that sum, so agreement checks pass as in a well-behaved run. What
+    ``mpidist.collectives`` is asked to do is counted by ``collectives_counted`` (not here: under the collectives
+    a 16-bit sum is staged in float32 and a sequence gather exchanges its sizes first).
+
+    ``splits``: the group sizes of the ``Split`` calls to come, in order, as the test declares them from the
+    mesh's documented order (``mesh(dp, pp, tp)``: one Split per dimension, dp first; hybrid FSDP: replicate,
+    then shard): one rank cannot see the other ranks' colors, so the world's shape is declared, not inferred.
+    A Split returns rank ``key`` of a world of the next declared size. The node (``Split_type``) is the whole
+    world.
     """
 
-    def __init__(self, size, rank=0):
+    def __init__(self, size, rank=0, splits=(), shared=None):
         from mpi4py import MPI
-        self.size, self.rank, self.calls, self.recording, self._mpi = size, rank, Counter(), False, MPI
+        self.size, self.rank, self._mpi = size, rank, MPI
+        self._shared = shared if shared is not None else {"splits": list(splits)}
 
     def Get_size(self):
         return self.size
@@ -99,7 +181,17 @@ class OneRankOfMany:
         return self.rank
 
     def Dup(self):
-        return OneRankOfMany(self.size, self.rank)
+        return OneRankOfMany(self.size, self.rank, shared=self._shared)
+
+    def Split(self, color=0, key=0):
+        if not self._shared["splits"]:
+            raise AssertionError(f"OneRankOfMany: an undeclared Split (color={color}, key={key}) of {self.size} ranks")
+        size = self._shared["splits"].pop(0)
+        assert 0 <= key < size and self.size % size == 0, (size, key, self.size)
+        return OneRankOfMany(size, key, shared=self._shared)
+
+    def Split_type(self, split_type, key=0, info=None):
+        return self.Dup()
 
     def Free(self):
         pass
@@ -112,16 +204,11 @@ class OneRankOfMany:
 
     Isend = Mprobe
 
-    def _note(self, op, buf):
-        if self.recording:
-            self.calls[(op, int(np.asarray(buf).nbytes))] += 1
-
     def _reduced(self, buf, op):
         return buf * self.size if op in (self._mpi.SUM, None) else buf
 
     def Allreduce(self, sendbuf, recvbuf, op=None):
         send = recvbuf if sendbuf is self._mpi.IN_PLACE else sendbuf
-        self._note("allreduce", _array(send))
         _array(recvbuf)[...] = self._reduced(_array(send).copy(), op)
 
     def Iallreduce(self, sendbuf, recvbuf, op=None):
@@ -130,7 +217,6 @@ class OneRankOfMany:
 
     def Allgather(self, sendbuf, recvbuf):
         send, recv = _array(sendbuf), _array(recvbuf)
-        self._note("allgather", send)
         recv.reshape(self.size, -1)[...] = send.reshape(1, -1)
 
     def Iallgather(self, sendbuf, recvbuf):
@@ -139,7 +225,6 @@ class OneRankOfMany:
 
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=None):
         send, recv = _array(sendbuf), _array(recvbuf)
-        self._note("reduce_scatter", send)
         recv.reshape(-1)[...] = self._reduced(send.reshape(self.size, -1)[self.rank], op)
 
     def Ireduce_scatter_block(self, sendbuf, recvbuf, op=None):
@@ -163,6 +248,23 @@ class OneRankOfMany:
 
     def Get_processor_name(self):
         return "node0"
+
+
+@contextlib.contextmanager
+def collectives_counted(calls):
+    """Count every call ``mpidist.collectives`` completes while the block runs into Counter ``calls``, as
+    (op, input bytes): the flight recorder's record, which ``mpidist.trace`` reads too."""
+    from mpidist.guard import record
+    from mpidist.plan.execute import _OPS
+    before = record.on_leave
+
+    def count(rec):
+        calls[(_OPS.get(rec[record.OP], rec[record.OP]), int(rec[record.BYTES]))] += 1
+    record.on_leave = count
+    try:
+        yield
+    finally:
+        record.on_leave = before
 
 
 def _array(buf):
@@ -193,6 +295,35 @@ def test_planned_calls_equal_wrappers_at_512_ranks(sharding):
         opt.step()
 
     step()
-    comm.recording = True
-    step()
-    assert comm.calls == planned(layout, 0)
+    calls = Counter()
+    with collectives_counted(calls):
+        step()
+    assert calls == planned(layout, 0)
+
+
+LAYOUTS_512 = [
+    Layout(128, 4, 1),                                    # (dp, tp): the mesh's three Splits
+    Layout(256, 2, 1, "fsdp", sequence_parallel=True),
+    Layout(512, 1, 1, "hybrid", shard_size=8),            # FSDP's (replicate, shard) mesh: two more Splits
+    Layout(128, 4, 1, "hybrid", shard_size=16, num_micro=2),
+    Layout(512, 1, 1, param_dtype="float16"),             # at 512 ranks the stamp leaves the float16 bucket
+    Layout(512, 1, 1, param_dtype="bfloat16", num_micro=2),   # buckets summed in float32, the stamp apart
+    Layout(512, 1, 1, "fsdp", gather_dtype="bfloat16"),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_512, ids=lambda lay: lay.name().replace(" ", "-"))
+def test_planned_calls_equal_wrappers_at_512_ranks_on_a_mesh(layout):
+    """The real mesh, tensor parallelism and hybrid FSDP at 512 ranks, one rank played (a tensor-parallel rank
+    other than 0, whose vocabulary shard is the padded one): its calls EQUAL the plan's."""
+    splits = [layout.dp, layout.pp, layout.tp]
+    if layout.sharding == "hybrid":
+        splits += [layout.dp // layout.shard_group, layout.shard_group]
+    comm = OneRankOfMany(layout.ranks, rank=layout.tp - 1, splits=splits)
+    run = LayoutRun(SHAPE, layout, comm)
+    assert comm._shared["splits"] == [] and run.grid.tp_rank == layout.tp - 1
+    run.step()
+    calls = Counter()
+    with collectives_counted(calls):
+        run.step()
+    assert calls == planned(layout, 0)

@@ -25,7 +25,7 @@ from mpidist.parallel.pipeline import schedules as _schedules
 from .layouts import Layout, enumerate_layouts
 from .model import ModelShape, parameters, stage_layers
 from .profile import Profile
-from .volumes import Call, calls_per_rank, ddp_buckets, fsdp_units, summarize
+from .volumes import Call, calls_per_rank, ddp_buckets, dtypes, fsdp_units, summarize
 
 __all__ = ["Estimate", "estimate", "plan", "lower_bound", "memory_per_rank", "collective_seconds", "build_schedule", "activation_bytes"]
 
@@ -113,6 +113,10 @@ def _calls_seconds(calls, profile, layout, ranks_per_node, groups) -> float:
     return total
 
 
+def _oversubscribed(profile: Profile, ranks_per_node: int) -> bool:
+    return bool(profile.cores_per_node) and ranks_per_node > profile.cores_per_node
+
+
 # -- memory --------------------------------------------------------------------------------------------------
 def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float:
     """Return the bytes one micro-batch leaves stored for backward in ``layers`` (an estimate, see docs).
@@ -122,7 +126,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
     (q, k, v, attention output, projections' inputs; MLP pre- and post-activation), and 2 per head and key
     (attention scores and probabilities). Full recompute keeps only each block's input.
     """
-    b, t, d, e, tp = layout.micro_batch, shape.seq, shape.hidden, shape.itemsize, layout.tp
+    b, t, d, e, tp = layout.micro_batch, shape.seq, shape.hidden, dtypes(shape, layout).act.itemsize, layout.tp
     sp = layout.sequence_parallel
     whole = 5 * d / (tp if sp else 1)
     split = (6 * d + 2 * shape.ffn_size) / tp + 2 * (shape.heads / tp) * t
@@ -140,37 +144,47 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
 
 
 def memory_per_rank(shape: ModelShape, layout: Layout, position: int = 0, in_flight: int = 1) -> Dict[str, float]:
-    """Return the bytes a rank at pipeline ``position`` holds, by component (see the module notes)."""
-    e = shape.itemsize
+    """Return the bytes a rank at pipeline ``position`` holds, by component (see the module notes).
+
+    Parameters and gradients in the parameters' dtype (FSDP: shards); AdamW's state per parameter as
+    ``Dtypes.optimizer_bytes`` says (16-bit parameters: float32 master, exp_avg and exp_avg_sq); FSDP's
+    gathered units in its gather dtype and unsharded gradients in its reduce dtype."""
+    dt = dtypes(shape, layout)
+    e = dt.param.itemsize
     pp, v = layout.pp, layout.chunks
     stages = stage_layers(shape, pp * v)
     mine = [s for s in range(pp * v) if s % pp == position]
     layers = [layer for s in mine for layer in stages[s]]
     local = [p for s in mine for layer in stages[s]
              for p in parameters(shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1)]
-    param_bytes = sum(p.numel for p in local) * e
+    numel = sum(p.numel for p in local)
     buffers = 0.0
     if layout.fsdp and layout.dp > 1:
         units = fsdp_units(shape, layout.tp, layout.shard_group)
-        param_bytes = sum(u["shard_numel"] for u in units) * e
-        grad_bytes = param_bytes
-        padded = sorted((u["shard_numel"] * layout.shard_group * e for u in units), reverse=True)
+        numel = sum(u["shard_numel"] for u in units)
+        grad_bytes = numel * e
+        padded = sorted((u["shard_numel"] * layout.shard_group for u in units), reverse=True)
         # gathered: the unit computing, the next one prefetched (and the embedding under a tied head);
         # unsharded grads: the unit reducing and the one computing
         tied = padded[0] if shape.tie_weights else 0
-        buffers = sum(padded[:2]) + tied + sum(padded[:2])
+        buffers = (sum(padded[:2]) + tied) * dt.gather.itemsize + sum(padded[:2]) * dt.reduce.itemsize
     elif layout.dp > 1:
-        grad_bytes = sum(sum(ddp_buckets([p for layer in stages[s] for p in parameters(
-            shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1)], e, layout.dp)) for s in mine)
+        chunks = [[p for layer in stages[s] for p in parameters(
+            shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1)] for s in mine]
+        grad_bytes = sum(sum(ddp_buckets(c, dt.param, layout.dp, layout.comm_hook)) for c in chunks)
+        if layout.comm_hook == "powersgd":   # its error feedback: a float32 copy of every bucket
+            buffers += sum(p.numel for c in chunks for p in c) * 4
     else:
-        grad_bytes = param_bytes
-    optimizer = 2 * param_bytes   # AdamW: exp_avg and exp_avg_sq in the parameters' dtype
+        grad_bytes = numel * e
+    param_bytes = numel * e
+    optimizer = numel * dt.optimizer_bytes
     per_mb = activation_bytes(shape, layout, layers) / max(1, len(mine))
     acts = per_mb * in_flight
     if layout.recompute == "full":   # one block's full activations while it is recomputed
         acts += activation_bytes(shape, Layout(**{**layout.to_dict(), "recompute": "none"}), ["blocks.0"])
     if pp > 1:   # a received activation or gradient per neighbour
-        buffers += 2 * layout.micro_batch * shape.seq * shape.hidden * e / (layout.tp if layout.sequence_parallel else 1)
+        buffers += 2 * layout.micro_batch * shape.seq * shape.hidden * dt.act.itemsize / (
+            layout.tp if layout.sequence_parallel else 1)
     out = {"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer, "activations": acts,
            "comm_buffers": buffers}
     out["total"] = sum(out.values())
@@ -185,7 +199,7 @@ def _compute_seconds(shape, layout, layers, profile, ranks_per_node):
     per_block = b * t * (2 * (4 * d * d + 2 * f * d) + 4 * t * d) / tp
     fwd = blocks * per_block + (2 * b * t * shape.vocab * d / tp if "head" in layers else 0.0)
     gemm = 2 * b * t * d * f / tp   # the MLP's first GEMM: the typical size
-    rate = profile.flops(shape.dtype) * profile.efficiency(gemm)
+    rate = profile.flops(dtypes(shape, layout).act.name) * profile.efficiency(gemm)
     if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
         rate *= profile.cores_per_node / ranks_per_node
     plain = Layout(**{**layout.to_dict(), "recompute": "none"})
@@ -194,10 +208,14 @@ def _compute_seconds(shape, layout, layers, profile, ranks_per_node):
         memory_bound *= ranks_per_node / profile.cores_per_node
     rate /= profile.compute_scale
     memory_bound *= profile.compute_scale
-    forward = fwd / rate + memory_bound / 3
-    backward = 2 * fwd / rate + 2 * memory_bound / 3
+    # The fixed cost of a layer's ops (Python, dispatch), a third in forward: it does not shrink with tp or b.
+    per_layer = profile.layer_overhead_s
+    if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
+        per_layer *= ranks_per_node / profile.cores_per_node
+    forward = fwd / rate + memory_bound / 3 + len(layers) * per_layer / 3
+    backward = 2 * fwd / rate + 2 * memory_bound / 3 + 2 * len(layers) * per_layer / 3
     if layout.recompute == "full":
-        backward += blocks * per_block / rate + memory_bound / 3
+        backward += blocks * per_block / rate + memory_bound / 3 + blocks * per_layer / 3
     return forward, backward
 
 
@@ -229,7 +247,9 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
         dp_s = _calls_seconds(calls, profile, layout, ranks_per_node, {"dp", "dp_shard", "dp_replicate", "tied"})
         if worst_mem is None or mem["total"] > worst_mem["total"]:
             worst_mem = mem
-        worst_time = _merge_time(worst_time, (f, b, tp_s, pp_s, dp_s, mem["params"], calls))
+        # AdamW streams float32 state with master weights (a third of it: the masters), else the parameters
+        updated = mem["optimizer"] / 3 if dtypes(shape, layout).masters else mem["params"]
+        worst_time = _merge_time(worst_time, (f, b, tp_s, pp_s, dp_s, updated, calls))
         if worst_calls is None or sum(c.nbytes * c.count for c in calls) > sum(c.nbytes * c.count for c in worst_calls):
             worst_calls = calls
     f, b, tp_s, pp_s, dp_s, param_bytes, calls = worst_time
@@ -253,7 +273,7 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
     # Data-parallel reductions: DDP inside a pipeline syncs after the schedule (exposed); otherwise they
     # overlap the last micro-batch's backward (DDP buckets, FSDP reduce-scatters) and FSDP gathers overlap
     # the compute of the unit before, leaving the first unit's gather.
-    if pp > 1 or dp_s == 0:
+    if pp > 1 or dp_s == 0 or _oversubscribed(profile, ranks_per_node):   # no idle core progresses transfers
         dp_exposed = dp_s
     else:
         dp_exposed = max(dp_s - (b if not layout.fsdp else compute), dp_s / (shape.layers + 2))

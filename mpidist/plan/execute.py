@@ -18,7 +18,8 @@ import numpy as np
 from mpidist import optim, trace
 from mpidist.models.gpt import GPT, GPTConfig
 from mpidist.models.gpt_parallel import tensor_parallel
-from mpidist.parallel import DDP, FSDP, Pipeline, mesh
+from mpidist.nn.precision import Policy, apply_policy
+from mpidist.parallel import DDP, FSDP, Pipeline, comm_hooks, mesh
 from mpidist.parallel.interface import as_wrapper
 
 from .layouts import Layout
@@ -49,6 +50,8 @@ class LayoutRun:
             tensor_parallel(model, self.grid.tp_comm, sequence_parallel=layout.sequence_parallel)
         if layout.recompute == "full":
             model.checkpoint_blocks()
+        if layout.param_dtype or layout.compute_dtype:
+            apply_policy(model, Policy(layout.param_dtype or shape.dtype, layout.compute_dtype or None))
         self.model, self.pipeline = model, layout.pp > 1
         dp_comm = self.grid.dp_comm if layout.dp > 1 else None
         if self.pipeline:
@@ -65,9 +68,13 @@ class LayoutRun:
             self.model = model = stages = mine = chunk = None
         elif layout.fsdp and dp_comm is not None:
             extra = {"strategy": "hybrid_shard", "shard_size": layout.shard_group} if layout.sharding == "hybrid" else {}
+            extra.update({k: getattr(layout, d) for k, d in (("param_dtype", "gather_dtype"),
+                                                             ("reduce_dtype", "reduce_dtype")) if getattr(layout, d)})
             self.wrapper = FSDP(model, dp_comm, units=model.fsdp_units(), **extra)
         elif dp_comm is not None:
             self.wrapper = DDP(model, dp_comm)
+            if layout.comm_hook != "none":
+                self.wrapper.register_comm_hook(*_hook(layout))
         else:
             self.wrapper = model
         self.interface = as_wrapper(self.wrapper)   # what every layout answers (no_sync, memory_stats)
@@ -94,6 +101,15 @@ class LayoutRun:
                     loss.backward()
         self.opt.step()
         return time.perf_counter() - began
+
+
+def _hook(layout: Layout):
+    """Return ``register_comm_hook``'s (state, hook) for ``layout.comm_hook`` (PowerSGD compressing from the first
+    synchronization on, so a short run traces its steady state)."""
+    if layout.comm_hook == "powersgd":
+        return comm_hooks.PowerSGDState(matrix_approximation_rank=layout.powersgd_rank, start_powerSGD_iter=1), \
+            comm_hooks.powerSGD_hook
+    return None, {"fp16": comm_hooks.fp16_compress_hook, "bf16": comm_hooks.bf16_compress_hook}[layout.comm_hook]
 
 
 def traced_calls(run: LayoutRun, comm) -> Counter:

@@ -11,17 +11,23 @@ Glossary:
   ``dp * micro_batch * num_micro``.
 - schedule: a name from ``mpidist.parallel.pipeline.schedules`` (``chunks`` stages per rank for the interleaved
   one); ``none`` without a pipeline.
+- precision: ``param_dtype`` and ``compute_dtype`` are an ``nn.precision.Policy`` applied to the model before
+  wrapping (16-bit parameters, gradients and DDP buckets; AdamW's float32 master weights and moments);
+  ``comm_hook`` is DDP's ``register_comm_hook`` (``mpidist.parallel.comm_hooks``); ``gather_dtype`` and
+  ``reduce_dtype`` are FSDP's own mixed precision (FSDP2's policy: shards kept as they are, units gathered and
+  gradients reduce-scattered in those dtypes). Empty: the model's one dtype (``ModelShape.dtype``).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Iterator, List, Tuple
 
-__all__ = ["Layout", "SCHEDULES", "SHARDINGS", "enumerate_layouts", "divisors"]
+__all__ = ["Layout", "SCHEDULES", "SHARDINGS", "COMM_HOOKS", "enumerate_layouts", "divisors"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")   # the names Pipeline takes
 SHARDINGS = ("ddp", "fsdp", "hybrid")
 RECOMPUTE = ("none", "full")
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")   # DDP hooks (mpidist.parallel.comm_hooks)
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,13 @@ class Layout:
     recompute: str = "none"
     sequence_parallel: bool = False
     shard_size: int = 0     # hybrid: ranks per shard group (0: all dp ranks)
+    # Mixed precision (see the module notes); "" keeps the model's one dtype for everything.
+    param_dtype: str = ""        # nn.precision.Policy: parameters stored in it (16-bit: AdamW keeps float32 masters)
+    compute_dtype: str = ""      # the Policy's activation dtype ("": the parameters')
+    comm_hook: str = "none"      # DDP's communication hook: none, fp16, bf16, powersgd
+    gather_dtype: str = ""       # FSDP(param_dtype=): units gathered and computed in it, shards stay as they are
+    reduce_dtype: str = ""       # FSDP(reduce_dtype=): gradients accumulated and reduce-scattered in it
+    powersgd_rank: int = 1       # PowerSGD's matrix_approximation_rank (comm_hook="powersgd", after its warm-up)
 
     @property
     def shard_group(self) -> int:
@@ -61,10 +74,21 @@ class Layout:
             parts.append(self.schedule + (f"v{self.chunks}" if self.chunks > 1 else ""))
         if self.recompute != "none":
             parts.append("rc")
+        if self.param_dtype or self.compute_dtype:
+            parts.append(_short(self.param_dtype or "model") + ("/" + _short(self.compute_dtype)
+                                                                 if self.compute_dtype else ""))
+        if self.comm_hook != "none":
+            parts.append(f"hook-{self.comm_hook}" + (f"{self.powersgd_rank}" if self.comm_hook == "powersgd" else ""))
+        if self.gather_dtype or self.reduce_dtype:
+            parts.append(f"mp-{_short(self.gather_dtype or 'shard')}/{_short(self.reduce_dtype or 'shard')}")
         return " ".join(parts)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _short(dtype: str) -> str:
+    return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
 
 
 def divisors(n: int) -> List[int]:

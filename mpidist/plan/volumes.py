@@ -26,12 +26,17 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List
 
+import numpy as np
+
+from mpidist import wire
+from mpidist.nn.precision import as_dtype, bfloat16, is_low_precision
 from mpidist.parallel.agreement import StepStamp
 
 from .layouts import Layout
 from .model import ModelShape, parameters, stage_layers
 
-__all__ = ["Call", "calls_per_rank", "summarize", "ddp_buckets", "fsdp_units"]
+__all__ = ["Call", "Dtypes", "dtypes", "calls_per_rank", "summarize", "ddp_buckets", "bucket_params", "fsdp_units",
+           "summed_itemsize"]
 
 _MB = 1024 * 1024
 _MANIFEST_BYTES = 8                    # the pipeline's per-message manifest: one int64 per array
@@ -48,27 +53,126 @@ class Call:
     count: int = 1
 
 
-def ddp_buckets(params, itemsize, dp, bucket_cap_mb=25, first_bucket_mb=1) -> List[int]:
-    """Return DDP's bucket sizes in bytes for parameters ``params`` (in model order), as DDP cuts them."""
-    buckets, size, cap_first, cap = [], 0, first_bucket_mb * _MB, bucket_cap_mb * _MB
-    current = False
+@dataclass(frozen=True)
+class Dtypes:
+    """The dtypes of one layout's arrays (``Layout``'s precision fields resolved against the model's dtype)."""
+
+    param: np.dtype    # parameters, their gradients, DDP's buckets, FSDP's shards
+    act: np.dtype      # activations between blocks (tensor-parallel calls, pipeline messages, the loss)
+    gather: np.dtype   # FSDP's gathered units
+    reduce: np.dtype   # FSDP's unsharded gradients and their reduce-scatter
+
+    @property
+    def masters(self) -> bool:
+        """Whether AdamW keeps float32 master weights (16-bit parameters)."""
+        return is_low_precision(self.param)
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """AdamW's state per parameter: exp_avg and exp_avg_sq (float32 with masters, which add a third)."""
+        return 12 if self.masters else 2 * self.param.itemsize
+
+
+def _dtype(name: str, what: str) -> np.dtype:
+    if name in ("float16", "fp16", "bfloat16", "bf16", "float32", "fp32"):
+        return as_dtype(name, f"plan: {what}")
+    return np.dtype(name)
+
+
+def dtypes(shape: ModelShape, layout: Layout) -> Dtypes:
+    """Return ``layout``'s dtypes: a Policy's param and compute dtypes, else FSDP's gather dtype for the
+    activations (its units compute in it), else the model's."""
+    param = _dtype(layout.param_dtype or shape.dtype, "param_dtype")
+    gather = _dtype(layout.gather_dtype, "gather_dtype") if layout.gather_dtype and layout.fsdp else param
+    act = _dtype(layout.compute_dtype, "compute_dtype") if layout.compute_dtype else gather
+    reduce = _dtype(layout.reduce_dtype, "reduce_dtype") if layout.reduce_dtype and layout.fsdp else param
+    return Dtypes(param, act, gather, reduce)
+
+
+def summed_itemsize(dtype: np.dtype) -> int:
+    """Bytes per element the collectives are handed to sum ``dtype``: its own, where ``mpidist.wire`` reduces it
+    (16-bit floats accumulate in float32 inside the collective); else float32, which the callers widen to."""
+    return dtype.itemsize if dtype in wire.SUPPORTED_DTYPES else 4
+
+
+def _bucket_itemsize(dtype: np.dtype) -> int:
+    """Bytes per element of a DDP bucket's sum without a hook: ``comm_hooks.allreduce_hook`` sums a bfloat16
+    bucket in float32."""
+    return 4 if dtype == bfloat16 else dtype.itemsize
+
+
+def bucket_params(params, itemsize, bucket_cap_mb=25, first_bucket_mb=1) -> List[list]:
+    """Return DDP's buckets as lists of ``params`` (given in model order), cut as ``DDP._build_buckets`` cuts."""
+    buckets, current, size, cap_first, cap = [], [], 0, first_bucket_mb * _MB, bucket_cap_mb * _MB
     for p in reversed(params):
         nbytes = p.numel * itemsize
         limit = cap_first if not buckets else cap
         if current and size + nbytes > limit:
-            buckets.append(size)
-            size, current = 0, False
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
         size += nbytes
-        current = True
     if current:
-        buckets.append(size)
-    if buckets and StepStamp.modulus(_dtype_of(itemsize), dp) is not None:
-        buckets[-1] += StepStamp.SLOTS * itemsize   # the step stamp rides in the last bucket
+        buckets.append(current)
     return buckets
 
 
-def _dtype_of(itemsize):
-    return {2: "float16", 4: "float32", 8: "float64"}[itemsize]
+def _stamp_in_bucket(dtype, dp, hook: str) -> bool:
+    """Whether DDP's step stamp rides in its last bucket (else: an allreduce of its own, 8 int64)."""
+    return hook == "none" and StepStamp.modulus(dtype, dp) is not None
+
+
+def ddp_buckets(params, dtype, dp, hook="none", bucket_cap_mb=25, first_bucket_mb=1) -> List[int]:
+    """Return DDP's bucket sizes in bytes (what it allocates) for ``params`` (in model order) of ``dtype``."""
+    dtype = np.dtype(dtype)
+    buckets = [sum(p.numel for p in b) * dtype.itemsize
+               for b in bucket_params(params, dtype.itemsize, bucket_cap_mb, first_bucket_mb)]
+    if buckets and _stamp_in_bucket(dtype, dp, hook):
+        buckets[-1] += StepStamp.SLOTS * dtype.itemsize
+    return buckets
+
+
+def _ring_16(group: str, numel: int, n: int, gather: bool) -> List[Call]:
+    """The 16-bit ring of ``comm_hooks`` over ``n`` ranks on ``numel`` elements: n - 1 steps, each one send and
+    one receive of a ``ceil(numel / n)``-element chunk (the reduce-scatter), and (``gather``) n - 1 more that
+    forward the finished chunks (the allgather)."""
+    chunk, steps = -(-numel // n) * 2, (n - 1) * (2 if gather else 1)
+    return [Call(group, "send", chunk, steps), Call(group, "recv", chunk, steps)]
+
+
+def _powersgd(bucket, rank: int, min_rate: float = 2.0) -> List[Call]:
+    """PowerSGD's allreduces of one bucket after its warm-up (``comm_hooks.powerSGD_hook``): the uncompressed
+    gradients in float32, then P and Q of the compressed matrices (rows x r and cols x r, float32)."""
+    plain = ps = qs = 0
+    for p in bucket:
+        if len(p.shape) >= 2:
+            rows, cols = p.shape[0], p.numel // p.shape[0]
+            r = min(rank, rows, cols)
+            if rows * cols >= min_rate * (rows + cols) * r:
+                ps, qs = ps + rows * r, qs + cols * r
+                continue
+        plain += p.numel
+    out = [Call("dp", "allreduce", plain * 4)]
+    return out + ([Call("dp", "allreduce", ps * 4), Call("dp", "allreduce", qs * 4)] if ps else [])
+
+
+def _ddp_calls(params, dt: Dtypes, layout: Layout) -> List[Call]:
+    """DDP's calls of one synchronization over ``params`` (model order): one per bucket, as its hook reduces it."""
+    dp, hook = layout.dp, layout.comm_hook
+    buckets = bucket_params(params, dt.param.itemsize)
+    out = []
+    for k, b in enumerate(buckets):
+        numel = sum(p.numel for p in b)
+        if hook in ("fp16", "bf16"):
+            out += _ring_16("dp", numel, dp, gather=True)
+        elif hook == "powersgd":
+            out += _powersgd(b, layout.powersgd_rank)
+        else:
+            stamp = StepStamp.SLOTS if k == len(buckets) - 1 and _stamp_in_bucket(dt.param, dp, hook) else 0
+            out.append(Call("dp", "allreduce", (numel + stamp) * _bucket_itemsize(dt.param)))
+    if buckets and not _stamp_in_bucket(dt.param, dp, hook):
+        out.append(Call("dp", "allreduce", _STAMP_BYTES))   # the step stamp's own message
+    return out
 
 
 def fsdp_units(shape: ModelShape, tp: int, shards: int) -> List[dict]:
@@ -81,33 +185,44 @@ def fsdp_units(shape: ModelShape, tp: int, shards: int) -> List[dict]:
     return units
 
 
-def _tp_calls(shape: ModelShape, layout: Layout, layers: List[str]) -> List[Call]:
-    """Tensor-parallel calls of one micro-batch's forward and backward through ``layers``."""
-    tp, e, b, t, d = layout.tp, shape.itemsize, layout.micro_batch, shape.seq, shape.hidden
+def _tp_calls(shape: ModelShape, layout: Layout, layers: List[str], dt: Dtypes) -> List[Call]:
+    """Tensor-parallel calls of one micro-batch's forward and backward through ``layers``.
+
+    Activations are in ``dt.act``, except the embedding's output (its lookup of the parameters as computed,
+    ``dt.gather``, reduced inside the embedding before a Policy casts it). Under sequence parallelism the
+    replicated parameters' gradients are summed in the dtype their op gives them: the norms' (fp32 ops, which
+    cast their gradient back) in the parameters', the biases' and the position table's (added to activations)
+    in the wider of the two."""
+    tp, b, t, d = layout.tp, layout.micro_batch, shape.seq, shape.hidden
     if tp == 1:
         return []
+    e, ep = dt.act.itemsize, summed_itemsize(dt.gather)
     full, part = b * t * d * e, b * (t // tp) * d * e
+    added = dt.act if dt.act.itemsize >= dt.gather.itemsize else dt.gather
+    norm_grad, added_grad = summed_itemsize(dt.gather), summed_itemsize(added)
     sp = layout.sequence_parallel
     blocks = sum(layer.startswith("blocks.") for layer in layers)
     passes = 2 if layout.recompute == "full" else 1   # a recomputed block runs its forward again in backward
     out = []
-    replicated = 4 if shape.bias else 2              # ln1, ln2 weights (and biases); proj biases below
-    if shape.bias:
-        replicated += 2
+    norms = 4 if shape.bias else 2                   # ln1, ln2 weights (and biases)
     if sp:
         out += [Call("tp", "allgather", part, 2 * blocks * passes), Call("tp", "reduce_scatter", full, 2 * blocks * passes),
                 Call("tp", "reduce_scatter", full, 2 * blocks), Call("tp", "allgather", part, 2 * blocks),
-                Call("tp", "allreduce", d * e, replicated * blocks)]
+                Call("tp", "allreduce", d * norm_grad, norms * blocks)]
+        if shape.bias:   # the row-parallel projections' biases
+            out.append(Call("tp", "allreduce", d * added_grad, 2 * blocks))
     else:
         out += [Call("tp", "allreduce", full, 2 * blocks * passes), Call("tp", "allreduce", full, 2 * blocks)]
     if "embed" in layers:
-        out.append(Call("tp", "reduce_scatter" if sp else "allreduce", full))
         if sp:
-            out += [Call("tp", "allreduce", t * d * e),   # the position table read through copy_to_tp
-                    Call("tp", "allgather", part)]           # scatter_sequence's backward
+            out += [Call("tp", "reduce_scatter", b * t * d * dt.gather.itemsize),
+                    Call("tp", "allreduce", t * d * added_grad),       # the position table read through copy_to_tp
+                    Call("tp", "allgather", b * (t // tp) * d * dt.gather.itemsize)]   # scatter_sequence's backward
+        else:
+            out.append(Call("tp", "allreduce", b * t * d * ep))
     if "head" in layers:
         if sp:
-            out += [Call("tp", "allreduce", d * e, 2 if shape.bias else 1),
+            out += [Call("tp", "allreduce", d * norm_grad, 2 if shape.bias else 1),
                     Call("tp", "allgather", part), Call("tp", "reduce_scatter", full)]
         else:
             out.append(Call("tp", "allreduce", full))
@@ -117,17 +232,18 @@ def _tp_calls(shape: ModelShape, layout: Layout, layers: List[str]) -> List[Call
 
 def calls_per_rank(shape: ModelShape, layout: Layout, position: int = 0) -> List[Call]:
     """Return every call a rank at pipeline ``position`` makes in one training step of ``layout``."""
-    e, m = shape.itemsize, layout.num_micro
+    dt = dtypes(shape, layout)
+    m = layout.num_micro
     pp, v = layout.pp, layout.chunks
     stages = stage_layers(shape, pp * v)
     mine = [s for s in range(pp * v) if s % pp == position]
     out = []
     for s in mine:
-        for c in _tp_calls(shape, layout, stages[s]):
+        for c in _tp_calls(shape, layout, stages[s], dt):
             out.append(Call(c.group, c.op, c.nbytes, c.count * m))
     if pp > 1:
         t_local = shape.seq // layout.tp if layout.sequence_parallel else shape.seq
-        act = layout.micro_batch * t_local * shape.hidden * e
+        act = layout.micro_batch * t_local * shape.hidden * dt.act.itemsize
         # Each message is a manifest (one int64 per array: a GPT stage passes one) and then the array.
         manifest = _MANIFEST_BYTES
         for s in mine:
@@ -138,39 +254,39 @@ def calls_per_rank(shape: ModelShape, layout: Layout, position: int = 0) -> List
         tied = shape.tie_weights and (0 in mine or pp * v - 1 in mine)
         if tied:
             vocab = parameters(shape, "embed", layout.tp)[0]
-            out.append(Call("tied", "allreduce", vocab.numel * e))
+            out.append(Call("tied", "allreduce", vocab.numel * summed_itemsize(dt.param)))
         if layout.dp > 1 and pp * v - 1 in mine:
             out.append(Call("dp", "allreduce", 8))   # the replicas' mean loss (one float64)
     if layout.dp > 1:
         if layout.fsdp:
-            out += _fsdp_calls(shape, layout)
+            out += _fsdp_calls(shape, layout, dt)
         else:
             for s in mine:
-                params = [p for layer in stages[s] for p in parameters(
-                    shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1)]
-                out += [Call("dp", "allreduce", nbytes) for nbytes in ddp_buckets(params, e, layout.dp)]
+                out += _ddp_calls([p for layer in stages[s] for p in parameters(
+                    shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1)], dt, layout)
     return _merge(out)
 
 
-def _fsdp_calls(shape: ModelShape, layout: Layout) -> List[Call]:
-    e, m = shape.itemsize, layout.num_micro
+def _fsdp_calls(shape: ModelShape, layout: Layout, dt: Dtypes) -> List[Call]:
+    """FSDP's calls: units gathered in ``dt.gather``; gradients reduce-scattered in ``dt.reduce`` (16-bit: the
+    ``comm_hooks`` ring, point to point), then averaged over the replicas in the shards' dtype."""
+    m = layout.num_micro
     shards = layout.dp if layout.sharding == "fsdp" else layout.shard_group
+    group = "dp_shard" if layout.sharding == "hybrid" else "dp"
     units = fsdp_units(shape, layout.tp, shards)
     by_label = {u["label"]: u for u in units}
     out = []
-    for u in units:   # each unit gathers itself and the units whose (tied) weights it uses
+    for u in units:   # each unit gathers itself and the units whose (tied) weights it uses, forward and backward
         for label in (u["label"],) + u["uses"]:
-            out.append(Call("dp_shard" if layout.sharding == "hybrid" else "dp", "allgather",
-                            by_label[label]["shard_numel"] * e, m))
-        out.append(Call("dp_shard" if layout.sharding == "hybrid" else "dp", "reduce_scatter",
-                        u["shard_numel"] * shards * e))
+            out.append(Call(group, "allgather", by_label[label]["shard_numel"] * dt.gather.itemsize, 2 * m))
+        if dt.reduce.itemsize == 2:
+            out += _ring_16(group, u["shard_numel"] * shards, shards, gather=False)
+        else:
+            out.append(Call(group, "reduce_scatter", u["shard_numel"] * shards * dt.reduce.itemsize))
         if layout.sharding == "hybrid":
-            out.append(Call("dp_replicate", "allreduce", u["shard_numel"] * e))
+            out.append(Call("dp_replicate", "allreduce", u["shard_numel"] * summed_itemsize(dt.param)))
     out.append(Call("dp", "allreduce", _STAMP_BYTES, 2 * m))
-    fwd_bwd = []
-    for c in out:   # gathers happen in forward and in backward
-        fwd_bwd.append(Call(c.group, c.op, c.nbytes, c.count * (2 if c.op == "allgather" else 1)))
-    return fwd_bwd
+    return out
 
 
 def _merge(calls: List[Call]) -> List[Call]:
