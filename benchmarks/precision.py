@@ -5,6 +5,7 @@ Run from the repo root:
 
     .venv/bin/python benchmarks/precision.py quality [--steps 80] [--json PATH]
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/precision.py comm [--steps 12] [--json PATH]
+    .venv/bin/python benchmarks/precision.py cluster [--rate 100mbit] [--steps 40] [--json PATH]   # root
 
 Results and the commands that made them: docs/precision.md (docs/precision_*.json).
 
@@ -23,6 +24,16 @@ what each rank sends per step by the algorithm's count: a ring allreduce of B by
 message allreduce, and our 16-bit ring exactly), a reduce-scatter or allgather (N-1)/N B; PowerSGD sends its P and
 Q factors (float32) and the uncompressed tensors. Step times are medians of the slowest rank (one BLAS thread per
 rank); on one node the link is shared memory, so they show the compute cost of compression more than its gain.
+
+cluster (root; brings up tests/cluster/vcluster.py's virtual cluster, 2 nodes x 2 ranks in block placement, each
+node's link shaped to ``--rate`` by tc's tbf, and always tears it down): the same GPT under DDP, batch 2 per rank
+(the global batch of 8 the quality runs use), buckets of 0.25 MB (5 buckets), AdamW lr 3e-3, seed 0, ``--steps``
+steps each with the float32 MPI allreduce (no hook), ``bf16_compress_hook`` and ``powerSGD_hook`` (rank 4, plain
+for the first 2 synchronizations), the two hooks also with ``DDP(overlap=False)`` (every bucket launched after
+backward: what the hooks' overlap with backward saves). Reports the median of the slowest rank's step (steps 3
+on), gradient bytes per rank by the algorithm's count, the bytes each node's link carried per step (its tx
+counter: everything, the 16-bit ring's and MPI's messages and the step's barriers), the mean training loss of
+the last 4 steps and the validation loss after ``--steps`` steps.
 """
 
 import argparse
@@ -97,6 +108,20 @@ def _ring(nbytes, n, factor=2):
     return int(factor * (n - 1) / n * nbytes)
 
 
+def _powersgd_bytes(ddp, r, size):
+    """Bytes each rank sends per step under PowerSGD rank ``r`` (float32 P and Q, plus the uncompressed rest)."""
+    compressed = plain = 0
+    for bucket in ddp.buckets:
+        for view in bucket.views:
+            rows_, cols = view.shape[0], view.size // max(view.shape[0], 1)
+            rank = min(r, rows_, cols)
+            if view.ndim >= 2 and rows_ * cols >= 2.0 * (rows_ + cols) * rank:
+                compressed += (rows_ + cols) * rank
+            else:
+                plain += view.size
+    return _ring(4 * (compressed + plain), size)
+
+
 def comm_bench(steps, comm):
     from mpidist.parallel import comm_hooks
     from mpidist.parallel.ddp import DDP
@@ -134,16 +159,7 @@ def comm_bench(steps, comm):
                      "loss_last4": loss})
     state = comm_hooks.PowerSGDState(matrix_approximation_rank=4, start_powerSGD_iter=2)
     ddp, ms, loss = run(lambda m: DDP(m, comm), comm_hooks.powerSGD_hook, state)
-    compressed = plain = 0
-    for bucket in ddp.buckets:
-        for view in bucket.views:
-            rows_, cols = view.shape[0], view.size // max(view.shape[0], 1)
-            r = min(4, rows_, cols)
-            if view.ndim >= 2 and rows_ * cols >= 2.0 * (rows_ + cols) * r:
-                compressed += (rows_ + cols) * r
-            else:
-                plain += view.size
-    rows.append({"setup": "ddp powerSGD_hook rank 4", "grad_bytes_sent_per_rank": _ring(4 * (compressed + plain), size),
+    rows.append({"setup": "ddp powerSGD_hook rank 4", "grad_bytes_sent_per_rank": _powersgd_bytes(ddp, 4, size),
                  "step_ms": ms, "loss_last4": loss})
     for name, reduce_dtype, elem_bytes in (("fsdp param bf16, reduce fp32", None, 4),
                                            ("fsdp param bf16, reduce bf16", "bf16", 2)):
@@ -160,14 +176,127 @@ def comm_bench(steps, comm):
                        "parameters": int(numel)}, "rows": rows}
 
 
+CLUSTER_BATCH = 2  # per rank: 4 ranks x 2 = the quality runs' batch of 8
+CLUSTER_BUCKET_MB = 0.25  # 1 MB of gradients in 5 buckets: DDP's defaults (1 MB first, 25 MB) would make one
+
+
+def _link_tx():
+    """Return the bytes this node's link has sent (inside a virtual-cluster node: its eth0), or None elsewhere."""
+    try:
+        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
+def cluster_worker(steps, comm):
+    """Inside the job: DDP GPT training with each gradient communication; rows of timings, bytes and losses."""
+    from mpi4py import MPI
+    from mpidist.parallel import comm_hooks
+    from mpidist.parallel.ddp import DDP
+    size, rank = comm.Get_size(), comm.Get_rank()
+    hosts = comm.allgather(MPI.Get_processor_name())
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    reads_link = node.Get_rank() == 0  # one rank per node reads its node's counter
+    train, val = datasets()
+    numel = sum(p.data.size for p in GPT(CONFIG, rng=np.random.default_rng(0)).parameters())
+    rows = []
+    def powersgd():
+        return comm_hooks.PowerSGDState(matrix_approximation_rank=4, start_powerSGD_iter=2)
+
+    for name, hook, make_state, overlap in (
+            ("ddp fp32 allreduce", None, None, True),
+            ("ddp bf16_compress_hook", comm_hooks.bf16_compress_hook, None, True),
+            ("ddp bf16_compress_hook, overlap=False", comm_hooks.bf16_compress_hook, None, False),
+            ("ddp powerSGD_hook rank 4", comm_hooks.powerSGD_hook, powersgd, True),
+            ("ddp powerSGD_hook rank 4, overlap=False", comm_hooks.powerSGD_hook, powersgd, False)):
+        model = GPT(CONFIG, rng=np.random.default_rng(0))
+        ddp = DDP(model, comm, overlap=overlap, bucket_cap_mb=CLUSTER_BUCKET_MB, first_bucket_mb=CLUSTER_BUCKET_MB)
+        if hook is not None:
+            ddp.register_comm_hook(make_state() if make_state else None, hook)
+        opt = optim.AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.0)
+        times, losses, waits = [], [], []
+        comm.Barrier()
+        tx0 = _link_tx() if reads_link else None
+        for step in range(steps):
+            x, y = batch(train, step * size + rank, 0, CLUSTER_BATCH)
+            comm.Barrier()
+            start = time.perf_counter()
+            opt.zero_grad()
+            loss = lm_loss(ddp(x), y)
+            before = ddp.stats["sync_wait_s"]
+            loss.backward()
+            waits.append(ddp.stats["sync_wait_s"] - before)
+            opt.step()
+            times.append(time.perf_counter() - start)
+            losses.append(float(loss.data))
+        comm.Barrier()
+        tx1 = _link_tx() if reads_link else None
+        link = [(t1 - t0) / steps for t0, t1 in [(tx0, tx1)] if t0 is not None and t1 is not None]
+        per_node = [v for got in comm.allgather(link) for v in got]
+        slowest = np.max(comm.allgather(times), axis=0)
+        exposed = np.max(comm.allgather(waits), axis=0)
+        mean_losses = np.mean(comm.allgather(losses), axis=0)
+        if hook is None:
+            grad_bytes = _ring(4 * numel, size)  # by a ring's count; MPI's allreduce may send less over the link
+        elif hook is comm_hooks.bf16_compress_hook:
+            grad_bytes = _ring(2 * numel, size)
+        else:
+            grad_bytes = _powersgd_bytes(ddp, 4, size)
+        rows.append({"setup": name, "step_ms": 1e3 * float(np.median(slowest[3:])),
+                     "exposed_sync_ms": 1e3 * float(np.median(exposed[3:])),
+                     "grad_bytes_sent_per_rank": grad_bytes,
+                     "link_bytes_per_step_per_node": [float(v) for v in per_node],
+                     "loss_last4": float(np.mean(mean_losses[-4:])), "val_loss": val_loss(model, val),
+                     "slowest_step_ms": [1e3 * float(t) for t in slowest]})
+    node.Free()
+    return {"config": {"model": repr(CONFIG), "batch_per_rank": CLUSTER_BATCH, "steps": steps, "ranks": size,
+                       "hosts": hosts, "parameters": int(numel), "optimizer": "AdamW lr 3e-3", "seed": 0},
+            "rows": rows}
+
+
+def cluster_driver(args):
+    """Bring up 2 nodes x 2 ranks with shaped links, run ``cluster_worker`` there, tear down; return its JSON."""
+    import subprocess
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", "tests", "cluster"))
+    import vcluster
+    why = vcluster.unavailable()
+    if why:
+        raise SystemExit(why)
+    with vcluster.VirtualCluster(nodes=2, rate=args.rate) as cluster, tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "cluster.json")
+        argv = cluster.mpiexec([sys.executable, os.path.abspath(__file__), "cluster", "--worker", "--out", out,
+                                "--steps", str(args.steps or 40)], ppn=2, placement="block")
+        env = dict(os.environ, OMP_NUM_THREADS="1", MPIDIST_COLLECTIVE_TIMEOUT="600")
+        subprocess.run(argv, check=True, env=env, timeout=600, cwd=tmp)
+        with open(out) as f:
+            result = json.load(f)
+    result["rate"] = args.rate
+    result["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["quality", "comm"])
+    parser.add_argument("what", choices=["quality", "comm", "cluster"])
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--rate", default="100mbit", help="cluster: each node's link rate, tc syntax")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.what == "cluster" and args.worker:
+        from mpi4py import MPI
+        result = cluster_worker(args.steps or 40, MPI.COMM_WORLD)
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            files.write_text_atomic(args.out, json.dumps(result))
+        return
     if args.what == "quality":
         result, rank = quality(args.steps or 80), 0
+    elif args.what == "cluster":
+        result, rank = cluster_driver(args), 0
     else:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
