@@ -241,13 +241,17 @@ def test_retain_freed_memory_rejects_bad_threshold():
         retain_freed_memory(threshold_bytes=0)
 
 
+@pytest.mark.parametrize("b, t, h", [(9, 64, 4), (7, 141, 1)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_multi_head_attention_sequence_by_sequence_is_split_heads_attention(causal):
-    # Long enough that the plain path runs a few sequences at a time (their scores fill _CHUNK), and with a batch
-    # that does not divide evenly into those runs.
+def test_multi_head_attention_sequence_by_sequence_is_split_heads_attention(causal, b, t, h):
+    # Long enough that the plain path runs a few sequences at a time (their scores fill _SCORES_CHUNK), and with a
+    # batch that does not divide evenly into those runs; at t = 141 causal attention runs in two row blocks of
+    # unequal length (70 and 71 rows).
     rng = np.random.default_rng(11)
-    b, t, h, d = 5, 64, 4, 8
-    assert 1 < -(-b // max(1, F._CHUNK // (h * t * t))) and b % max(1, F._CHUNK // (h * t * t))
+    d = 8
+    per = max(1, F._SCORES_CHUNK // (h * t * t))
+    assert 1 < -(-b // per) and b % per
+    assert len(F._causal_row_blocks(t)) == (1 if t == 64 else 2)
     qkv, dy = rng.standard_normal((b, t, 3 * d)), rng.standard_normal((b, t, d))
 
     def split(x):
@@ -314,3 +318,24 @@ def test_tensor_parallel_attention_reads_its_heads_packed_without_copies(comm):
     names = _op_names(layer(x))
     assert "MultiHeadAttention" in names
     assert not names & {"Permute", "Split", "Attention"}, names
+
+
+def test_causal_attention_never_forms_the_scores_of_unseen_keys():
+    # Query 0 against key t-1 overflows float32 (1e20 * 1e20); causal attention masks it, so nothing may depend on
+    # it. Row block by row block, no query forms a score against keys past its block, so every value stays finite
+    # and matches the float64 formula (which forms the score and masks it); the full (t, t) square gave NaN here.
+    b, t, h, hd = 1, 128, 1, 2
+    assert len(F._causal_row_blocks(t)) > 1
+    rng = np.random.default_rng(13)
+    q, k, v = (rng.uniform(0.5, 1.0, (b, t, hd)).astype(np.float32) for _ in range(3))
+    q[..., 0] = k[..., 0] = 0.0
+    q[0, 0], k[0, t - 1] = (1e20, 0.0), (1e20, 0.0)
+    dy = rng.standard_normal((b, t, hd)).astype(np.float32)
+    out, (grad,) = _grads(lambda x: F.multi_head_attention(x, h, is_causal=True),
+                          [np.concatenate([q, k, v], axis=-1)], dy)
+    assert np.isfinite(out).all() and np.isfinite(grad).all()
+    ref_out, ref_gq, ref_gk, ref_gv = _attention64(*(a.astype(np.float64)[:, None] for a in (q, k, v, dy)), True)
+    _close(out, ref_out[:, 0])
+    np.testing.assert_allclose(grad[..., hd:], np.concatenate([ref_gk, ref_gv], axis=-1)[:, 0], rtol=1e-4, atol=1e-6)
+    # dL/dq_0 is ds @ k: 1e20-sized rows of k meet zero score gradients; held to the reference's own scale.
+    _close(grad[..., :hd], ref_gq[:, 0])

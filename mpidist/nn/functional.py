@@ -718,6 +718,17 @@ def _softmax_scores_(scores, scale, bias):
     scores *= inv[..., None]
 
 
+_SCORES_CHUNK = 2 * _CHUNK  # scores per slice of multi_head_attention (the causal blocks fill 3/4 of them)
+_CAUSAL_ROW_BLOCK = 64  # rows per block of causal attention: smaller blocks skip more, but BLAS slows on them
+
+
+def _causal_row_blocks(t):
+    """Return the row blocks [(r0, r1), ...] of causal attention over ``t`` positions (about _CAUSAL_ROW_BLOCK rows each)."""
+    n = builtins.max(1, round(t / _CAUSAL_ROW_BLOCK))
+    bounds = [t * j // n for j in range(n + 1)]
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+
 def _attention_scores_grad(dp, probs, row_dot, scale):
     """Turn ``dp = dL/d(probs * drop)`` into the scores' gradient, in place: ``probs (dp - row_dot) scale``.
 
@@ -793,17 +804,22 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
     # causal bias, shift, exp, sum, division) and the product with V then read a slice that is still in L2.
     by_sequence = xp is np and attn_mask is None and not (dropout_p and training) and t
     if by_sequence:
-        per = builtins.max(1, _CHUNK // (h * t * t))
+        per = builtins.max(1, _SCORES_CHUNK // (h * t * t))
         probs, drop = xp.empty((b, h, t, t), dtype=X.dtype), None
         out = xp.empty((b, t, h, hd), dtype=X.dtype)
         out4 = out.transpose(0, 2, 1, 3)
         bias = xp.triu(xp.full((t, t), -np.inf, dtype=X.dtype), k=1) if is_causal else None
+        # Causal: row block [r0, r1) sees keys [0, r1) only, so its scores, softmax and products stop there (3/4
+        # of the square with two blocks); the scores right of r1 are never formed, read or written (and backward
+        # reads the same regions). Without a mask, one block: the whole square.
+        blocks = _causal_row_blocks(t) if is_causal else ((0, t),)
         for lo in range(0, b, per):
             i = slice(lo, lo + per)
-            p = probs[i]
-            xp.matmul(Q[i], K[i].swapaxes(-1, -2), out=p)
-            _softmax_scores_(p, s, bias)
-            _matmul_into(p, V[i], out4[i])
+            for r0, r1 in blocks:
+                p = probs[i, :, r0:r1, :r1]
+                _matmul_into(Q[i, :, r0:r1], K[i, :, :r1].swapaxes(-1, -2), p)
+                _softmax_scores_(p, s, None if bias is None else bias[r0:r1, :r1])
+                _matmul_into(p, V[i, :, :r1], out4[i, :, r0:r1])
     else:
         probs, drop = _attention_probs(Q, K, s, is_causal, attn_mask, dropout_p, training, generator)
         out = xp.empty((b, t, h, hd), dtype=np.result_type(probs.dtype, V.dtype))
@@ -820,11 +836,16 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
             for lo in range(0, b, per):
                 i = slice(lo, lo + per)
                 p, Gi, ds = probs[i], G[i], dp[:builtins.min(per, b - lo)]
-                _matmul_into(p.swapaxes(-1, -2), Gi, gv[i])
-                xp.matmul(Gi, V[i].swapaxes(-1, -2), out=ds)
-                _attention_scores_grad(ds, p, _row_dot(Gi, out4[i]), s)
-                _matmul_into(ds, K[i], gq[i])
-                _matmul_into(ds.swapaxes(-1, -2), Q[i], gk[i])
+                row_dot = _row_dot(Gi, out4[i])
+                for r0, r1 in blocks:  # the scores' gradient, row block by row block, on the forward's regions
+                    dsr = ds[:, :, r0:r1, :r1]
+                    _matmul_into(Gi[:, :, r0:r1], V[i, :, :r1].swapaxes(-1, -2), dsr)
+                    _attention_scores_grad(dsr, p[:, :, r0:r1, :r1], row_dot[:, :, r0:r1], s)
+                    _matmul_into(dsr, K[i, :, :r1], gq[i, :, r0:r1])
+                # Keys [c0, c1) are seen by the rows from c0 on: the column block of the same regions.
+                for c0, c1 in blocks:
+                    _matmul_into(p[:, :, c0:, c0:c1].swapaxes(-1, -2), Gi[:, :, c0:], gv[i, :, c0:c1])
+                    _matmul_into(ds[:, :, c0:, c0:c1].swapaxes(-1, -2), Q[i, :, c0:], gk[i, :, c0:c1])
             return (grad.reshape(b, t, 3 * d),)
         _matmul_into((probs * drop if drop is not None else probs).swapaxes(-1, -2), G, gv)
         dp = G @ V.swapaxes(-1, -2)
