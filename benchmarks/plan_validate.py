@@ -1,17 +1,29 @@
-"""Planner vs measurement on this machine: per-rank peak memory and step time of dp/fsdp/tp/pp layouts at 2 and 4 ranks.
+"""Planner vs measurement: per-rank peak memory and step time of dp/fsdp/tp/pp layouts on this machine and on the virtual cluster.
 
-Run from the repo root (spawns ``mpiexec -n N`` for each N, one worker per rank):
+Run from the repo root, one part per call (each under a few minutes, so each fits one quiet window), then merge:
 
-    .venv/bin/python benchmarks/plan_validate.py --json docs/plan_validate.json [--profile local] [--steps 4]
+    .venv/bin/python benchmarks/plan_validate.py --ranks 2 --profile local --json docs/plan_validate_2.json
+    .venv/bin/python benchmarks/plan_validate.py --ranks 4 --profile local --json docs/plan_validate_4.json
+    .venv/bin/python benchmarks/plan_validate.py --vcluster 200mbit --profile vcluster-2x2 \
+        --json docs/plan_validate_vcluster.json          # 2 nodes x 2 ranks, links shaped (needs root)
+    .venv/bin/python benchmarks/plan_validate.py --merge docs/plan_validate_2.json docs/plan_validate_4.json \
+        docs/plan_validate_vcluster.json --json docs/plan_validate.json
 
 Each layout is built for real (``mpidist.plan.execute.LayoutRun``: a GPT, the mesh, tensor parallel,
 DDP/FSDP/Pipeline, AdamW) and stepped: one warm-up step, then ``--steps`` timed steps (median of the slowest
 rank). Peak memory per rank is the arrays' bytes: the wrapper's persistent bytes (``memory_stats``: parameters,
 gradients, optimizer state) plus the most ``tracemalloc`` saw allocated on top during a step (activations,
 gathered parameters, buffers); the largest over ranks is compared with the planner's per-rank total.
-Prediction: ``mpidist.plan.estimate`` with the profile (default ``local``, written by
-``python -m mpidist plan --calibrate``). Reported: signed errors per layout, their median, and Kendall's tau
-between predicted and measured step times (on an oversubscribed machine the ranking is what counts).
+
+Interference: the machine is shared, so each layout's timed steps also record the CPU time the whole machine
+spent (``/proc/stat``: user, nice, system, steal) minus the CPU time of this job's ranks: the "foreign" share of
+the cores. A layout whose share exceeds ``--max-foreign`` is measured again (up to ``--tries`` times); the
+attempt with the least foreign share is kept, and its share is reported with the row.
+
+Prediction: ``mpidist.plan.estimate`` with the profile (``python -m mpidist plan --calibrate`` writes one), and
+``ranks_per_node`` = the ranks on one node. Reported: signed errors per layout, their median, Kendall's tau
+between predicted and measured step times, and the measured step of the layout the planner ranks first against
+the measured best.
 """
 import argparse
 import json
@@ -25,40 +37,68 @@ import tracemalloc
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, REPO)
 
-from mpidist.plan import Layout, ModelShape, estimate, load_profile  # noqa: E402
+from mpidist.plan import Layout, ModelShape, Profile, estimate, load_profile  # noqa: E402
+from mpidist.plan.calibrate import machine_busy_seconds  # noqa: E402
 
 SHAPE = ModelShape(layers=4, hidden=128, heads=4, vocab=256, seq=64)
 BATCH = 16
 LAYOUTS = {
-    2: [Layout(2, 1, 1, micro_batch=8), Layout(2, 1, 1, micro_batch=4, num_micro=2), Layout(2, 1, 1, "fsdp", micro_batch=8),
-        Layout(1, 2, 1, micro_batch=16), Layout(1, 2, 1, micro_batch=16, sequence_parallel=True),
-        Layout(1, 1, 2, micro_batch=4, num_micro=4, schedule="1f1b"),
-        Layout(1, 1, 2, micro_batch=2, num_micro=8, schedule="gpipe"),
-        Layout(2, 1, 1, micro_batch=8, recompute="full")],
-    4: [Layout(4, 1, 1, micro_batch=4), Layout(4, 1, 1, "fsdp", micro_batch=4),
-        Layout(2, 2, 1, micro_batch=8), Layout(1, 4, 1, micro_batch=16),
-        Layout(2, 1, 2, micro_batch=4, num_micro=2, schedule="1f1b"),
-        Layout(1, 1, 4, micro_batch=2, num_micro=8, schedule="1f1b"),
-        Layout(1, 2, 2, micro_batch=4, num_micro=4, schedule="1f1b")],
+    "2": [Layout(2, 1, 1, micro_batch=8), Layout(2, 1, 1, micro_batch=4, num_micro=2),
+          Layout(2, 1, 1, "fsdp", micro_batch=8),
+          Layout(1, 2, 1, micro_batch=16), Layout(1, 2, 1, micro_batch=16, sequence_parallel=True),
+          Layout(1, 1, 2, micro_batch=4, num_micro=4, schedule="1f1b"),
+          Layout(1, 1, 2, micro_batch=2, num_micro=8, schedule="gpipe"),
+          Layout(2, 1, 1, micro_batch=8, recompute="full")],
+    "4": [Layout(4, 1, 1, micro_batch=4), Layout(4, 1, 1, "fsdp", micro_batch=4),
+          Layout(2, 2, 1, micro_batch=8), Layout(1, 4, 1, micro_batch=16),
+          Layout(2, 1, 2, micro_batch=4, num_micro=2, schedule="1f1b"),
+          Layout(1, 1, 4, micro_batch=2, num_micro=8, schedule="1f1b"),
+          Layout(1, 2, 2, micro_batch=4, num_micro=4, schedule="1f1b")],
+    # 2 nodes x 2 ranks (block placement): tensor-parallel pairs inside a node, the rest across the link
+    "2x2": [Layout(4, 1, 1, micro_batch=4), Layout(4, 1, 1, "fsdp", micro_batch=4),
+            Layout(4, 1, 1, "hybrid", micro_batch=4, shard_size=2),
+            Layout(2, 2, 1, micro_batch=8),
+            Layout(2, 1, 2, micro_batch=4, num_micro=2, schedule="1f1b"),
+            Layout(1, 2, 2, micro_batch=4, num_micro=4, schedule="1f1b")],
 }
 
 
-def worker(n, steps):
+def _timed_steps(run, comm, steps):
+    """Return (median of the slowest rank's step seconds, foreign share of the cores during them)."""
+    from mpi4py import MPI
+    comm.Barrier()
+    busy0, own0, wall0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
+    times = []
+    for _ in range(steps):
+        comm.Barrier()
+        times.append(comm.allreduce(run.step(), op=MPI.MAX))
+    comm.Barrier()
+    own = comm.allreduce(time.process_time() - own0, op=MPI.SUM)
+    wall = time.perf_counter() - wall0
+    busy = comm.bcast(machine_busy_seconds() - busy0 if comm.Get_rank() == 0 else None)
+    foreign = max(0.0, busy - own) / (wall * (os.cpu_count() or 1))
+    return statistics.median(times), foreign
+
+
+def worker(part, steps, tries, max_foreign):
     from mpi4py import MPI
 
     from mpidist.plan.execute import LayoutRun
     comm = MPI.COMM_WORLD
     rows = []
-    for layout in LAYOUTS[n]:
+    for layout in LAYOUTS[part]:
         run = LayoutRun(SHAPE, layout, comm)
         run.step()
-        times = []
-        for _ in range(steps):
-            comm.Barrier()
-            seconds = run.step()
-            times.append(comm.allreduce(seconds, op=MPI.MAX))
+        attempts = []
+        for _ in range(tries):
+            attempts.append(_timed_steps(run, comm, steps))
+            if attempts[-1][1] <= max_foreign:
+                break
+            time.sleep(2.0)   # another job's burst: let it pass
+        step_s, foreign = min(attempts, key=lambda a: a[1])
         stats = run.interface.memory_stats(run.opt)
         persistent = stats["persistent_bytes"]
         comm.Barrier()
@@ -68,8 +108,9 @@ def worker(n, steps):
         transient = tracemalloc.get_traced_memory()[1] - base
         tracemalloc.stop()
         peak = comm.allreduce(persistent + transient, op=MPI.MAX)
-        rows.append({"layout": layout.to_dict(), "name": layout.name(), "step_s": statistics.median(times),
-                     "peak_bytes": peak})
+        rows.append({"layout": layout.to_dict(), "name": layout.name(), "step_s": step_s, "peak_bytes": peak,
+                     "foreign_cpu_share": foreign, "attempts": [{"step_s": a[0], "foreign_cpu_share": a[1]}
+                                                                 for a in attempts]})
         del run
     if comm.Get_rank() == 0:
         print("RESULT " + json.dumps(rows))
@@ -87,54 +128,151 @@ def kendall_tau(a, b):
     return (concordant - discordant) / pairs if pairs else float("nan")
 
 
+def _scores(rows, predicted):
+    measured = [r["step_s"] for r in rows]
+    chosen = predicted.index(min(predicted))
+    return {"kendall_tau": kendall_tau(predicted, measured),
+            "median_abs_step_error": statistics.median(abs(p / m - 1) for p, m in zip(predicted, measured)),
+            "chosen": rows[chosen]["name"], "chosen_vs_best": measured[chosen] / min(measured) - 1}
+
+
+def predict(rows, profile, ranks_per_node, ranks, cores):
+    """Add the planner's prediction and the errors to ``rows``; return the part's summary (with the same
+    scores for the profile's knobs left neutral, ``compute_scale`` 1 and no per-layer overhead: uncalibrated)."""
+    neutral = Profile.from_dict(dict(profile.to_dict(), compute_scale=1.0, layer_overhead_s=0.0))
+    for row in rows:
+        row["uncalibrated_step_s"] = estimate(SHAPE, Layout(**row["layout"]), neutral, ranks_per_node).time["step"]
+        est = estimate(SHAPE, Layout(**row["layout"]), profile, ranks_per_node)
+        row["predicted_step_s"] = est.time["step"]
+        row["predicted_peak_bytes"] = est.memory["total"]
+        row["predicted_time"] = est.time
+        row["predicted_memory"] = est.memory
+        row["step_error"] = est.time["step"] / row["step_s"] - 1
+        row["memory_error"] = est.memory["total"] / row["peak_bytes"] - 1
+    measured = [r["step_s"] for r in rows]
+    predicted = [r["predicted_step_s"] for r in rows]
+    chosen = rows[predicted.index(min(predicted))]
+    return {"kendall_tau": kendall_tau(predicted, measured),
+            "median_abs_step_error": statistics.median(abs(r["step_error"]) for r in rows),
+            "median_abs_memory_error": statistics.median(abs(r["memory_error"]) for r in rows),
+            "chosen": chosen["name"], "chosen_vs_best": chosen["step_s"] / min(measured) - 1,
+            "best": rows[measured.index(min(measured))]["name"],
+            "max_foreign_cpu_share": max(r["foreign_cpu_share"] for r in rows),
+            "oversubscribed": ranks > cores, "uncalibrated": _scores(rows, [r["uncalibrated_step_s"] for r in rows])}
+
+
+def print_part(name, part):
+    s = part["summary"]
+    print(f"-- {name}: {part['ranks']} ranks, {part['ranks_per_node']} per node, {part['cores']} cores "
+          f"(profile {part['profile']}, {part['date']})")
+    print(f"{'layout':<36} {'meas ms':>8} {'pred ms':>8} {'err':>7} {'meas MiB':>9} {'pred MiB':>9} {'err':>7} "
+          f"{'foreign':>8}")
+    for r in part["rows"]:
+        print(f"{r['name']:<36} {r['step_s'] * 1e3:>8.1f} {r['predicted_step_s'] * 1e3:>8.1f} "
+              f"{r['step_error']:>+7.0%} {r['peak_bytes'] / 2**20:>9.2f} {r['predicted_peak_bytes'] / 2**20:>9.2f} "
+              f"{r['memory_error']:>+7.0%} {r['foreign_cpu_share']:>8.0%}")
+    print(f"Kendall tau {s['kendall_tau']:.2f}; median |step error| {s['median_abs_step_error']:.0%}; "
+          f"median |memory error| {s['median_abs_memory_error']:.0%}; chosen {s['chosen']} "
+          f"({s['chosen_vs_best']:+.0%} vs the measured best, {s['best']})")
+    u = s["uncalibrated"]
+    print(f"uncalibrated (compute_scale 1, no layer overhead): Kendall tau {u['kendall_tau']:.2f}; median |step "
+          f"error| {u['median_abs_step_error']:.0%}; chosen {u['chosen']} ({u['chosen_vs_best']:+.0%})")
+
+
+def launch(part, args, cluster=None):
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", part, "--steps", str(args.steps),
+           "--tries", str(args.tries), "--max-foreign", str(args.max_foreign)]
+    if cluster is None:
+        mpiexec = os.environ.get("MPIDIST_MPIEXEC") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        argv = [mpiexec, "-n", part] + cmd
+    else:
+        argv = cluster.mpiexec(cmd, ppn=2)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=REPO)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        sys.exit(f"plan_validate: {part} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def merge(args):
+    """Return the parts of ``args.merge`` by name; several runs of one part become one: per layout the median
+    of the runs' steps whose foreign share is at most ``--max-foreign``, predicted again with ``--profile``
+    (one node) or ``--vcluster-profile`` (the virtual cluster)."""
+    runs = {}
+    for path in args.merge:
+        with open(path) as f:
+            for name, part in json.load(f)["runs"].items():
+                runs.setdefault(name, []).append(part)
+    out = {}
+    for name, parts in runs.items():
+        last = parts[-1]
+        rows = []
+        for k, row in enumerate(last["rows"]):
+            quiet = [p["rows"][k]["step_s"] for p in parts if p["rows"][k]["foreign_cpu_share"] <= args.max_foreign]
+            every = [p["rows"][k]["step_s"] for p in parts]
+            rows.append({"layout": row["layout"], "name": row["name"], "peak_bytes": row["peak_bytes"],
+                         "step_s": statistics.median(quiet or every), "runs_step_s": every,
+                         "runs_foreign_cpu_share": [p["rows"][k]["foreign_cpu_share"] for p in parts],
+                         "foreign_cpu_share": max(p["rows"][k]["foreign_cpu_share"] for p in parts)
+                         if not quiet else max(p["rows"][k]["foreign_cpu_share"] for p in parts
+                                               if p["rows"][k]["foreign_cpu_share"] <= args.max_foreign)})
+        profile = load_profile(args.vcluster_profile if last["ranks_per_node"] < last["ranks"] else args.profile)
+        part = {k: v for k, v in last.items() if k not in ("rows", "summary", "date", "load_average")}
+        part.update(rows=rows, profile=profile.name, profile_source=profile.source,
+                    dates=[p["date"] for p in parts], load_averages=[p["load_average"] for p in parts],
+                    date=", ".join(p["date"][11:16] for p in parts) + " UTC " + last["date"][:10],
+                    load_average=max(p["load_average"] for p in parts))
+        part["summary"] = predict(rows, profile, last["ranks_per_node"], last["ranks"], last["cores"])
+        part["summary"]["runs"] = len(parts)
+        out[name] = part
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write the results here")
-    parser.add_argument("--profile", default="local")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--ranks", default="2,4", help="comma-separated rank counts (default 2,4)")
-    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--profile", default="local", help="profile name or JSON path")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per layout (median taken)")
+    parser.add_argument("--ranks", choices=["2", "4"], help="one node: this many ranks")
+    parser.add_argument("--vcluster", metavar="RATE", help="2 nodes x 2 ranks of the virtual cluster, links at RATE")
+    parser.add_argument("--tries", type=int, default=8, help="measurements of a layout at most (interference)")
+    parser.add_argument("--max-foreign", type=float, default=0.05,
+                        help="accept a measurement when other jobs used at most this share of the cores")
+    parser.add_argument("--merge", nargs="+", metavar="PART", help="merge these part files into --json (runs of one "
+                        "part: the median of their quiet measurements)")
+    parser.add_argument("--vcluster-profile", default="vcluster-2x2", help="--merge: the virtual cluster's profile")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.steps)
-    profile = load_profile(args.profile)
-    mpiexec = os.environ.get("MPIDIST_MPIEXEC") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    report = {"model": SHAPE.__dict__, "global_batch": BATCH, "profile": profile.name, "cores": os.cpu_count(),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": {}}
-    for n in [int(x) for x in args.ranks.split(",")]:
-        done = subprocess.run([mpiexec, "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker", str(n),
-                               "--steps", str(args.steps)], capture_output=True, text=True, timeout=1800)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if done.returncode or not lines:
-            sys.exit(f"plan_validate: mpiexec -n {n} failed ({done.returncode}): {done.stderr[-2000:]}")
-        rows = json.loads(lines[-1][len("RESULT "):])
-        for row in rows:
-            est = estimate(SHAPE, Layout(**row["layout"]), profile, n)
-            row["predicted_step_s"] = est.time["step"]
-            row["predicted_peak_bytes"] = est.memory["total"]
-            row["predicted_time"] = est.time
-            row["predicted_memory"] = est.memory
-            row["step_error"] = est.time["step"] / row["step_s"] - 1
-            row["memory_error"] = est.memory["total"] / row["peak_bytes"] - 1
-        measured = [r["step_s"] for r in rows]
-        predicted = [r["predicted_step_s"] for r in rows]
-        best_measured = min(measured)
-        chosen = rows[predicted.index(min(predicted))]
-        summary = {"kendall_tau": kendall_tau(predicted, measured),
-                   "median_abs_step_error": statistics.median(abs(r["step_error"]) for r in rows),
-                   "median_abs_memory_error": statistics.median(abs(r["memory_error"]) for r in rows),
-                   "chosen": chosen["name"], "chosen_vs_best": chosen["step_s"] / best_measured - 1,
-                   "oversubscribed": n > (os.cpu_count() or 1)}
-        report["runs"][str(n)] = {"rows": rows, "summary": summary}
-        print(f"-- {n} ranks on {os.cpu_count()} cores (profile {profile.name})")
-        print(f"{'layout':<36} {'meas ms':>8} {'pred ms':>8} {'err':>7} {'meas MiB':>9} {'pred MiB':>9} {'err':>7}")
-        for r in rows:
-            print(f"{r['name']:<36} {r['step_s'] * 1e3:>8.1f} {r['predicted_step_s'] * 1e3:>8.1f} "
-                  f"{r['step_error']:>+7.0%} {r['peak_bytes'] / 2**20:>9.2f} {r['predicted_peak_bytes'] / 2**20:>9.2f} "
-                  f"{r['memory_error']:>+7.0%}")
-        print(f"Kendall tau {summary['kendall_tau']:.2f}; median |step error| {summary['median_abs_step_error']:.0%}; "
-              f"median |memory error| {summary['median_abs_memory_error']:.0%}; chosen {summary['chosen']} "
-              f"({summary['chosen_vs_best']:+.0%} vs the measured best)")
+        return worker(args.worker, args.steps, args.tries, args.max_foreign)
+    if args.merge:
+        report = {"model": SHAPE.__dict__, "global_batch": BATCH, "runs": merge(args)}
+        for name, part in report["runs"].items():
+            print_part(name, part)
+    else:
+        if bool(args.ranks) == bool(args.vcluster):
+            parser.error("give one of --ranks, --vcluster or --merge")
+        profile = load_profile(args.profile)
+        cores = os.cpu_count() or 1
+        if args.ranks:
+            name, ranks, per_node = args.ranks, int(args.ranks), int(args.ranks)
+            rows = launch(name, args)
+        else:
+            sys.path.insert(0, os.path.join(REPO, "tests", "cluster"))
+            import vcluster
+            why = vcluster.unavailable()
+            if why:
+                sys.exit(f"plan_validate: {why}")
+            name, ranks, per_node = f"2x2 {args.vcluster}", 4, 2
+            with vcluster.VirtualCluster(nodes=2, rate=args.vcluster) as cluster:
+                rows = launch("2x2", args, cluster)
+        part = {"rows": rows, "ranks": ranks, "ranks_per_node": per_node, "cores": cores,
+                "profile": profile.name, "profile_source": profile.source,
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": args.steps,
+                "load_average": os.getloadavg()}
+        part["summary"] = predict(rows, profile, per_node, ranks, cores)
+        report = {"model": SHAPE.__dict__, "global_batch": BATCH, "runs": {name: part}}
+        print_part(name, part)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -11,7 +11,10 @@ Glossary:
 - fitted knobs: at most two numbers per profile fitted on declared runs (listed under ``fit``); everything else
   comes from specifications or from ``mpidist plan --calibrate``. ``compute_scale`` is one: measured over
   modelled time of real one-rank training steps, multiplying compute and optimizer time (on a CPU it carries
-  numpy autograd's per-op overhead and the share of a core the ranks really get).
+  numpy autograd's per-op overhead and the share of a core the ranks really get). ``layer_overhead_s`` is the
+  other (``--calibrate`` fits both on its declared runs): a fixed time per layer (embedding, block, head) and
+  micro-batch for forward and backward, whatever the sizes: the Python and dispatch cost of the ops, which
+  dominates small models on a CPU.
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ class Profile:
     compute_scale: float = 1.0            # fitted knob: measured / modelled time of real steps (overheads, load)
     source: str = ""
     fit: dict = field(default_factory=dict)
+    layer_overhead_s: float = 0.0         # fitted knob: fixed seconds per layer per micro-batch (F+B; per-op cost)
 
     def efficiency(self, gemm_flops: float) -> float:
         """Return the share of peak a GEMM of ``gemm_flops`` FLOPs reaches (log-linear interpolation)."""
@@ -76,7 +80,7 @@ class Profile:
         return {"name": self.name, "source": self.source, "peak_flops": dict(self.peak_flops),
                 "matmul_efficiency": [list(p) for p in self.matmul_efficiency], "memory_bytes": self.memory_bytes,
                 "memory_bandwidth": self.memory_bandwidth, "elementwise_factor": self.elementwise_factor,
-                "compute_scale": self.compute_scale,
+                "compute_scale": self.compute_scale, "layer_overhead_s": self.layer_overhead_s,
                 "cores_per_node": self.cores_per_node,
                 "tiers": {k: {"latency_s": t.latency_s, "bandwidth": t.bandwidth, "efficiency": t.efficiency,
                               "ranks_per_link": t.ranks_per_link}
@@ -99,7 +103,8 @@ class Profile:
                 raise ValueError(f"{where}: tiers needs 'intra' and 'inter' (got {sorted(data['tiers'])})")
             tiers[name] = Tier(float(t["latency_s"]), float(t["bandwidth"]), float(t.get("efficiency", 1.0)),
                                int(t.get("ranks_per_link", 1)))
-        known = set(required) | {"elementwise_factor", "cores_per_node", "compute_scale", "source", "fit",
+        known = set(required) | {"elementwise_factor", "cores_per_node", "compute_scale", "layer_overhead_s",
+                                 "source", "fit",
                                  "description"}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -107,7 +112,8 @@ class Profile:
         return cls(data["name"], {k: float(v) for k, v in data["peak_flops"].items()}, curve,
                    float(data["memory_bytes"]), float(data["memory_bandwidth"]), tiers,
                    float(data.get("elementwise_factor", 3.0)), data.get("cores_per_node"),
-                   float(data.get("compute_scale", 1.0)), data.get("source", ""), dict(data.get("fit", {})))
+                   float(data.get("compute_scale", 1.0)), data.get("source", ""), dict(data.get("fit", {})),
+                   float(data.get("layer_overhead_s", 0.0)))
 
 
 def profile_names() -> List[str]:

@@ -1,0 +1,93 @@
+"""The planner's fitted knobs: the per-layer overhead term of the estimate and the fit ``plan --calibrate`` makes
+(no measurement here: the fit is checked on times made by a formula)."""
+import numpy as np
+import pytest
+
+from mpidist.plan import Layout, ModelShape, Profile, estimate, load_profile
+from mpidist.plan.calibrate import fit_knobs
+from mpidist.plan.estimate import collective_seconds
+
+SHAPE = ModelShape(layers=3, hidden=32, heads=4, vocab=64, seq=8)
+
+
+def _profile(**knobs):
+    return Profile.from_dict(dict(load_profile("local").to_dict(), **knobs))
+
+
+@pytest.mark.parametrize("layout,ranks_per_node,cores", [
+    (Layout(1, 1, 1, micro_batch=2, num_micro=3), 1, 2),
+    (Layout(1, 2, 1, micro_batch=4), 2, 2),                        # tp: every rank runs all the ops
+    (Layout(4, 1, 1, micro_batch=1, num_micro=2), 4, 2),           # 4 ranks on 2 cores: twice the time
+    (Layout(2, 1, 1, micro_batch=2, recompute="full"), 2, 2)])     # recompute: the blocks' forward again
+def test_layer_overhead_adds_layers_times_micro_batches(layout, ranks_per_node, cores):
+    """compute(o) - compute(0) = num_micro x (L + 2 + recomputed blocks / 3) x o x max(1, ranks / cores)."""
+    overhead = 1e-3
+    base = estimate(SHAPE, layout, _profile(cores_per_node=cores, layer_overhead_s=0.0), ranks_per_node).time
+    more = estimate(SHAPE, layout, _profile(cores_per_node=cores, layer_overhead_s=overhead), ranks_per_node).time
+    passes = SHAPE.layers + 2 + (SHAPE.layers / 3 if layout.recompute == "full" else 0)
+    share = max(1.0, ranks_per_node / cores)
+    assert more["compute"] - base["compute"] == pytest.approx(layout.num_micro * passes * overhead * share)
+    for part in ("tp", "optimizer"):
+        assert more[part] == base[part]
+    assert more["dp"] <= base["dp"]   # a longer backward hides more of the data-parallel reduction
+
+
+def test_layer_overhead_goes_into_the_pipeline_simulation():
+    """A 2-stage 1F1B pipeline: each stage carries its own layers' overhead, so the step grows by at least the
+    busiest stage's share and at most the whole model's."""
+    layout = Layout(1, 1, 2, micro_batch=1, num_micro=4, schedule="1f1b")
+    base = estimate(SHAPE, layout, _profile(layer_overhead_s=0.0), 2).time["step"]
+    more = estimate(SHAPE, layout, _profile(layer_overhead_s=1e-3), 2).time["step"]
+    stage = 3   # 5 layers (embed, 3 blocks, head) over 2 stages: the larger holds 3
+    assert 4 * stage * 1e-3 <= more - base <= 4 * 5 * 1e-3 + 1e-12
+
+
+def test_profile_keeps_the_overhead_knob():
+    profile = _profile(layer_overhead_s=2.5e-4)
+    assert profile.layer_overhead_s == 2.5e-4
+    assert Profile.from_dict(profile.to_dict()).layer_overhead_s == 2.5e-4
+    assert Profile.from_dict({k: v for k, v in profile.to_dict().items() if k != "layer_overhead_s"}
+                             ).layer_overhead_s == 0.0
+
+
+def test_fit_knobs_recovers_the_formula():
+    """Times made as scale x modelled + overhead x passes give back scale and overhead."""
+    modelled = np.array([0.002, 0.011, 0.004, 0.03])
+    passes = np.array([4, 4, 4, 8])
+    measured = 2.5 * modelled + 7e-4 * passes
+    scale, overhead = fit_knobs(modelled, passes, measured)
+    assert scale == pytest.approx(2.5, rel=1e-9)
+    assert overhead == pytest.approx(7e-4, rel=1e-9)
+
+
+def test_fit_knobs_without_a_fixed_cost_fits_the_scale_alone():
+    """Times shorter than the scale allows at small sizes would need a negative overhead: it is 0, and the scale
+    is the relative least-squares one, sum(r) / sum(r^2) with r = modelled / measured."""
+    modelled = np.array([0.01, 0.02])
+    passes = np.array([4, 4])
+    measured = np.array([0.01, 0.05])   # 1x at the small run, 2.5x at the large: no positive fixed cost fits
+    scale, overhead = fit_knobs(modelled, passes, measured)
+    r = modelled / measured
+    assert overhead == 0.0
+    assert scale == pytest.approx(r.sum() / (r ** 2).sum())
+
+
+def test_fit_knobs_refuses_too_few_or_bad_runs():
+    with pytest.raises(ValueError, match=r"fit_knobs: needs >= 2 runs with positive times"):
+        fit_knobs([0.01], [4], [0.02])
+    with pytest.raises(ValueError, match=r"fit_knobs: needs >= 2 runs with positive times"):
+        fit_knobs([0.01, 0.02], [4, 4], [0.02, 0.0])
+
+
+def test_oversubscribed_data_parallel_reduction_is_not_hidden():
+    """Ranks beyond the cores: no idle core progresses the transfers, so a DDP step exposes its whole ring
+    allreduce time (at or under the cores, backward hides part of it)."""
+    from mpidist.plan.volumes import calls_per_rank
+    layout = Layout(4, 1, 1, micro_batch=4)
+    profile = _profile(cores_per_node=2)
+    tier = profile.tiers["intra"]
+    ring = sum(c.count * collective_seconds(c.op, c.nbytes, 4, tier.latency_s, tier.effective_bandwidth)
+               for c in calls_per_rank(SHAPE, layout, 0) if c.group == "dp")
+    hidden = estimate(SHAPE, layout, _profile(cores_per_node=4), 4).time["dp"]
+    assert estimate(SHAPE, layout, profile, 4).time["dp"] == pytest.approx(ring)
+    assert hidden < ring
