@@ -1,7 +1,8 @@
 """Collectives and DDP across the nodes of a virtual cluster with rate-shaped links (tests/cluster/vcluster.py).
 
 Run (root; brings the cluster up and always tears it down):
-    .venv/bin/python benchmarks/cluster.py [--rate 1gbit] [--json PATH] [--steps N] [--max-size 64M]
+    .venv/bin/python benchmarks/cluster.py [--rate 1gbit] [--json PATH] [--steps N] [--max-size 64M] [--parts ...]
+    .venv/bin/python benchmarks/cluster.py --parts link [--link-rates 1gbit 200mbit none]   # the link probe
 
 Measures, with MPICH's mpiexec starting the ranks in the namespace nodes:
 - allreduce (mpidist's flat ``allreduce``, raw mpi4py ``Allreduce`` and the hierarchical one of
@@ -10,15 +11,21 @@ Measures, with MPICH's mpiexec starting the ranks in the namespace nodes:
   link-bound limit: between 2 nodes an allreduce must move at least the whole buffer out of each node (half
   of it reduce-scattered, half all-gathered), so algbw <= the link's byte rate; and which of flat and
   hierarchical ``HierarchicalAllreduce(algorithm="auto")`` chose at each size;
-- DDP step time (benchmarks/ddp_step.py's MLP 784-1024-1024-10, batch 64 per rank, float32) on 1 node x 2
-  ranks against 2 nodes x 1 rank (the same compute, gradients crossing the link) and 2 nodes x 2 ranks, with
-  overlap on and off; the share of the exposed inter-node synchronization that overlap hides behind backward;
+- ``--parts link``: MPI ``Sendrecv`` between one rank on each of 2 nodes, both directions at once, in 1 MiB and
+  8 MiB messages, at each of ``--link-rates`` (a cluster per rate; ``none``: unshaped): bytes per second each way
+  against the rate, and the CPU it costs: where the link, not the CPU, bounds a transfer;
+- allreduce also with one chunk (``chunk_bytes`` larger than the array: the three steps one after another);
+- DDP step time (``DDP_MODELS``: benchmarks/ddp_step.py's MLP 784-1024-1024-10, batch 64 per rank, and a deeper
+  MLP of 4 MiB layers with a bucket each, batch 1024 per rank; float32) on 1 node x 2 ranks against 2 nodes x 1
+  rank (the same compute, gradients crossing the link) and 2 nodes x 2 ranks, with overlap on, off, and on with
+  ``progress_poll_s=0.002``; the share of the inter-node synchronization that overlap hides behind backward;
 - ``--parts layouts`` (2 nodes x 2 ranks): on the same MLP, DDP with its buckets summed flat or hierarchically
   (``DDP(allreduce=)``), FSDP (full_shard over all 4 ranks) and hybrid FSDP (hybrid_shard: shards within a
   node, replicas across nodes); and ``GPT(GPTConfig())`` (width 256, 4 layers, context 128, float32, AdamW,
   global batch 8 sequences) at (dp, tp, pp) = (2, 2, 1) with the tp pairs inside nodes (``mesh``) and across
   them (ranks {0, 2} and {1, 3}: block placement puts ranks 0, 1 on the first node), (1, 4, 1) (tp spans both
-  nodes) and (4, 1, 1) (DDP only). Medians of the slowest rank's step, interleaved in blocks
+  nodes), (4, 1, 1) (DDP only), and pipelines (1F1B, 4 micro-batches): (2, 1, 2) with the stage pairs inside
+  nodes (``mesh``) and across them, and (1, 1, 4); ``--gpt-batch`` sets the global batch, ``--only`` a subset. Medians of the slowest rank's step, interleaved in blocks
   (benchmarks/train_step.py's ``time_steps``).
 ``--worker`` is the part that runs inside the job.
 """
@@ -59,11 +66,13 @@ def allreduce_sweep(comm, max_size, budget_s=0.6):
 
     rows = []
     hierarchical, auto = HierarchicalAllreduce(comm, "hierarchical"), HierarchicalAllreduce(comm, "auto")
+    whole = HierarchicalAllreduce(comm, "hierarchical", chunk_bytes=1 << 40)  # one chunk: the steps in sequence
     for size in [s for s in SIZES if s <= max_size]:
         x = np.ones(max(size // 4, 1), dtype=np.float32)
         calls = {"mpidist": lambda: mpidist.allreduce(x, comm),  # in place, as DDP's buckets
                  "raw": lambda: comm.Allreduce(MPI.IN_PLACE, x),
-                 "hier": lambda: hierarchical(x)}
+                 "hier": lambda: hierarchical(x),
+                 "hier_unpipelined": lambda: whole(x)}
         row = {"bytes": size, "auto_choice": auto.algorithm_for(x.nbytes, x)}
         for name, call in calls.items():
             comm.Barrier()
@@ -79,8 +88,8 @@ def allreduce_sweep(comm, max_size, budget_s=0.6):
                 times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
             row[f"{name}_us"] = float(np.median(times)) * 1e6
         rows.append(row)
-    hierarchical.free()
-    auto.free()
+    for instance in (hierarchical, auto, whole):
+        instance.free()
     return rows
 
 
@@ -92,45 +101,95 @@ def _cpu_ticks():
     return sum(ticks) - idle, sum(ticks)
 
 
-def link_probe(comm, seconds=3.0, size=8 << 20):
+def link_probe(comm, seconds=2.0, sizes=(1 << 20, 8 << 20)):
     """Bytes per second each way between two ranks on two nodes (both directions at once), and the CPU it costs.
 
-    Rank 0 and rank 1 exchange ``size`` bytes with ``Sendrecv`` for about ``seconds``: the raw MPI-over-TCP
-    throughput of the link. CPU: the machine's busy share over the probe (/proc/stat: all cores, the TCP stack
-    included) and the two ranks' own CPU seconds (user + system).
+    For each message size, rank 0 and rank 1 exchange messages with ``Sendrecv`` for about ``seconds``: the raw
+    MPI-over-TCP throughput of the link. CPU: the machine's busy share over the probe (/proc/stat: all cores,
+    the TCP stack included) and the two ranks' own CPU seconds per second (user + system; MPICH polls while it
+    waits, so up to one core each).
     """
     import numpy as np
     from mpi4py import MPI
 
     if comm.Get_size() != 2:
         raise SystemExit(f"cluster benchmark: the link probe needs 2 ranks on 2 nodes (got {comm.Get_size()})")
-    peer = 1 - comm.Get_rank()
-    send, recv = np.ones(size, dtype=np.uint8), np.empty(size, dtype=np.uint8)
-    comm.Sendrecv(send, peer, recvbuf=recv, source=peer)  # warm-up: connections, registration
-    comm.Barrier()
-    busy0, total0 = _cpu_ticks()
-    cpu0, start, rounds = sum(os.times()[:2]), time.perf_counter(), 0
-    while True:
-        comm.Sendrecv(send, peer, recvbuf=recv, source=peer)
-        rounds += 1
-        if comm.bcast(time.perf_counter() - start >= seconds, root=0):
-            break
-    elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
-    cpu = comm.allreduce(sum(os.times()[:2]) - cpu0)
-    busy1, total1 = _cpu_ticks()
-    return {"bytes_each_way_per_s": rounds * size / elapsed, "seconds": elapsed, "message_bytes": size,
-            "machine_busy_share": (busy1 - busy0) / max(total1 - total0, 1), "cores": os.cpu_count(),
-            "ranks_cpu_s_per_s": cpu / elapsed}
+    peer, rows = 1 - comm.Get_rank(), []
+    for size in sizes:
+        send, recv = np.ones(size, dtype=np.uint8), np.empty(size, dtype=np.uint8)
+        comm.Sendrecv(send, peer, recvbuf=recv, source=peer)  # warm-up: connections, registration
+        comm.Barrier()
+        busy0, total0 = _cpu_ticks()
+        cpu0, start, rounds = sum(os.times()[:2]), time.perf_counter(), 0
+        while True:
+            comm.Sendrecv(send, peer, recvbuf=recv, source=peer)
+            rounds += 1
+            if comm.bcast(time.perf_counter() - start >= seconds, root=0):
+                break
+        elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+        cpu = comm.allreduce(sum(os.times()[:2]) - cpu0)
+        busy1, total1 = _cpu_ticks()
+        rows.append({"message_bytes": size, "bytes_each_way_per_s": rounds * size / elapsed, "seconds": elapsed,
+                     "machine_busy_share": (busy1 - busy0) / max(total1 - total0, 1), "cores": os.cpu_count(),
+                     "ranks_cpu_s_per_s": cpu / elapsed})
+    return rows
 
 
-def ddp_steps(comm, steps):
+# DDP models: the DDP step benchmark's MLP (99% of its gradient bytes sit in one 7.4 MB bucket that fills with
+# the last gradient of backward: nothing is left to hide it behind), and a deeper one whose 4 MiB layers each
+# get a bucket of their own (bucket_cap_mb=4) while the layers below them still compute.
+DDP_MODELS = {"mlp": ([784, 1024, 1024, 10], 64, {}),
+              "deep": ([1024] * 5 + [10], 1024, {"bucket_cap_mb": 4})}
+
+
+class _DDPRunner:
+    """One DDP setup (``ddp_step.Runner``'s step and timing) with the model and bucket options named here."""
+
+    def __init__(self, model, mode, comm):
+        import numpy as np
+        import mpidist
+        from mpidist import nn, optim
+        from ddp_step import mlp
+
+        widths, batch, buckets = DDP_MODELS[model]
+        self.mode = mode
+        module = mlp(widths)
+        options = {"local": None, "ddp": dict(buckets), "ddp_no_overlap": dict(buckets, overlap=False),
+                   "ddp_poll": dict(buckets, progress_poll_s=0.002)}[mode]
+        self.model = module if options is None else mpidist.DDP(module, comm, **options)
+        self.opt = optim.SGD(list(module.parameters()), lr=1e-3)
+        self.crit = nn.CrossEntropyLoss()
+        rng = np.random.default_rng(comm.Get_rank())
+        self.x = rng.standard_normal((batch, widths[0])).astype(np.float32)
+        self.y = rng.integers(0, widths[-1], size=batch)
+
+    def step(self):
+        """Run one step; return (step seconds, seconds waited for the gradients after backward)."""
+        start = time.perf_counter()
+        self.opt.zero_grad()
+        loss = self.crit(self.model(self.x), self.y)
+        before = self.model.stats["sync_wait_s"] if self.mode != "local" else 0.0
+        loss.backward()
+        sync = self.model.stats["sync_wait_s"] - before if self.mode != "local" else 0.0
+        self.opt.step()
+        return time.perf_counter() - start, sync
+
+
+def ddp_steps(comm, steps, models):
     sys.path.insert(0, HERE)
-    from ddp_step import Runner, measure  # the DDP step benchmark's model, modes and timing
+    from ddp_step import measure  # the DDP step benchmark's timing: interleaved blocks, slowest rank, median
 
-    wide = [784, 1024, 1024, 10]
-    got = measure({m: Runner(m, wide, comm, 64) for m in ("local", "ddp", "ddp_no_overlap")}, comm, steps)
-    return {"local_ms": got["local"][0], "ddp_ms": got["ddp"][0], "ddp_sync_ms": got["ddp"][1],
-            "ddp_no_overlap_ms": got["ddp_no_overlap"][0], "ddp_no_overlap_sync_ms": got["ddp_no_overlap"][1]}
+    result = {}
+    for model in models:
+        got = measure({m: _DDPRunner(model, m, comm) for m in ("local", "ddp", "ddp_no_overlap", "ddp_poll")},
+                      comm, steps)
+        widths, batch, buckets = DDP_MODELS[model]
+        result[model] = {"widths": widths, "batch_per_rank": batch, "ddp_options": buckets,
+                         "local_ms": got["local"][0], "ddp_ms": got["ddp"][0], "ddp_sync_ms": got["ddp"][1],
+                         "ddp_no_overlap_ms": got["ddp_no_overlap"][0],
+                         "ddp_no_overlap_sync_ms": got["ddp_no_overlap"][1],
+                         "ddp_poll_ms": got["ddp_poll"][0], "ddp_poll_sync_ms": got["ddp_poll"][1]}
+    return result
 
 
 class _Step:
@@ -147,7 +206,24 @@ class _Step:
         self.opt.step()
 
 
-def layouts(comm, steps):
+class _PipeStep:
+    """One pipeline training setup: ``step()`` runs the schedule's forwards and backwards, then the update."""
+
+    def __init__(self, pipe, x, y, lr=3e-4):
+        from mpidist.optim import AdamW
+        self.pipe, self.x, self.y = pipe, x, y
+        params = list(pipe.parameters())
+        self.params, self.opt = params, AdamW(params, lr=lr) if params else None
+
+    def step(self):
+        for p in self.params:
+            p.grad = None
+        self.pipe.step(self.x, self.y)
+        if self.opt is not None:
+            self.opt.step()
+
+
+def layouts(comm, steps, gpt_batch=8, only=None):
     """Step times (ms) of DDP flat/hierarchical, FSDP/hybrid FSDP (MLP) and GPT (dp, tp, pp) layouts."""
     import numpy as np
     from mpi4py import MPI
@@ -173,18 +249,19 @@ def layouts(comm, steps):
             "ddp_hierarchical": _Step(DDP(mlp(wide), comm, allreduce="hierarchical"), crit, x, y),
             "fsdp": _Step(FSDP(mlp(wide), comm), crit, x, y),
             "hybrid_fsdp": _Step(FSDP(mlp(wide), comm, strategy="hybrid_shard"), crit, x, y)}
+    mlps = {name: t for name, t in mlps.items() if only is None or name in only}
     result = {f"{name}_ms": s * 1e3 for name, s in time_steps(mlps, steps, comm, warmup=2, block=2).items()}
     del mlps
 
     config = GPTConfig()
-    tokens = np.random.default_rng(7).integers(0, config.vocab_size, (8, config.block_size + 1))
+    tokens = np.random.default_rng(7).integers(0, config.vocab_size, (gpt_batch, config.block_size + 1))
 
     def gpt(dp_comm, tp_comm):
         """The GPT, split over ``tp_comm`` and data-parallel over ``dp_comm``, on its dp rank's sequences."""
         model = GPT(config, rng=np.random.default_rng(0))
         if tp_comm.Get_size() > 1:
             model = tensor_parallel(model, tp_comm)
-        share = 8 // dp_comm.Get_size()
+        share = gpt_batch // dp_comm.Get_size()
         mine = slice(dp_comm.Get_rank() * share, (dp_comm.Get_rank() + 1) * share)
         wrapped = DDP(model, dp_comm) if dp_comm.Get_size() > 1 else model
         return _Step(wrapped, model.loss, tokens[mine, :-1].copy(), tokens[mine, 1:].copy(), lr=3e-4)
@@ -198,9 +275,29 @@ def layouts(comm, steps):
             "gpt_dp2_tp2_pp1_tp_across": gpt(across_dp, across_tp),
             "gpt_dp1_tp4_pp1": gpt(one, comm),
             "gpt_dp4_tp1_pp1": gpt(comm, one)}
+
+    def piped(dp_comm, pp_comm, microbatches=4):
+        """The GPT cut into one stage per rank of ``pp_comm`` (1F1B), data-parallel over ``dp_comm``."""
+        from mpidist.models import lm_loss
+        from mpidist.parallel.pipeline import Pipeline
+
+        stage = GPT(config, rng=np.random.default_rng(0)).pipeline_stages(pp_comm.Get_size())[pp_comm.Get_rank()]
+        pipe = Pipeline(stage, pp_comm, microbatches, "1f1b", loss_fn=lm_loss,
+                        dp_comm=dp_comm if dp_comm.Get_size() > 1 else None, tied_parameters=stage.tied)
+        share = gpt_batch // dp_comm.Get_size()
+        mine = slice(dp_comm.Get_rank() * share, (dp_comm.Get_rank() + 1) * share)
+        return _PipeStep(pipe, tokens[mine, :-1].copy(), tokens[mine, 1:].copy())
+
+    inside_pp = mesh(comm, dp=2, pp=2)
+    pp_hosts = inside_pp.pp_comm.allgather(MPI.Get_processor_name())
+    assert pp_hosts[0] == pp_hosts[1], pp_hosts  # the pipeline pair on one node, dp across
+    gpts.update({"gpt_dp2_tp1_pp2_pp_inside": piped(inside_pp.dp_comm, inside_pp.pp_comm),
+                 "gpt_dp2_tp1_pp2_pp_across": piped(across_dp, across_tp),  # pp pairs {0, 2}, {1, 3}
+                 "gpt_dp1_tp1_pp4": piped(one, comm)})
+    gpts = {name: t for name, t in gpts.items() if only is None or name in only}
     gpt_steps = max(2, steps // 4)
     result.update({f"{name}_ms": s * 1e3 for name, s in time_steps(gpts, gpt_steps, comm, warmup=1, block=1).items()})
-    result["gpt_steps"], result["mlp_steps"] = gpt_steps, steps
+    result["gpt_steps"], result["mlp_steps"], result["gpt_batch"] = gpt_steps, steps, gpt_batch
     return result
 
 
@@ -216,9 +313,9 @@ def worker(args):
     if "allreduce" in args.parts:
         result["allreduce"] = allreduce_sweep(comm, args.max_size)
     if "ddp" in args.parts:
-        result["ddp"] = ddp_steps(comm, args.steps)
+        result["ddp"] = ddp_steps(comm, args.steps, args.ddp_models)
     if "layouts" in args.parts:
-        result["layouts"] = layouts(comm, args.steps)
+        result["layouts"] = layouts(comm, args.steps, args.gpt_batch, args.only)
     if comm.Get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)
@@ -228,12 +325,14 @@ def worker(args):
 def launch(cluster, ppn, nodes, parts, args, out):
     """Run the worker on ``nodes`` nodes x ``ppn`` ranks; return its JSON."""
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--steps", str(args.steps),
-            "--max-size", str(args.max_size), "--parts", *parts]
+            "--max-size", str(args.max_size), "--parts", *parts, "--ddp-models", *args.ddp_models,
+            "--gpt-batch", str(args.gpt_batch)] + (["--only", *args.only] if args.only else [])
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     hosts = ",".join(f"{h}:{ppn}" for h in cluster.hosts[:nodes])
     cmd = cluster.node_argv(cluster.head, [mpiexec] + cluster.mpiexec_flags() + ["-hosts", hosts,
                                                                                     "-n", str(ppn * nodes)] + argv)
     env = dict(os.environ, OMP_NUM_THREADS="1", MPIDIST_COLLECTIVE_TIMEOUT="600")
+    env.update(item.split("=", 1) for item in args.mpi_env)
     subprocess.run(cmd, check=True, env=env, timeout=1800, cwd=os.path.dirname(out))  # flight records land there
     with open(out) as f:
         return json.load(f)
@@ -254,41 +353,47 @@ def driver(args):
         flat = launch(cluster, 2, 2, ["allreduce"], args, os.path.join(tmp, "flat.json")) \
             if "allreduce" in args.parts else {"ranks": 4, "nodes": 2, "allreduce": []}
         ddp = {f"{nodes}x{ppn}": launch(cluster, ppn, nodes, ["ddp"], args, os.path.join(tmp, f"ddp{nodes}{ppn}.json"))
-               for nodes, ppn in ((1, 2), (2, 1), (2, 2)) if "ddp" in args.parts}
+               for nodes, ppn in args.ddp_layouts if "ddp" in args.parts}
         placed = launch(cluster, 2, 2, ["layouts"], args, os.path.join(tmp, "layouts.json")) \
             if "layouts" in args.parts else None
     n = flat["ranks"]
     for row in flat["allreduce"]:
-        for name in ("mpidist", "raw", "hier"):
+        for name in ("mpidist", "raw", "hier", "hier_unpipelined"):
+            if f"{name}_us" not in row:
+                continue
             algbw = row["bytes"] / (row[f"{name}_us"] * 1e-6)
             row[f"{name}_algbw_GBps"] = algbw / 1e9
             row[f"{name}_busbw_GBps"] = algbw * 2 * (n - 1) / n / 1e9
             row[f"{name}_of_link_limit"] = algbw / link
     for run in ddp.values():
-        run["ddp"]["exposed_sync_ms"] = run["ddp"]["ddp_sync_ms"]
-        no_overlap = run["ddp"]["ddp_no_overlap_sync_ms"]
-        run["ddp"]["hidden_share"] = 1 - run["ddp"]["ddp_sync_ms"] / no_overlap if no_overlap > 0 else None
-    result = {"rate": args.rate, "link_bytes_per_s": link, "allreduce_2x2": flat, "ddp": ddp,
+        for d in run["ddp"].values():
+            d["exposed_sync_ms"] = d["ddp_sync_ms"]
+            no_overlap = d["ddp_no_overlap_sync_ms"]
+            d["hidden_share"] = 1 - d["ddp_sync_ms"] / no_overlap if no_overlap > 0 else None
+            d["poll_hidden_share"] = 1 - d["ddp_poll_sync_ms"] / no_overlap if no_overlap > 0 else None
+    result = {"rate": args.rate, "link_bytes_per_s": link, "mpi_env": args.mpi_env, "allreduce_2x2": flat, "ddp": ddp,
               "layouts_2x2": placed["layouts"] if placed else None,
               "machine": os.uname().nodename, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(f"virtual cluster, links shaped to {args.rate} ({link / 1e6:.0f} MB/s each way per node)")
     if flat["allreduce"]:
         print(f"allreduce float32, {flat['ranks']} ranks on {flat['nodes']} nodes")
         print(f"{'size':>10}{'flat us':>12}{'raw us':>12}{'hier us':>12}{'flat of link':>14}{'hier of link':>14}"
-              f"{'hier busbw GB/s':>17}{'auto':>14}")
+              f"{'hier busbw GB/s':>17}{'auto':>14}{'unpipelined of link':>21}")
     for row in flat["allreduce"]:
         print(f"{row['bytes']:>10}{row['mpidist_us']:>12.1f}{row['raw_us']:>12.1f}{row['hier_us']:>12.1f}"
               f"{row['mpidist_of_link_limit']:>14.2f}{row['hier_of_link_limit']:>14.2f}"
-              f"{row['hier_busbw_GBps']:>17.3f}{row['auto_choice']:>14}")
+              f"{row['hier_busbw_GBps']:>17.3f}{row['auto_choice']:>14}"
+              f"{row.get('hier_unpipelined_of_link_limit', float('nan')):>21.2f}")
     if ddp:
-        print("DDP step, MLP 784-1024-1024-10 (7.45 MB of float32 gradients), batch 64 per rank")
-        print(f"{'nodes x ranks':>14}{'local ms':>10}{'DDP ms':>10}{'exposed sync':>14}{'no overlap ms':>15}"
-              f"{'its sync':>10}{'hidden':>8}")
+        print(f"DDP step (models: {', '.join(f'{m} {DDP_MODELS[m]}' for m in args.ddp_models)})")
+        print(f"{'model':>6}{'nodes x ranks':>14}{'local ms':>10}{'DDP ms':>10}{'exposed sync':>14}"
+              f"{'no overlap ms':>15}{'its sync':>10}{'hidden':>8}{'polled ms':>11}{'its sync':>10}{'hidden':>8}")
     for layout, run in ddp.items():  # empty with --parts allreduce
-        d = run["ddp"]
-        hidden = "-" if d["hidden_share"] is None else f"{d['hidden_share']:.2f}"
-        print(f"{layout:>14}{d['local_ms']:>10.1f}{d['ddp_ms']:>10.1f}{d['ddp_sync_ms']:>14.1f}"
-              f"{d['ddp_no_overlap_ms']:>15.1f}{d['ddp_no_overlap_sync_ms']:>10.1f}{hidden:>8}")
+        for model, d in run["ddp"].items():
+            hidden, polled = ("-" if d[k] is None else f"{d[k]:.2f}" for k in ("hidden_share", "poll_hidden_share"))
+            print(f"{model:>6}{layout:>14}{d['local_ms']:>10.1f}{d['ddp_ms']:>10.1f}{d['ddp_sync_ms']:>14.1f}"
+                  f"{d['ddp_no_overlap_ms']:>15.1f}{d['ddp_no_overlap_sync_ms']:>10.1f}{hidden:>8}"
+                  f"{d['ddp_poll_ms']:>11.1f}{d['ddp_poll_sync_ms']:>10.1f}{polled:>8}")
     if placed:
         print("step times at 2 nodes x 2 ranks (ms, median of the slowest rank)")
         for name, ms in placed["layouts"].items():
@@ -307,15 +412,16 @@ def link_driver(args, vcluster):
         shaped = None if rate in ("0", "none") else rate
         with vcluster.VirtualCluster(nodes=2, rate=shaped) as cluster, tempfile.TemporaryDirectory() as tmp:
             got = launch(cluster, 1, 2, ["link"], args, os.path.join(tmp, "link.json"))["link"]
-        got["rate"] = shaped or "unshaped"
-        got["of_link"] = got["bytes_each_way_per_s"] / rate_bytes(shaped) if shaped else None
-        rows.append(got)
+        for row in got:
+            row["rate"] = shaped or "unshaped"
+            row["of_link"] = row["bytes_each_way_per_s"] / rate_bytes(shaped) if shaped else None
+        rows += got
     print("MPI Sendrecv between 2 nodes (1 rank each, both directions at once)")
-    print(f"{'rate':>10}{'MB/s each way':>15}{'of link':>9}{'machine busy':>14}{'ranks CPU s/s':>15}")
+    print(f"{'rate':>10}{'message':>10}{'MB/s each way':>15}{'of link':>9}{'machine busy':>14}{'ranks CPU s/s':>15}")
     for row in rows:
         share = "-" if row["of_link"] is None else f"{row['of_link']:.2f}"
-        print(f"{row['rate']:>10}{row['bytes_each_way_per_s'] / 1e6:>15.1f}{share:>9}"
-              f"{row['machine_busy_share']:>14.2f}{row['ranks_cpu_s_per_s']:>15.2f}")
+        print(f"{row['rate']:>10}{row['message_bytes'] >> 20:>8}Mi{row['bytes_each_way_per_s'] / 1e6:>15.1f}"
+              f"{share:>9}{row['machine_busy_share']:>14.2f}{row['ranks_cpu_s_per_s']:>15.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"link": rows, "cores": os.cpu_count(), "machine": os.uname().nodename,
@@ -329,6 +435,14 @@ def main(argv=None):
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--steps", type=int, default=20, help="measured DDP steps per mode")
     parser.add_argument("--max-size", type=parse_size, default=64 << 20, help="largest allreduce (default 64M)")
+    parser.add_argument("--ddp-models", nargs="*", default=["mlp", "deep"], choices=sorted(DDP_MODELS),
+                        help="DDP models to time (default both)")
+    parser.add_argument("--ddp-layouts", nargs="*", type=lambda t: tuple(int(v) for v in t.split("x")),
+                        default=[(1, 2), (2, 1), (2, 2)], help="nodes x ranks per node for DDP (default 1x2 2x1 2x2)")
+    parser.add_argument("--mpi-env", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="environment for the ranks, e.g. MPIR_CVAR_ASYNC_PROGRESS=1 (MPICH's progress thread)")
+    parser.add_argument("--gpt-batch", type=int, default=8, help="layouts: GPT sequences per step, all ranks (default 8)")
+    parser.add_argument("--only", nargs="*", help="layouts: run only these setups (names as printed)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--parts", nargs="*", default=["allreduce", "ddp"],

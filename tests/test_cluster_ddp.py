@@ -6,8 +6,10 @@ is test_ddp's single process on the whole batch (float64); each rank trains on i
 """
 
 import threading
+import time
 
 import pytest
+from mpi4py import MPI
 
 import mpidist
 from mpidist import nn
@@ -93,3 +95,54 @@ def test_ddp_allreduce_rejected_by_one_rank_raises_on_every_rank(comm):
     with pytest.raises(ValueError, match="allreduce choice") as raised:
         DDP(make_model(), comm, allreduce="ring" if comm.Get_rank() == 1 else "flat")
     assert "rank 1: 'ring'" in str(raised.value), raised.value
+
+
+def test_ddp_progress_poll_tests_buckets_during_a_slow_layer_and_trains_like_one_process(comm):
+    """``progress_poll_s``: under real MPI a thread tests the launched buckets while a layer's backward runs.
+
+    The first layer's backward is held up 30 ms (a hook on its output's gradient), after the later layers'
+    buckets launched: the thread must call into the buckets meanwhile. SimComm completes without progress calls,
+    so there the option is off. The parameters equal the one-process reference either way.
+    """
+    size, rank = comm.Get_size(), comm.Get_rank()
+    reference = reference_params("adam", STEPS, lambda step: global_batch(step, 2 * size))
+    model = make_model()
+
+    def slow_backward(module, args, out):
+        out.register_hook(lambda grad: time.sleep(0.03))  # returns None: the gradient and output stay as they are
+    model[0].register_forward_hook(slow_backward)
+    ddp = DDP(model, comm, bucket_cap_mb=TINY_BUCKET_MB, first_bucket_mb=TINY_BUCKET_MB, progress_poll_s=0.001)
+    polls, inner, main = [], ddp._progress, threading.get_ident()
+
+    def recorded():
+        polls.append(threading.get_ident() != main)
+        inner()
+    ddp._progress = recorded
+    opt, crit = make_optimizer("adam", ddp.parameters()), nn.CrossEntropyLoss()
+    for step in range(STEPS):
+        x, y = global_batch(step, 2 * size)
+        opt.zero_grad()
+        crit(ddp(x[2 * rank: 2 * rank + 2]), y[2 * rank: 2 * rank + 2]).backward()
+        opt.step()
+        assert ddp._poller is None  # stopped when backward ended
+    ddp.remove()
+    assert_params_equal(ddp.state_dict(), reference)
+    if isinstance(comm, MPI.Comm):
+        assert ddp.progress_poll_s == 0.001 and sum(polls) >= STEPS, polls  # at least once in each slow layer
+    else:
+        assert ddp.progress_poll_s is None and not any(polls), polls
+
+
+def test_ddp_bad_progress_poll_raises_on_every_rank():
+    def run(comm, value_for):
+        try:
+            DDP(make_model(), comm, progress_poll_s=value_for(comm.Get_rank()))
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    for bad in (0, -1.0, "1ms", True):
+        for error in mpidist.simulate(3, run, lambda r, bad=bad: bad):
+            assert error is not None and "progress_poll_s must be None or a positive number" in error, error
+        for error in mpidist.simulate(3, run, lambda r, bad=bad: bad if r == 1 else 0.01):
+            assert error is not None and "progress_poll_s" in error and "rank 1" in error, error
