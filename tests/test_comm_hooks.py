@@ -390,3 +390,20 @@ def test_ddp_overlaps_the_ring_with_backward_and_ends_with_the_numpy_ring(comm, 
         assert work.done()
         want = ring_reference(comm.allgather(given), dtype).astype(np.float32)
         np.testing.assert_array_equal(bucket.flat, want)
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_pending_ring_messages_are_in_the_flight_recorder(comm):
+    """The ring's point-to-point messages are recorded as collectives.isend/irecv's are: while a hook's work is
+    pending the watchdog sees its receive from the left neighbour and its send to the right one in flight (a
+    neighbour that never sends is reported, not waited for silently), and nothing of it once it is done."""
+    from mpidist.guard import record
+    size, rank = comm.Get_size(), comm.Get_rank()
+
+    def ring_calls():
+        return sorted((r[record.OP], r[record.PEER]) for r in record.in_flight(comm) if r[record.OP] in ("send", "recv"))
+
+    work = bf16_compress_hook(None, fake_bucket(comm, 0, [(10,)], seed=5))
+    assert ring_calls() == sorted([("recv", (rank - 1) % size), ("send", (rank + 1) % size)])
+    work.wait()
+    assert ring_calls() == []
