@@ -6,13 +6,12 @@ the bytes each rank passed in), and compares them, per rank, with ``calls_per_ra
 gradient and optimizer bytes the wrappers report with ``memory_per_rank``. Equal, not close.
 """
 import contextlib
-import threading
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from mpidist.parallel import DDP, FSDP, comm_hooks
+from mpidist.parallel import DDP, FSDP
 from mpidist.plan import Layout, ModelShape, calls_per_rank, memory_per_rank
 from mpidist.plan.execute import LayoutRun, traced_calls
 
@@ -58,71 +57,18 @@ LAYOUTS_4 = [
 
 
 def planned(layout, position):
-    """The planner's calls as the trace records them: a receive's size is unknown when it is posted (-1)."""
+    """The planner's calls as the trace records them: a pipeline receive's size is unknown when it is posted (-1);
+    the 16-bit ring's receives are posted into buffers of known size."""
     out = Counter()
     for c in calls_per_rank(SHAPE, layout, position):
-        out[(c.op, -1 if c.op == "recv" else c.nbytes)] += c.count
+        out[(c.op, -1 if c.op == "recv" and c.group == "pp" else c.nbytes)] += c.count
     return out
-
-
-_ring_calls = threading.local()   # this rank's Counter while ``ring_messages_counted`` runs (ranks may be threads)
-
-
-def _counting(comm, calls):
-    """A proxy of ``comm`` recording (op, bytes) of every Isend and Irecv in ``calls`` (a receive as -1, as the
-    trace records it)."""
-    class Counting:
-        def __getattr__(self, name):
-            return getattr(comm, name)
-
-        def Isend(self, buf, dest, tag=0):
-            calls[("send", int(np.asarray(buf).nbytes))] += 1
-            return comm.Isend(buf, dest, tag)
-
-        def Irecv(self, buf, source, tag=0):
-            calls[("recv", -1)] += 1
-            return comm.Irecv(buf, source, tag)
-    return Counting()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _count_rings():
-    """The 16-bit rings (``comm_hooks``: DDP's compression hooks, FSDP's 16-bit reduce-scatter) post Isend/Irecv
-    on the communicator directly, where ``mpidist.trace`` does not see them: give each ring a counting proxy of
-    its communicator (nothing to do where the rings go through ``mpidist.collectives``: the trace has them)."""
-    ring = getattr(comm_hooks, "_Ring16", None)
-    if ring is None:
-        yield
-        return
-
-    class CountedRing(ring):
-        def __init__(self, flat, comm, *args, **kwargs):
-            calls = getattr(_ring_calls, "calls", None)
-            super().__init__(flat, comm if calls is None else _counting(comm, calls), *args, **kwargs)
-
-    comm_hooks._Ring16 = CountedRing
-    try:
-        yield
-    finally:
-        comm_hooks._Ring16 = ring
-
-
-@contextlib.contextmanager
-def ring_messages_counted(calls):
-    """Add this rank's 16-bit rings' messages to Counter ``calls`` while the block runs."""
-    _ring_calls.calls = calls
-    try:
-        yield
-    finally:
-        _ring_calls.calls = None
 
 
 def check_layout(comm, layout):
     run = LayoutRun(SHAPE, layout, comm)
     run.step()   # the first step allocates (optimizer state, buckets); the traced one is a steady step
-    rings = Counter()
-    with ring_messages_counted(rings):
-        measured = traced_calls(run, comm) + rings
+    measured = traced_calls(run, comm)
     position = run.grid.pp_rank
     want = planned(layout, position)
     assert measured == want, (f"{layout.name()} rank {comm.Get_rank()}: measured only {sorted((measured - want).items())}"

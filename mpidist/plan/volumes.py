@@ -226,7 +226,8 @@ def _tp_calls(shape: ModelShape, layout: Layout, layers: List[str], dt: Dtypes) 
                     Call("tp", "allgather", part), Call("tp", "reduce_scatter", full)]
         else:
             out.append(Call("tp", "allreduce", full))
-        out += [Call("tp", "allreduce", b * t * e), Call("tp", "allreduce", 2 * b * t * e)]   # vocab-parallel loss
+        loss = 4 if is_low_precision(dt.act) else e   # the vocabulary-parallel loss is an fp32 op
+        out += [Call("tp", "allreduce", b * t * loss), Call("tp", "allreduce", 2 * b * t * loss)]
     return out
 
 
