@@ -13,7 +13,8 @@ import pytest
 
 import test_full_state as full_state_tests
 from mpidist import optim
-from mpidist.models import GPT
+from mpidist.models import GPT, GPTConfig, tensor_parallel
+from mpidist.nn.placement import boxes, placement_of
 from mpidist.nn.precision import Policy, apply_policy, bfloat16
 from mpidist.parallel import full_state_dict
 
@@ -66,3 +67,63 @@ def test_bf16_fp32_policy_on_a_mesh_equals_the_emulated_ranks(comm, dims):
         moved |= bool(np.abs(b - s).max() > 2 ** 6 * flips)
     assert moved  # some tensor moved by far more than its tolerance: a wrong update would show
     layout.close()
+
+
+# -- sequence parallelism with bfloat16 activations -------------------------------------------------------------
+SP_CONFIG = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=4, n_embd=16, dropout=0.0, dtype="float64")
+BF16 = Policy("bf16")  # bfloat16 parameters and activations
+
+
+def sp_batch():
+    rng = np.random.default_rng(5)
+    return rng.integers(0, SP_CONFIG.vocab_size, (2, SP_CONFIG.block_size)), \
+        rng.integers(0, SP_CONFIG.vocab_size, (2, SP_CONFIG.block_size))
+
+
+def one_process_gradients(policy):
+    """Return one process's loss and {name: gradient} of SP_CONFIG's GPT under ``policy``, on sp_batch()."""
+    model = GPT(SP_CONFIG, rng=np.random.default_rng(0))
+    apply_policy(model, policy)
+    x, y = sp_batch()
+    loss = model.loss(model(x), y)
+    loss.backward()
+    return loss.data, {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "tp"])
+def test_bf16_activations_under_tensor_and_sequence_parallelism_equal_one_process(comm, sequence_parallel):
+    """Policy("bf16") (bfloat16 activations) applied to the split model: the sequence-parallel allgathers and
+    reduce-scatters carry bfloat16 (their bits; sums in float32, rounded once), and the loss and every gradient
+    slice equal one process's bitwise: a row-parallel layer's partial products are float32 (numpy's bfloat16
+    matmul) and round once after the sum, where one process's layer rounds.
+
+    Except under sequence parallelism the replicated layer norms' weights and biases: each rank's share of their
+    gradient (a sum over its tokens) is a bfloat16 gradient, rounded before copy_to_tp's backward adds the shares
+    (in float32, rounded again); one process rounds the whole sum once. The shares can exceed their sum, so the
+    difference is measured against the tensor's largest gradient: within 2**-6 of it (seen: up to 2**-7.6)."""
+    want_loss, want = one_process_gradients(BF16)
+    model = tensor_parallel(GPT(SP_CONFIG, rng=np.random.default_rng(0)), comm, sequence_parallel=sequence_parallel)
+    apply_policy(model, BF16)  # after the conversion, which builds new layers: the hooks go on them
+    seen = []
+    model.blocks[0].register_forward_hook(lambda module, args, out: seen.append(out.data))
+    x, y = sp_batch()
+    loss = model.loss(model(x), y)
+    loss.backward()
+    tokens = SP_CONFIG.block_size // comm.Get_size() if sequence_parallel else SP_CONFIG.block_size
+    assert seen[0].dtype == bfloat16 and seen[0].shape == (2, tokens, SP_CONFIG.n_embd)  # the residual stream
+    assert loss.data.dtype == np.float32 and loss.data.tobytes() == want_loss.tobytes()
+    rounded_twice = 0
+    for name, p in model.named_parameters():
+        assert p.grad.dtype == bfloat16, name
+        for box in boxes(placement_of(p), p.grad.shape, name=name):
+            region = tuple(slice(a, a + n) for a, n in zip(box.offsets, box.sizes))
+            got, expected = box.view(p.grad), want[name][region]
+            if sequence_parallel and ".ln" in f".{name}":
+                bound = 2 ** -6 * float(np.abs(want[name].astype(np.float32)).max())
+                np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32), rtol=0, atol=bound,
+                                           err_msg=name)
+                rounded_twice += 1
+            else:
+                np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16), err_msg=name)
+    assert rounded_twice == (6 if sequence_parallel else 0)  # ln1, ln2, ln_f: weight and bias

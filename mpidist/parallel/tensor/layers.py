@@ -29,6 +29,7 @@ from mpidist.nn.autograd import Tensor, make_result
 from mpidist.nn.deferred import deferred_like, is_deferred
 from mpidist.nn.module import Module, Parameter
 from mpidist.nn.placement import Replicate, Shard, set_placement
+from mpidist.nn.precision import fp32_op
 from mpidist.xp import get_array_module
 
 from .ops import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
@@ -160,6 +161,14 @@ class ParallelLayerNorm(TensorParallelModule):
         return F.layer_norm(x, self.read_replicated(self.weight), self.read_replicated(self.bias), self.eps)
 
 
+class _Projection(Module):
+    """``F.linear`` by the weight and bias set on it: a module, so forward hooks (a precision policy's rounding of
+    the output, as on the unsharded layer's ``nn.Linear``) see its output."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
 class ParallelAttention(TensorParallelModule):
     """Causal self-attention with this rank's heads; input and output as the block's residual stream."""
 
@@ -177,7 +186,7 @@ class ParallelAttention(TensorParallelModule):
         pieces = tuple((which * d + start, which * width, width) for which in range(3))
         w, b = attn.qkv.weight, attn.qkv.bias
         take = np.concatenate([np.arange(g, g + n) for g, _, n in pieces])
-        self.qkv = Module()
+        self.qkv = _Projection()
         self.qkv.weight = sharded_parameter(w, _rows(w.data, take), comm, 0, start, pieces)
         self.qkv.bias = None if b is None else sharded_parameter(b, _rows(b.data, take), comm, 0, start, pieces)
         self.proj = RowParallelLinear(attn.proj, comm, sequence_parallel, local_in=width)
@@ -185,7 +194,7 @@ class ParallelAttention(TensorParallelModule):
     def forward(self, x):
         # The local projection is [q | k | v] of this rank's heads: the packed layout multi_head_attention reads
         # in place (no split, permute or copy), the heads side by side as the row-parallel projection wants.
-        qkv = F.linear(self.column_input(x), self.qkv.weight, self.qkv.bias)
+        qkv = self.qkv(self.column_input(x))
         y = F.multi_head_attention(qkv, self.local_heads, is_causal=self.causal, dropout_p=self.dropout,
                                    training=self.training)
         return self.proj(y)
@@ -233,6 +242,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         return self.row_output(rows)
 
 
+@fp32_op(loss=True)  # as cross_entropy: 16-bit logits cast up exactly, computed and returned in float32
 def vocab_parallel_cross_entropy(logits, target, comm, vocab_start, vocab_size, ignore_index=-100):
     """Mean next-token cross-entropy of logits sliced over the vocabulary (this rank: columns from
     ``vocab_start``; columns at or past ``vocab_size`` are padding and masked out).
