@@ -30,10 +30,10 @@ node's link shaped to ``--rate`` by tc's tbf, and always tears it down): the sam
 (the global batch of 8 the quality runs use), buckets of 0.25 MB (5 buckets), AdamW lr 3e-3, seed 0, ``--steps``
 steps each with the float32 MPI allreduce (no hook), ``bf16_compress_hook`` and ``powerSGD_hook`` (rank 4, plain
 for the first 2 synchronizations), the two hooks also with ``DDP(overlap=False)`` (every bucket launched after
-backward: what the hooks' overlap with backward saves). Reports the median of the slowest rank's step (steps 3
-on), gradient bytes per rank by the algorithm's count, the bytes each node's link carried per step (its tx
-counter: everything, the 16-bit ring's and MPI's messages and the step's barriers), the mean training loss of
-the last 4 steps and the validation loss after ``--steps`` steps.
+backward: what the hooks' overlap with backward saves), taking their steps in turn. Reports the median of the
+slowest rank's step (steps 3 on), gradient bytes per rank by the algorithm's count, the bytes each node's link
+carried per step (its tx counter: everything, the 16-bit ring's and MPI's messages and the step's barriers), the
+mean training loss of the last 4 steps and the validation loss after ``--steps`` steps.
 """
 
 import argparse
@@ -190,7 +190,10 @@ def _link_tx():
 
 
 def cluster_worker(steps, comm):
-    """Inside the job: DDP GPT training with each gradient communication; rows of timings, bytes and losses."""
+    """Inside the job: DDP GPT training with each gradient communication; rows of timings, bytes and losses.
+
+    The setups take their steps in turn (step k of each, then step k + 1), so a change in the machine's load
+    during the run falls on all of them alike; each trains its own model on the same batches."""
     from mpi4py import MPI
     from mpidist.parallel import comm_hooks
     from mpidist.parallel.ddp import DDP
@@ -199,11 +202,11 @@ def cluster_worker(steps, comm):
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     reads_link = node.Get_rank() == 0  # one rank per node reads its node's counter
     train, val = datasets()
-    numel = sum(p.data.size for p in GPT(CONFIG, rng=np.random.default_rng(0)).parameters())
-    rows = []
+
     def powersgd():
         return comm_hooks.PowerSGDState(matrix_approximation_rank=4, start_powerSGD_iter=2)
 
+    setups = []
     for name, hook, make_state, overlap in (
             ("ddp fp32 allreduce", None, None, True),
             ("ddp bf16_compress_hook", comm_hooks.bf16_compress_hook, None, True),
@@ -214,44 +217,50 @@ def cluster_worker(steps, comm):
         ddp = DDP(model, comm, overlap=overlap, bucket_cap_mb=CLUSTER_BUCKET_MB, first_bucket_mb=CLUSTER_BUCKET_MB)
         if hook is not None:
             ddp.register_comm_hook(make_state() if make_state else None, hook)
-        opt = optim.AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.0)
-        times, losses, waits = [], [], []
-        comm.Barrier()
-        tx0 = _link_tx() if reads_link else None
-        for step in range(steps):
-            x, y = batch(train, step * size + rank, 0, CLUSTER_BATCH)
+        setups.append({"name": name, "hook": hook, "model": model, "ddp": ddp, "times": [], "waits": [],
+                       "losses": [], "link": 0,
+                       "opt": optim.AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.0)})
+    for step in range(steps):
+        x, y = batch(train, step * size + rank, 0, CLUSTER_BATCH)
+        for s in setups:
+            ddp, opt = s["ddp"], s["opt"]
             comm.Barrier()
+            tx = _link_tx() if reads_link else None
             start = time.perf_counter()
             opt.zero_grad()
             loss = lm_loss(ddp(x), y)
             before = ddp.stats["sync_wait_s"]
             loss.backward()
-            waits.append(ddp.stats["sync_wait_s"] - before)
+            s["waits"].append(ddp.stats["sync_wait_s"] - before)
             opt.step()
-            times.append(time.perf_counter() - start)
-            losses.append(float(loss.data))
-        comm.Barrier()
-        tx1 = _link_tx() if reads_link else None
-        link = [(t1 - t0) / steps for t0, t1 in [(tx0, tx1)] if t0 is not None and t1 is not None]
-        per_node = [v for got in comm.allgather(link) for v in got]
-        slowest = np.max(comm.allgather(times), axis=0)
-        exposed = np.max(comm.allgather(waits), axis=0)
-        mean_losses = np.mean(comm.allgather(losses), axis=0)
-        if hook is None:
+            s["times"].append(time.perf_counter() - start)
+            s["losses"].append(float(loss.data))
+            comm.Barrier()  # every message of the step sent: the counter holds them
+            if tx is not None:
+                s["link"] += _link_tx() - tx
+    numel = sum(p.data.size for p in setups[0]["model"].parameters())
+    rows = []
+    for s in setups:
+        per_node = [v / steps for v in comm.allgather(s["link"] if reads_link else None) if v is not None]
+        slowest = np.max(comm.allgather(s["times"]), axis=0)
+        exposed = np.max(comm.allgather(s["waits"]), axis=0)
+        mean_losses = np.mean(comm.allgather(s["losses"]), axis=0)
+        if s["hook"] is None:
             grad_bytes = _ring(4 * numel, size)  # by a ring's count; MPI's allreduce may send less over the link
-        elif hook is comm_hooks.bf16_compress_hook:
+        elif s["hook"] is comm_hooks.bf16_compress_hook:
             grad_bytes = _ring(2 * numel, size)
         else:
-            grad_bytes = _powersgd_bytes(ddp, 4, size)
-        rows.append({"setup": name, "step_ms": 1e3 * float(np.median(slowest[3:])),
+            grad_bytes = _powersgd_bytes(s["ddp"], 4, size)
+        rows.append({"setup": s["name"], "step_ms": 1e3 * float(np.median(slowest[3:])),
                      "exposed_sync_ms": 1e3 * float(np.median(exposed[3:])),
                      "grad_bytes_sent_per_rank": grad_bytes,
                      "link_bytes_per_step_per_node": [float(v) for v in per_node],
-                     "loss_last4": float(np.mean(mean_losses[-4:])), "val_loss": val_loss(model, val),
+                     "loss_last4": float(np.mean(mean_losses[-4:])), "val_loss": val_loss(s["model"], val),
                      "slowest_step_ms": [1e3 * float(t) for t in slowest]})
     node.Free()
     return {"config": {"model": repr(CONFIG), "batch_per_rank": CLUSTER_BATCH, "steps": steps, "ranks": size,
-                       "hosts": hosts, "parameters": int(numel), "optimizer": "AdamW lr 3e-3", "seed": 0},
+                       "hosts": hosts, "parameters": int(numel), "optimizer": "AdamW lr 3e-3", "seed": 0,
+                       "order": "interleaved: step k of every setup, then step k + 1"},
             "rows": rows}
 
 
