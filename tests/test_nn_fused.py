@@ -43,8 +43,9 @@ def _gelu64(x):
     return 0.5 * x * (1 + t), 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * k * x * x)
 
 
-def test_gelu_float32_within_float64_reference():
-    x = np.random.default_rng(0).uniform(-8, 8, (64, 96)).astype(np.float32)
+@pytest.mark.parametrize("shape", [(64, 96), (2 * F._CHUNK + 7,)])  # one slice; three, the last a short one
+def test_gelu_float32_within_float64_reference(shape):
+    x = np.random.default_rng(0).uniform(-8, 8, shape).astype(np.float32)
     dy = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
     out, (gx,) = _grads(F.gelu, [x], dy)
     ref, deriv = _gelu64(x.astype(np.float64))
