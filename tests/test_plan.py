@@ -164,3 +164,51 @@ def test_branch_and_bound_keeps_the_best_layouts_of_the_full_search():
     for e in full:
         assert lower_bound(shape, e.layout, profile, 4) <= e.time["step"]
         assert estimate(shape, e.layout, profile, 4).time == e.time
+
+
+def test_out_of_the_validated_range_is_said_not_silent(capsys):
+    """A profile's validated range (ranks, parameters, tp, pp, kinds) turns into warnings per layout and on the
+    table; a profile without one is unvalidated everywhere."""
+    from mpidist.plan import estimate
+    shape = ModelShape(layers=2, hidden=32, heads=2, vocab=32, seq=8)
+    base = load_profile("a100-80gb-ib").to_dict()
+    validated = dict(ranks=[2, 4], parameters=[10, 10**6], tp=[1, 2], pp=[1, 1], sharding=["ddp"], source="here")
+    profile = Profile.from_dict(dict(base, validated=validated))
+    assert estimate(shape, Layout(2, 1, 1), profile, 8).warnings == []
+    far = estimate(shape, Layout(4, 2, 1, "fsdp"), profile, 8).warnings   # 8 ranks, tp 2 inside, fsdp not seen
+    assert far == ["ranks 8 outside the validated 2..4", "sharding 'fsdp' never validated (validated: ddp)",
+                   "validated on: here"]
+    unvalidated = Profile.from_dict(dict(base, validated={}))
+    assert "never compared" in estimate(shape, Layout(2, 1, 1), unvalidated, 8).warnings[0]
+    args = ["plan", "--layers", "2", "--hidden", "16", "--heads", "2", "--vocab", "32", "--seq", "8",
+            "--batch", "4", "--ranks", "2", "--profile", "h100-ib"]
+    assert main(args) == 0
+    assert "WARNING: out of the profile's validated range" in capsys.readouterr().out
+    assert main(args + ["--json"]) == 0
+    assert all(e["out_of_range"] for e in json.loads(capsys.readouterr().out)["feasible"])
+
+
+def test_plot_svg_bars_are_the_estimates_parts(tmp_path):
+    """The hand-written SVG: per layout, one rect per time and memory part, in order, widths proportional to the
+    values (the widest stack spans the 330-pixel panel)."""
+    import xml.etree.ElementTree as ET
+    from mpidist.plan.report import MEMORY_PARTS, TIME_PARTS, _plot_svg
+    shape = ModelShape(layers=2, hidden=32, heads=2, vocab=32, seq=8)
+    estimates = [e for e in plan(shape, 4, 2, 2, load_profile("h100-ib")) if e.feasible][:4]
+    path = _plot_svg(estimates, str(tmp_path / "plan.svg"))
+    rects = [r for r in ET.parse(path).getroot() if r.tag.endswith("rect") and r.get("class")]
+    for panel, parts, get in (("time", TIME_PARTS, lambda e: e.time), ("memory", MEMORY_PARTS, lambda e: e.memory)):
+        full = max(sum(get(e)[p] for p in parts) for e in estimates)
+        got = [(r.get("class"), float(r.get("width"))) for r in rects if r.get("class").startswith(panel + "-")]
+        want = [(f"{panel}-{p}", get(e)[p] / full * 330) for e in estimates for p in parts]
+        assert [c for c, _ in got] == [c for c, _ in want]
+        assert [w for _, w in got] == pytest.approx([w for _, w in want], abs=0.01)
+
+
+def test_cli_plot_writes_a_picture(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    args = ["plan", "--layers", "2", "--hidden", "16", "--heads", "2", "--vocab", "32", "--seq", "8",
+            "--batch", "4", "--ranks", "2", "--plot", str(path)]
+    assert main(args) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

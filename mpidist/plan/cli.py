@@ -12,7 +12,7 @@ from .estimate import plan
 from .layouts import RECOMPUTE, SCHEDULES, SHARDINGS
 from .model import ModelShape
 from .profile import Profile, load_profile, profile_names
-from .report import format_table, to_json
+from .report import format_table, plot, to_json
 
 __all__ = ["add_parser", "run"]
 
@@ -54,6 +54,8 @@ def add_parser(sub):
     p.add_argument("--max-micro-batch", type=int, default=None, help="largest micro-batch to consider")
     p.add_argument("--top", type=int, default=15, help="layouts to show (default 15)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--plot", metavar="FILE", default=None, help="also draw the top layouts' step time and memory by "
+                   "component to FILE (matplotlib's formats; without matplotlib, .svg only)")
     p.add_argument("--calibrate", metavar="OUT", default=None, help="measure this machine (matmul curve, memory "
                    "bandwidth, alpha-beta over mpiexec -n 2) and write a profile to OUT")
     return p
@@ -92,4 +94,11 @@ def run(args) -> int:
         print(f"{shape.num_parameters() / 1e6:.1f}M parameters, {args.ranks} ranks "
               f"({args.ranks_per_node or args.ranks} per node), global batch {args.batch}, profile {profile.name}")
         print(format_table(estimates, args.top))
+    if args.plot:
+        try:
+            plot(estimates, args.plot, min(args.top, 20), profile.memory_bytes)
+        except ValueError as exc:
+            print(f"mpidist plan: {exc}", file=sys.stderr)
+            return 2
+        print(f"mpidist plan: wrote {args.plot}", file=sys.stderr)
     return 0

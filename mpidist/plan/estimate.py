@@ -48,6 +48,7 @@ class Estimate:
     calls: List[Call] = field(default_factory=list)             # the busiest position's calls
     time: Dict[str, float] = field(default_factory=dict)        # seconds: compute, tp, pp, dp, bubble, optimizer, step
     reason: str = ""                                            # non-empty: infeasible, and why
+    warnings: List[str] = field(default_factory=list)           # outside the profile's validated range: why
 
     @property
     def feasible(self) -> bool:
@@ -56,7 +57,7 @@ class Estimate:
     def to_dict(self) -> dict:
         return {"layout": self.layout.to_dict(), "name": self.layout.name(), "feasible": self.feasible,
                 "reason": self.reason, "memory": self.memory, "comm": self.comm, "time": self.time,
-                "calls": [c.__dict__ for c in self.calls]}
+                "calls": [c.__dict__ for c in self.calls], "out_of_range": self.warnings}
 
 
 # -- communication time ------------------------------------------------------------------------------------
@@ -224,6 +225,7 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
     est = Estimate(layout, reason=estimate_structure(shape, layout, ranks_per_node))
     if est.reason:
         return est
+    est.warnings = profile.out_of_range(layout.ranks, _num_parameters(shape), layout)
     pp, v, m = layout.pp, layout.chunks, layout.num_micro
     stages = stage_layers(shape, pp * v)
     sim = _pipeline(layout, 1.0, 2.0, 1.0 if layout.schedule == "zb_h1" else None, 0.0) if pp > 1 else None
@@ -290,6 +292,11 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
         est.reason = (f"needs {worst_mem['total'] / 2**30:.2f} GiB per rank, has "
                       f"{profile.memory_bytes / 2**30:.2f} GiB")
     return est
+
+
+@functools.lru_cache(maxsize=64)
+def _num_parameters(shape: ModelShape) -> int:
+    return shape.num_parameters()
 
 
 @functools.lru_cache(maxsize=4096)

@@ -59,6 +59,7 @@ class Profile:
     source: str = ""
     fit: dict = field(default_factory=dict)
     layer_overhead_s: float = 0.0         # fitted knob: fixed seconds per layer per micro-batch (F+B; per-op cost)
+    validated: dict = field(default_factory=dict)   # the range compared with measurements (see out_of_range)
 
     def efficiency(self, gemm_flops: float) -> float:
         """Return the share of peak a GEMM of ``gemm_flops`` FLOPs reaches (log-linear interpolation)."""
@@ -84,7 +85,7 @@ class Profile:
                 "cores_per_node": self.cores_per_node,
                 "tiers": {k: {"latency_s": t.latency_s, "bandwidth": t.bandwidth, "efficiency": t.efficiency,
                               "ranks_per_link": t.ranks_per_link}
-                          for k, t in self.tiers.items()}, "fit": self.fit}
+                          for k, t in self.tiers.items()}, "fit": self.fit, "validated": self.validated}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "profile") -> "Profile":
@@ -104,8 +105,7 @@ class Profile:
             tiers[name] = Tier(float(t["latency_s"]), float(t["bandwidth"]), float(t.get("efficiency", 1.0)),
                                int(t.get("ranks_per_link", 1)))
         known = set(required) | {"elementwise_factor", "cores_per_node", "compute_scale", "layer_overhead_s",
-                                 "source", "fit",
-                                 "description"}
+                                 "source", "fit", "validated", "description"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
@@ -113,7 +113,26 @@ class Profile:
                    float(data["memory_bytes"]), float(data["memory_bandwidth"]), tiers,
                    float(data.get("elementwise_factor", 3.0)), data.get("cores_per_node"),
                    float(data.get("compute_scale", 1.0)), data.get("source", ""), dict(data.get("fit", {})),
-                   float(data.get("layer_overhead_s", 0.0)))
+                   float(data.get("layer_overhead_s", 0.0)), dict(data.get("validated", {})))
+
+    def out_of_range(self, ranks: int, parameters: int, layout) -> List[str]:
+        """Return why a plan of ``layout`` (a ``Layout``) on ``ranks`` ranks of a ``parameters``-parameter model is
+        outside what this profile was compared with (``validated``: ``[low, high]`` for ``ranks``, ``parameters``,
+        ``tp``, ``pp``; the lists ``sharding``, ``recompute``, ``schedule`` of kinds seen; ``source``); empty
+        when inside. A profile without a range is unvalidated everywhere."""
+        v = self.validated
+        if not v:
+            return [f"profile {self.name} was never compared with measured runs: the numbers are the model's"]
+        out = []
+        for key, value in (("ranks", ranks), ("parameters", parameters), ("tp", layout.tp), ("pp", layout.pp)):
+            if key in v and not v[key][0] <= value <= v[key][1]:
+                out.append(f"{key} {value:.4g} outside the validated {v[key][0]:.4g}..{v[key][1]:.4g}")
+        for key in ("sharding", "recompute", "schedule"):
+            if key in v and getattr(layout, key) not in v[key]:
+                out.append(f"{key} {getattr(layout, key)!r} never validated (validated: {', '.join(v[key])})")
+        if out and v.get("source"):
+            out.append(f"validated on: {v['source']}")
+        return out
 
 
 def profile_names() -> List[str]:
