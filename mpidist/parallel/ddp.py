@@ -171,7 +171,7 @@ class DDP(WholeModuleWrapper):
     thread (MPICH's default) moves a large bucket only inside MPI calls, so during a long layer's backward the
     transfer stalls; on the 2-node virtual cluster at 1 Gbit/s, 0.002 s raised the share of the allreduce hidden
     behind backward from ~0.3 to 0.43-0.61 with a rank per node (docs/cluster.md); where ranks already fill
-    every core the thread competes with them (2 ranks per node on 2 cores: 0.17-0.57). Real MPI only, not with
+    every core the thread competes with them (2 ranks per node on 2 cores: 0.17-0.65). Real MPI only, not with
     a comm hook; alike on every rank.
     """
 
