@@ -7,6 +7,11 @@ masters. Tensor parallelism (and a pipeline's stages) sum float32 partial produc
 process's matmul, so a gradient may round to the neighbouring bfloat16 value (a relative 2**-8 of it): each
 tensor is compared within STEPS * LR * (its largest gradient) * 2**-7 plus two bfloat16 steps of its values. A
 rank that summed instead of averaging (twice the update: LR * gradient off) would miss by 2**7 times that.
+
+Bitwise (test_bf16_policy_on_a_mesh_equals_the_emulated_ranks_bitwise): Policy("bf16") applied to each rank's
+split model, whose bfloat16 activations round the float32 partial sums away where one process rounds; the
+reference emulates the pipeline's micro-batches and its tied copies (emulated_bf16). Sequence parallelism with
+bfloat16 activations against one process: bitwise but for the layer norms' parameters (stated there).
 """
 import numpy as np
 import pytest
@@ -16,7 +21,7 @@ from mpidist import optim
 from mpidist.models import GPT, GPTConfig, tensor_parallel
 from mpidist.nn.placement import boxes, placement_of
 from mpidist.nn.precision import Policy, apply_policy, bfloat16
-from mpidist.parallel import full_state_dict
+from mpidist.parallel import DDP, Pipeline, full_state_dict, mesh
 
 POLICY = Policy("bf16", "fp32")
 LR, STEPS = 0.5, 2
@@ -127,3 +132,86 @@ def test_bf16_activations_under_tensor_and_sequence_parallelism_equal_one_proces
             else:
                 np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16), err_msg=name)
     assert rounded_twice == (6 if sequence_parallel else 0)  # ln1, ln2, ln_f: weight and bias
+
+
+# -- bitwise on a mesh: Policy("bf16") applied to each rank's split model ----------------------------------------
+def emulated_bf16(dp, microbatches, own_head_weight):
+    """Return the one-process state after STEPS SGD steps of Policy("bf16") (activations rounded as the split
+    model rounds them), the ``dp`` ranks' gradients reduced where and as the mesh reduces them.
+
+    Each emulated rank runs its share in ``microbatches`` parts, each part's loss scaled by its share (a
+    pipeline's micro-batches: the bfloat16 gradients add up in place, rounding at each addition); DDP halves
+    each rank's gradient (exact) and sums the halves in float32, rounded once. ``own_head_weight``: the head
+    holds its own copy of the tied weight (a pipeline's last stage) whose averaged gradient is added to the
+    embedding's in float32 and rounded once (Pipeline's tied group), both copies then stepping alike."""
+    model = GPT(full_state_tests.CONFIG, rng=np.random.default_rng(0))
+    if own_head_weight:
+        model.head = model.head.with_own_weight()
+    apply_policy(model, BF16)
+    named = list(model.named_parameters())
+    opt = optim.SGD([p for _, p in named], lr=LR)
+    x, y = full_state_tests.batch()
+    n = len(x) // dp
+    for _ in range(STEPS):
+        average = {}
+        for r in range(dp):
+            opt.zero_grad()
+            for k in range(microbatches):
+                part = slice(r * n + k * n // microbatches, r * n + (k + 1) * n // microbatches)
+                loss = model.loss(model(x[part]), y[part])
+                (loss * np.float32(1 / microbatches)).backward()
+            for name, p in named:
+                half = p.grad * np.asarray(1 / dp, bfloat16)  # exact for dp 2
+                average[name] = average.get(name, 0) + half.astype(np.float32)
+        for name, p in named:
+            p.grad = average[name].astype(bfloat16)
+        if own_head_weight:
+            tied = (model.embed.wte.weight.grad.astype(np.float32) + model.head.weight.grad.astype(np.float32))
+            model.embed.wte.weight.grad = tied.astype(bfloat16)
+            model.head.weight.grad = tied.astype(bfloat16)
+        opt.step()
+    return {name: value for name, value in model.state_dict().items() if name != "head.weight"}
+
+
+@pytest.mark.world_sizes(4)
+@pytest.mark.parametrize("dims", [(2, 1, 2), (2, 2, 1)], ids=["dp2_tp2", "dp2_pp2"])
+def test_bf16_policy_on_a_mesh_equals_the_emulated_ranks_bitwise(comm, dims):
+    """Policy("bf16") applied to each rank's split model (after tensor_parallel or pipeline_stages, which build
+    new modules), SGD on a (dp, pp, tp) mesh: bitwise the ranks emulated in one process, rounding where the
+    mesh rounds (see emulated_bf16). Tensor parallelism's float32 partial products (numpy's bfloat16 matmul)
+    are summed and rounded to bfloat16 once, where one process's layer rounds; a different float32 summation
+    order could still flip a rounding tie, which this data does not meet."""
+    dp, pp, tp = dims
+    grid = mesh(comm, dp=dp, pp=pp, tp=tp)
+    model = GPT(full_state_tests.CONFIG, rng=np.random.default_rng(0))
+    if tp > 1:
+        tensor_parallel(model, grid.tp_comm, sequence_parallel=False)
+        apply_policy(model, BF16)
+        wrapped = DDP(model, grid.dp_comm)
+    else:
+        stage = model.pipeline_stages(pp)[grid.pp_rank]
+        apply_policy(stage, BF16)
+        wrapped = Pipeline(stage, grid.pp_comm, 2, "1f1b", loss_fn=model.loss, dp_comm=grid.dp_comm,
+                           tied_parameters=stage.tied)
+    opt = optim.SGD(list(wrapped.parameters()), lr=LR)
+    x, y = full_state_tests.batch()
+    n = len(x) // dp
+    mine = slice(grid.dp_rank * n, (grid.dp_rank + 1) * n)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        if pp > 1:
+            wrapped.step(x[mine], y[mine])
+        else:
+            model.loss(wrapped(x[mine]), y[mine]).backward()
+        opt.step()
+    got = full_state_dict(wrapped, comm, all_ranks=True)
+    want = emulated_bf16(dp, pp, own_head_weight=pp > 1)
+    assert list(got) == list(want)
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype, name
+        np.testing.assert_array_equal(got[name].view(np.uint8), value.view(np.uint8), err_msg=name)
+    if pp > 1:
+        for group in wrapped.tied:
+            group.free()
+    wrapped.remove()
+    grid.free()
