@@ -133,6 +133,30 @@ def test_ddp_progress_poll_tests_buckets_during_a_slow_layer_and_trains_like_one
         assert ddp.progress_poll_s is None and not any(polls), polls
 
 
+def test_ddp_progress_poll_thread_ends_when_a_backward_raises(comm):
+    """A backward that raises never reaches its end callback: the next forward stops the poll thread, which
+    would otherwise keep calling MPI on stale requests beside whatever the recovery runs."""
+    model = make_model()
+    failing = [True]
+
+    def fail_once(module, args, out):
+        out.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("injected")) if failing[0] else None)
+    model[0].register_forward_hook(fail_once)
+    ddp = DDP(model, comm, bucket_cap_mb=TINY_BUCKET_MB, first_bucket_mb=TINY_BUCKET_MB, progress_poll_s=0.001)
+    crit, size, rank = nn.CrossEntropyLoss(), comm.Get_size(), comm.Get_rank()
+    x, y = global_batch(0, 2 * size)
+    with pytest.raises(RuntimeError, match="injected"):
+        crit(ddp(x[2 * rank: 2 * rank + 2]), y[2 * rank: 2 * rank + 2]).backward()
+    poller = ddp._poller
+    if isinstance(comm, MPI.Comm):
+        assert poller is not None and poller._thread.is_alive()  # left running by the raise
+    failing[0] = False
+    ddp(x[2 * rank: 2 * rank + 2])
+    assert ddp._poller is None and (poller is None or not poller._thread.is_alive())
+    comm.Barrier()  # the failed step's launched buckets may still be pending: drop the DDP on every rank alike
+    ddp.remove()
+
+
 def test_ddp_bad_progress_poll_raises_on_every_rank():
     def run(comm, value_for):
         try:
@@ -143,6 +167,6 @@ def test_ddp_bad_progress_poll_raises_on_every_rank():
 
     for bad in (0, -1.0, "1ms", True):
         for error in mpidist.simulate(3, run, lambda r, bad=bad: bad):
-            assert error is not None and "progress_poll_s must be None or a positive number" in error, error
+            assert error is not None and "progress_poll_s must be None or a positive, finite number" in error, error
         for error in mpidist.simulate(3, run, lambda r, bad=bad: bad if r == 1 else 0.01):
             assert error is not None and "progress_poll_s" in error and "rank 1" in error, error

@@ -1,5 +1,7 @@
 """DDP parity: N ranks with their slices of a batch train exactly like one process on the whole batch."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -254,6 +256,25 @@ def test_a_module_without_parameters_on_one_rank_raises_on_every_rank(comm):
         DDP(nn.Tanh() if comm.Get_rank() == 1 else make_model(), comm)
     others = "rank 0" if comm.Get_size() == 2 else "ranks 0,2,3"
     assert f"parameter counts: {others}: 6; rank 1: 0" in str(raised.value), raised.value
+
+
+def test_progress_poll_needs_threads_allowed_to_call_mpi_at_once(comm, monkeypatch):
+    """The poll thread calls MPI beside the main thread: without MPI_THREAD_MULTIPLE DDP refuses it, saying why."""
+    from mpi4py import MPI
+    from mpidist.comm import calls_from_threads_allowed, is_simulated
+    assert calls_from_threads_allowed(comm) == (is_simulated(comm) or MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+    monkeypatch.setattr("mpidist.parallel.ddp.calls_from_threads_allowed", lambda c: False)
+    with pytest.raises(ValueError, match=r"progress_poll_s=0.01 needs MPI_THREAD_MULTIPLE"):
+        DDP(make_model(), comm, progress_poll_s=0.01)
+    DDP(make_model(), comm).remove()  # without the poll nothing is asked
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "0.1", True])
+def test_progress_poll_must_be_a_positive_finite_number(comm, bad):
+    """inf passed the old check, and the thread then died in Event.wait(inf) (OverflowError), silently."""
+    with pytest.raises(ValueError, match=r"progress_poll_s must be None or a positive, finite number of seconds "
+                                         rf"\(got {re.escape(repr(bad))}\)"):
+        DDP(make_model(), comm, progress_poll_s=bad)
 
 
 # -- DistributedSampler ---------------------------------------------------------------------------

@@ -7,12 +7,12 @@ know what a communicator is, it asks here (``is_simulated``, ``comm_key``, ``wor
 
 from .errors import CollectiveMismatchError, CommError, DeadlockError, RankFailedError, SimAbort, WatchdogTimeout
 from .sim import SimComm, SimRequest, simulate
-from .identity import comm_key, is_simulated, simulated_rank, world_comm, world_ranks
+from .identity import calls_from_threads_allowed, comm_key, is_simulated, simulated_rank, world_comm, world_ranks
 from .nodes import node_comm
 
 __all__ = ["SimComm", "SimRequest", "simulate", "CommError", "CollectiveMismatchError",
            "RankFailedError", "DeadlockError", "SimAbort", "WatchdogTimeout", "is_comm", "check_comm",
-           "is_simulated", "comm_key", "world_ranks", "simulated_rank", "world_comm", "node_comm", "DeviceMesh"]
+           "is_simulated", "calls_from_threads_allowed", "comm_key", "world_ranks", "simulated_rank", "world_comm", "node_comm", "DeviceMesh"]
 
 
 def is_comm(obj):

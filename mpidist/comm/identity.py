@@ -12,12 +12,21 @@ from mpi4py import MPI
 from .sim import SimComm
 from .sim.runner import current as _current
 
-__all__ = ["is_simulated", "comm_key", "world_ranks", "simulated_rank", "world_comm"]
+__all__ = ["is_simulated", "calls_from_threads_allowed", "comm_key", "world_ranks", "simulated_rank", "world_comm"]
 
 
 def is_simulated(comm):
     """Return whether ``comm`` is a SimComm (its ranks are threads of this process)."""
     return isinstance(comm, SimComm)
+
+
+def calls_from_threads_allowed(comm):
+    """Return whether two threads of this process may call into ``comm`` at the same time.
+
+    A SimComm's calls are thread-safe; MPI's are only under MPI_THREAD_MULTIPLE (mpi4py asks for it, but an
+    application that called ``MPI.Init_thread`` itself, or an MPI built without it, may have less).
+    """
+    return is_simulated(comm) or MPI.Query_thread() >= MPI.THREAD_MULTIPLE
 
 
 _ordinals = itertools.count()  # this process's next key number for an MPI communicator

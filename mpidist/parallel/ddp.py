@@ -28,15 +28,16 @@ the no_sync mode, step stamp and non-finite/unused reports it shares with FSDP.
 """
 
 import contextlib
+import math
 import threading
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import collectives
 from ..collectives_hier import ALGORITHMS as ALLREDUCE_ALGORITHMS, HierarchicalAllreduce
-from ..comm.agree import check_same
+from ..comm import calls_from_threads_allowed, is_simulated
+from ..comm.agree import check_same, raise_if_any
 from ..nn import is_grad_enabled, queue_callback
 from ..nn.deferred import deferred_key, is_deferred, materialize
 from ..xp import get_array_module, to_numpy
@@ -171,8 +172,10 @@ class DDP(WholeModuleWrapper):
     thread (MPICH's default) moves a large bucket only inside MPI calls, so during a long layer's backward the
     transfer stalls; on the 2-node virtual cluster at 1 Gbit/s, 0.002 s raised the share of the allreduce hidden
     behind backward from ~0.3 to 0.43-0.61 with a rank per node (docs/cluster.md); where ranks already fill
-    every core the thread competes with them (2 ranks per node on 2 cores: 0.17-0.65). Real MPI only, not with
-    a comm hook; alike on every rank.
+    every core the thread competes with them (2 ranks per node on 2 cores: 0.17-0.65). Real MPI only, and needs
+    MPI_THREAD_MULTIPLE (checked on every rank). It does nothing while a comm hook reduces the buckets: the
+    compression hooks, ``allreduce="hierarchical"``/``"auto"`` and bfloat16 buckets (reduced in float32 by a
+    hook) progress in their own ``test()`` calls. Alike on every rank.
     """
 
     def __init__(self, module, comm, bucket_cap_mb=25, first_bucket_mb=1, overlap=True, broadcast_buffers=True,
@@ -197,11 +200,17 @@ class DDP(WholeModuleWrapper):
             raise ValueError(f"DDP: unused_parameters must be 'zero' or 'error' (got {unused_parameters!r})")
         if allreduce not in ALLREDUCE_ALGORITHMS:
             raise ValueError(f"DDP: allreduce must be one of {ALLREDUCE_ALGORITHMS} (got {allreduce!r})")
-        if progress_poll_s is not None and (type(progress_poll_s) not in (int, float) or not progress_poll_s > 0):
-            raise ValueError(f"DDP: progress_poll_s must be None or a positive number of seconds "
+        if progress_poll_s is not None and (type(progress_poll_s) not in (int, float)
+                                            or not 0 < progress_poll_s < math.inf):
+            raise ValueError(f"DDP: progress_poll_s must be None or a positive, finite number of seconds "
                              f"(got {progress_poll_s!r})")
+        if progress_poll_s is not None:  # agreed above, so every rank takes this collective or none does
+            # The poller's MPI calls would run beside the main thread's (a tensor-parallel op's, a user's).
+            raise_if_any(comm, None if calls_from_threads_allowed(comm) else
+                         f"progress_poll_s={progress_poll_s!r} needs MPI_THREAD_MULTIPLE, which this process's "
+                         f"MPI was not initialized with; leave it None or initialize MPI with it", "DDP")
         # SimComm's nonblocking collectives complete without progress calls: only real MPI gets the thread.
-        self.progress_poll_s = progress_poll_s if isinstance(comm, MPI.Comm) else None
+        self.progress_poll_s = None if is_simulated(comm) else progress_poll_s
         self._poller = None
         self._progress_lock = threading.Lock()
         self.module = module
@@ -258,6 +267,7 @@ class DDP(WholeModuleWrapper):
         # register_comm_hook's (state, hook); MPI cannot sum bfloat16, so such buckets default to a float32 sum
         self._comm_hook = (None, comm_hooks.allreduce_hook) if any(
             comm_hooks.as_bytes(b.flat) is not b.flat for b in self.buckets) else None
+        self._hook_comms = comm_hooks.HookComms()  # the hooks' private communicators, freed by remove()
         # Its node communicators are freed by remove() (collective); a DDP dropped without it leaves them to the
         # ones later DDPs over this comm share (collectives_hier), not one pair per DDP.
         self._hierarchical = None
@@ -302,6 +312,7 @@ class DDP(WholeModuleWrapper):
 
     def forward(self, *args, **kwargs):
         """Run the wrapped module (and keep a joined rank's collectives matched)."""
+        self._stop_poller()  # a backward that raised never reached _end_backward, which stops it
         training = self.module.training and is_grad_enabled()
         if training:
             self._forward_sync = self._sync.syncing and self._forward_sync is not False
@@ -365,6 +376,7 @@ class DDP(WholeModuleWrapper):
         if self._hierarchical is not None:
             self._hierarchical.free()
             self._hierarchical = None
+        self._hook_comms.free()
 
     def register_comm_hook(self, state, hook):
         """Reduce each bucket with ``hook(state, bucket)`` instead of MPI's sum (PyTorch's shape; built-ins and
@@ -412,6 +424,7 @@ class DDP(WholeModuleWrapper):
 
     def _begin_backward(self):
         """The first gradient of a backward: count it, start the step check, and queue the finalize."""
+        self._stop_poller()  # left by an earlier backward that raised
         self._trainable.check()
         sync = self._sync.syncing and self._forward_sync is not False
         self._backward = (sync, time.perf_counter())
@@ -592,7 +605,7 @@ class _HookHandle:
         state, hook = ddp._comm_hook
         self.bucket = bucket
         self.work = hook(state, comm_hooks.HookBucket(bucket.flat, bucket.index, bucket.index == len(ddp.buckets) - 1,
-                                                     bucket.params, bucket.views, ddp.comm))
+                                                     bucket.params, bucket.views, ddp.comm, ddp._hook_comms))
 
     def test(self):
         return self.work.test()
