@@ -273,7 +273,9 @@ def activation_bytes(trainer):
 
 # The op families outside the matmuls, by the names of mpidist.nn.functional's ops (forward) and of their graph
 # nodes (backward). Linear and attention also run the step's matmuls: their family is charged their time minus
-# the same run's time for those products alone (``MatmulsOnly``).
+# the same run's time for those products alone (``MatmulsOnly``). MatmulsOnly times attention's full (T, T)
+# products, as MFU counts every key; causal attention computes about 3/4 of them (row blocks), so attention's
+# row is its softmax time less the products it skips.
 FAMILIES = {
     "gelu": ("gelu", "Gelu"),
     "layer_norm": ("layer_norm", "LayerNorm"),
