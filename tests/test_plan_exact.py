@@ -27,7 +27,7 @@ LAYOUTS_2 = [
     Layout(1, 1, 2, num_micro=2, schedule="interleaved", chunks=2),
     Layout(1, 1, 2, num_micro=3, schedule="zb_h1"),
     # mixed precision (nn.precision.Policy, FSDP's param_dtype/reduce_dtype, DDP's communication hooks)
-    Layout(2, 1, 1, num_micro=2, param_dtype="bfloat16"),          # buckets summed in float32, stamp apart
+    Layout(2, 1, 1, num_micro=2, param_dtype="bfloat16"),          # the stamp apart from bfloat16 buckets
     Layout(2, 1, 1, param_dtype="float16", compute_dtype="float32"),   # the stamp rides in a float16 bucket
     Layout(2, 1, 1, comm_hook="fp16"),
     Layout(2, 1, 1, param_dtype="bfloat16", comm_hook="bf16"),
@@ -253,7 +253,7 @@ LAYOUTS_512 = [
     Layout(512, 1, 1, "hybrid", shard_size=8),            # FSDP's (replicate, shard) mesh: two more Splits
     Layout(128, 4, 1, "hybrid", shard_size=16, num_micro=2),
     Layout(512, 1, 1, param_dtype="float16"),             # at 512 ranks the stamp leaves the float16 bucket
-    Layout(512, 1, 1, param_dtype="bfloat16", num_micro=2),   # buckets summed in float32, the stamp apart
+    Layout(512, 1, 1, param_dtype="bfloat16", num_micro=2),   # the stamp apart from bfloat16 buckets
     Layout(512, 1, 1, "fsdp", gather_dtype="bfloat16"),
 ]
 

@@ -9,7 +9,7 @@ import sys
 from mpidist.files import write_text_atomic
 
 from .estimate import plan
-from .layouts import RECOMPUTE, SCHEDULES, SHARDINGS
+from .layouts import COMM_HOOKS, RECOMPUTE, SCHEDULES, SHARDINGS
 from .model import ModelShape
 from .profile import Profile, load_profile, profile_names
 from .report import format_table, plot, to_json
@@ -26,6 +26,13 @@ def _csv(choices):
                                              f"{', '.join(choices)})")
         return items
     return parse
+
+
+def _precision(args) -> dict:
+    given = {"param_dtype": args.param_dtype, "compute_dtype": args.compute_dtype, "gather_dtype":
+             args.fsdp_gather_dtype, "reduce_dtype": args.fsdp_reduce_dtype,
+             "comm_hook": "" if args.comm_hook == "none" else args.comm_hook}
+    return {k: v for k, v in given.items() if v}
 
 
 def add_parser(sub):
@@ -51,6 +58,12 @@ def add_parser(sub):
     p.add_argument("--schedules", type=_csv(SCHEDULES), default=SCHEDULES, help="pipeline schedules to consider")
     p.add_argument("--sharding", type=_csv(SHARDINGS), default=SHARDINGS, help="data-parallel kinds to consider")
     p.add_argument("--recompute", type=_csv(RECOMPUTE), default=RECOMPUTE, help="recompute options to consider")
+    p.add_argument("--param-dtype", default="", help="mixed precision: parameters stored in this dtype (an "
+                   "nn.precision.Policy; 16-bit: AdamW keeps float32 masters); default: --dtype")
+    p.add_argument("--compute-dtype", default="", help="the Policy's activation dtype (default: the parameters')")
+    p.add_argument("--comm-hook", choices=COMM_HOOKS, default="none", help="DDP layouts' communication hook")
+    p.add_argument("--fsdp-gather-dtype", default="", help="FSDP layouts: gather units in this dtype")
+    p.add_argument("--fsdp-reduce-dtype", default="", help="FSDP layouts: reduce-scatter gradients in this dtype")
     p.add_argument("--max-micro-batch", type=int, default=None, help="largest micro-batch to consider")
     p.add_argument("--top", type=int, default=15, help="layouts to show (default 15)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -81,7 +94,7 @@ def run(args) -> int:
         profile = load_profile(args.profile)
         estimates = plan(shape, args.batch, args.ranks, args.ranks_per_node or args.ranks, profile,
                          max_micro_batch=args.max_micro_batch, schedules=args.schedules, shardings=args.sharding,
-                         recompute=args.recompute)
+                         recompute=args.recompute, precision=_precision(args))
     except ValueError as exc:
         print(f"mpidist plan: {exc}", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ activation bytes and compute time are estimates (the formulas below, with the pr
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional
 
 from mpidist.parallel.pipeline import schedules as _schedules
@@ -294,6 +294,21 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
     return est
 
 
+_DDP_ONLY, _FSDP_ONLY = ("comm_hook", "powersgd_rank"), ("gather_dtype", "reduce_dtype")
+
+
+def _with_precision(layout: Layout, precision: dict) -> Layout:
+    """Return ``layout`` with the ``precision`` fields that apply to its data-parallel kind."""
+    unknown = sorted(set(precision) - {"param_dtype", "compute_dtype"} - set(_DDP_ONLY) - set(_FSDP_ONLY))
+    if unknown:
+        raise ValueError(f"plan: unknown precision fields {unknown}")
+    skip = _FSDP_ONLY if not layout.fsdp else _DDP_ONLY
+    fields = {k: v for k, v in precision.items() if k not in skip}
+    if fields:
+        dtypes(ModelShape(1, 1, 1, 1, 1), replace(layout, **fields))   # a bad dtype name raises here, once
+    return replace(layout, **fields) if fields else layout
+
+
 @functools.lru_cache(maxsize=64)
 def _num_parameters(shape: ModelShape) -> int:
     return shape.num_parameters()
@@ -357,8 +372,12 @@ def lower_bound(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_n
 
 
 def plan(shape: ModelShape, global_batch: int, ranks: int, ranks_per_node: int, profile: Profile,
-         max_micro_batch: Optional[int] = None, keep: int = 50, **choices) -> List[Estimate]:
+         max_micro_batch: Optional[int] = None, keep: int = 50, precision: Optional[dict] = None,
+         **choices) -> List[Estimate]:
     """Return every layout's Estimate: feasible ones fastest first, then the others with the reason.
+
+    ``precision``: ``Layout``'s precision fields for every layout (``param_dtype``, ``compute_dtype``; ``comm_hook``
+    and ``powersgd_rank`` apply to DDP layouts, ``gather_dtype`` and ``reduce_dtype`` to FSDP ones).
 
     Branch and bound: layouts are estimated in the order of a cheap lower bound of their step time
     (``lower_bound``); once that bound exceeds the ``keep``-th fastest step found, the remaining layouts cannot
@@ -373,6 +392,7 @@ def plan(shape: ModelShape, global_batch: int, ranks: int, ranks_per_node: int, 
     out, candidates = [], []
     for layout, why in enumerate_layouts(ranks, global_batch, ranks_per_node, shape.layers, shape.heads,
                                          max_micro_batch=max_micro_batch, **choices):
+        layout = _with_precision(layout, precision or {})
         if why:
             out.append(Estimate(layout, reason=why))
             continue

@@ -29,7 +29,7 @@ from typing import Dict, List
 import numpy as np
 
 from mpidist import wire
-from mpidist.nn.precision import as_dtype, bfloat16, is_low_precision
+from mpidist.nn.precision import as_dtype, is_low_precision
 from mpidist.parallel.agreement import StepStamp
 
 from .layouts import Layout
@@ -76,7 +76,13 @@ class Dtypes:
 def _dtype(name: str, what: str) -> np.dtype:
     if name in ("float16", "fp16", "bfloat16", "bf16", "float32", "fp32"):
         return as_dtype(name, f"plan: {what}")
-    return np.dtype(name)
+    try:
+        found = np.dtype(name)
+    except TypeError:
+        found = None
+    if found is None or found.kind != "f":
+        raise ValueError(f"plan: {what} must be a floating dtype: float16, bfloat16, float32, float64 (got {name!r})")
+    return found
 
 
 def dtypes(shape: ModelShape, layout: Layout) -> Dtypes:
@@ -94,11 +100,6 @@ def summed_itemsize(dtype: np.dtype) -> int:
     (16-bit floats accumulate in float32 inside the collective); else float32, which the callers widen to."""
     return dtype.itemsize if dtype in wire.SUPPORTED_DTYPES else 4
 
-
-def _bucket_itemsize(dtype: np.dtype) -> int:
-    """Bytes per element of a DDP bucket's sum without a hook: ``comm_hooks.allreduce_hook`` sums a bfloat16
-    bucket in float32."""
-    return 4 if dtype == bfloat16 else dtype.itemsize
 
 
 def bucket_params(params, itemsize, bucket_cap_mb=25, first_bucket_mb=1) -> List[list]:
@@ -169,7 +170,7 @@ def _ddp_calls(params, dt: Dtypes, layout: Layout) -> List[Call]:
             out += _powersgd(b, layout.powersgd_rank)
         else:
             stamp = StepStamp.SLOTS if k == len(buckets) - 1 and _stamp_in_bucket(dt.param, dp, hook) else 0
-            out.append(Call("dp", "allreduce", (numel + stamp) * _bucket_itemsize(dt.param)))
+            out.append(Call("dp", "allreduce", (numel + stamp) * summed_itemsize(dt.param)))
     if buckets and not _stamp_in_bucket(dt.param, dp, hook):
         out.append(Call("dp", "allreduce", _STAMP_BYTES))   # the step stamp's own message
     return out
