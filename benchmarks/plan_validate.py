@@ -2,6 +2,8 @@
 
 Run from the repo root, one part per call (each under a few minutes, so each fits one quiet window), then merge:
 
+    .venv/bin/python benchmarks/plan_validate.py --vcluster 200mbit --calibrate mpidist/plan/profiles/local-quiet.json \
+        mpidist/plan/profiles/vcluster-2x2.json          # the profile's inter tier on the shaped link (needs root)
     .venv/bin/python benchmarks/plan_validate.py --ranks 2 --profile local --json docs/plan_validate_2.json
     .venv/bin/python benchmarks/plan_validate.py --ranks 4 --profile local --json docs/plan_validate_4.json
     .venv/bin/python benchmarks/plan_validate.py --vcluster 200mbit --profile vcluster-2x2 \
@@ -194,6 +196,45 @@ def launch(part, args, cluster=None):
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def _vcluster():
+    """Return the virtual-cluster harness of this checkout (tests/cluster/vcluster.py), or exit saying why not."""
+    sys.path.insert(0, os.path.join(REPO, "tests", "cluster"))
+    import vcluster
+    why = vcluster.unavailable()
+    if why:
+        sys.exit(f"plan_validate: {why}")
+    return vcluster
+
+
+def calibrate_vcluster(rate, base_path, out_path, nodes=2, ranks_per_node=2):
+    """Write ``base_path``'s profile with its inter tier measured between two nodes of a virtual cluster whose
+    links are shaped to ``rate`` to ``out_path``: ``mpidist.plan.calibrate --inter`` run with one rank on each of
+    two nodes, the link shared by the ranks of a node (``ranks_per_link``), and ``cores_per_node`` the machine's
+    cores split over the nodes (the namespaces share them)."""
+    import tempfile
+    with open(base_path) as f:
+        base = json.load(f)
+    with tempfile.TemporaryDirectory() as tmp:
+        measured = os.path.join(tmp, "inter.json")
+        cmd = [sys.executable, "-m", "mpidist.plan.calibrate", "--inter", os.path.abspath(base_path), measured,
+               "--ranks-per-link", str(ranks_per_node), "--name", f"vcluster-{nodes}x{ranks_per_node}-{rate}"]
+        with _vcluster().VirtualCluster(nodes=nodes, rate=rate) as cluster:
+            done = subprocess.run(cluster.mpiexec(cmd, ppn=1), capture_output=True, text=True, timeout=600,
+                                  cwd=REPO)
+        if done.returncode:
+            sys.exit(f"plan_validate: calibrate --inter failed ({done.returncode}): {done.stderr[-2000:]}")
+        with open(measured) as f:
+            data = json.load(f)
+    data["cores_per_node"] = max(1, (base.get("cores_per_node") or os.cpu_count() or 1) // nodes)
+    data["source"] += f" (virtual cluster, links shaped to {rate})"
+    data["fit"]["inter"]["rate"] = rate
+    Profile.from_dict(data, where="plan_validate --calibrate")   # what is written loads
+    with open(out_path, "w") as f:
+        f.write(json.dumps(data, indent=1) + "\n")
+    print(f"plan_validate: wrote {out_path} (inter tier {data['tiers']['inter']['latency_s'] * 1e6:.1f} us, "
+          f"{data['tiers']['inter']['bandwidth'] / 1e6:.1f} MB/s)")
+
+
 def merge(args):
     """Return the parts of ``args.merge`` by name; several runs of one part become one: per layout the median
     of the runs' steps whose foreign share is at most ``--max-foreign``, predicted again with ``--profile``
@@ -241,10 +282,16 @@ def main():
     parser.add_argument("--merge", nargs="+", metavar="PART", help="merge these part files into --json (runs of one "
                         "part: the median of their quiet measurements)")
     parser.add_argument("--vcluster-profile", default="vcluster-2x2", help="--merge: the virtual cluster's profile")
+    parser.add_argument("--calibrate", nargs=2, metavar=("BASE", "OUT"), help="with --vcluster: write BASE's "
+                        "profile with the inter tier measured on the virtual cluster's shaped link to OUT")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.steps, args.tries, args.max_foreign)
+    if args.calibrate:
+        if not args.vcluster:
+            parser.error("--calibrate needs --vcluster RATE")
+        return calibrate_vcluster(args.vcluster, *args.calibrate)
     if args.merge:
         report = {"model": SHAPE.__dict__, "global_batch": BATCH, "runs": merge(args)}
         for name, part in report["runs"].items():
@@ -258,13 +305,8 @@ def main():
             name, ranks, per_node = args.ranks, int(args.ranks), int(args.ranks)
             rows = launch(name, args)
         else:
-            sys.path.insert(0, os.path.join(REPO, "tests", "cluster"))
-            import vcluster
-            why = vcluster.unavailable()
-            if why:
-                sys.exit(f"plan_validate: {why}")
             name, ranks, per_node = f"2x2 {args.vcluster}", 4, 2
-            with vcluster.VirtualCluster(nodes=2, rate=args.vcluster) as cluster:
+            with _vcluster().VirtualCluster(nodes=2, rate=args.vcluster) as cluster:
                 rows = launch("2x2", args, cluster)
         part = {"rows": rows, "ranks": ranks, "ranks_per_node": per_node, "cores": cores,
                 "profile": profile.name, "profile_source": profile.source,

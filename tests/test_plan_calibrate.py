@@ -1,10 +1,14 @@
 """The planner's fitted knobs: the per-layer overhead term of the estimate and the fit ``plan --calibrate`` makes
-(no measurement here: the fit is checked on times made by a formula)."""
+(no measurement here: the fit is checked on times made by a formula); the inter-node link calibration."""
+import ast
+import pathlib
+
 import numpy as np
 import pytest
 
+import mpidist
 from mpidist.plan import Layout, ModelShape, Profile, estimate, load_profile
-from mpidist.plan.calibrate import fit_knobs
+from mpidist.plan.calibrate import PINGPONG_SIZES, calibrate_inter, fit_alpha_beta, fit_knobs, with_inter_tier
 from mpidist.plan.estimate import collective_seconds
 
 SHAPE = ModelShape(layers=3, hidden=32, heads=4, vocab=64, seq=8)
@@ -91,3 +95,78 @@ def test_oversubscribed_data_parallel_reduction_is_not_hidden():
     hidden = estimate(SHAPE, layout, _profile(cores_per_node=4), 4).time["dp"]
     assert estimate(SHAPE, layout, profile, 4).time["dp"] == pytest.approx(ring)
     assert hidden < ring
+
+
+def test_inter_tier_is_the_alpha_beta_line_through_the_pingpong():
+    """Times made as alpha + bytes / bandwidth: the inter tier has that bandwidth, and as latency the smallest
+    message's time (alpha + 8 / bandwidth: the latency is never under a measured time); the rest is the base's."""
+    alpha, bandwidth = 4e-5, 2.5e7
+    points = [[n, alpha + n / bandwidth] for n in PINGPONG_SIZES]
+    base = load_profile("local").to_dict()
+    data = with_inter_tier(base, points, ranks_per_link=2, hosts=("a", "b"), name="two-nodes")
+    inter = Profile.from_dict(data).tiers["inter"]
+    assert inter.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    assert inter.latency_s == pytest.approx(alpha + PINGPONG_SIZES[0] / bandwidth, rel=1e-6)
+    assert inter.ranks_per_link == 2
+    assert data["tiers"]["intra"] == base["tiers"]["intra"] and data["peak_flops"] == base["peak_flops"]
+    assert data["name"] == "two-nodes" and data["fit"]["inter"]["hosts"] == ["a", "b"]
+    assert base["tiers"]["inter"] != data["tiers"]["inter"]   # the base is copied, not changed
+
+
+def test_fit_alpha_beta_latency_is_at_least_the_smallest_time():
+    """Noise that puts the fitted intercept under zero: the latency is the smallest message's time."""
+    points = [[8, 1e-5], [1 << 20, 1e-3], [1 << 22, 5e-3]]
+    slope, intercept = np.polyfit([p[0] for p in points], [p[1] for p in points], 1)
+    assert intercept < 0
+    alpha, bandwidth = fit_alpha_beta(points)
+    assert alpha == 1e-5
+    assert bandwidth == pytest.approx(1 / slope)
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_calibrate_inter_pingpongs_between_ranks_0_and_1(comm):
+    """Ranks 0 and 1 on two hosts: every rank returns the same profile, its inter tier fitted to the ping-pong's
+    points (one per message size, positive times) and named after the two hosts."""
+    base = load_profile("local").to_dict()
+    data = calibrate_inter(base, comm, ranks_per_link=2, host=f"node{comm.Get_rank()}")
+    record = data["fit"]["inter"]
+    assert record["hosts"] == ["node0", "node1"]
+    assert [p[0] for p in record["points"]] == list(PINGPONG_SIZES)
+    assert all(p[1] > 0 for p in record["points"])
+    alpha, bandwidth = fit_alpha_beta(record["points"])
+    assert data["tiers"]["inter"] == {"latency_s": alpha, "bandwidth": bandwidth, "efficiency": 1.0,
+                                      "ranks_per_link": 2}
+    assert comm.allgather(data["tiers"]["inter"]) == [data["tiers"]["inter"]] * comm.Get_size()
+
+
+def test_calibrate_inter_refuses_ranks_0_and_1_on_one_host(comm):
+    """One rank, or ranks 0 and 1 on one host, measure no inter-node link: the same error on every rank."""
+    expected = "needs 2 ranks or more" if comm.Get_size() == 1 else "ranks 0 and 1 are both on host 'same'"
+    with pytest.raises(ValueError, match=rf"plan calibrate --inter: {expected}"):
+        calibrate_inter(load_profile("local").to_dict(), comm, host="same")
+    comm.Barrier()   # every rank got here: none is left in a ping-pong
+
+
+def test_no_module_under_mpidist_imports_test_code():
+    """An installed mpidist has no tests/ directory: no module imports a module of the test tree (vcluster,
+    helpers, conftest, ...) or puts a tests/ path on sys.path."""
+    root = pathlib.Path(mpidist.__file__).parent
+    test_modules = {p.stem for p in (root.parent / "tests").rglob("*.py")} | {"tests"}
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append",
+                                                                           "sys.path.extend"):
+                strings = [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+                if any("tests" in s for s in strings):
+                    offenders.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
+                continue
+            else:
+                continue
+            if any(n.split(".")[0] in test_modules for n in names):
+                offenders.append(f"{path.relative_to(root)}:{node.lineno} imports {names}")
+    assert offenders == [], offenders

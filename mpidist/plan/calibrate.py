@@ -4,22 +4,23 @@ Matmuls and memory bandwidth are timed in this process (one BLAS thread, as rank
 timed by a ping-pong between two ranks started with ``mpiexec -n 2`` (this module run as a program), fitting
 time = alpha + bytes / bandwidth over message sizes. Two knobs are then fitted on one-rank training steps of
 declared shapes (``CALIBRATION_RUNS``): ``compute_scale`` and ``layer_overhead_s`` (``fit_knobs``). The
-inter-node tier is the intra one; ``python -m mpidist.plan.calibrate --vcluster RATE BASE OUT`` measures it by
-the same ping-pong between two nodes of the virtual cluster (tests/cluster/vcluster.py) with links shaped to
-RATE, and writes BASE with that tier.
+inter-node tier is the intra one until measured: run across two nodes, e.g.
+``mpiexec -n 2 -hosts a,b python -m mpidist.plan.calibrate --inter BASE.json OUT.json``, the same ping-pong
+between ranks 0 and 1 (on different hosts) gives BASE's inter tier, written to OUT (``calibrate_inter``).
 """
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 
-__all__ = ["measure_matmul_curve", "measure_memory_bandwidth", "measure_link", "calibrate", "calibrate_inter",
-           "fit_knobs", "machine_busy_seconds", "quiet_median"]
+__all__ = ["measure_matmul_curve", "measure_memory_bandwidth", "measure_link", "measure_pingpong", "fit_alpha_beta",
+           "calibrate", "calibrate_inter", "with_inter_tier", "fit_knobs", "machine_busy_seconds", "quiet_median"]
 
 
 def _best(fn, repeat, budget_s=0.3):
@@ -53,26 +54,29 @@ def measure_memory_bandwidth(nbytes=64 << 20):
     return 2 * nbytes / seconds
 
 
-def _pingpong():
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
+PINGPONG_SIZES = (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
+
+
+def measure_pingpong(comm, ranks=(0, 1), sizes=PINGPONG_SIZES):
+    """Return [[bytes, one-way seconds], ...] of a ping-pong between ``ranks`` of ``comm``, on every rank
+    (collective: the other ranks wait at the barriers)."""
+    first, second = ranks
     rank = comm.Get_rank()
     out = []
-    for size in (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22):
+    for size in sizes:
         buf = np.zeros(size, dtype=np.uint8)
         reps = 20 if size < (1 << 20) else 5
         comm.Barrier()
         t0 = time.perf_counter()
         for _ in range(reps):
-            if rank == 0:
-                comm.Send(buf, 1)
-                comm.Recv(buf, 1)
-            else:
-                comm.Recv(buf, 0)
-                comm.Send(buf, 0)
-        out.append((size, (time.perf_counter() - t0) / (2 * reps)))
-    if rank == 0:
-        print(json.dumps(out))
+            if rank == first:
+                comm.Send(buf, second)
+                comm.Recv(buf, second)
+            elif rank == second:
+                comm.Recv(buf, first)
+                comm.Send(buf, first)
+        out.append([size, (time.perf_counter() - t0) / (2 * reps)])
+    return comm.bcast(out, root=first)
 
 
 def machine_busy_seconds():
@@ -130,11 +134,12 @@ def measure_link(mpiexec=None):
     """Return (alpha seconds, bandwidth bytes/s) between two ranks of this node (``mpiexec -n 2`` ping-pong)."""
     mpiexec = mpiexec or os.path.join(os.path.dirname(sys.executable), "mpiexec")
     points = _run_measurement([mpiexec, "-n", "2", sys.executable, "-m", "mpidist.plan.calibrate", "--pingpong"])
-    return _fit_alpha_beta(points)
+    return fit_alpha_beta(points)
 
 
-def _fit_alpha_beta(points):
-    """Return (alpha, bandwidth) of time = alpha + bytes / bandwidth fitted to [(bytes, seconds), ...]."""
+def fit_alpha_beta(points):
+    """Return (alpha, bandwidth) of time = alpha + bytes / bandwidth fitted to [(bytes, seconds), ...]; alpha is at
+    least the smallest message's time (noise can put the fitted intercept below it, even under zero)."""
     x = np.array([p[0] for p in points], float)
     y = np.array([p[1] for p in points], float)
     slope, alpha = np.polyfit(x, y, 1)
@@ -223,48 +228,73 @@ def fit_compute(profile_data, measured):
                              "fit_errors": [f / y - 1 for f, y in zip(fitted, measured)]}
 
 
-def calibrate_inter(base: dict, rate: str, nodes: int = 2, ranks_per_node: int = 2) -> dict:
-    """Return ``base`` with its inter tier measured between two nodes of a virtual cluster whose links are shaped
-    to ``rate`` (tests/cluster/vcluster.py; needs root): a ping-pong between one rank on each of two nodes, the
-    link shared by the ranks of a node (``ranks_per_link``), and ``cores_per_node`` the machine's cores split
-    over the nodes (the namespaces share them)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "cluster"))
-    import vcluster
-    why = vcluster.unavailable()
-    if why:
-        raise RuntimeError(f"plan --calibrate: {why}")
-    with vcluster.VirtualCluster(nodes=nodes, rate=rate) as cluster:
-        points = _run_measurement(cluster.mpiexec([sys.executable, "-m", "mpidist.plan.calibrate", "--pingpong"],
-                                                  ppn=1))
-    alpha, bandwidth = _fit_alpha_beta(points)
-    cores = max(1, (base.get("cores_per_node") or os.cpu_count() or 1) // nodes)
+def with_inter_tier(base: dict, points, ranks_per_link: int = 1, hosts=(), name=None) -> dict:
+    """Return a copy of profile dict ``base`` whose inter tier is fitted to ping-pong ``points`` between two nodes
+    (``fit_alpha_beta``); ``ranks_per_link``: the ranks of a node that share its link."""
+    alpha, bandwidth = fit_alpha_beta(points)
     data = json.loads(json.dumps(base))
     data["tiers"]["inter"] = {"latency_s": alpha, "bandwidth": bandwidth, "efficiency": 1.0,
-                              "ranks_per_link": ranks_per_node}
-    data["cores_per_node"] = cores
-    data["name"] = f"vcluster-{nodes}x{ranks_per_node}-{rate}"
-    data["source"] = (f"{base.get('source', '')}; inter tier: ping-pong between 2 nodes of the virtual cluster, "
-                      f"links shaped to {rate}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    data.setdefault("fit", {})["inter"] = {"rate": rate, "points": points}
+                              "ranks_per_link": ranks_per_link}
+    if name:
+        data["name"] = name
+    between = " and ".join(hosts) if hosts else "two nodes"
+    data["source"] = (f"{base.get('source', '')}; inter tier: ping-pong between {between}, "
+                      f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    data.setdefault("fit", {})["inter"] = {"points": [list(p) for p in points], "hosts": list(hosts)}
     return data
+
+
+def calibrate_inter(base: dict, comm, ranks_per_link: int = 1, name=None, host=None) -> dict:
+    """Return ``base`` with its inter tier measured by a ping-pong between ranks 0 and 1 of ``comm``, on every
+    rank (collective); the two must run on different hosts (``host``: this rank's, the host name by default)."""
+    hosts = comm.allgather(host or socket.gethostname())
+    # every rank sees the same host list, so every rank raises the same error (no rank is left waiting)
+    if len(hosts) < 2:
+        raise ValueError(f"plan calibrate --inter: needs 2 ranks or more (world size {len(hosts)})")
+    if hosts[0] == hosts[1]:
+        raise ValueError(f"plan calibrate --inter: ranks 0 and 1 are both on host {hosts[0]!r}: start them on two "
+                         f"nodes (e.g. mpiexec -n 2 -hosts a,b)")
+    points = measure_pingpong(comm, (0, 1))
+    return with_inter_tier(base, points, ranks_per_link, hosts[:2], name)
+
+
+def _inter_main(argv):
+    """``mpiexec -n 2 -hosts a,b python -m mpidist.plan.calibrate --inter BASE OUT``: rank 0 writes OUT."""
+    import argparse
+
+    from mpi4py import MPI
+
+    from .profile import Profile
+    parser = argparse.ArgumentParser(prog="python -m mpidist.plan.calibrate --inter",
+                                     description="measure the link between the nodes of ranks 0 and 1 into a "
+                                                 "profile's inter tier")
+    parser.add_argument("base", help="profile JSON measured on one node (mpidist plan --calibrate)")
+    parser.add_argument("out", help="write the profile with the measured inter tier here")
+    parser.add_argument("--ranks-per-link", type=int, default=1, help="ranks per node sharing its link")
+    parser.add_argument("--name", help="the written profile's name (default: the base's)")
+    args = parser.parse_args(argv)
+    with open(args.base) as f:
+        base = json.load(f)
+    data = calibrate_inter(base, MPI.COMM_WORLD, args.ranks_per_link, args.name)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        Profile.from_dict(data, where="calibrate --inter")   # what is written loads
+        with open(args.out, "w") as f:
+            f.write(json.dumps(data, indent=1) + "\n")
+        print(f"mpidist plan: wrote {args.out}")
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--pingpong"]:
-        _pingpong()
+        from mpi4py import MPI
+        points = measure_pingpong(MPI.COMM_WORLD)
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(json.dumps(points))
     elif sys.argv[1:] == ["--compute"]:
         _compute()
     elif sys.argv[1:] == ["--steps"]:
         _steps()
-    elif sys.argv[1:2] == ["--vcluster"] and len(sys.argv) == 5:
-        # python -m mpidist.plan.calibrate --vcluster RATE BASE_PROFILE OUT: the shaped link into a profile
-        from .profile import Profile
-        with open(sys.argv[3]) as f:
-            profile_data = calibrate_inter(json.load(f), sys.argv[2])
-        Profile.from_dict(profile_data, where="calibrate --vcluster")   # what is written loads
-        with open(sys.argv[4], "w") as f:
-            f.write(json.dumps(profile_data, indent=1) + "\n")
-        print(f"mpidist plan: wrote {sys.argv[4]}")
+    elif sys.argv[1:2] == ["--inter"]:
+        _inter_main(sys.argv[2:])
     else:
-        sys.exit("usage: python -m mpidist.plan.calibrate --vcluster RATE BASE_PROFILE.json OUT.json "
-                 "(or python -m mpidist plan --calibrate OUT)")
+        sys.exit("usage: mpiexec -n 2 -hosts A,B python -m mpidist.plan.calibrate --inter BASE_PROFILE.json OUT.json "
+                 "[--ranks-per-link K] [--name NAME] (or python -m mpidist plan --calibrate OUT)")
