@@ -14,7 +14,10 @@ communicators and asserts these lists EQUAL what they did):
   parallelism an allgather + reduce-scatter pair instead of each allreduce, and one allreduce per replicated
   parameter read through ``copy_to_tp`` in backward; the vocabulary-parallel loss adds two per-token allreduces.
 - DDP: one allreduce per gradient bucket per step (buckets cut as ``DDP._build_buckets`` cuts them: reverse
-  parameter order, 1 MiB first, then 25 MiB), the step stamp riding in the last bucket.
+  parameter order, 1 MiB first, then 25 MiB), the step stamp riding in the last bucket where its dtype holds the
+  sums exactly (else, and under a hook, an allreduce of its own); a hook reduces each bucket its way (the 16-bit
+  ring's point-to-point steps; PowerSGD's rest, P and Q).
+- dtypes (``Dtypes``): what a layout's precision fields make of each array; bytes are counted in them.
 - FSDP: an allgather of every unit's shard before its forward and again before its backward (FULL_SHARD frees
   after forward), a unit using a tied weight gathering the owner unit too; one reduce-scatter per unit per step.
 - Pipeline: per micro-batch one send and one receive of the activation (forward) and its gradient (backward)
