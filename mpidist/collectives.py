@@ -731,6 +731,13 @@ def _p2p_begin(comm, op, x, peer):
     return _record.enter_p2p(comm, op, int(x.nbytes) if _is_array(x) else -1, peer)
 
 
+def record_p2p(comm, op, x, peer):
+    """Record point-to-point ``op`` ("send" or "recv") of ``x`` with ``peer``; return the record for ``run_recorded``.
+
+    Public for messages posted outside ``isend``/``irecv`` (``comm_hooks``' header-free 16-bit ring)."""
+    return _p2p_begin(comm, op, x, peer)
+
+
 def _isend(x, dest, comm, tag, stamp=None):
     _check_array("send", x)
     dest = _check_rank("send", dest, comm, "dest")

@@ -394,16 +394,79 @@ def test_ddp_overlaps_the_ring_with_backward_and_ends_with_the_numpy_ring(comm, 
 
 @pytest.mark.world_sizes(2, 4)
 def test_pending_ring_messages_are_in_the_flight_recorder(comm):
-    """The ring's point-to-point messages are recorded as collectives.isend/irecv's are: while a hook's work is
+    """The ring's point-to-point messages (on the DDP's private comm) are recorded as collectives.isend/irecv's are: while a hook's work is
     pending the watchdog sees its receive from the left neighbour and its send to the right one in flight (a
     neighbour that never sends is reported, not waited for silently), and nothing of it once it is done."""
     from mpidist.guard import record
     size, rank = comm.Get_size(), comm.Get_rank()
 
     def ring_calls():
-        return sorted((r[record.OP], r[record.PEER]) for r in record.in_flight(comm) if r[record.OP] in ("send", "recv"))
+        return sorted((r[record.OP], r[record.PEER]) for r in record.in_flight(ring_comm)
+                      if r[record.OP] in ("send", "recv"))
 
-    work = bf16_compress_hook(None, fake_bucket(comm, 0, [(10,)], seed=5))
+    bucket = fake_bucket(comm, 0, [(10,)], seed=5)
+    ring_comm = bucket.private_comm(comm)  # where the ring runs (made now; the hook reuses it)
+    work = bf16_compress_hook(None, bucket)
     assert ring_calls() == sorted([("recv", (rank - 1) % size), ("send", (rank + 1) % size)])
     work.wait()
     assert ring_calls() == []
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_two_hook_comms_keep_same_index_rings_apart_however_ranks_progress(comm):
+    """Two DDPs over one comm both launch a bucket 0: with each DDP's HookComms the rings run on private comms,
+    so when odd ranks finish DDP A's ring before DDP B launches and even ranks launch both first (messages of
+    one tag would then match the wrong ring), each bucket is the numpy ring of its own inputs, bitwise, on
+    every rank."""
+    from mpidist.parallel.comm_hooks import HookComms
+    rank = comm.Get_rank()
+    comms = [HookComms(), HookComms()]
+    for c in comms:
+        c.private(comm)  # collective: made where every rank makes it
+    buckets = []
+    for k, c in enumerate(comms):
+        flat = np.full(9, 1.0 + rank, np.float32) * (1 + 100 * k) + np.arange(9, dtype=np.float32)
+        buckets.append(HookBucket(flat, 0, True, [None], [flat], comm, c))
+    inputs = [comm.allgather(b.buffer().astype(float16)) for b in buckets]
+    work_a = fp16_compress_hook(None, buckets[0])
+    if rank % 2:
+        work_a.wait()
+        work_b = fp16_compress_hook(None, buckets[1])
+    else:
+        work_b = fp16_compress_hook(None, buckets[1])
+        work_a.wait()
+    work_b.wait()
+    for b, every in zip(buckets, inputs):
+        np.testing.assert_array_equal(b.buffer(), ring_reference(every, float16).astype(np.float32))
+    assert_same_on_every_rank(comm, [b.buffer() for b in buckets])
+    for c in comms:
+        c.free()
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_two_ddps_over_one_comm_with_compress_hooks_end_with_each_buckets_numpy_ring(comm):
+    """One backward through two DDPs over one comm (both have buckets 0, 1, ...), rank 1 slowed before DDP B's
+    first gradient: every bucket of both holds the numpy ring of its own inputs, bitwise, the same on every
+    rank (on the DDP's comm the rings' tags collided and ranks ended with different gradients)."""
+    rank = comm.Get_rank()
+    seen = []
+
+    def recording_hook(state, bucket):
+        seen.append((bucket, bucket.buffer().astype(float16)))
+        return fp16_compress_hook(state, bucket)
+
+    inner, outer = make_model(1), nn.Sequential(nn.Linear(OUT, OUT, rng=np.random.default_rng(2)))
+    ddps = [DDP(m, comm, bucket_cap_mb=1e-6, first_bucket_mb=1e-6) for m in (inner, outer)]
+    for d in ddps:
+        d.register_comm_hook(None, recording_hook)
+    x, _ = shard(comm, 0, 4)
+    out = ddps[1](ddps[0](x * (1 + rank)))
+    if rank == 1:
+        out.register_hook(lambda g: time.sleep(0.05))
+    (out * out).sum().backward()
+    assert len(seen) == sum(len(d.buckets) for d in ddps)
+    for bucket, given in seen:
+        np.testing.assert_array_equal(bucket.buffer(), ring_reference(comm.allgather(given), float16).astype(np.float32))
+    assert_same_on_every_rank(comm, [p.grad for m in (inner, outer) for p in m.parameters()])
+    for d in ddps:
+        d.remove()

@@ -23,19 +23,22 @@ Every hook returns pending work: the ring posts its first step's Isend/Irecv and
 arrived and posts the next; PowerSGD starts its allreduces of the rest and of P at once and Q's at the first
 ``test()`` or ``wait()`` after P is summed. DDP waits for them in launch order when backward ends, so the
 communication overlaps the rest of backward. They pay where the link, not the CPU, is the bottleneck.
+The rings' messages and PowerSGD's Q allreduces run on the DDP's private duplicate of its communicator
+(``HookComms``, freed by ``DDP.remove()``): another DDP's over the same communicator, and the user's, never
+match theirs.
 """
 
 import numpy as np
 
-from .. import collectives
+from .. import collectives, wire
 from ..nn.precision import bfloat16, float16
 from ..xp import get_array_module
 
-__all__ = ["HookBucket", "HookWork", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
+__all__ = ["HookBucket", "HookComms", "HookWork", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
            "ring_allreduce_16", "ring_reduce_scatter_16", "PowerSGDState", "powerSGD_hook", "as_bytes"]
 
 _RING_TAG = 7301  # point-to-point tag of the blocking 16-bit ring (DDP's other traffic is collective)
-_RING_TAGS = 4096  # the hooks' rings use tags _RING_TAG + 1 + bucket index modulo this (MPI promises 32767)
+_TAG_UB = 32767  # the largest tag every MPI allows: the hooks' rings are tagged by bucket index on a private comm
 
 
 def as_bytes(array):
@@ -43,13 +46,52 @@ def as_bytes(array):
     return array.view(np.uint16) if array.dtype == bfloat16 else array
 
 
+class HookComms:
+    """Communicators private to one DDP's hooks: ``private(comm)`` is a ``comm.Dup()`` made at the first request
+    and kept until ``free()`` (DDP.remove()).
+
+    Why: a hook's point-to-point messages and late-started collectives on the DDP's communicator would match
+    another DDP's over it (both have a bucket 0) or the user's (ANY_TAG). ``private`` is collective at its
+    first call for a ``comm``: hooks are alike on every rank and DDP launches buckets in one order, so every
+    rank makes that call at the same bucket of the same backward."""
+
+    def __init__(self):
+        self._dups = {}  # id(comm) -> (comm, its Dup): the comm kept, so its id stays its own
+
+    def private(self, comm):
+        """Return this DDP's duplicate of ``comm`` (made now, collectively, if it is the first request)."""
+        pair = self._dups.get(id(comm))
+        if pair is None:
+            pair = self._dups[id(comm)] = (comm, comm.Dup())
+        return pair[1]
+
+    def free(self):
+        """Free the duplicates (collective: every rank, once no hook work on them is pending)."""
+        dups, self._dups = self._dups, {}
+        for _, dup in dups.values():
+            dup.Free()
+
+
 class HookBucket:
     """What a hook sees of one DDP bucket (PyTorch's ``GradBucket``): ``buffer()``, ``index()``, ``is_last()``,
-    ``parameters()``, ``gradients()``, and ``comm``, the DDP's communicator."""
+    ``parameters()``, ``gradients()``, ``comm``, the DDP's communicator, and ``private_comm(comm)``.
 
-    def __init__(self, flat, index, last, params, views, comm):
+    ``comms``: the DDP's ``HookComms``; None (a bucket made outside DDP): the bucket's hook gets duplicates of
+    its own, freed when its work finishes (``release()``): correct, but a collective Dup per bucket."""
+
+    def __init__(self, flat, index, last, params, views, comm, comms=None):
         self._flat, self._index, self._last, self._params, self._views = flat, index, last, params, views
         self.comm = comm
+        self._comms, self._owns_comms = (HookComms(), True) if comms is None else (comms, False)
+
+    def private_comm(self, comm):
+        """Return a duplicate of ``comm`` private to this DDP's hooks (see ``HookComms``)."""
+        return self._comms.private(comm)
+
+    def release(self):
+        """Free the bucket's own duplicates (none when DDP gave it its ``HookComms``); call once its work is done."""
+        if self._owns_comms:
+            self._comms.free()
 
     def buffer(self):
         """Return the bucket's flat gradients (each rank's share of the mean)."""
@@ -111,24 +153,17 @@ def _comm(state, bucket):
 
 
 def allreduce_hook(state, bucket):
-    """Sum the bucket over the ranks with MPI (nonblocking); a bfloat16 bucket is summed in float32."""
+    """Sum the bucket over the ranks with MPI (nonblocking); 16-bit floats are summed in float32 (``mpidist.wire``)."""
     comm, flat = _comm(state, bucket), bucket.buffer()
-    if flat.dtype != bfloat16:
-        return HookWork(collectives.iallreduce(flat, comm, op="sum"), lambda: flat)
-    wide = flat.astype(np.float32)
-
-    def finish():
-        flat[...] = wide  # rounds once, to nearest even
-        return flat
-    return HookWork(collectives.iallreduce(wide, comm, op="sum"), finish)
+    return HookWork(collectives.iallreduce(flat, comm, op="sum"), lambda: flat)
 
 
 def _posted(comm, op, start, buf, peer, tag):
     """Start ``start`` (``comm.Irecv`` or ``comm.Isend``) of 16-bit ``buf`` as a collectives Handle: no header (both
     ends know the size), and the guard's flight recorder and watchdog see it as they see ``collectives.isend``."""
     def post():
-        return collectives.Handle([start(buf.view(np.uint16), peer, tag)], lambda: None, keep=(buf,))
-    return collectives.run_recorded(collectives._p2p_begin(comm, op, buf, peer), post)
+        return collectives.Handle([start(wire.copy_view(buf), peer, tag)], lambda: None, keep=(buf,))
+    return collectives.run_recorded(collectives.record_p2p(comm, op, buf, peer), post)
 
 
 class _Ring16:
@@ -255,12 +290,17 @@ def _ring_allreduce_16_start(flat, comm, tag, out=None):
 def _compress_hook(dtype):
     def hook(state, bucket):
         comm, flat = _comm(state, bucket), bucket.buffer()
+        if bucket.index() > _TAG_UB:
+            raise ValueError(f"{hook.__name__}: bucket index {bucket.index()} exceeds the ring's tags (0..{_TAG_UB}); "
+                             f"use fewer, larger buckets")
         narrow = flat.astype(dtype)
-        # A tag per bucket: DDP keeps several buckets' rings in flight at once.
-        ring = _ring_allreduce_16_start(narrow, comm, _RING_TAG + 1 + bucket.index() % _RING_TAGS, out=narrow)
+        # On the DDP's private comm (no other DDP's or user's messages there), a tag per bucket: DDP keeps
+        # several buckets' rings in flight at once.
+        ring = _ring_allreduce_16_start(narrow, bucket.private_comm(comm), bucket.index(), out=narrow)
 
         def finish():
             flat[...] = ring.wait()
+            bucket.release()
             return flat
         return HookWork(ring, finish)
     return hook
@@ -302,7 +342,6 @@ class PowerSGDState:
         self.iter = 0  # synchronizations started (counted at bucket 0, which every synchronization launches first)
         self.errors = {}  # bucket index -> flat float array: what compression left out last time
         self.qs = {}  # (bucket index, gradient index) -> Q (cols, r)
-        self._q_comms = {}  # id(comm) -> (comm, its Dup): where the Q allreduces run
         self._waiting_for_p = []  # launched buckets' works whose Q allreduce has not started, in launch order
 
     def state_dict(self):
@@ -346,6 +385,8 @@ def powerSGD_hook(state, bucket):
     comm = _comm(state.comm, bucket)
     if bucket.index() == 0:  # launched first: this synchronization's number, the same for all its buckets
         state.iter += 1
+        # Works still waiting were abandoned (an exception ended their backward): never start their Qs.
+        state._waiting_for_p.clear()
     if state.iter <= state.start_powerSGD_iter:
         return allreduce_hook(state.comm, bucket)
     work = _PowerSGDWork(state, bucket, comm)
@@ -354,8 +395,8 @@ def powerSGD_hook(state, bucket):
 
 class _PowerSGDWork:
     """One bucket's PowerSGD in three stages: rest and P allreduces started at once, Q's when P is summed, the
-    result when both are. Qs start on a communicator of their own (``comm.Dup()``, made at the first compressed
-    bucket, where every rank makes it) in launch order: each rank starts them at its own test() points, and MPI
+    result when both are. Qs start on the DDP's private duplicate of ``comm`` (``HookBucket.private_comm``) in
+    launch order: each rank starts them at its own test() points, and MPI
     needs the collectives on one communicator started in one order on every rank, which the launches' are."""
 
     def __init__(self, state, bucket, comm):
@@ -395,10 +436,7 @@ class _PowerSGDWork:
                 ps.append(m @ q)
             self.p_flat = np.concatenate([p.reshape(-1) for p in ps])
             self.p_handle = collectives.iallreduce(self.p_flat, comm, op="sum")
-            pairs = state._q_comms.get(id(comm))
-            if pairs is None:
-                pairs = state._q_comms[id(comm)] = (comm, comm.Dup())  # the comm kept: its id stays its own
-            self.q_comm = pairs[1]
+            self.q_comm = bucket.private_comm(comm)
             state._waiting_for_p.append(self)
 
     def _start_q(self):
@@ -468,4 +506,5 @@ class _PowerSGDWork:
                 error[s] = 0
             state.errors[bucket.index()] = error
         flat[...] = get_array_module(flat).asarray(work).astype(flat.dtype, copy=False)
+        bucket.release()
         return flat
