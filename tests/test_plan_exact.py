@@ -37,6 +37,8 @@ LAYOUTS_2 = [
     Layout(1, 2, 1, param_dtype="bfloat16", compute_dtype="float32"),
     Layout(1, 2, 1, param_dtype="bfloat16", compute_dtype="float32", sequence_parallel=True),
     Layout(1, 2, 1, param_dtype="float16", sequence_parallel=True, recompute="full"),
+    Layout(1, 2, 1, param_dtype="bfloat16"),   # numpy's bfloat16 matmuls give float32: TP calls carry float32
+    Layout(1, 2, 1, param_dtype="bfloat16", sequence_parallel=True),
     Layout(1, 1, 2, num_micro=2, schedule="1f1b", param_dtype="bfloat16"),
     Layout(1, 1, 2, num_micro=2, schedule="1f1b", param_dtype="float16", compute_dtype="float32"),
 ]

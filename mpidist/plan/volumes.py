@@ -32,7 +32,7 @@ from typing import Dict, List
 import numpy as np
 
 from mpidist import wire
-from mpidist.nn.precision import as_dtype, is_low_precision
+from mpidist.nn.precision import as_dtype, bfloat16, is_low_precision
 from mpidist.parallel.agreement import StepStamp
 
 from .layouts import Layout
@@ -195,14 +195,20 @@ def _tp_calls(shape: ModelShape, layout: Layout, layers: List[str], dt: Dtypes) 
     Activations are in ``dt.act``, except the embedding's output (its lookup of the parameters as computed,
     ``dt.gather``, reduced inside the embedding before a Policy casts it). Under sequence parallelism the
     replicated parameters' gradients are summed in the dtype their op gives them: the norms' (fp32 ops, which
-    cast their gradient back) in the parameters', the biases' and the position table's (added to activations)
-    in the wider of the two."""
+    cast their gradient back) in the parameters', the biases' (added to the matmuls' outputs) and the position
+    table's (added to the embedding's) in the wider of the two; the gathers of a norm's output carry the activation
+    dtype, the matmuls' outputs float32 where the activations are bfloat16 (see below)."""
     tp, b, t, d = layout.tp, layout.micro_batch, shape.seq, shape.hidden
     if tp == 1:
         return []
-    e, ep = dt.act.itemsize, summed_itemsize(dt.gather)
+    # Inside a block the calls carry the matmuls' outputs, before a Policy casts the module's output: numpy
+    # multiplies bfloat16 into float32 (ml_dtypes accumulates in float32), so bfloat16 activations travel as float32.
+    act = np.dtype(np.float32) if dt.act == bfloat16 else dt.act
+    e, ep = act.itemsize, summed_itemsize(dt.gather)
     full, part = b * t * d * e, b * (t // tp) * d * e
-    added = dt.act if dt.act.itemsize >= dt.gather.itemsize else dt.gather
+    normed = b * (t // tp) * d * dt.act.itemsize   # a norm's output (an fp32 op rounding back to the activation)
+    added = act if act.itemsize >= dt.gather.itemsize else dt.gather
+    table = dt.act if dt.act.itemsize >= dt.gather.itemsize else dt.gather
     norm_grad, added_grad = summed_itemsize(dt.gather), summed_itemsize(added)
     sp = layout.sequence_parallel
     blocks = sum(layer.startswith("blocks.") for layer in layers)
@@ -210,7 +216,7 @@ def _tp_calls(shape: ModelShape, layout: Layout, layers: List[str], dt: Dtypes) 
     out = []
     norms = 4 if shape.bias else 2                   # ln1, ln2 weights (and biases)
     if sp:
-        out += [Call("tp", "allgather", part, 2 * blocks * passes), Call("tp", "reduce_scatter", full, 2 * blocks * passes),
+        out += [Call("tp", "allgather", normed, 2 * blocks * passes), Call("tp", "reduce_scatter", full, 2 * blocks * passes),
                 Call("tp", "reduce_scatter", full, 2 * blocks), Call("tp", "allgather", part, 2 * blocks),
                 Call("tp", "allreduce", d * norm_grad, norms * blocks)]
         if shape.bias:   # the row-parallel projections' biases
@@ -220,14 +226,14 @@ def _tp_calls(shape: ModelShape, layout: Layout, layers: List[str], dt: Dtypes) 
     if "embed" in layers:
         if sp:
             out += [Call("tp", "reduce_scatter", b * t * d * dt.gather.itemsize),
-                    Call("tp", "allreduce", t * d * added_grad),       # the position table read through copy_to_tp
+                    Call("tp", "allreduce", t * d * summed_itemsize(table)),   # the position table via copy_to_tp
                     Call("tp", "allgather", b * (t // tp) * d * dt.gather.itemsize)]   # scatter_sequence's backward
         else:
             out.append(Call("tp", "allreduce", b * t * d * ep))
     if "head" in layers:
         if sp:
             out += [Call("tp", "allreduce", d * norm_grad, 2 if shape.bias else 1),
-                    Call("tp", "allgather", part), Call("tp", "reduce_scatter", full)]
+                    Call("tp", "allgather", normed), Call("tp", "reduce_scatter", full)]
         else:
             out.append(Call("tp", "allreduce", full))
         loss = 4 if is_low_precision(dt.act) else e   # the vocabulary-parallel loss is an fp32 op
