@@ -223,7 +223,8 @@ class Reduction:
                 dst[...] = src
             return
         shift, magnitude = self.wire.type(self.wire.itemsize * 8 - 1), self.wire.type(np.iinfo(self.wire).max)
-        ints = src ^ ((src >> shift) & magnitude)  # the key map is its own inverse
+        # The key map is its own inverse. asarray: on a 0-d src numpy's operators return a scalar, not an array.
+        ints = np.asarray(src ^ ((src >> shift) & magnitude))
         ints[src == self.wire.type(np.iinfo(self.wire).min)] = magnitude  # min's NaN key -> a positive NaN
         dst.view(self.wire)[...] = ints
 

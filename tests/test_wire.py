@@ -213,6 +213,20 @@ def test_bfloat16_min_max_are_exact_and_propagate_nan(comm):
         np.testing.assert_array_equal(got.astype(np.float32), want)  # NaN where any rank held one
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16, BFLOAT16])
+def test_float_min_max_of_0d_arrays_are_numpy_over_the_ranks(comm, dtype):
+    """A 0-d float min/max went through the order keys as a numpy scalar and raised TypeError (item assignment)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    values = [np.array(v, dtype) for v in (1.5, -2.25, np.inf, -0.0)[:size]]
+    for op, fn in (("min", np.minimum), ("max", np.maximum)):
+        want = values[0]
+        for value in values[1:]:
+            want = fn(want, value)
+        got = mpidist.allreduce(values[rank].copy(), comm, op=op)
+        assert got.shape == () and got.dtype == np.dtype(dtype), (got.shape, got.dtype)
+        assert got.tobytes() == np.asarray(want, dtype).tobytes(), (op, got, want)
+
+
 def test_bfloat16_reductions_name_float32_and_refuse_nothing_of_floats():
     for op in ("sum", "mean", "prod"):
         reduction = wire.resolve("allreduce", op, BFLOAT16)
