@@ -470,3 +470,49 @@ def test_two_ddps_over_one_comm_with_compress_hooks_end_with_each_buckets_numpy_
     assert_same_on_every_rank(comm, [p.grad for m in (inner, outer) for p in m.parameters()])
     for d in ddps:
         d.remove()
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("hook", [powerSGD_hook, fp16_compress_hook], ids=["powerSGD", "fp16"])
+def test_ddp_remove_frees_the_private_comm_its_hooks_ran_on(comm, hook):
+    """The rings and PowerSGD's Q allreduces run on one duplicate of the DDP's comm (not the comm itself), kept
+    across steps; DDP.remove() frees it (the handle becomes COMM_NULL)."""
+    from mpi4py import MPI
+    used = []
+
+    def recording_hook(state, bucket):
+        work = hook(state, bucket)
+        if hook is fp16_compress_hook:
+            used.append(work._handle._handle.comm)  # the hook's work wraps the ring's
+        elif getattr(work._handle, "compressed", None):
+            used.append(work._handle.q_comm)
+        return work
+
+    ddp = DDP(make_model(), comm, bucket_cap_mb=1e-4, first_bucket_mb=1e-4)
+    state = PowerSGDState(matrix_approximation_rank=1, start_powerSGD_iter=1, min_compression_rate=1.0)
+    ddp.register_comm_hook(state if hook is powerSGD_hook else None, recording_hook)
+    train(ddp, optim.SGD(ddp.parameters(), lr=0.01), comm, 3)
+    assert used and all(c is used[0] for c in used) and used[0] is not comm and used[0] != MPI.COMM_NULL
+    ddp.remove()
+    assert used[0] == MPI.COMM_NULL
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_powerSGD_never_starts_qs_of_work_abandoned_by_an_exception(comm):
+    """A synchronization whose works were never waited for (an exception ended its backward): the next one's
+    bucket 0 drops them, so their Q allreduces never start, and its own results are numpy's PowerSGD (1e-5)."""
+    state = PowerSGDState(matrix_approximation_rank=2, start_powerSGD_iter=1, min_compression_rate=1.0)
+    shapes = [[(6, 5)], [(8, 4)]]
+    for w in [powerSGD_hook(state, fake_bucket(comm, i, s, seed=9)) for i, s in enumerate(shapes)]:
+        w.wait()  # the plain allreduce of synchronization 1
+    abandoned = [powerSGD_hook(state, fake_bucket(comm, i, s, seed=10)) for i, s in enumerate(shapes)]
+    buckets = [fake_bucket(comm, i, s, seed=11) for i, s in enumerate(shapes)]
+    inputs = [comm.allgather(b.buffer().copy()) for b in buckets]
+    results = [w.wait() for w in [powerSGD_hook(state, b) for b in buckets]]
+    assert all(w._handle.q_handle is None for w in abandoned)
+    for i, (got, every) in enumerate(zip(results, inputs)):
+        first_qs = [rng_q(state, i, k, s) for k, s in enumerate(shapes[i])]
+        np.testing.assert_allclose(got, powerSGD_reference(every, shapes[i], first_qs), rtol=0, atol=1e-5)
+    for w in abandoned:  # complete their started allreduces (MPI requests are not left pending)
+        w._handle.p_handle.wait()
+        w._handle.rest_handle.wait()
