@@ -259,13 +259,14 @@ def ring_reference(inputs, dtype):
     return out
 
 
-def fake_bucket(comm, index, shapes, seed):
-    """A HookBucket over a fresh flat float32 buffer holding gradients of ``shapes`` (rank-dependent values)."""
+def fake_bucket(comm, index, shapes, seed, comms=None):
+    """A HookBucket over a fresh flat float32 buffer holding gradients of ``shapes`` (rank-dependent values);
+    ``comms``: the HookComms of the DDP it would belong to."""
     sizes = [int(np.prod(s)) for s in shapes]
     flat = np.random.default_rng([seed, index, comm.Get_rank()]).standard_normal(sum(sizes)).astype(np.float32)
     offsets = np.cumsum([0] + sizes)
     views = [flat[a:b].reshape(s) for a, b, s in zip(offsets[:-1], offsets[1:], shapes)]
-    return HookBucket(flat, index, False, [None] * len(shapes), views, comm)
+    return HookBucket(flat, index, False, [None] * len(shapes), views, comm, comms)
 
 
 def drive_with_test(works):
@@ -516,3 +517,22 @@ def test_powerSGD_never_starts_qs_of_work_abandoned_by_an_exception(comm):
     for w in abandoned:  # complete their started allreduces (MPI requests are not left pending)
         w._handle.p_handle.wait()
         w._handle.rest_handle.wait()
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_waiting_for_one_ring_advances_every_pending_ring_of_the_ddp(comm):
+    """Two buckets of one DDP (one HookComms) in flight, waited for in opposite orders on even and odd ranks:
+    each wait() advances both rings (blocking on one ring's steps alone, each rank would wait for a step its
+    neighbour only posts after its own wait: a deadlock), and both end as the numpy ring, bitwise."""
+    from mpidist.parallel.comm_hooks import HookComms
+    comms = HookComms()
+    comms.private(comm)  # collective: made where every rank makes it
+    buckets = [fake_bucket(comm, i, [(2 * comm.Get_size() + i,)], seed=13, comms=comms) for i in range(2)]
+    inputs = [comm.allgather(b.buffer().astype(float16)) for b in buckets]
+    works = [fp16_compress_hook(None, b) for b in buckets]
+    for w in (works if comm.Get_rank() % 2 == 0 else works[::-1]):
+        w.wait()
+    for b, every in zip(buckets, inputs):
+        np.testing.assert_array_equal(b.buffer(), ring_reference(every, float16).astype(np.float32))
+    assert comms.rings == []
+    comms.free()

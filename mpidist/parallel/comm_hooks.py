@@ -28,6 +28,8 @@ The rings' messages and PowerSGD's Q allreduces run on the DDP's private duplica
 match theirs.
 """
 
+import time
+
 import numpy as np
 
 from .. import collectives, wire
@@ -57,6 +59,7 @@ class HookComms:
 
     def __init__(self):
         self._dups = {}  # id(comm) -> (comm, its Dup): the comm kept, so its id stays its own
+        self.rings = []  # this DDP's 16-bit rings launched and not yet seen done: a wait() advances them all
 
     def private(self, comm):
         """Return this DDP's duplicate of ``comm`` (made now, collectively, if it is the first request)."""
@@ -178,8 +181,8 @@ class _Ring16:
     (``ceil(size / n)`` elements, the accumulator zero-padded): both ends know every message's size, so receives
     are posted into their buffers and MPI moves the bytes while the caller computes."""
 
-    def __init__(self, flat, comm, tag, mean=False, gather=True):
-        self.comm, self.tag, self.mean, self.dtype = comm, tag, mean, flat.dtype
+    def __init__(self, flat, comm, tag, mean=False, gather=True, group=None):
+        self.comm, self.tag, self.mean, self.dtype, self.group = comm, tag, mean, flat.dtype, group
         n, self.rank = comm.Get_size(), comm.Get_rank()
         self.n, self.chunk = n, -(-flat.size // n)
         self.acc = np.zeros(n * self.chunk, np.float32)
@@ -189,6 +192,8 @@ class _Ring16:
         self.steps = (n - 1) * (2 if gather else 1)
         self.step, self.requests = 0, []
         self._post()
+        if group is not None:
+            group.append(self)
 
     def _span(self, c):
         return slice(c * self.chunk, (c + 1) * self.chunk)
@@ -240,12 +245,23 @@ class _Ring16:
         return True
 
     def wait(self):
-        """Run the remaining steps, blocking on each one's messages."""
-        while not self.done():
-            for r in self.requests:
-                r.wait()
-            self.requests = []
-            self._advance()
+        """Run the remaining steps. In a ``group`` (DDP's pending rings) every ring of it is tested round-robin
+        until this one is done: the rings advance together, instead of later buckets' waiting for each step of
+        the earlier ones' (the arithmetic, and so the result, is the same). Alone: blocking on each step."""
+        if self.group is None:
+            while not self.done():
+                for r in self.requests:
+                    r.wait()
+                self.requests = []
+                self._advance()
+            return
+        while True:
+            for ring in list(self.group):
+                if ring.test():
+                    self.group.remove(ring)
+            if self.done():
+                return
+            time.sleep(0)  # let other threads (SimComm's ranks, DDP's poller) run
 
 
 def _check_16(fn, flat):
@@ -273,13 +289,15 @@ def ring_allreduce_16(flat, comm, out=None):
     return _ring_allreduce_16_start(flat, comm, _RING_TAG, out).wait()
 
 
-def _ring_allreduce_16_start(flat, comm, tag, out=None):
-    """Start ``ring_allreduce_16`` with message tag ``tag``; return a HookWork whose ``wait()`` gives ``out``."""
+def _ring_allreduce_16_start(flat, comm, tag, out=None, group=None):
+    """Start ``ring_allreduce_16`` with message tag ``tag``; return a HookWork whose ``wait()`` gives ``out``.
+
+    ``group``: the list of pending rings that this one joins (see ``_Ring16.wait``)."""
     out = np.empty_like(flat) if out is None else out
     if comm.Get_size() == 1:
         out[...] = flat
         return HookWork(value=out)
-    ring = _Ring16(flat, comm, tag)
+    ring = _Ring16(flat, comm, tag, group=group)
 
     def finish():
         out[...] = ring.gathered[:flat.size]
@@ -296,7 +314,10 @@ def _compress_hook(dtype):
         narrow = flat.astype(dtype)
         # On the DDP's private comm (no other DDP's or user's messages there), a tag per bucket: DDP keeps
         # several buckets' rings in flight at once.
-        ring = _ring_allreduce_16_start(narrow, bucket.private_comm(comm), bucket.index(), out=narrow)
+        rings = bucket._comms.rings
+        if bucket.index() == 0:  # a new synchronization: rings still listed were abandoned (an exception)
+            rings.clear()
+        ring = _ring_allreduce_16_start(narrow, bucket.private_comm(comm), bucket.index(), out=narrow, group=rings)
 
         def finish():
             flat[...] = ring.wait()
