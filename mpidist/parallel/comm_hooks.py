@@ -37,15 +37,10 @@ from ..nn.precision import bfloat16, float16
 from ..xp import get_array_module
 
 __all__ = ["HookBucket", "HookComms", "HookWork", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
-           "ring_allreduce_16", "ring_reduce_scatter_16", "PowerSGDState", "powerSGD_hook", "as_bytes"]
+           "ring_allreduce_16", "ring_reduce_scatter_16", "PowerSGDState", "powerSGD_hook"]
 
 _RING_TAG = 7301  # point-to-point tag of the blocking 16-bit ring (DDP's other traffic is collective)
 _TAG_UB = 32767  # the largest tag every MPI allows: the hooks' rings are tagged by bucket index on a private comm
-
-
-def as_bytes(array):
-    """Return ``array`` as MPI can copy it: bfloat16 as its uint16 bit patterns (MPI has no bfloat16), else itself."""
-    return array.view(np.uint16) if array.dtype == bfloat16 else array
 
 
 class HookComms:

@@ -266,7 +266,7 @@ class DDP(WholeModuleWrapper):
         self._backward = None  # (sync mode, start time) while a backward runs
         # register_comm_hook's (state, hook); MPI cannot sum bfloat16, so such buckets default to a float32 sum
         self._comm_hook = (None, comm_hooks.allreduce_hook) if any(
-            comm_hooks.as_bytes(b.flat) is not b.flat for b in self.buckets) else None
+            b.flat.dtype.name == "bfloat16" for b in self.buckets) else None
         self._hook_comms = comm_hooks.HookComms()  # the hooks' private communicators, freed by remove()
         # Its node communicators are freed by remove() (collective); a DDP dropped without it leaves them to the
         # ones later DDPs over this comm share (collectives_hier), not one pair per DDP.
@@ -284,7 +284,7 @@ class DDP(WholeModuleWrapper):
         for group in by_dtype.values():
             xp = get_array_module(group[0])
             flat = xp.concatenate([a.reshape(-1) for a in group])
-            collectives.broadcast(comm_hooks.as_bytes(flat), self.comm, root=root)
+            collectives.broadcast(flat, self.comm, root=root)  # 16-bit floats travel as their bits (wire)
             offset = 0
             for a in group:
                 a[...] = flat[offset: offset + a.size].reshape(a.shape)
