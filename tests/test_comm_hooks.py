@@ -536,3 +536,11 @@ def test_waiting_for_one_ring_advances_every_pending_ring_of_the_ddp(comm):
         np.testing.assert_array_equal(b.buffer(), ring_reference(every, float16).astype(np.float32))
     assert comms.rings == []
     comms.free()
+
+
+def test_compress_hooks_refuse_a_bucket_index_past_the_tags(comm):
+    """A ring is tagged by its bucket index: an index past MPI's guaranteed largest tag (32767) is refused on
+    every rank (wrapping it would let two pending rings share a tag)."""
+    with pytest.raises(ValueError, match=r"fp16_compress_hook: bucket index 32768 exceeds the ring's tags "
+                                         r"\(0\.\.32767\); use fewer, larger buckets"):
+        fp16_compress_hook(None, fake_bucket(comm, 32768, [(3,)], seed=1))

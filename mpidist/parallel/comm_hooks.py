@@ -279,7 +279,8 @@ def ring_allreduce_16(flat, comm, out=None):
     """Sum the 1-D float16/bfloat16 array ``flat`` over ``comm`` with 16-bit messages and float32 accumulation.
 
     Returns the sum (in ``out`` if given, else in a new array of ``flat``'s dtype), the same bits on every rank.
-    See the module's glossary ("16-bit ring") for the bytes it moves."""
+    See the module's glossary ("16-bit ring") for the bytes it moves. Its messages go over ``comm`` with tag
+    7301: no receive of the caller's with that tag or ``MPI.ANY_TAG`` may be pending there meanwhile."""
     _check_16("ring_allreduce_16", flat)
     return _ring_allreduce_16_start(flat, comm, _RING_TAG, out).wait()
 
