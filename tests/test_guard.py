@@ -270,6 +270,7 @@ def test_checkpoint_save_and_load_run_in_the_checkpoint_phase(comm, tmp_path):
     assert phases.active_phases() == []
 
 
+@pytest.mark.slow
 @pytest.mark.mpi_skip
 @launcher.needed
 def test_a_checkpoint_phase_has_its_own_limit(tmp_path):

@@ -63,6 +63,7 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "pipeline"])
 def test_kill_9_during_step_7_then_resume_is_bit_identical(strategy, tmp_path, uninterrupted):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
@@ -76,6 +77,7 @@ def test_kill_9_during_step_7_then_resume_is_bit_identical(strategy, tmp_path, u
     assert_bit_identical(final_params(out), uninterrupted(strategy))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "pipeline"])
 def test_preemption_signal_on_one_rank_saves_everywhere_at_one_step(strategy, tmp_path, uninterrupted):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")

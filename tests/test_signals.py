@@ -81,6 +81,7 @@ def ctrl_c(job, rank_pids):
             os.kill(pid, signal.SIGINT)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_rank_after_one_step_saves_and_exits_99(tmp_path):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     os.makedirs(out)

@@ -143,6 +143,7 @@ class _SleepStage(Module):
         return _sleepy_linear(x, self.lin.weight, self.f)
 
 
+@pytest.mark.slow
 @pytest.mark.world_sizes(2, 4)
 def test_pipeline_bubble_from_the_trace_matches_the_formula(comm, tmp_path):
     directory = _shared_dir(comm, tmp_path)
