@@ -142,48 +142,15 @@ DDP_MODELS = {"mlp": ([784, 1024, 1024, 10], 64, {}),
               "deep": ([1024] * 5 + [10], 1024, {"bucket_cap_mb": 4})}
 
 
-class _DDPRunner:
-    """One DDP setup (``ddp_step.Runner``'s step and timing) with the model and bucket options named here."""
-
-    def __init__(self, model, mode, comm):
-        import numpy as np
-        import mpidist
-        from mpidist import nn, optim
-        from ddp_step import mlp
-
-        widths, batch, buckets = DDP_MODELS[model]
-        self.mode = mode
-        module = mlp(widths)
-        options = {"local": None, "ddp": dict(buckets), "ddp_no_overlap": dict(buckets, overlap=False),
-                   "ddp_poll": dict(buckets, progress_poll_s=0.002)}[mode]
-        self.model = module if options is None else mpidist.DDP(module, comm, **options)
-        self.opt = optim.SGD(list(module.parameters()), lr=1e-3)
-        self.crit = nn.CrossEntropyLoss()
-        rng = np.random.default_rng(comm.Get_rank())
-        self.x = rng.standard_normal((batch, widths[0])).astype(np.float32)
-        self.y = rng.integers(0, widths[-1], size=batch)
-
-    def step(self):
-        """Run one step; return (step seconds, seconds waited for the gradients after backward)."""
-        start = time.perf_counter()
-        self.opt.zero_grad()
-        loss = self.crit(self.model(self.x), self.y)
-        before = self.model.stats["sync_wait_s"] if self.mode != "local" else 0.0
-        loss.backward()
-        sync = self.model.stats["sync_wait_s"] - before if self.mode != "local" else 0.0
-        self.opt.step()
-        return time.perf_counter() - start, sync
-
-
 def ddp_steps(comm, steps, models):
     sys.path.insert(0, HERE)
-    from ddp_step import measure  # the DDP step benchmark's timing: interleaved blocks, slowest rank, median
+    from ddp_step import Runner, measure  # the DDP step benchmark's setup and timing: interleaved, slowest rank
 
     result = {}
     for model in models:
-        got = measure({m: _DDPRunner(model, m, comm) for m in ("local", "ddp", "ddp_no_overlap", "ddp_poll")},
-                      comm, steps)
         widths, batch, buckets = DDP_MODELS[model]
+        got = measure({m: Runner(m, widths, comm, batch, buckets) for m in ("local", "ddp", "ddp_no_overlap", "ddp_poll")},
+                      comm, steps)
         result[model] = {"widths": widths, "batch_per_rank": batch, "ddp_options": buckets,
                          "local_ms": got["local"][0], "ddp_ms": got["ddp"][0], "ddp_sync_ms": got["ddp"][1],
                          "ddp_no_overlap_ms": got["ddp_no_overlap"][0],

@@ -42,15 +42,20 @@ class _NoStepStamp:
         return lambda *args, **kwargs: None
 
 
-class Runner:
-    """One training setup in one mode: local, ddp (and variants), ddp_unchecked, per_tensor."""
+# What each DDP mode adds to the setup's own DDP options (bucket sizes): the modes compared in one run.
+DDP_MODES = {"ddp": {}, "ddp_no_overlap": {"overlap": False}, "ddp_4mb": {"bucket_cap_mb": 4}, "ddp_unchecked": {},
+             "ddp_poll": {"progress_poll_s": 0.002}}
 
-    def __init__(self, mode, widths, comm, batch):
+
+class Runner:
+    """One training setup in one mode: local, a DDP mode (``DDP_MODES``), or per_tensor."""
+
+    def __init__(self, mode, widths, comm, batch, ddp_options=None):
         self.mode, self.comm = mode, comm
         module = mlp(widths)
-        ddp_options = {"ddp": {}, "ddp_no_overlap": {"overlap": False}, "ddp_4mb": {"bucket_cap_mb": 4},
-                       "ddp_unchecked": {}}
-        self.model = mpidist.DDP(module, comm, **ddp_options[mode]) if mode in ddp_options else module
+        self.model = module
+        if mode in DDP_MODES:
+            self.model = mpidist.DDP(module, comm, **{**(ddp_options or {}), **DDP_MODES[mode]})
         if mode == "ddp_unchecked":
             self.model._stamp = _NoStepStamp()  # the step-agreement check off: its cost is ddp - ddp_unchecked
         self.params = list(module.parameters())
