@@ -42,6 +42,24 @@ def assert_reassembles(comm, placed, read, expected, atol=0.0):
         np.testing.assert_allclose(full[name], want, rtol=0, atol=atol, err_msg=name)
 
 
+def train_slice(model, wrapped, opt, batch, dp, dp_rank, pipeline, steps):
+    """Take ``steps`` steps of ``opt`` on data-parallel rank ``dp_rank``'s 1/``dp`` of ``batch`` through ``wrapped``.
+
+    ``wrapped`` is a Pipeline (``pipeline`` true: its ``step`` runs the schedule and the loss) or a module whose
+    output ``model.loss`` scores.
+    """
+    x, y = batch
+    n = len(x) // dp
+    mine = slice(dp_rank * n, (dp_rank + 1) * n)
+    for _ in range(steps):
+        opt.zero_grad()
+        if pipeline:
+            wrapped.step(x[mine], y[mine])
+        else:
+            model.loss(wrapped(x[mine]), y[mine]).backward()
+        opt.step()
+
+
 class GPTLayout:
     """Wrap one rank's GPT ``model`` at a layout over ``comm``; train it on its share of ``batch``; ``close`` it.
 
@@ -95,16 +113,8 @@ class GPTLayout:
 
     def train(self, steps=None):
         """Take ``steps`` optimizer steps (the constructor's count by default) on this rank's share of ``batch``."""
-        x, y = self.batch
-        n = len(x) // self.dp
-        mine = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
-        for _ in range(self.steps if steps is None else steps):
-            self.opt.zero_grad()
-            if self.pipeline:
-                self.wrapped.step(x[mine], y[mine])
-            else:
-                self.model.loss(self.wrapped(x[mine]), y[mine]).backward()
-            self.opt.step()
+        train_slice(self.model, self.wrapped, self.opt, self.batch, self.dp, self.dp_rank, self.pipeline,
+                    self.steps if steps is None else steps)
 
     def close(self):
         """Detach the wrapper and free the mesh's communicators (collective)."""

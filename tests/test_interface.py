@@ -25,7 +25,7 @@ from mpidist.parallel import DDP, DeviceMesh, Pipeline, full_state_dict, mesh
 from mpidist.parallel.fsdp import FSDP
 from mpidist.parallel.interface import LocalModule, PlacedParameter, Wrapper, as_wrapper
 
-from helpers import assert_reassembles
+from helpers import assert_reassembles, train_slice
 
 CONFIG = GPTConfig(vocab_size=61, block_size=8, n_layer=1, n_head=4, n_embd=16, dropout=0.0, tie_weights=False,
                    dtype="float64")  # vocabulary 61: padded rows at tp 2 and 4
@@ -615,16 +615,7 @@ class MeshLayout:
         self.opt = AdamW(list(self.wrapper.parameters()), lr=0.01)
 
     def train(self):
-        x, y = batch()
-        n = BATCH // self.dp
-        mine = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
-        for _ in range(MESH_STEPS):
-            self.opt.zero_grad()
-            if self.pipeline:
-                self.wrapper.step(x[mine], y[mine])
-            else:
-                self.model.loss(self.wrapper(x[mine]), y[mine]).backward()
-            self.opt.step()
+        train_slice(self.model, self.wrapper, self.opt, batch(), self.dp, self.dp_rank, self.pipeline, MESH_STEPS)
 
     def close(self):
         self.wrapper.remove()
