@@ -734,7 +734,7 @@ def _p2p_begin(comm, op, x, peer):
 def record_p2p(comm, op, x, peer):
     """Record point-to-point ``op`` ("send" or "recv") of ``x`` with ``peer``; return the record for ``run_recorded``.
 
-    Public for messages posted outside ``isend``/``irecv`` (``comm_hooks``' header-free 16-bit ring)."""
+    Public for messages posted outside ``isend``/``irecv`` (``ring16``'s header-free 16-bit ring)."""
     return _p2p_begin(comm, op, x, peer)
 
 

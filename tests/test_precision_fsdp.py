@@ -47,7 +47,7 @@ def exact_sum_in_float32(values, dtype):
 
 
 def ring_mean(flats, shard_numel, dtype):
-    """Return the 16-bit ring's mean (comm_hooks.ring_reduce_scatter_16) of the ranks' flat gradients ``flats``
+    """Return the 16-bit ring's mean (ring16.ring_reduce_scatter_16) of the ranks' flat gradients ``flats``
     (float32 holding 16-bit values, padded to ``len(flats)`` chunks of ``shard_numel``). Chunk c, owned by rank
     c: rank c + 1's value travels right, each rank adds what arrives (rounded to ``dtype`` for the message) to
     its own in float32, rank c adds last; then the mean in float32, rounded to ``dtype`` once."""

@@ -137,7 +137,7 @@ def ddp_buckets(params, dtype, dp, hook="none", bucket_cap_mb=25, first_bucket_m
 
 
 def _ring_16(group: str, numel: int, n: int, gather: bool) -> List[Call]:
-    """The 16-bit ring of ``comm_hooks`` over ``n`` ranks on ``numel`` elements: n - 1 steps, each one send and
+    """The 16-bit ring of ``mpidist.ring16`` over ``n`` ranks on ``numel`` elements: n - 1 steps, each one send and
     one receive of a ``ceil(numel / n)``-element chunk (the reduce-scatter), and (``gather``) n - 1 more that
     forward the finished chunks (the allgather)."""
     chunk, steps = -(-numel // n) * 2, (n - 1) * (2 if gather else 1)
@@ -280,7 +280,7 @@ def calls_per_rank(shape: ModelShape, layout: Layout, position: int = 0) -> List
 
 def _fsdp_calls(shape: ModelShape, layout: Layout, dt: Dtypes) -> List[Call]:
     """FSDP's calls: units gathered in ``dt.gather``; gradients reduce-scattered in ``dt.reduce`` (16-bit: the
-    ``comm_hooks`` ring, point to point), then averaged over the replicas in the shards' dtype."""
+    ``ring16`` ring, point to point), then averaged over the replicas in the shards' dtype."""
     m = layout.num_micro
     shards = layout.dp if layout.sharding == "fsdp" else layout.shard_group
     group = "dp_shard" if layout.sharding == "hybrid" else "dp"

@@ -26,7 +26,7 @@ from ...nn.deferred import fill_boxes, is_deferred
 from ...nn.module import Parameter
 from ...nn.placement import FlatShard, placement_of
 from ...xp import get_array_module
-from ..comm_hooks import ring_reduce_scatter_16
+from ...ring16 import ring_reduce_scatter_16
 from .layout import ParamSpan, UnitShard
 from .settings import ShardingStrategy
 
