@@ -3,6 +3,7 @@
 Run (two phases, in this order; the first writes the fitted profile, committed before the second is run):
     .venv/bin/python benchmarks/plan_published.py --fit            # calibration rows only -> fitted profile + fit json
     .venv/bin/python benchmarks/plan_published.py --json docs/plan_published.json   # every row, priors and fitted
+    .venv/bin/python benchmarks/plan_published.py --studies --json docs/plan_studies.json   # layout studies
 
 Rows:
 - Korthikanti et al. 2022 (arXiv 2205.05198): the four "full recompute" iteration times (22B, 175B, 530B, 1T GPT
@@ -16,6 +17,11 @@ Rows:
   n). Table 1 gives no micro-batch or schedule: each row is planned with full recompute, 1F1B and the micro-batch
   (1, 2, 4 or 8) the planner itself ranks fastest among those that fit, fp16 parameters with float32 masters
   (Megatron's mixed precision).
+
+Studies (``--studies``, the frozen fitted profile, never refitted on them): where Narayanan et al. compare layouts
+(Figures 12-16: tensor vs pipeline, pipeline vs data, tensor vs data, micro-batch size, interleaved vs 1F1B), the
+planner's order of the same layouts against the best layout (and order) the TEXT states, and Table 2 (PTD-P vs
+ZeRO-3, numbers in the text) with signed errors; see ``STUDIES`` for the sources and what is assumed.
 
 Calibration (at most two knobs of the A100 profile; ``--fit``): ``matmul_efficiency_max`` (the matmul
 efficiency curve scaled to this ceiling) and ``network_efficiency`` (both tiers), fitted on the DECLARED subset
@@ -38,6 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from mpidist.plan import Layout, ModelShape, estimate, load_profile  # noqa: E402
 from mpidist.plan.profile import PROFILE_DIR, Tier  # noqa: E402
+from plan_validate import kendall_tau  # noqa: E402
 
 SEQ, VOCAB = 2048, 51200
 
@@ -175,13 +182,219 @@ def table1_rows(profile):
     return out
 
 
+# -- Layout studies (--studies): where arXiv 2104.04473 compares layouts --------------------------------------
+# Sources: the paper's text (§5.2, §5.3.2, §5.4, §5.5 and Table 2), read in two public transcriptions of
+# arXiv 2104.04473 v5 that agree word for word (an HTML rendering and a PDF-to-Markdown conversion). Figures
+# 12-16 are bar charts: their bars, batch sizes and x-axis ticks are images, so only what the TEXT states is
+# compared (the best layout, or an order it states), never a number read off a plot. Batch sizes the text does
+# not give are chosen here (stated per study) and the claim is checked at each of them.
+# (name, layers, hidden, heads)
+GPT_162B = ("162.2B", 32, 20480, 128)   # §5.4.1: 32 layers (to support pp=32), 128 heads, hidden 20480
+GPT_5_9B = ("5.9B", 32, 3840, 32)       # §5.4.2: 32 layers, 32 heads, hidden 3840
+GPT_175B = ("175B", 96, 12288, 96)      # §5.3.2: GPT-3, 96 layers, 96 heads, hidden 12288
+GPT_530B = ("529.6B", 105, 20480, 128)  # Table 1's row (Table 2 uses "the 530-billion-parameter model from Table 1")
+# §5.5 gives the 91B model no shape. Two shapes of Table 1's family that equation (2) puts at 91B and whose layers
+# split over p=8 are planned (an assumption, stated as such): 72 x 10240 (80 heads; 91.2B) and 112 x 8192
+# (64 heads; 90.6B).
+GPT_91B = (("91B (72x10240, assumed)", 72, 10240, 80), ("91B (112x8192, assumed)", 112, 8192, 64))
+
+
+def _layout(dp, tp, pp, mb, batch, schedule="1f1b", chunks=1, sharding="ddp"):
+    """Return a study layout: full recompute, fp16 parameters with float32 masters (as the Table 1 rows)."""
+    return Layout(dp, tp, pp, sharding, mb, batch // (dp * mb), schedule if pp > 1 else "none", chunks, "full",
+                  param_dtype="float16")
+
+
+def _grid(gpus, pairs, batch, mb=1, **kw):
+    return [(label, _layout(gpus // (tp * pp), tp, pp, mb, batch, **kw)) for label, tp, pp in pairs]
+
+
+STUDIES = [
+    {"id": "fig13-tp-vs-pp", "source": "2104.04473 §5.4.1, Figure 13", "model": GPT_162B, "gpus": 64,
+     "batches": (32, 128, 512), "best": "t8 p8", "order": None,
+     "claim": "peak performance when the tensor-parallel size equals the GPUs of a node (8)",
+     "choices": "d=1, t x p = 64 with p <= 32 (the text: 32 layers 'to support pipeline-parallel size of 32'); "
+                "micro-batch 1 and 1F1B (the text gives neither); batch sizes not in the text",
+     "layouts": lambda b: _grid(64, [(f"t{t} p{64 // t}", t, 64 // t) for t in (2, 4, 8, 16, 32)], b)},
+    {"id": "fig14-pp-vs-dp", "source": "2104.04473 §5.4.2, Figure 14", "model": GPT_5_9B, "gpus": 64,
+     "batches": (32, 128, 512), "best": "p2 d32", "order": [f"p{p} d{64 // p}" for p in (2, 4, 8, 16, 32)],
+     "claim": "for each batch size, the throughput decreases as the pipeline-parallel size increases",
+     "choices": "t=1, p from 2 (the text: models 'that fit when the model-parallel size is only 2') to 32 (32 "
+                "layers); micro-batch 1 (stated); 1F1B (not stated); the three batch sizes are not in the text",
+     "layouts": lambda b: _grid(64, [(f"p{p} d{64 // p}", 1, p) for p in (2, 4, 8, 16, 32)], b)},
+    {"id": "fig15-tp-vs-dp", "source": "2104.04473 §5.4.3, Figure 15", "model": GPT_5_9B, "gpus": 64,
+     "batches": (32, 128, 512), "best": "t2 d32", "order": [f"t{t} d{64 // t}" for t in (2, 4, 8, 16, 32)],
+     "order_kind": "implied",
+     "claim": "tensor parallelism's per-micro-batch communication dominates and its GEMMs shrink as t grows "
+              "(an order implied, stated for the larger batch sizes)",
+     "choices": "p=1, t from 2 to 32 (32 heads); micro-batch 1 (stated); batch sizes not in the text",
+     "layouts": lambda b: _grid(64, [(f"t{t} d{64 // t}", t, 1) for t in (2, 4, 8, 16, 32)], b)},
+    *({"id": f"fig16-micro-batch-{i}", "source": "2104.04473 §5.5, Figure 16", "model": shape, "gpus": 64,
+       "batches": (128, 512), "best": "b2", "order": None,
+       "claim": "the best micro-batch size is 2 for this model ((t, p) = (8, 8))",
+       "choices": "d=1, 1F1B (not stated); micro-batch sizes 1, 2, 4, 8 and the two batch sizes are not in the "
+                  "text; the model's shape is assumed (see GPT_91B)",
+       "layouts": lambda b: [(f"b{mb}", _layout(1, 8, 8, mb, b)) for mb in (1, 2, 4, 8)]}
+      for i, shape in enumerate(GPT_91B, 1)),
+    {"id": "fig12-interleaved", "source": "2104.04473 §5.3.2, Figure 12", "model": GPT_175B, "gpus": 96,
+     "batches": (12, 24, 36, 48, 60), "best": "interleaved", "order": None,
+     "claim": "the interleaved schedule WITH the scatter/gather optimization beats the default schedule, the gap "
+              "closing as the batch grows; without scatter/gather the default is better at larger batches",
+     "choices": "(t, p) = (8, 12), d=1 (inferred: 96 GPUs, t=8 by §5.4.1, Table 2's model-parallel size 96 for "
+                "this model); micro-batch 1, 2 chunks (not stated); batch sizes: multiples of p=12, not in the "
+                "text. mpidist's pipeline has no scatter/gather (every TP rank sends the whole activation)",
+     "layouts": lambda b: [("1f1b", _layout(1, 8, 12, 1, b)), ("interleaved", _layout(1, 8, 12, 1, b,
+                                                                                      "interleaved", 2))]},
+]
+
+# Table 2 (§5.2): PTD-P vs ZeRO-3 without model parallelism, teraFLOP/s per GPU, as numbers in the text.
+# (model, scheme, GPUs, batch, micro-batch, published teraFLOP/s per GPU); PTD-P's model-parallel size is 96
+# (175B: t=8, p=12 inferred) and 280 (530B: t=8, p=35 as Table 1); ZeRO-3 is FSDP FULL_SHARD over all GPUs.
+TABLE2 = [(GPT_175B, "ZeRO-3", 384, 1536, 4, 144), (GPT_175B, "ZeRO-3", 768, 1536, 2, 88),
+          (GPT_175B, "ZeRO-3", 1536, 1536, 1, 44), (GPT_530B, "ZeRO-3", 640, 2560, 4, 138),
+          (GPT_530B, "ZeRO-3", 1120, 2240, 2, 98), (GPT_530B, "ZeRO-3", 2240, 2240, 1, 48),
+          (GPT_175B, "PTD-P", 384, 1536, 1, 153), (GPT_175B, "PTD-P", 768, 1536, 1, 149),
+          (GPT_175B, "PTD-P", 1536, 1536, 1, 141), (GPT_530B, "PTD-P", 560, 2240, 1, 171),
+          (GPT_530B, "PTD-P", 1120, 2240, 1, 167), (GPT_530B, "PTD-P", 2240, 2240, 1, 159)]
+
+
+def _shape(model):
+    _, layers, hidden, heads = model
+    return ModelShape(layers=layers, hidden=hidden, heads=heads, vocab=VOCAB, seq=SEQ, dtype="float32")
+
+
+def paper_flops(model, batch):
+    """Return equation (3)'s FLOPs per iteration (recomputation included) of ``model`` at ``batch``."""
+    _, layers, h, _ = model
+    return 96 * batch * SEQ * layers * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * layers * h))
+
+
+def _throughput(est, model, batch, gpus):
+    return paper_flops(model, batch) / (est.time["step"] * gpus) / 1e12
+
+
+def study_case(study, batch, profile):
+    """Plan one study at one batch size: each layout's predicted teraFLOP/s per GPU, the planner's order of the
+    layouts it plans, its pick and whether the text's best is picked; Kendall tau against a stated order."""
+    rows, planned = [], []
+    for label, layout in study["layouts"](batch):
+        est = estimate(_shape(study["model"]), layout, profile, ranks_per_node=8)
+        row = {"label": label, "layout": layout.name(), "feasible": est.feasible, "reason": est.reason}
+        if est.feasible:
+            row.update(step_s=est.time["step"], tflops=_throughput(est, study["model"], batch, study["gpus"]),
+                       memory_gib=est.memory["total"] / 2**30, time=est.time)
+            planned.append(row)
+        rows.append(row)
+    planned.sort(key=lambda r: -r["tflops"])
+    order = [r["label"] for r in planned]
+    case = {"batch": batch, "rows": rows, "planner_order": order, "chosen": order[0] if order else None,
+            "published_best": study["best"], "best_chosen": bool(order) and order[0] == study["best"],
+            "kendall_tau": None}
+    if study["order"] and len(planned) >= 4:
+        published = [r for r in study["order"] if r in order]
+        score = {r["label"]: r["tflops"] for r in planned}
+        case["kendall_tau"] = kendall_tau([score[r] for r in published], [-published.index(r) for r in published])
+    if len(planned) >= 2:
+        case["best_over_worst"] = planned[0]["tflops"] / planned[-1]["tflops"]
+    return case
+
+
+def table2_rows(profile):
+    """Plan Table 2's rows: signed teraFLOP/s-per-GPU error per row."""
+    out = []
+    for model, scheme, gpus, batch, mb, published in TABLE2:
+        if scheme == "ZeRO-3":
+            layout = _layout(gpus, 1, 1, mb, batch, sharding="fsdp")
+        else:
+            tp, pp = (8, 12) if model is GPT_175B else (8, 35)
+            layout = _layout(gpus // (tp * pp), tp, pp, mb, batch)
+        est = estimate(_shape(model), layout, profile, ranks_per_node=8)
+        row = {"model": model[0], "scheme": scheme, "gpus": gpus, "batch": batch, "layout": layout.name(),
+               "published": published, "feasible": est.feasible, "reason": est.reason,
+               "out_of_range": est.warnings}
+        if est.feasible:
+            tflops = _throughput(est, model, batch, gpus)
+            row.update(predicted=tflops, error=tflops / published - 1, time=est.time,
+                       memory_gib=est.memory["total"] / 2**30)
+        out.append(row)
+    return out
+
+
+def _table2_pairs(rows):
+    """Return, per model and GPU count with both schemes, whether PTD-P is predicted faster (the text: always)."""
+    by = {(r["model"], r["gpus"], r["scheme"]): r for r in rows}
+    return {f"{m} {g} GPUs": by[(m, g, "PTD-P")].get("predicted", 0) > by[(m, g, "ZeRO-3")].get("predicted", 0)
+            for m, g, s in by if s == "PTD-P" and (m, g, "ZeRO-3") in by}
+
+
+def run_studies(path=None):
+    """Plan every study at each of its batch sizes and Table 2 with the frozen fitted profile (the prior's pick
+    alongside, uncalibrated); print and optionally write JSON."""
+    fitted, prior = load_profile(FITTED), load_profile(PRIOR)
+    out = {"profile": FITTED, "uncalibrated": PRIOR, "studies": [], "table2": {}}
+    for study in STUDIES:
+        cases = []
+        for batch in study["batches"]:
+            case = study_case(study, batch, fitted)
+            case["uncalibrated_chosen"] = study_case(study, batch, prior)["chosen"]
+            cases.append(case)
+        record = {k: v for k, v in study.items() if k != "layouts"}
+        record["model"] = dict(zip(("name", "layers", "hidden", "heads"), study["model"]))
+        record["order_kind"] = study.get("order_kind", "stated" if study["order"] else None)
+        record["cases"] = cases
+        out["studies"].append(record)
+        print(f"\n{study['id']} ({study['source']}; {study['model'][0]} on {study['gpus']} GPUs): published "
+              f"best {study['best']}" + (f", order {' > '.join(study['order'])} ({record['order_kind']})"
+                                           if study["order"] else ""))
+        for c in cases:
+            ranked = " > ".join(f"{r['label']} {r['tflops']:.1f}" for r in sorted(
+                (r for r in c["rows"] if r["feasible"]), key=lambda r: -r["tflops"]))
+            dropped = "; ".join(f"{r['label']}: {r['reason']}" for r in c["rows"] if not r["feasible"])
+            tau = f" tau {c['kendall_tau']:+.2f}" if c["kendall_tau"] is not None else ""
+            print(f"  B={c['batch']:<4} {'best chosen' if c['best_chosen'] else 'NOT chosen':<11}{tau}  {ranked}"
+                  + (f"  [not planned: {dropped}]" if dropped else "") + f"  (uncalibrated pick {c['uncalibrated_chosen']})")
+    for label, profile in (("fitted", fitted), ("prior", prior)):
+        out["table2"][label] = table2_rows(profile)
+    print(f"\nTable 2 (2104.04473 §5.2), teraFLOP/s per GPU: {'model':<8} {'scheme':<7} {'GPUs':>5} {'layout':<40} "
+          f"{'published':>9} {'fitted':>7} {'err':>7} {'prior':>7} {'err':>7}")
+    for f, p in zip(out["table2"]["fitted"], out["table2"]["prior"]):
+        cells = [f"{r['predicted']:>7.1f} {r['error']:>+7.1%}" if r["feasible"] else f"{'-':>7} {'-':>7}"
+                 for r in (f, p)]
+        print(f"  {f['model']:<8} {f['scheme']:<7} {f['gpus']:>5} {f['layout']:<40} {f['published']:>9} "
+              f"{cells[0]} {cells[1]}" + ("" if f["feasible"] else f"  ({f['reason']})"))
+    summary = {"table2_ptdp_over_zero3": _table2_pairs(out["table2"]["fitted"]),
+               "table2_ptdp_over_zero3_uncalibrated": _table2_pairs(out["table2"]["prior"])}
+    cases = [c for s in out["studies"] for c in s["cases"]]
+    summary["cases_best_chosen"] = f"{sum(c['best_chosen'] for c in cases)} of {len(cases)}"
+    summary["cases_best_chosen_uncalibrated"] = (f"{sum(c['uncalibrated_chosen'] == c['published_best'] for c in cases)}"
+                                                 f" of {len(cases)}")
+    for label in ("fitted", "prior"):
+        errs = [abs(r["error"]) for r in out["table2"][label] if r["feasible"]]
+        summary[f"table2_{label}_mae"] = statistics.mean(errs) if errs else None
+        for scheme in ("PTD-P", "ZeRO-3"):
+            errs = [abs(r["error"]) for r in out["table2"][label] if r["feasible"] and r["scheme"] == scheme]
+            summary[f"table2_{label}_{scheme}_mae"] = statistics.mean(errs) if errs else None
+    out["summary"] = summary
+    for k, v in summary.items():
+        print(f"{k}: {v:.1%}" if isinstance(v, float) else f"{k}: {v}")
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+            f.write("\n")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="fit the two knobs on the calibration rows only")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--studies", action="store_true",
+                        help="the layout studies of arXiv 2104.04473 (Figures 12-16, Table 2) instead of the rows")
     args = parser.parse_args()
     if args.fit:
         fit()
+        return
+    if args.studies:
+        run_studies(args.json)
         return
     prior, fitted = load_profile(PRIOR), load_profile(FITTED)
     out = {}
