@@ -13,20 +13,80 @@ Glossary:
   chunk     ``ceil(size / n)`` elements: rank r owns chunk r of the reduce-scatter (the last ones shorter or
             empty when n does not divide the size).
 
+  private duplicate  where a ring runs unless the caller gives a tag: a ``Dup()`` of the caller's communicator,
+            made (collectively) at the first ring over it, cached on it as an MPI attribute and freed when it is
+            freed. Each ring there takes the next tag of the duplicate's sequence (0, 1, ..., 32767, 0, ...), so
+            rings pending at once never match each other's messages, and the caller's messages on its
+            communicator (any tag, ``MPI.ANY_TAG`` receives) never match a ring's. As for any MPI collective,
+            every rank must start the rings over one communicator in the same order: that keeps the sequences
+            equal.
+
 Blocking: ``ring_allreduce_16``, ``ring_reduce_scatter_16``. Pending work (DDP's compression hooks, FSDP's 16-bit
-reduce-scatter): ``_ring_allreduce_16_start`` returns the ring, whose ``wait()`` gives the sum.
+reduce-scatter): ``iring_allreduce_16``, ``iring_reduce_scatter_16`` return the ring, whose ``test()`` advances it
+and whose ``wait()`` gives the result.
 """
 
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from . import collectives, wire
 
-__all__ = ["ring_allreduce_16", "ring_reduce_scatter_16"]
+__all__ = ["ring_allreduce_16", "ring_reduce_scatter_16", "iring_allreduce_16", "iring_reduce_scatter_16"]
 
-_RING_TAG = 7301  # point-to-point tag of the blocking 16-bit ring
 _SIXTEEN_BIT = (np.dtype(np.float16), wire.BFLOAT16)
+_SEQUENCE_TAGS = 32768  # tags 0..32767, which every MPI allows (MPI_TAG_UB >= 32767)
+_keyvals = {}  # communicator class -> the attribute key caching a communicator's _Private
+
+
+class _Private:
+    """A communicator's private duplicate for rings and the tag its next ring takes."""
+
+    __slots__ = ("comm", "next_tag")
+
+    def __init__(self, comm):
+        self.comm, self.next_tag = comm, 0
+
+    def take(self):
+        """Return (the duplicate, the next ring's tag) and move the sequence on."""
+        tag = self.next_tag
+        self.next_tag = (tag + 1) % _SEQUENCE_TAGS
+        return self.comm, tag
+
+
+def _free_private(comm, keyval, private):
+    """Free the duplicate when the communicator it belongs to is freed (its attributes are deleted)."""
+    if not MPI.Is_finalized() and private.comm:
+        private.comm.Free()
+
+
+def _private(comm):
+    """Return (``comm``'s private duplicate for rings, this ring's tag); the first call for ``comm`` is collective."""
+    cls = type(comm)  # the class's own Create_keyval: SimComm keeps its keys' delete functions itself
+    keyval = _keyvals.get(cls)
+    if keyval is None:
+        keyval = _keyvals[cls] = cls.Create_keyval(delete_fn=_free_private)
+    private = comm.Get_attr(keyval)
+    if private is None:
+        private = _Private(comm.Dup())
+        comm.Set_attr(keyval, private)
+    return private.take()
+
+
+def _tag_ub(comm):
+    """Return ``comm``'s largest tag (Open MPI sets MPI_TAG_UB on COMM_WORLD only; MPI guarantees 32767)."""
+    return comm.Get_attr(MPI.TAG_UB) or MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767
+
+
+def _route(fn, comm, tag):
+    """Return (communicator, tag) of a ring: ``comm`` with the caller's ``tag``, or the private duplicate's next."""
+    if tag is None:
+        return _private(comm) if comm.Get_size() > 1 else (comm, 0)  # one rank sends nothing
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag <= _tag_ub(comm):
+        raise ValueError(f"{fn}: tag must be an int in 0..{_tag_ub(comm)} (MPI_TAG_UB of the communicator), "
+                         f"or None for a private duplicate (got {tag!r})")
+    return comm, int(tag)
 
 
 def _posted(comm, op, start, buf, peer, tag):
@@ -42,7 +102,9 @@ class _Ring16:
     ``test()`` finishes the steps whose messages arrived and posts the next, ``wait()`` runs them to the end and
     returns the result.
 
-    ``flat``: a 1-D float16/bfloat16 array. The reduce-scatter (n - 1 steps) leaves chunk ``rank`` of the float32
+    ``flat``: a 1-D float16/bfloat16 array, or a float32 one with ``wire_dtype`` (the 16-bit dtype of the
+    messages and the result; ``flat``'s values enter the accumulator unrounded, the first message rounds them).
+    The reduce-scatter (n - 1 steps) leaves chunk ``rank`` of the float32
     accumulator ``acc`` summed over the ranks (divided by their number with ``mean``); with ``gather`` an
     allgather ring (n - 1 more steps) then forwards the finished 16-bit chunks as they are into ``gathered``.
     The result: with ``gather`` the sum in ``out`` (a new array of ``flat``'s dtype if None), else this rank's
@@ -52,15 +114,16 @@ class _Ring16:
     (``ceil(size / n)`` elements, the accumulator zero-padded): both ends know every message's size, so receives
     are posted into their buffers and MPI moves the bytes while the caller computes."""
 
-    def __init__(self, flat, comm, tag, mean=False, gather=True, group=None, out=None):
-        self.comm, self.tag, self.mean, self.dtype, self.group = comm, tag, mean, flat.dtype, group
+    def __init__(self, flat, comm, tag, mean=False, gather=True, group=None, out=None, wire_dtype=None):
+        self.dtype = flat.dtype if wire_dtype is None else np.dtype(wire_dtype)
+        self.comm, self.tag, self.mean, self.group = comm, tag, mean, group
         self.size, self.out, self._result = flat.size, out, None
         n, self.rank = comm.Get_size(), comm.Get_rank()
         self.n, self.chunk = n, -(-flat.size // n)
         self.acc = np.zeros(n * self.chunk, np.float32)
         self.acc[:flat.size] = flat
-        self.send16, self.recv16 = np.empty(self.chunk, flat.dtype), np.empty(self.chunk, flat.dtype)
-        self.gathered = np.empty(n * self.chunk, flat.dtype) if gather else None
+        self.send16, self.recv16 = np.empty(self.chunk, self.dtype), np.empty(self.chunk, self.dtype)
+        self.gathered = np.empty(n * self.chunk, self.dtype) if gather else None
         self.steps = (n - 1) * (2 if gather else 1)
         self.step, self.requests = 0, []
         self._post()
@@ -128,13 +191,7 @@ class _Ring16:
                 self.requests = []
                 self._advance()
         else:
-            while True:
-                for ring in list(self.group):
-                    if ring.test():
-                        self.group.remove(ring)
-                if self.done():
-                    break
-                time.sleep(0)  # let other threads (SimComm's ranks, DDP's poller) run
+            wait_together(self, self.group)
         return self._finish()
 
     def _finish(self):
@@ -149,31 +206,61 @@ class _Ring16:
         return self._result
 
 
+def wait_together(work, group):
+    """Test every pending work of ``group`` (anything with ``test()``; done ones leave it) round-robin until
+    ``work`` is done: works in flight at once advance together (DDP's buckets: the 16-bit rings, the node-aware
+    16-bit allreduces of ``collectives_hier``)."""
+    while True:
+        for other in list(group):
+            if other.test():
+                group.remove(other)
+        if work.done():
+            return
+        time.sleep(0)  # let other threads (SimComm's ranks, DDP's poller) run
+
+
 def _check_16(fn, flat):
     if flat.dtype not in _SIXTEEN_BIT:
         raise TypeError(f"{fn}: needs a float16 or bfloat16 array (got {flat.dtype})")
+    if flat.ndim != 1:
+        raise ValueError(f"{fn}: needs a 1-D array (got shape {flat.shape})")
 
 
-def ring_reduce_scatter_16(flat, comm, mean=False):
+def ring_reduce_scatter_16(flat, comm, mean=False, tag=None):
     """Return this rank's chunk of the sum (or ``mean``) of the 1-D float16/bfloat16 array ``flat`` over ``comm``:
     16-bit messages, float32 accumulation, rounded once at the end to ``flat``'s dtype. Chunks have
-    ``ceil(flat.size / ranks)`` elements (the last ones shorter or empty when that does not divide)."""
-    _check_16("ring_reduce_scatter_16", flat)
-    return _Ring16(flat, comm, _RING_TAG, mean=mean, gather=False).wait()
+    ``ceil(flat.size / ranks)`` elements (the last ones shorter or empty when that does not divide).
+
+    ``tag``: None (default): the messages go over ``comm``'s private duplicate (see the module's glossary);
+    an int: over ``comm`` itself with that tag, which no other message or receive there may use meanwhile."""
+    return _start("ring_reduce_scatter_16", flat, comm, tag, mean=mean, gather=False).wait()
 
 
-def ring_allreduce_16(flat, comm, out=None):
+def ring_allreduce_16(flat, comm, out=None, tag=None):
     """Sum the 1-D float16/bfloat16 array ``flat`` over ``comm`` with 16-bit messages and float32 accumulation.
 
     Returns the sum (in ``out`` if given, else in a new array of ``flat``'s dtype), the same bits on every rank.
-    See the module's docstring for the bytes it moves. Its messages go over ``comm`` with tag 7301: no receive
-    of the caller's with that tag or ``MPI.ANY_TAG`` may be pending there meanwhile."""
-    _check_16("ring_allreduce_16", flat)
-    return _ring_allreduce_16_start(flat, comm, _RING_TAG, out).wait()
+    See the module's docstring for the bytes it moves. ``tag``: as in ``ring_reduce_scatter_16``."""
+    return _start("ring_allreduce_16", flat, comm, tag, out=out).wait()
 
 
-def _ring_allreduce_16_start(flat, comm, tag, out=None, group=None):
-    """Start ``ring_allreduce_16`` with message tag ``tag``; return the ring, whose ``wait()`` gives the sum.
+def iring_reduce_scatter_16(flat, comm, mean=False, tag=None):
+    """Start ``ring_reduce_scatter_16``; return the ring: ``test()`` advances it, ``wait()`` returns the chunk.
 
-    ``group``: the list of pending rings that this one joins (see ``_Ring16.wait``)."""
-    return _Ring16(flat, comm, tag, group=group, out=out)
+    ``flat`` is copied at the start (into the float32 accumulator): the caller may reuse it at once."""
+    return _start("iring_reduce_scatter_16", flat, comm, tag, mean=mean, gather=False)
+
+
+def iring_allreduce_16(flat, comm, out=None, tag=None, group=None):
+    """Start ``ring_allreduce_16``; return the ring: ``test()`` advances it, ``wait()`` returns the sum.
+
+    ``out`` (which may be ``flat``: it is copied at the start) is written by ``wait()``. ``group``: a list of
+    pending rings that this one joins (DDP's buckets): waiting for one advances them all (``_Ring16.wait``)."""
+    return _start("iring_allreduce_16", flat, comm, tag, group=group, out=out)
+
+
+def _start(fn, flat, comm, tag, **ring):
+    """Check ``fn``'s input and start its ring over ``comm`` or its private duplicate (``tag`` None)."""
+    _check_16(fn, flat)
+    ring_comm, tag = _route(fn, comm, tag)
+    return _Ring16(flat, ring_comm, tag, **ring)

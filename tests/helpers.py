@@ -122,3 +122,20 @@ class GPTLayout:
             self.wrapped.remove()
         if self.grid is not None:
             self.grid.free()
+
+
+def ring_reference(inputs, dtype, mean=False):
+    """The 16-bit ring's result (``mpidist.ring16``) from every rank's 1-D input, in numpy: chunk c (ceil(size / n)
+    elements) starts at rank c + 1 and travels right, each rank adding its float32 value to the 16-bit message it
+    received; rank c rounds the last sum (divided by n in float32 with ``mean``), and every rank gets those bits.
+    A reduce-scatter's rank c holds chunk c of it."""
+    n, size = len(inputs), inputs[0].size
+    chunk = -(-size // n)
+    out = np.empty(size, dtype)
+    for c in range(n):
+        span = slice(c * chunk, min((c + 1) * chunk, size))
+        acc = inputs[(c + 1) % n][span].astype(np.float32)
+        for j in range(2, n + 1):
+            acc = inputs[(c + j) % n][span].astype(np.float32) + acc.astype(dtype).astype(np.float32)
+        out[span] = (acc / np.float32(n) if mean else acc).astype(dtype)
+    return out

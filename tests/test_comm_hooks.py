@@ -14,6 +14,7 @@ from mpidist.parallel.comm_hooks import (HookBucket, PowerSGDState, allreduce_ho
                                          fp16_compress_hook, powerSGD_hook)
 from mpidist.parallel.ddp import DDP
 from mpidist.ring16 import ring_allreduce_16
+from helpers import ring_reference
 
 IN, HIDDEN, OUT = 6, 12, 4
 HALF_ULP = {float16: 2.0 ** -11, bfloat16: 2.0 ** -8}
@@ -244,22 +245,6 @@ def test_hooks_run_once_per_synchronization_under_no_sync(comm):
 
 
 # -- overlap: the hooks return pending work that DDP advances during backward -----------------------------------
-def ring_reference(inputs, dtype):
-    """The 16-bit ring's result from every rank's 1-D input, in numpy: chunk c (ceil(size / n) elements) starts at
-    rank c + 1 and travels right, each rank adding its float32 value to the 16-bit message it received; rank c
-    rounds the last sum, and every rank gets those bits."""
-    n, size = len(inputs), inputs[0].size
-    chunk = -(-size // n)
-    out = np.empty(size, dtype)
-    for c in range(n):
-        span = slice(c * chunk, min((c + 1) * chunk, size))
-        acc = inputs[(c + 1) % n][span].astype(np.float32)
-        for j in range(2, n + 1):
-            acc = inputs[(c + j) % n][span].astype(np.float32) + acc.astype(dtype).astype(np.float32)
-        out[span] = acc.astype(dtype)
-    return out
-
-
 def fake_bucket(comm, index, shapes, seed, comms=None):
     """A HookBucket over a fresh flat float32 buffer holding gradients of ``shapes`` (rank-dependent values);
     ``comms``: the HookComms of the DDP it would belong to."""
