@@ -1,6 +1,7 @@
 """The planner's model, layouts, schedules, profiles, ranking and command line (no communication measured here;
 tests/test_plan_exact.py compares its communication and memory with the real wrappers)."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from mpidist.cli import main
 from mpidist.models.gpt import GPT, GPTConfig
 from mpidist.models.gpt_parallel import tensor_parallel
 from mpidist.parallel.pipeline import schedules
-from mpidist.plan import Layout, ModelShape, Profile, load_profile, plan, profile_names
+from mpidist.plan import Layout, ModelShape, Profile, estimate, load_profile, plan, profile_names
 from mpidist.plan.estimate import _pipeline, collective_seconds
 from mpidist.plan.model import layer_names, parameters
 
@@ -229,3 +230,30 @@ def test_cli_plans_mixed_precision(capsys):
         assert e["memory"]["optimizer"] == 6 * e["memory"]["params"]
     assert main(args[:-7] + ["--param-dtype", "float8"]) == 2
     assert "param_dtype" in capsys.readouterr().err
+
+
+VALIDATION = os.path.join(os.path.dirname(__file__), "..", "docs", "plan_validate.json")
+VALIDATED_PROFILES = {"local-quiet": "local-quiet", "vcluster-2x2-200mbit": "vcluster-2x2"}   # name -> file
+
+
+def test_local_profiles_validated_layouts_do_not_warn():
+    """Every layout docs/plan_validate.json measured, planned with the profile it was compared under, lies inside
+    that profile's validated range (no warning); 8 ranks, pp=8, a wider model or an unmeasured kind warn."""
+    with open(VALIDATION) as f:
+        data = json.load(f)
+    shape = ModelShape(**data["model"])
+    for run in data["runs"].values():
+        profile = load_profile(VALIDATED_PROFILES[run["profile"]])
+        for row in run["rows"]:
+            est = estimate(shape, Layout(**row["layout"]), profile, run["ranks_per_node"])
+            assert est.warnings == [], (run["profile"], row["layout"])
+    quiet, cluster = load_profile("local-quiet"), load_profile("vcluster-2x2")
+    assert estimate(shape, Layout(8, 1, 1, micro_batch=2), quiet, 8).warnings[0] == "ranks 8 outside the validated 2..4"
+    assert estimate(shape, Layout(1, 1, 8, micro_batch=2, num_micro=8, schedule="1f1b"), quiet, 8).warnings[:2] == [
+        "ranks 8 outside the validated 2..4", "pp 8 outside the validated 1..4"]
+    wider = ModelShape(**{**data["model"], "hidden": 256})
+    assert estimate(wider, Layout(2, 1, 1, micro_batch=8), quiet, 2).warnings[0].startswith("parameters 3.")
+    assert estimate(shape, Layout(4, 1, 1, micro_batch=4, recompute="full"), cluster, 2).warnings[0] == (
+        "recompute 'full' never validated (validated: none)")
+    assert estimate(shape, Layout(2, 1, 1, micro_batch=8), cluster, 2).warnings[0] == (
+        "ranks 2 outside the validated 4..4")
