@@ -113,9 +113,12 @@ def reference(size, dtype, reduce_dtype=None, units=None, shard_size=None):
     return list(masters.values())
 
 
-def run_fsdp(comm, **kwargs):
+def run_fsdp(comm, before=None, **kwargs):
+    """Train FSDP(**kwargs) ``STEPS`` steps (``before(fsdp)`` first); return it and its full float32 state."""
     size, rank = comm.Get_size(), comm.Get_rank()
     fsdp = FSDP(make_model(), comm, **kwargs)
+    if before is not None:
+        before(fsdp)
     opt = SGD(fsdp.parameters(), lr=LR)
     for step in range(STEPS):
         x, y = global_batch(step, PER_RANK * size)
@@ -158,6 +161,30 @@ def test_16_bit_reduce_dtype_equals_the_rings_order_and_roundings(comm, dtype):
     want = reference(comm.Get_size(), dtype, reduce_dtype=dtype, units=fsdp.units)
     assert_bitwise(params, want)
     assert any(not np.array_equal(a, b) for a, b in zip(want, reference(comm.Get_size(), dtype)))
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("dtype", [bfloat16, float16], ids=["bf16", "fp16"])
+def test_16_bit_reduce_scatter_is_in_flight_after_the_units_gradients_are_final(comm, dtype):
+    """The last unit's 16-bit reduce-scatter, started when its last gradient is final, is still in flight when
+    that gradient's later post-accumulate-grad hook runs (as the float32 one is: the rest of backward overlaps
+    it), in every step; FSDP finishes it where it waits for the float32 one, bitwise the ring reference."""
+    in_flight = []  # per step: whether the ring had completed when the hook after FSDP's saw it started
+
+    def watch(fsdp):
+        last = fsdp.units[-1].label
+        units = {u.label: u for u in fsdp._param_units}  # FSDP's lifecycle objects: their reduction in flight
+
+        def after_fsdps_hook(param):
+            reduction = units[last].reduction
+            if reduction is not None and len(in_flight) < fsdp._syncs:
+                in_flight.append(reduction.handle.done())
+        for p in fsdp.module[-1].parameters():
+            p.register_post_accumulate_grad_hook(after_fsdps_hook)  # registered after FSDP's: runs after it
+
+    fsdp, params = run_fsdp(comm, before=watch, param_dtype=dtype, reduce_dtype=dtype)
+    assert in_flight == [False] * STEPS
+    assert_bitwise(params, reference(comm.Get_size(), dtype, reduce_dtype=dtype, units=fsdp.units))
 
 
 def test_bad_precision_arguments_raise(comm):

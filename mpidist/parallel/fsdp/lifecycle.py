@@ -26,7 +26,7 @@ from ...nn.deferred import fill_boxes, is_deferred
 from ...nn.module import Parameter
 from ...nn.placement import FlatShard, placement_of
 from ...xp import get_array_module
-from ...ring16 import ring_reduce_scatter_16
+from ...ring16 import iring_reduce_scatter_16
 from .layout import ParamSpan, UnitShard
 from .settings import ShardingStrategy
 
@@ -63,19 +63,6 @@ class _Reduction:
 
     def __init__(self, handle, stage):
         self.handle, self.stage = handle, stage
-
-
-class _Done:
-    """A finished reduction's handle (the 16-bit ring runs blocking)."""
-
-    def __init__(self, result):
-        self.result = result
-
-    def wait(self):
-        return self.result
-
-    def test(self):
-        return True
 
 
 class Unit:
@@ -309,8 +296,10 @@ class Unit:
                                         _Stage.REPLICAS)
         elif self.unsharded_grad.dtype.itemsize == 2 and self.unsharded_grad.dtype.kind != "i":
             # 16-bit: MPI would widen float16 to float32 on the wire and has no bfloat16; the ring keeps 16 bits.
-            self.reduction = _Reduction(_Done(ring_reduce_scatter_16(self.unsharded_grad, groups.shard_comm,
-                                                                     mean=True)), _Stage.SHARDS)
+            # Pending as MPI's reduce-scatter is: FSDP's progress tests it between layers (each test() posts
+            # the ring's next step), and advance_reduce waits for it where it waits for the float32 one.
+            self.reduction = _Reduction(iring_reduce_scatter_16(self.unsharded_grad, groups.shard_comm, mean=True),
+                                        _Stage.SHARDS)
         else:
             # The flat gradient is padded to a multiple of the shard group size: every rank gets an equal chunk.
             self.reduction = _Reduction(collectives.ireduce_scatter(self.unsharded_grad, groups.shard_comm, op="mean"),
