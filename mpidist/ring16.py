@@ -32,6 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import collectives, wire
+from .xp import asarray_like, check_dtype, copy_into, is_device_array, to_numpy
 
 __all__ = ["ring_allreduce_16", "ring_reduce_scatter_16", "iring_allreduce_16", "iring_reduce_scatter_16"]
 
@@ -121,7 +122,14 @@ class _Ring16:
         n, self.rank = comm.Get_size(), comm.Get_rank()
         self.n, self.chunk = n, -(-flat.size // n)
         self.acc = np.zeros(n * self.chunk, np.float32)
-        self.acc[:flat.size] = flat
+        # A device (CuPy) array is staged through the host, one copy down here and one up in _finish: the ring's
+        # messages must be host buffers for an MPI that is not CUDA-aware (the only kind seen on our GPUs), its
+        # float32 accumulation is then numpy's (CuPy and numpy results are the same bits), and on the device each
+        # of its 2 (n - 1) steps would cost a kernel and a stream sync for a chunk.
+        self.like = flat if is_device_array(flat) else None
+        if self.like is not None:
+            check_dtype(flat, self.dtype, "16-bit ring")
+        self.acc[:flat.size] = to_numpy(flat)
         self.send16, self.recv16 = np.empty(self.chunk, self.dtype), np.empty(self.chunk, self.dtype)
         self.gathered = np.empty(n * self.chunk, self.dtype) if gather else None
         self.steps = (n - 1) * (2 if gather else 1)
@@ -196,13 +204,14 @@ class _Ring16:
 
     def _finish(self):
         if self._result is None:
-            if self.gathered is not None:
+            if self.gathered is not None and (self.out is not None or self.like is None):
                 out = np.empty(self.size, self.dtype) if self.out is None else self.out
-                out[...] = self.gathered[:self.size]
+                copy_into(out, self.gathered[:self.size])  # to the device when ``out`` is a device array
                 self._result = out
             else:
-                self._result = self.acc[self.rank * self.chunk: min((self.rank + 1) * self.chunk, self.size)] \
-                    .astype(self.dtype)
+                host = self.gathered[:self.size] if self.gathered is not None else \
+                    self.acc[self.rank * self.chunk: min((self.rank + 1) * self.chunk, self.size)].astype(self.dtype)
+                self._result = host if self.like is None else asarray_like(host, self.like)
         return self._result
 
 

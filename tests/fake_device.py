@@ -17,7 +17,9 @@
 """
 
 import itertools
+import sys
 import threading
+import types
 
 import numpy as np
 from mpi4py import MPI
@@ -52,13 +54,13 @@ class FakeDeviceArray:
         return len(self.a)
 
     def __getitem__(self, key):
-        return FakeDeviceArray(self.a[key], self.device)
+        return type(self)(self.a[key], self.device)
 
     def reshape(self, *shape):
-        return FakeDeviceArray(self.a.reshape(*shape), self.device)
+        return type(self)(self.a.reshape(*shape), self.device)
 
     def view(self, dtype):
-        return FakeDeviceArray(self.a.view(dtype), self.device)
+        return type(self)(self.a.view(dtype), self.device)
 
     def __repr__(self):
         return f"FakeDeviceArray({self.a!r})"
@@ -67,13 +69,15 @@ class FakeDeviceArray:
 class FakeStream:
     """An in-order queue of device work."""
 
-    def __init__(self, name):
-        self.name = name
+    def __init__(self, name, eager=False):
+        self.name, self.eager = name, eager  # eager: work runs when queued (FakeCupy's host-side ops read at once)
         self.queue = []
         self.done = 0
 
     def enqueue(self, fn):
         self.queue.append(fn)
+        if self.eager:
+            self.run_until(len(self.queue))
 
     def run_until(self, index):
         while self.done < index:
@@ -111,10 +115,13 @@ class FakeDevice(DeviceAPI):
 
     name = "fake"
 
-    def __init__(self, key="fake-gpu-0", *, cuda_aware=False, lying=False, nccl=False, ipc=True):
+    def __init__(self, key="fake-gpu-0", *, cuda_aware=False, lying=False, nccl=False, ipc=True, arrays=None):
         self.key, self.cuda_aware, self.lying, self.nccl, self.ipc = key, cuda_aware, lying, nccl, ipc
+        # arrays: the device array type; FakeCupyArray makes the current stream eager, because nn's arithmetic
+        # on FakeCupyArray runs at once on the host, not queued behind the collectives' copies as CuPy's would be.
+        self.arrays = arrays or FakeDeviceArray
         self.log = []
-        self.current = FakeStream("current")
+        self.current = FakeStream("current", eager=self.arrays is not FakeDeviceArray)
         self._streams = itertools.count(1)
         self.pinned = []
 
@@ -126,10 +133,10 @@ class FakeDevice(DeviceAPI):
         return isinstance(x, FakeDeviceArray)
 
     def empty(self, n, dtype):
-        return FakeDeviceArray(_fill(n, dtype), self)
+        return self.arrays(_fill(n, dtype), self)
 
     def asarray(self, host):
-        return FakeDeviceArray(np.array(host), self)
+        return self.arrays(np.array(host), self)
 
     def to_numpy(self, x):
         self.synchronize(self.current)
@@ -240,7 +247,7 @@ class FakeDevice(DeviceAPI):
             a = _ipc_registry[bytes(handle)]
         if a.size < n or a.dtype != np.dtype(dtype):
             raise ValueError(f"FakeDevice.ipc_open: peer buffer is {a.size} {a.dtype}, asked for {n} {np.dtype(dtype)}")
-        return FakeDeviceArray(a[:n], self)
+        return self.arrays(a[:n], self)
 
     def ipc_close(self, arr):
         self.log.append(("ipc_close",))
@@ -339,3 +346,192 @@ class RecordingComm:
             self._log.append(("mpi", name))
             return attr(*args, **kwargs)
         return call
+
+
+# -- a numpy-backed CuPy, for nn, DDP and FSDP on "device arrays" ----------------------------------------
+# ``install_fake_cupy`` puts ``FakeCupy`` in ``sys.modules["cupy"]``: ``mpidist.xp`` then calls a FakeCupyArray a
+# device array (its type's module starts with "cupy") and returns FakeCupy as its array module, so the nn ops,
+# the optimizers and DDP/FSDP run their CuPy code paths, and their collectives go through ``mpidist.gpu`` (the
+# paths on a FakeDevice whose arrays are FakeCupyArray). As CuPy's arrays, FakeCupyArray refuses implicit
+# conversion to numpy (``np.asarray`` raises: host code must call ``.get()``/``mpidist.xp.to_numpy``), has no
+# ``__array_interface__``, returns 0-d arrays where numpy returns scalars, and copies host data in ``asarray``.
+# ``FakeCupy(bfloat16=False)`` is a CuPy before 14: no bfloat16 arrays.
+_fake_cupy_state = {"bfloat16": True, "version": "14.2.0"}
+
+
+def _unwrap(x):
+    if isinstance(x, FakeDeviceArray):
+        return x.a
+    if type(x) in (list, tuple):
+        return type(x)(_unwrap(v) for v in x)
+    if type(x) is dict:
+        return {k: _unwrap(v) for k, v in x.items()}
+    return x
+
+
+def _check_fake_dtype(dtype):
+    if not _fake_cupy_state["bfloat16"] and np.dtype(dtype).name == "bfloat16":
+        raise TypeError(f"fake CuPy {_fake_cupy_state['version']}: Unsupported dtype bfloat16")
+
+
+def _wrap(x):
+    if type(x) is np.ndarray or isinstance(x, np.generic):
+        _check_fake_dtype(x.dtype)
+        return FakeCupyArray(np.asarray(x), None)  # CuPy returns 0-d arrays where numpy returns scalars
+    if type(x) in (list, tuple):
+        return type(x)(_wrap(v) for v in x)
+    return x
+
+
+def _rebuild_fake_cupy(a):
+    return FakeCupyArray(a, None)
+
+
+class FakeCupyArray(np.lib.mixins.NDArrayOperatorsMixin, FakeDeviceArray):
+    """A CuPy array of numpy memory: numpy's arithmetic (so results are numpy's bits), CuPy's manners."""
+
+    __slots__ = ()
+    __module__ = "cupy._fake"  # what mpidist.xp looks at to call an array a CuPy array
+
+    def __init__(self, a, device=None):
+        _check_fake_dtype(a.dtype)
+        super().__init__(a, device)
+
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct a "
+                        "NumPy array explicitly. (FakeCupyArray, as CuPy)")
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        out = kwargs.get("out")
+        result = getattr(ufunc, method)(*_unwrap(inputs), **_unwrap(kwargs))
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        return _wrap(result)
+
+    def __array_function__(self, func, types, args, kwargs):
+        return _wrap(func(*_unwrap(args), **_unwrap(kwargs)))
+
+    def __getattr__(self, name):
+        if name in ("a", "device", "__array_interface__", "__array_struct__"):  # a slot not set yet; CuPy has none
+            raise AttributeError(name)
+        attr = getattr(self.a, name)
+        if callable(attr):
+            return lambda *args, **kwargs: _wrap(attr(*_unwrap(args), **_unwrap(kwargs)))
+        return _wrap(attr)
+
+    @property
+    def __cuda_array_interface__(self):
+        face = dict(self.a.__array_interface__)
+        face["version"] = 3
+        return face
+
+    def __getitem__(self, key):
+        return _wrap(self.a[_unwrap(key)])
+
+    def __setitem__(self, key, value):
+        self.a[_unwrap(key)] = _unwrap(value)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def astype(self, dtype, *args, **kwargs):
+        _check_fake_dtype(dtype)
+        return _wrap(self.a.astype(dtype, *args, **kwargs))
+
+    def view(self, dtype=None):
+        if dtype is not None:
+            _check_fake_dtype(dtype)
+        return FakeCupyArray(self.a.view() if dtype is None else self.a.view(dtype), self.device)
+
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        """Return a host copy (CuPy's ``ndarray.get``)."""
+        return self.a.copy()
+
+    def __float__(self):
+        return float(self.a)
+
+    def __int__(self):
+        return int(self.a)
+
+    def __index__(self):
+        return self.a.__index__()
+
+    def __bool__(self):
+        return bool(self.a)
+
+    def __complex__(self):
+        return complex(self.a)
+
+    def __copy__(self):
+        return FakeCupyArray(self.a.copy(), self.device)
+
+    def __deepcopy__(self, memo):
+        return FakeCupyArray(self.a.copy(), self.device)
+
+    def __reduce__(self):
+        return _rebuild_fake_cupy, (self.a,)
+
+    def __repr__(self):
+        return f"FakeCupyArray({self.a!r})"
+
+
+class FakeCupy(types.ModuleType):
+    """The ``cupy`` module as mpidist uses it: numpy's functions and ufuncs on FakeCupyArray."""
+
+    def __init__(self, version="14.2.0", bfloat16=True):
+        super().__init__("cupy")
+        self.__version__, self.supports_bfloat16 = version, bfloat16
+        self.ndarray = FakeCupyArray
+
+    def __getattr__(self, name):
+        attr = getattr(np, name)
+        if isinstance(attr, (np.ufunc, type)) or not callable(attr):
+            return attr  # ufuncs dispatch to FakeCupyArray.__array_ufunc__; dtypes and constants are numpy's
+
+        def call(*args, **kwargs):
+            if kwargs.get("dtype") is not None:
+                _check_fake_dtype(kwargs["dtype"])
+            return _wrap(attr(*_unwrap(args), **_unwrap(kwargs)))
+        return call
+
+    def asarray(self, x, dtype=None):
+        """Return ``x`` as a device array: itself if it is one (of ``dtype``), else a device copy (as CuPy)."""
+        if isinstance(x, FakeCupyArray) and (dtype is None or np.dtype(dtype) == x.dtype):
+            return x
+        return _wrap(np.array(_unwrap(x), dtype=dtype))
+
+    array = asarray
+
+    def asnumpy(self, x):
+        return x.get() if isinstance(x, FakeCupyArray) else np.asarray(x)
+
+    def is_available(self):
+        return False  # no CUDA here: mpidist.init() and describe() take no GPU for it
+
+    def get_array_module(self, *args):
+        return self if any(isinstance(a, FakeCupyArray) for a in args) else np
+
+
+def install_fake_cupy(monkeypatch, *, version="14.2.0", bfloat16=True):
+    """Make ``FakeCupy`` the ``cupy`` module, and fake devices (FakeCupyArray arrays) the GPU paths' default
+    device, until the test ends; return the module. ``bfloat16=False``: a CuPy before 14, without bfloat16."""
+    import mpidist.gpu.device
+    cupy = FakeCupy(version, bfloat16)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(_fake_cupy_state, "bfloat16", bfloat16)
+    monkeypatch.setitem(_fake_cupy_state, "version", version)
+    # Every communicator's first device collective attaches a path on a new fake device: on SimComm the ranks
+    # of one node choose ipc (fake IPC is one process's registry), under mpiexec staged.
+    monkeypatch.setattr(mpidist.gpu.device, "CupyDevice", lambda: FakeDevice(arrays=FakeCupyArray))
+    return cupy
+
+
+def to_fake_cupy(module):
+    """Move ``module``'s parameters and buffers to FakeCupyArray (same values), as tests/test_gpu.py's to_gpu."""
+    for _, p in module.named_parameters():
+        p.data = FakeCupyArray(np.array(p.data))
+    for m in module.modules():
+        for name, b in list(m.named_buffers()):
+            if "." not in name:
+                setattr(m, name, FakeCupyArray(np.array(b)))
+    return module

@@ -21,7 +21,14 @@ from mpidist import gpu
 from mpidist.gpu.probe import MPIProbe, find_mpi_library, probe_mpi_cuda_support
 from mpidist.gpu.staged import chunk_bounds
 
-from fake_device import FakeDevice, FakeDeviceArray, FakeSegfault, RecordingComm
+from mpidist import nn, optim
+from mpidist.nn.precision import Policy, apply_policy, bfloat16
+from mpidist.parallel import comm_hooks
+from mpidist.parallel.ddp import DDP
+from mpidist.parallel.fsdp import FSDP
+from mpidist.parallel.full_state import full_state_dict
+
+from fake_device import FakeCupyArray, FakeDevice, FakeDeviceArray, FakeSegfault, RecordingComm, install_fake_cupy, to_fake_cupy
 from test_collectives import valid_ops
 from test_collectives import assert_matches, rank_input, reference
 from test_collectives import assert_nan_propagated, float16_overflow_case, nan_inputs
@@ -634,3 +641,196 @@ def test_ipc_failing_on_some_ranks_raises_on_every_rank_naming_each_failure():
     messages = mpidist.simulate(4, body)
     assert len(set(messages)) == 1, messages  # every rank, the same message
     assert "CUDA IPC unavailable: ranks 1,3: cannot open the handle of local rank 0" in messages[0], messages[0]
+
+
+# -- 16-bit floats on device arrays (issue 30) -------------------------------------------------------------------
+# float16 and bfloat16 device arrays reduce by mpidist.wire's rule on every path: sums in float32, rounded once;
+# copies as 2-byte words. nn, DDP and FSDP on "CuPy" run on FakeCupy (tests/fake_device.py): numpy's arithmetic
+# behind CuPy's interface, so each result must equal the numpy run's bits.
+SIXTEEN = [("float16", np.float16), ("bfloat16", bfloat16)]
+
+
+def sixteen_bit_inputs(size, dtype, seed):
+    """Every rank's (7, 2) input of 16-bit ``dtype``, with sums that round (so a per-hop rounding would show)."""
+    return [(np.random.default_rng([seed, r]).standard_normal((7, 2)) * 3).astype(dtype) for r in range(size)]
+
+
+def sum_rounded_once(xs, dtype, mean=False):
+    """The float32 sum (or mean) of ``xs``, rounded once to ``dtype``: mpidist.wire's rule for 16-bit floats."""
+    total = np.sum([x.astype(np.float32) for x in xs], axis=0, dtype=np.float32)
+    return (total / np.float32(len(xs)) if mean else total).astype(dtype)
+
+
+def bits(a):
+    return np.asarray(a).view(np.uint16)
+
+
+def check_sixteen_bit_collectives(comm, device):
+    """allreduce (sum, mean, max), reduce_scatter, allgather (uneven) and broadcast of float16 and bfloat16 device
+    arrays: the numpy path's bits, and the float32 sum rounded once; copies carry arbitrary bit patterns."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    lo = sum(mpidist.collectives.split_sizes(7, size)[:rank])
+    for i, (name, dtype) in enumerate(SIXTEEN):
+        xs = sixteen_bit_inputs(size, dtype, seed=40 + i)
+        for op in ("sum", "mean", "max"):
+            x = device.asarray(xs[rank])
+            mpidist.allreduce(x, comm, op=op)
+            host = mpidist.allreduce(xs[rank].copy(), comm, op=op)
+            np.testing.assert_array_equal(bits(device.to_numpy(x)), bits(host), err_msg=f"{name} {op}")
+            got = mpidist.reduce_scatter(device.asarray(xs[rank]), comm, op=op)
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(bits(device.to_numpy(got)), bits(host[lo: lo + got.shape[0]]))
+        np.testing.assert_array_equal(bits(host), bits(np.maximum.reduce(np.stack(xs))))
+        x = device.asarray(xs[rank])
+        mpidist.allreduce(x, comm, op="sum")
+        np.testing.assert_array_equal(bits(device.to_numpy(x)), bits(sum_rounded_once(xs, dtype)), err_msg=name)
+        patterns = [((np.arange(9) * 977 + r * 31) % 65536).astype(np.uint16).view(dtype) for r in range(size)]
+        gathered = mpidist.allgather(device.asarray(patterns[rank][: rank + 1]), comm)
+        assert gathered.dtype == dtype
+        np.testing.assert_array_equal(bits(device.to_numpy(gathered)),
+                                      bits(np.concatenate([p[: r + 1] for r, p in enumerate(patterns)])))
+        y = device.asarray(patterns[rank])
+        mpidist.broadcast(y, comm, root=size - 1)
+        np.testing.assert_array_equal(bits(device.to_numpy(y)), bits(patterns[size - 1]))
+
+
+@pytest.mark.parametrize("path,kw", ANY_COMM_PATHS, ids=[p for p, _ in ANY_COMM_PATHS])
+def test_sixteen_bit_collectives_on_path_equal_the_numpy_path(comm, path, kw):
+    device = FakeDevice(f"gpu{comm.Get_rank()}", **kw)
+    gpu.attach(comm, device, path=None if comm.Get_size() == 1 else path, probe=YES if kw.get("cuda_aware") else NO,
+               settings=TINY_CHUNKS)
+    try:
+        check_sixteen_bit_collectives(comm, device)
+    finally:
+        gpu.release(comm)
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("path,n_ranks,per_node", IPC_WORLDS[::2], ids=[f"{p}-{w}" for p, w, _ in IPC_WORLDS[::2]])
+def test_sixteen_bit_collectives_on_ipc_paths_equal_the_numpy_path(path, n_ranks, per_node):
+    def body(comm):
+        device = fake_for(comm, 2)
+        assert gpu.attach(comm, device, probe=NO, settings=TINY_CHUNKS).path == path
+        try:
+            check_sixteen_bit_collectives(comm, device)
+        finally:
+            gpu.release(comm)
+
+    mpidist.simulate(n_ranks, body, ranks_per_node=per_node)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """FakeCupy as ``cupy`` (CuPy 14: with bfloat16) for one test; every comm's device path on a fake device."""
+    return install_fake_cupy(monkeypatch)
+
+
+def tiny_model(seed=0):
+    rng = np.random.default_rng(seed)
+    return nn.Sequential(nn.Linear(6, 10, rng=rng), nn.Tanh(), nn.LayerNorm(10), nn.Linear(10, 4, rng=rng))
+
+
+def tiny_batch(step, n):
+    rng = np.random.default_rng([29, step])
+    return rng.standard_normal((n, 6)).astype(np.float32), rng.integers(0, 4, size=n)
+
+
+def host_values(module):
+    """``module``'s parameters as numpy arrays (copied from the device where they live there)."""
+    return [mpidist.xp.to_numpy(p.data) for _, p in module.named_parameters()]
+
+
+def assert_same_bits(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g.view(f"u{g.dtype.itemsize}"), w.view(f"u{w.dtype.itemsize}"))
+
+
+def train_tiny(comm, wrap, on_device, steps=2, per_rank=3, policy=None, make_opt=None):
+    """Train ``tiny_model`` for ``steps`` on this rank's slice of the global batches: wrapped by ``wrap(model)``,
+    on FakeCupy arrays if ``on_device``; return (the wrapper, its module's parameters on the host)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    model = to_fake_cupy(tiny_model()) if on_device else tiny_model()
+    if policy is not None:
+        apply_policy(model, policy)  # on the device's arrays
+    wrapped = wrap(model)
+    opt = (make_opt or (lambda ps: optim.Adam(ps, lr=0.01)))(list(wrapped.parameters()))
+    for step in range(steps):
+        x, y = tiny_batch(step, per_rank * size)
+        part = slice(rank * per_rank, (rank + 1) * per_rank)
+        x, y = x[part], y[part]
+        if on_device:
+            x, y = FakeCupyArray(x), FakeCupyArray(y)
+        opt.zero_grad()
+        nn.functional.cross_entropy(wrapped(x), y).backward()
+        opt.step()
+    return wrapped, opt
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("param,compute", [("fp16", None), ("fp16", "fp32"), ("bf16", None)])
+def test_policy_on_fake_cupy_trains_as_on_numpy(fake_cupy, param, compute):
+    """Policy on CuPy arrays: 16-bit parameters and activations (the root's CuPy input cast too), float32 masters
+    in the optimizer; three Adam steps equal numpy's bitwise (parameters and masters)."""
+    policy = Policy(param, compute)
+    results = []
+    for on_device in (False, True):
+        model, opt = train_tiny(MPI.COMM_SELF, lambda m: m, on_device, steps=3, policy=policy)
+        assert all(mpidist.xp.is_device_array(p.data) == on_device for p in model.parameters())
+        masters = [opt.state[i]["master_param"] for i in range(len(opt.param_groups[0]["params"]))]
+        assert all(m.dtype == np.float32 and mpidist.xp.is_device_array(m) == on_device for m in masters)
+        results.append((host_values(model), [mpidist.xp.to_numpy(m) for m in masters]))
+    assert all(v.dtype == policy.param_dtype for v in results[1][0])
+    assert_same_bits(results[1][0], results[0][0])
+    assert_same_bits(results[1][1], results[0][1])
+
+
+@pytest.mark.parametrize("hook", ["fp16_compress_hook", "bf16_compress_hook", "bf16_params"])
+def test_ddp_16_bit_step_on_fake_cupy_equals_numpy(comm, fake_cupy, hook):
+    """DDP on CuPy arrays with the 16-bit compression hooks (the ring staged through the host) and with bfloat16
+    parameters (bfloat16 buckets summed in float32 on the device path): the numpy run's bits on every rank."""
+    def wrap(model):
+        ddp = DDP(model, comm, bucket_cap_mb=0.0002, first_bucket_mb=0.0002)  # several buckets, several rings
+        if hook != "bf16_params":
+            ddp.register_comm_hook(None, getattr(comm_hooks, hook))
+        return ddp
+
+    policy = Policy("bf16") if hook == "bf16_params" else None
+    want = host_values(train_tiny(comm, wrap, False, policy=policy)[0].module)
+    got_ddp = train_tiny(comm, wrap, True, policy=policy)[0]
+    assert all(mpidist.xp.is_device_array(p.data) for p in got_ddp.parameters())
+    assert_same_bits(host_values(got_ddp.module), want)
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, "fp16"], ids=["reduce_fp32", "reduce_fp16"])
+def test_fsdp_float16_step_on_fake_cupy_equals_numpy(comm, fake_cupy, reduce_dtype):
+    """FSDP(param_dtype=float16) on CuPy arrays: gathered in float16 on the device path, float32 shards;
+    with reduce_dtype float16 the ring's reduce-scatter staged through the host: the numpy run's bits."""
+    def wrap(model):
+        return FSDP(model, comm, param_dtype="fp16", reduce_dtype=reduce_dtype)
+
+    def full(fsdp):
+        return [mpidist.xp.to_numpy(v) for v in full_state_dict(fsdp, all_ranks=True).values()]
+
+    make_opt = lambda ps: optim.SGD(ps, lr=0.5)  # noqa: E731
+    want = full(train_tiny(comm, wrap, False, make_opt=make_opt)[0])
+    got = train_tiny(comm, wrap, True, make_opt=make_opt)[0]
+    assert all(mpidist.xp.is_device_array(p.data) for p in got.parameters())
+    assert_same_bits(full(got), want)
+
+
+def test_bfloat16_on_a_cupy_without_it_raises_naming_the_version(comm, monkeypatch):
+    """CuPy before 14 has no bfloat16: Policy("bf16") on its arrays raises on every rank, naming the dtype and
+    CuPy's version; float16 works there."""
+    install_fake_cupy(monkeypatch, version="13.6.0", bfloat16=False)
+    model = to_fake_cupy(tiny_model())
+    with pytest.raises(TypeError, match=r"apply_policy: CuPy 13\.6\.0 has no bfloat16 arrays \(TypeError: .*"
+                                        r"Unsupported dtype bfloat16\); bfloat16 on CuPy needs CuPy >= 14"):
+        apply_policy(model, Policy("bf16"))
+    with pytest.raises(TypeError, match=r"CuPy 13\.6\.0 has no bfloat16"):
+        apply_policy(model, Policy("fp32", "bf16"))
+    assert all(p.dtype == np.float32 for p in model.parameters())  # nothing half done
+    apply_policy(model, Policy("fp16"))
+    assert all(p.dtype == np.float16 and mpidist.xp.is_device_array(p.data) for p in model.parameters())
+    assert mpidist.xp.bfloat16_problem(np) is None

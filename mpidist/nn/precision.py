@@ -25,6 +25,7 @@ import numpy as np
 
 from mpidist.nn.autograd import Tensor, make_result
 from mpidist.nn.deferred import deferred_like, is_deferred
+from mpidist.xp import check_dtype, is_device_array
 
 __all__ = ["bfloat16", "float16", "float32", "LOW_PRECISION", "FP32_OPS", "as_dtype", "is_low_precision",
            "is_floating", "fp32_op", "cast", "Policy", "apply_policy"]
@@ -147,7 +148,7 @@ class _PolicyHandle:
 
 
 def _cast_floating(value, dtype):
-    if isinstance(value, Tensor) or hasattr(value, "__array_interface__"):
+    if isinstance(value, Tensor) or hasattr(value, "__array_interface__") or is_device_array(value):  # CuPy has none
         data = value.data if isinstance(value, Tensor) else value
         if is_floating(data.dtype):
             return cast(value, dtype)
@@ -174,6 +175,8 @@ def apply_policy(module, policy):
         raise TypeError(f"apply_policy: policy must be an mpidist.nn.precision.Policy (got {type(policy).__name__})")
     for _, p in module.named_parameters():
         if is_floating(p.data.dtype):
+            for dtype in (policy.param_dtype, policy.compute_dtype):  # bfloat16 on a CuPy without it: an error
+                check_dtype(p.data, dtype, "apply_policy")
             if p.data.dtype != policy.param_dtype:
                 p.data = _deferred_as(p.data, policy.param_dtype) if is_deferred(p.data) \
                     else p.data.astype(policy.param_dtype)
