@@ -8,8 +8,9 @@ import pytest
 
 import mpidist
 from mpidist.plan import Layout, ModelShape, Profile, estimate, load_profile
-from mpidist.plan.calibrate import PINGPONG_SIZES, calibrate_inter, fit_alpha_beta, fit_knobs, with_inter_tier
-from mpidist.plan.estimate import collective_seconds
+from mpidist.plan.calibrate import (PINGPONG_SIZES, calibrate_inter, fit_alpha_beta, fit_knobs, fit_microbatch_cost,
+                                    with_inter_tier)
+from mpidist.plan.estimate import activation_bytes, collective_seconds
 
 SHAPE = ModelShape(layers=3, hidden=32, heads=4, vocab=64, seq=8)
 
@@ -170,3 +171,81 @@ def test_no_module_under_mpidist_imports_test_code():
             if any(n.split(".")[0] in test_modules for n in names):
                 offenders.append(f"{path.relative_to(root)}:{node.lineno} imports {names}")
     assert offenders == [], offenders
+
+
+@pytest.mark.parametrize("layout,ranks_per_node,cores", [
+    (Layout(1, 1, 1, micro_batch=2, num_micro=3), 1, 2),
+    (Layout(1, 2, 1, micro_batch=4), 2, 2),
+    (Layout(4, 1, 1, micro_batch=1, num_micro=2), 4, 2),
+    (Layout(2, 1, 1, micro_batch=2, recompute="full"), 2, 2)])
+def test_microbatch_factor_multiplies_the_arithmetic_only(layout, ranks_per_node, cores):
+    """A curve interpolated in log size: at the layout's block bytes x, halfway (in log) between x / 2 (factor 1)
+    and 2 x (factor 2), compute is 1.5 x the arithmetic plus the unchanged per-layer overhead. The key, x, is
+    one block's stored activations per micro-batch and rank (``activation_bytes``)."""
+    x = activation_bytes(SHAPE, Layout(**{**layout.to_dict(), "recompute": "none"}), ["blocks.0"])
+    curve = [[x / 2, 1.0], [2 * x, 2.0]]
+    knobs = dict(cores_per_node=cores, layer_overhead_s=1e-3)
+    arithmetic = estimate(SHAPE, layout, _profile(**dict(knobs, layer_overhead_s=0.0)), ranks_per_node).time
+    plain = estimate(SHAPE, layout, _profile(**knobs), ranks_per_node).time
+    curved = estimate(SHAPE, layout, _profile(microbatch_cost=curve, **knobs), ranks_per_node).time
+    assert curved["compute"] - plain["compute"] == pytest.approx(0.5 * arithmetic["compute"])
+    assert curved["tp"] == plain["tp"] and curved["optimizer"] == plain["optimizer"]
+
+
+def test_microbatch_factor_is_clamped_at_the_curve_ends():
+    profile = _profile(microbatch_cost=[[1e3, 0.8], [1e6, 1.3]])
+    assert profile.microbatch_factor(10.0) == 0.8
+    assert profile.microbatch_factor(1e9) == 1.3
+    assert profile.microbatch_factor(10 ** 4.5) == pytest.approx(0.8 + 0.5 * 0.5)
+    assert Profile.from_dict(dict(_profile().to_dict(), microbatch_cost=[])).microbatch_factor(1e5) == 1.0
+
+
+def test_profile_keeps_the_microbatch_curve_and_the_wait():
+    profile = _profile(microbatch_cost=[[1e3, 0.8], [1e6, 1.3]], oversubscribed_wait_s=2e-3)
+    again = Profile.from_dict(profile.to_dict())
+    assert again.microbatch_cost == ((1e3, 0.8), (1e6, 1.3)) and again.oversubscribed_wait_s == 2e-3
+    with pytest.raises(ValueError, match=r"microbatch_cost must be \[\[activation_bytes, factor > 0\]"):
+        _profile(microbatch_cost=[[1e6, 1.0], [1e3, 1.0]])
+    with pytest.raises(ValueError, match=r"microbatch_cost must be"):
+        _profile(microbatch_cost=[[1e3, 0.0]])
+    with pytest.raises(ValueError, match=r"oversubscribed_wait_s must be >= 0 \(got -1.0\)"):
+        _profile(oversubscribed_wait_s=-1.0)
+
+
+def test_fit_microbatch_cost_recovers_the_factors():
+    """Times made as factor x arithmetic + rest give back each run's factor; a run whose time is all rest gets
+    the floor."""
+    sizes, arithmetic, rest = [1e4, 4e4, 1.6e5], np.array([1e-3, 4e-3, 1.6e-2]), np.array([5e-3, 5e-3, 6e-3])
+    factors = np.array([0.9, 1.0, 1.25])
+    curve = fit_microbatch_cost(sizes, arithmetic, rest, factors * arithmetic + rest)
+    assert [c[0] for c in curve] == sizes
+    assert [c[1] for c in curve] == pytest.approx(list(factors))
+    assert fit_microbatch_cost([1.0], [1e-3], [5e-3], [4e-3]) == [[1.0, 0.05]]
+    with pytest.raises(ValueError, match=r"fit_microbatch_cost: needs runs of increasing sizes"):
+        fit_microbatch_cost([2.0, 1.0], [1e-3, 1e-3], [0, 0], [1e-3, 1e-3])
+
+
+@pytest.mark.parametrize("layout", [Layout(4, 1, 1, micro_batch=4), Layout(4, 1, 1, "fsdp", micro_batch=4),
+                                    Layout(2, 2, 1, micro_batch=8), Layout(1, 4, 1, micro_batch=16)])
+def test_oversubscribed_wait_per_blocking_call(layout):
+    """Ranks beyond the cores: each tensor- and data-parallel collective a rank calls adds the measured wait;
+    at or under the cores nothing changes."""
+    from mpidist.plan.volumes import calls_per_rank
+    wait = 2e-3
+    syncs = sum(c.count for c in calls_per_rank(SHAPE, layout, 0) if c.group in ("tp", "dp"))
+    base = estimate(SHAPE, layout, _profile(cores_per_node=2), 4).time["step"]
+    waited = estimate(SHAPE, layout, _profile(cores_per_node=2, oversubscribed_wait_s=wait), 4).time["step"]
+    assert waited - base == pytest.approx(syncs * wait)
+    assert estimate(SHAPE, layout, _profile(cores_per_node=4, oversubscribed_wait_s=wait), 4).time == \
+        estimate(SHAPE, layout, _profile(cores_per_node=4), 4).time
+
+
+def test_oversubscribed_wait_on_pipeline_messages():
+    """A 4-stage 1F1B pipeline of 4 micro-batches, 4 ranks on 2 cores: every message between stages waits;
+    the step grows by at least the first micro-batch's way there and back (2 x 3 messages) and at most by all
+    the messages of the step."""
+    layout = Layout(1, 1, 4, micro_batch=1, num_micro=4, schedule="1f1b")
+    wait = 1e-3
+    base = estimate(SHAPE, layout, _profile(cores_per_node=2), 4).time["step"]
+    waited = estimate(SHAPE, layout, _profile(cores_per_node=2, oversubscribed_wait_s=wait), 4).time["step"]
+    assert 6 * wait - 1e-12 <= waited - base <= 2 * 3 * 4 * wait + 1e-12

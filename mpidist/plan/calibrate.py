@@ -3,7 +3,10 @@
 Matmuls and memory bandwidth are timed in this process (one BLAS thread, as ranks run); the intra-node link is
 timed by a ping-pong between two ranks started with ``mpiexec -n 2`` (this module run as a program), fitting
 time = alpha + bytes / bandwidth over message sizes. Two knobs are then fitted on one-rank training steps of
-declared shapes (``CALIBRATION_RUNS``): ``compute_scale`` and ``layer_overhead_s`` (``fit_knobs``). The
+declared shapes (``CALIBRATION_RUNS``): ``compute_scale`` and ``layer_overhead_s`` (``fit_knobs``); then one-rank
+steps of one shape over micro-batch sizes (``MICROBATCH_SWEEP``) give the micro-batch cost curve
+(``fit_microbatch_cost``), and ``2 x cores`` ranks timing a loop of work with and without a tiny allreduce give
+the wait a blocking synchronization adds when ranks outnumber cores (``measure_sync_wait``). The
 inter-node tier is the intra one until measured: run across two nodes, e.g.
 ``mpiexec -n 2 -hosts a,b python -m mpidist.plan.calibrate --inter BASE.json OUT.json``, the same ping-pong
 between ranks 0 and 1 (on different hosts) gives BASE's inter tier, written to OUT (``calibrate_inter``).
@@ -20,7 +23,8 @@ import time
 import numpy as np
 
 __all__ = ["measure_matmul_curve", "measure_memory_bandwidth", "measure_link", "measure_pingpong", "fit_alpha_beta",
-           "calibrate", "calibrate_inter", "with_inter_tier", "fit_knobs", "machine_busy_seconds", "quiet_median"]
+           "calibrate", "calibrate_inter", "with_inter_tier", "fit_knobs", "machine_busy_seconds", "quiet_median",
+           "fit_microbatch_cost", "microbatch_curve", "measure_sync_wait"]
 
 
 def _best(fn, repeat, budget_s=0.3):
@@ -162,9 +166,17 @@ def calibrate(name="local", memory_bytes=None, inter=None, cores=None) -> dict:
             "cores_per_node": cores or os.cpu_count(),
             "tiers": {"intra": intra, "inter": inter or dict(intra)}, "fit": {}}
     steps = _run_measurement([sys.executable, "-m", "mpidist.plan.calibrate", "--steps"])
-    measured = [seconds for seconds, _ in steps]
+    measured = [seconds for seconds, _ in steps["runs"]]
     data["compute_scale"], data["layer_overhead_s"], data["fit"]["compute"] = fit_compute(data, measured)
-    data["fit"]["compute"]["foreign_cpu_share"] = [foreign for _, foreign in steps]
+    data["fit"]["compute"]["foreign_cpu_share"] = [foreign for _, foreign in steps["runs"]]
+    data["microbatch_cost"], data["fit"]["microbatch"] = microbatch_curve(data, [t for t, _ in steps["sweep"]])
+    data["fit"]["microbatch"]["foreign_cpu_share"] = [foreign for _, foreign in steps["sweep"]]
+    if data["cores_per_node"] and data["cores_per_node"] > 1:
+        mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        waits = _run_measurement([mpiexec, "-n", str(2 * data["cores_per_node"]), sys.executable, "-m",
+                                  "mpidist.plan.calibrate", "--sync-wait"])
+        data["oversubscribed_wait_s"] = waits["wait_s"]
+        data["fit"]["oversubscribed"] = waits
     return data
 
 
@@ -177,20 +189,27 @@ CALIBRATION_RUNS = [({"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq"
                     ({"layers": 2, "hidden": 128, "heads": 4, "vocab": 256, "seq": 64}, 8)]
 
 
+# The micro-batch cost curve: one-rank steps of this shape at these micro-batch sizes (one micro-batch each; none
+# of them a validated layout: those run 2 or 4 ranks).
+MICROBATCH_SWEEP = ({"layers": 2, "hidden": 128, "heads": 4, "vocab": 256, "seq": 64}, (1, 2, 4, 8, 16))
+
+
 def _steps():
-    """Print [median seconds, foreign share] of one-rank training steps of ``CALIBRATION_RUNS`` (real LayoutRuns),
-    each measured when no other job loads the machine (``quiet_median``)."""
+    """Print {"runs": [[median seconds, foreign share], ...] of ``CALIBRATION_RUNS``, "sweep": the same of
+    ``MICROBATCH_SWEEP``}: one-rank training steps (real LayoutRuns), each measured when no other job loads the
+    machine (``quiet_median``)."""
     from mpi4py import MPI
 
     from .execute import LayoutRun
     from .layouts import Layout
     from .model import ModelShape
-    out = []
-    for dims, batch in CALIBRATION_RUNS:
+    def measure(dims, batch):
         run = LayoutRun(ModelShape(**dims), Layout(1, 1, 1, micro_batch=batch), MPI.COMM_SELF)
         run.step()
-        out.append(quiet_median(run.step, 7))
-    print(json.dumps(out))
+        return quiet_median(run.step, 7)
+    dims, batches = MICROBATCH_SWEEP
+    print(json.dumps({"runs": [measure(d, b) for d, b in CALIBRATION_RUNS],
+                      "sweep": [measure(dims, b) for b in batches]}))
 
 
 def fit_knobs(modelled, layer_passes, measured):
@@ -226,6 +245,73 @@ def fit_compute(profile_data, measured):
                              "runs": [dict(d, batch=b) for d, b in CALIBRATION_RUNS], "measured_s": measured,
                              "modelled_neutral_s": modelled, "layer_passes": passes,
                              "fit_errors": [f / y - 1 for f, y in zip(fitted, measured)]}
+
+
+def fit_microbatch_cost(block_bytes, arithmetic, rest, measured, floor=0.05):
+    """Return the micro-batch cost curve ``[[block_bytes, factor], ...]`` (increasing sizes) making
+    ``factor * arithmetic + rest`` equal ``measured`` per run: ``arithmetic`` is a run's modelled arithmetic and
+    memory time with the fitted knobs (what the factor multiplies), ``rest`` the remainder of its modelled step
+    (per-layer overhead, optimizer). A factor is at least ``floor`` (a run all overhead says little of it)."""
+    x, a, r, y = (np.asarray(v, float) for v in (block_bytes, arithmetic, rest, measured))
+    if not (len(x) == len(a) == len(r) == len(y) >= 1) or (a <= 0).any() or (y <= 0).any() or (np.diff(x) <= 0).any():
+        raise ValueError(f"fit_microbatch_cost: needs runs of increasing sizes with positive times "
+                         f"(block_bytes={list(x)}, arithmetic={list(a)}, measured={list(y)})")
+    return [[float(b), float(max(floor, (t - o) / m))] for b, m, o, t in zip(x, a, r, y)]
+
+
+def microbatch_curve(profile_data, measured):
+    """Return (curve, fit record) of ``MICROBATCH_SWEEP`` measured in ``measured`` against ``profile_data``'s
+    fitted knobs (``fit_microbatch_cost``)."""
+    from .estimate import activation_bytes, estimate
+    from .layouts import Layout
+    from .model import ModelShape
+    from .profile import Profile
+    full = Profile.from_dict(dict(profile_data, microbatch_cost=[]))
+    arithmetic_only = Profile.from_dict(dict(profile_data, microbatch_cost=[], layer_overhead_s=0.0))
+    dims, batches = MICROBATCH_SWEEP
+    shape = ModelShape(**dims)
+    sizes, arithmetic, rest = [], [], []
+    for batch in batches:
+        layout = Layout(1, 1, 1, micro_batch=batch)
+        sizes.append(activation_bytes(shape, layout, ["blocks.0"]))
+        arithmetic.append(estimate(shape, layout, arithmetic_only, 1).time["compute"])
+        rest.append(estimate(shape, layout, full, 1).time["step"] - arithmetic[-1])
+    curve = fit_microbatch_cost(sizes, arithmetic, rest, measured)
+    return curve, {"shape": dims, "micro_batches": list(batches), "block_bytes": sizes, "measured_s": measured,
+                   "modelled_arithmetic_s": arithmetic, "modelled_rest_s": rest}
+
+
+def measure_sync_wait(comm, iterations=100, segment_flops=4e7):
+    """Return {"wait_s": ..., ...}: what one tiny allreduce adds to a loop of ``segment_flops`` of matmul work
+    per rank (about a millisecond of a core) when ``comm``'s ranks outnumber the cores (run it with twice the
+    cores): the loop's time per iteration with the allreduce minus without it (the same work, one barrier at
+    the end), the median of 3 tries of each. The same work on every rank: no rank waits for a slower one."""
+    from mpi4py import MPI
+    a = np.ones((128, 128), dtype=np.float32)
+    reps = max(1, round(segment_flops / (2 * 128 ** 3)))
+
+    def work():
+        for _ in range(reps):
+            a @ a
+    token = np.ones(1)
+
+    def loop(sync):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(iterations):
+            work()
+            if sync:
+                comm.Allreduce(MPI.IN_PLACE, token)
+        comm.Barrier()
+        return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / iterations
+    loop(True)   # warm-up
+    plain, synced = [], []
+    for _ in range(3):
+        plain.append(loop(False))
+        synced.append(loop(True))
+    wait = max(0.0, float(np.median(synced) - np.median(plain)))
+    return {"wait_s": wait, "ranks": comm.Get_size(), "cores": os.cpu_count(), "segment_flops": segment_flops,
+            "iterations": iterations, "plain_s": plain, "synced_s": synced}
 
 
 def with_inter_tier(base: dict, points, ranks_per_link: int = 1, hosts=(), name=None) -> dict:
@@ -293,6 +379,11 @@ if __name__ == "__main__":
         _compute()
     elif sys.argv[1:] == ["--steps"]:
         _steps()
+    elif sys.argv[1:] == ["--sync-wait"]:
+        from mpi4py import MPI
+        result = measure_sync_wait(MPI.COMM_WORLD)
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(json.dumps(result))
     elif sys.argv[1:2] == ["--inter"]:
         _inter_main(sys.argv[2:])
     else:

@@ -118,6 +118,14 @@ def _oversubscribed(profile: Profile, ranks_per_node: int) -> bool:
     return bool(profile.cores_per_node) and ranks_per_node > profile.cores_per_node
 
 
+def _sync_waits(calls, groups, profile: Profile, ranks_per_node: int) -> float:
+    """Return what the blocking calls of ``groups`` add when ranks outnumber cores: each waits
+    ``oversubscribed_wait_s`` for partners descheduled by the rank sharing their core (0 otherwise)."""
+    if not _oversubscribed(profile, ranks_per_node):
+        return 0.0
+    return profile.oversubscribed_wait_s * sum(c.count for c in calls if c.group in groups and c.op != "recv")
+
+
 # -- memory --------------------------------------------------------------------------------------------------
 def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float:
     """Return the bytes one micro-batch leaves stored for backward in ``layers`` (an estimate, see docs).
@@ -207,8 +215,10 @@ def _compute_seconds(shape, layout, layers, profile, ranks_per_node):
     memory_bound = activation_bytes(shape, plain, layers) * profile.elementwise_factor / profile.memory_bandwidth
     if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
         memory_bound *= ranks_per_node / profile.cores_per_node
-    rate /= profile.compute_scale
-    memory_bound *= profile.compute_scale
+    # The measured per-sample cost at this micro-batch's size (caches), relative to the calibration's fit.
+    factor = profile.microbatch_factor(activation_bytes(shape, plain, ["blocks.0"]))
+    rate /= profile.compute_scale * factor
+    memory_bound *= profile.compute_scale * factor
     # The fixed cost of a layer's ops (Python, dispatch), a third in forward: it does not shrink with tp or b.
     per_layer = profile.layer_overhead_s
     if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
@@ -247,6 +257,8 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
         tp_s = _calls_seconds(calls, profile, layout, ranks_per_node, {"tp"})
         pp_s = _calls_seconds(calls, profile, layout, ranks_per_node, {"pp"})
         dp_s = _calls_seconds(calls, profile, layout, ranks_per_node, {"dp", "dp_shard", "dp_replicate", "tied"})
+        tp_s += _sync_waits(calls, {"tp"}, profile, ranks_per_node)
+        dp_s += _sync_waits(calls, {"dp", "dp_shard", "dp_replicate", "tied"}, profile, ranks_per_node)
         if worst_mem is None or mem["total"] > worst_mem["total"]:
             worst_mem = mem
         # AdamW streams float32 state with master weights (a third of it: the masters), else the parameters
@@ -264,6 +276,7 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
         fc, bc = f + tp_per_mb / 3, b + 2 * tp_per_mb / 3
         wc = bc / 2 if layout.schedule == "zb_h1" else None
         per_message = pp_s / max(1, sum(c.count for c in calls if c.group == "pp" and c.op == "send")) * 2
+        per_message += profile.oversubscribed_wait_s if _oversubscribed(profile, ranks_per_node) else 0.0
         args = (layout, fc / v, bc / v, None if wc is None else wc / v)
         timed, untimed = _pipeline(*args, per_message), _pipeline(*args, 0.0)
         busy = timed["busy"]

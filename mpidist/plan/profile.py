@@ -15,6 +15,14 @@ Glossary:
   other (``--calibrate`` fits both on its declared runs): a fixed time per layer (embedding, block, head) and
   micro-batch for forward and backward, whatever the sizes: the Python and dispatch cost of the ops, which
   dominates small models on a CPU.
+- micro-batch cost curve (``microbatch_cost``): ``[[activation_bytes, factor], ...]`` sorted by size, measured by
+  ``--calibrate`` on one rank: the factor multiplies a micro-batch's arithmetic and memory time, keyed on the
+  activation bytes one block of that micro-batch stores on a rank (interpolated in log size, clamped at the ends;
+  empty: 1). On a CPU a sample costs more once a micro-batch's activations outgrow the caches, which the matmul
+  curve (larger is cheaper) does not say.
+- ``oversubscribed_wait_s``: measured by ``--calibrate`` with twice as many ranks as cores: the time one
+  blocking synchronization (a collective, a pipeline message) adds when ranks outnumber cores: a partner that
+  shares its core with another rank is descheduled, and the caller busy-polls (MPICH) on its own share.
 """
 from __future__ import annotations
 
@@ -27,6 +35,17 @@ from typing import Dict, List, Optional, Tuple
 __all__ = ["Profile", "Tier", "load_profile", "profile_names", "PROFILE_DIR"]
 
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
+
+
+def _interpolate(curve, x: float) -> float:
+    """Return ``curve`` (``[[x, y], ...]``, increasing x) at ``x``: linear in log x, clamped at the ends."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + w * (y1 - y0)
+    return curve[-1][1]
 
 
 @dataclass(frozen=True)
@@ -60,17 +79,16 @@ class Profile:
     fit: dict = field(default_factory=dict)
     layer_overhead_s: float = 0.0         # fitted knob: fixed seconds per layer per micro-batch (F+B; per-op cost)
     validated: dict = field(default_factory=dict)   # the range compared with measurements (see out_of_range)
+    microbatch_cost: Tuple[Tuple[float, float], ...] = ()   # [[block activation bytes, factor]], measured
+    oversubscribed_wait_s: float = 0.0    # measured: seconds a blocking synchronization adds, ranks > cores
 
     def efficiency(self, gemm_flops: float) -> float:
         """Return the share of peak a GEMM of ``gemm_flops`` FLOPs reaches (log-linear interpolation)."""
-        curve = self.matmul_efficiency
-        if gemm_flops <= curve[0][0]:
-            return curve[0][1]
-        for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
-            if gemm_flops <= x1:
-                w = (math.log(gemm_flops) - math.log(x0)) / (math.log(x1) - math.log(x0))
-                return y0 + w * (y1 - y0)
-        return curve[-1][1]
+        return _interpolate(self.matmul_efficiency, gemm_flops)
+
+    def microbatch_factor(self, block_bytes: float) -> float:
+        """Return the factor on a micro-batch's compute time whose blocks each store ``block_bytes``."""
+        return _interpolate(self.microbatch_cost, block_bytes) if self.microbatch_cost else 1.0
 
     def flops(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -85,7 +103,9 @@ class Profile:
                 "cores_per_node": self.cores_per_node,
                 "tiers": {k: {"latency_s": t.latency_s, "bandwidth": t.bandwidth, "efficiency": t.efficiency,
                               "ranks_per_link": t.ranks_per_link}
-                          for k, t in self.tiers.items()}, "fit": self.fit, "validated": self.validated}
+                          for k, t in self.tiers.items()}, "fit": self.fit, "validated": self.validated,
+                "microbatch_cost": [list(p) for p in self.microbatch_cost],
+                "oversubscribed_wait_s": self.oversubscribed_wait_s}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "profile") -> "Profile":
@@ -97,6 +117,13 @@ class Profile:
         if not curve or any(b[0] <= a[0] for a, b in zip(curve, curve[1:])) or not all(0 < y <= 1 for _, y in curve):
             raise ValueError(f"{where}: matmul_efficiency must be [[gemm_flops, efficiency in (0, 1]], ...] with "
                              f"increasing sizes (got {data['matmul_efficiency']!r:.200})")
+        mb_cost = tuple((float(x), float(y)) for x, y in data.get("microbatch_cost") or ())
+        if any(b[0] <= a[0] for a, b in zip(mb_cost, mb_cost[1:])) or not all(y > 0 for _, y in mb_cost):
+            raise ValueError(f"{where}: microbatch_cost must be [[activation_bytes, factor > 0], ...] with "
+                             f"increasing sizes (got {data['microbatch_cost']!r:.200})")
+        wait = float(data.get("oversubscribed_wait_s", 0.0))
+        if not wait >= 0:
+            raise ValueError(f"{where}: oversubscribed_wait_s must be >= 0 (got {wait})")
         tiers = {}
         for name in ("intra", "inter"):
             t = data["tiers"].get(name)
@@ -105,7 +132,8 @@ class Profile:
             tiers[name] = Tier(float(t["latency_s"]), float(t["bandwidth"]), float(t.get("efficiency", 1.0)),
                                int(t.get("ranks_per_link", 1)))
         known = set(required) | {"elementwise_factor", "cores_per_node", "compute_scale", "layer_overhead_s",
-                                 "source", "fit", "validated", "description"}
+                                 "source", "fit", "validated", "description", "microbatch_cost",
+                                 "oversubscribed_wait_s"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
@@ -113,7 +141,7 @@ class Profile:
                    float(data["memory_bytes"]), float(data["memory_bandwidth"]), tiers,
                    float(data.get("elementwise_factor", 3.0)), data.get("cores_per_node"),
                    float(data.get("compute_scale", 1.0)), data.get("source", ""), dict(data.get("fit", {})),
-                   float(data.get("layer_overhead_s", 0.0)), dict(data.get("validated", {})))
+                   float(data.get("layer_overhead_s", 0.0)), dict(data.get("validated", {})), mb_cost, wait)
 
     def out_of_range(self, ranks: int, parameters: int, layout) -> List[str]:
         """Return why a plan of ``layout`` (a ``Layout``) on ``ranks`` ranks of a ``parameters``-parameter model is
