@@ -10,7 +10,7 @@ and records these initializers; ``mpidist.nn.materialize`` (or a parallel wrappe
 The model is three kinds of layer in a row, ``pipeline_layers() == [embed, block_0, ..., block_{L-1}, head]``,
 which is what the parallel wrappers cut along: FSDP takes one unit per layer (``fsdp_units()``), a pipeline
 takes contiguous runs of layers (``pipeline_stages(num_stages)``), activation checkpointing recomputes one
-block at a time (``checkpoint_blocks()``).
+block at a time (``checkpoint_blocks()``; ``mode="selective"``: only each block's attention probabilities).
 """
 
 from __future__ import annotations
@@ -212,10 +212,22 @@ class GPT(Module):
         """FSDP units, in execution order: the embedding, each block, the head (the tied weight is shared)."""
         return self.pipeline_layers()
 
-    def checkpoint_blocks(self, enabled=True):
-        """Recompute each block's activations in backward instead of keeping them; return self."""
+    def checkpoint_blocks(self, enabled=True, *, mode="full"):
+        """Recompute activations in backward instead of keeping them, block by block; return self.
+
+        ``mode="full"``: keep each block's input only and run its whole forward again in backward.
+        ``mode="selective"`` (Korthikanti et al., arXiv 2205.05198): keep everything but the attention core's
+        (batch, heads, seq, seq) probabilities and dropout mask, which backward recomputes from the kept q, k
+        (``MultiheadAttention.recompute_probs``): the largest activations at seq >> hidden / heads, for the
+        cost of the scores' product. ``enabled=False`` turns both off. Works per block, so it composes with
+        DDP, FSDP, pipeline stages and tensor/sequence parallelism (before or after ``tensor_parallel``).
+        """
+        if mode not in ("full", "selective"):
+            raise ValueError(f"GPT.checkpoint_blocks: mode must be 'full' or 'selective' (got {mode!r})")
         for block in self.blocks:
-            object.__setattr__(block, "activation_checkpointing", bool(enabled))
+            object.__setattr__(block, "activation_checkpointing", bool(enabled) and mode == "full")
+            # Under full recompute the probabilities live only inside the block's recompute: nothing to drop.
+            block.attn.recompute_probs = bool(enabled) and mode == "selective"
         return self
 
     def pipeline_stages(self, num_stages, layers_per_stage=None):

@@ -778,7 +778,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale
 
 @fp32_op
 def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0,
-                         training=True, generator=None):
+                         training=True, generator=None, recompute_probs=False):
     """Return multi-head self-attention of packed projections: (batch, seq, 3 dim) -> (batch, seq, dim).
 
     ``qkv``'s last axis is q, k, v one after the other, each ``num_heads`` heads of dim / num_heads (what a
@@ -787,6 +787,11 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
     ``scaled_dot_product_attention``, without the copies: the products read q, k and v in place as strided
     views, write the output and the three input gradients straight into their (batch, seq, ...) arrays, and
     backward takes each row's sum_j dp_ij p_ij as dO . O from the output (which the next layer keeps anyway).
+
+    ``recompute_probs``: selective activation recompute (Korthikanti et al., arXiv 2205.05198): keep only q, k, v
+    (``qkv``) and the output, not the (batch, heads, seq, seq) probabilities nor the dropout mask; backward
+    recomputes them from q and k by the same operations (the mask from the generator's state before the
+    forward's draw), so the gradients are bitwise those of the kept ones, at the cost of the scores' product.
     """
     X = _d(qkv)
     xp = get_array_module(X)
@@ -805,28 +810,48 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
     # Without a mask or dropout, sequence by sequence (as many as fill _SCORES_CHUNK scores): the scores' passes (scale,
     # causal bias, shift, exp, sum, division) and the product with V then read a slice that is still in L2.
     by_sequence = xp is np and attn_mask is None and not (dropout_p and training) and t
+    # Causal: row block [r0, r1) sees keys [0, r1) only, so its scores, softmax and products stop there (3/4
+    # of the square with two blocks); the scores right of r1 are never formed, read or written (and backward
+    # reads the same regions). Without a mask, one block: the whole square.
+    blocks = _causal_row_blocks(t) if is_causal else ((0, t),)
+    per = builtins.max(1, _SCORES_CHUNK // (h * t * t)) if by_sequence else b
+
+    def causal_bias():
+        return xp.triu(xp.full((t, t), -np.inf, dtype=X.dtype), k=1) if is_causal else None
+
+    def sequence_probs(Q, K, lo, p, bias, V=None, out4=None):
+        """Write the probabilities of sequences [lo, lo + len(p)) into ``p`` (the same products and passes in
+        forward and in a recompute: the same bits); with ``V``, each row block's product with V into ``out4``."""
+        i = slice(lo, lo + p.shape[0])
+        for r0, r1 in blocks:
+            pr = p[:, :, r0:r1, :r1]
+            _matmul_into(Q[i, :, r0:r1], K[i, :, :r1].swapaxes(-1, -2), pr)
+            _softmax_scores_(pr, s, None if bias is None else bias[r0:r1, :r1])
+            if V is not None:
+                _matmul_into(pr, V[i, :, :r1], out4[i, :, r0:r1])
+        return p
+
+    start = None   # recompute with dropout: the generator and its state before the mask's draw
     if by_sequence:
-        per = builtins.max(1, _SCORES_CHUNK // (h * t * t))
-        probs, drop = xp.empty((b, h, t, t), dtype=X.dtype), None
+        # A recompute keeps no probabilities: one slice's worth of scratch, reused slice by slice.
+        probs, drop = xp.empty((builtins.min(per, b) if recompute_probs else b, h, t, t), dtype=X.dtype), None
         out = xp.empty((b, t, h, hd), dtype=X.dtype)
         out4 = out.transpose(0, 2, 1, 3)
-        bias = xp.triu(xp.full((t, t), -np.inf, dtype=X.dtype), k=1) if is_causal else None
-        # Causal: row block [r0, r1) sees keys [0, r1) only, so its scores, softmax and products stop there (3/4
-        # of the square with two blocks); the scores right of r1 are never formed, read or written (and backward
-        # reads the same regions). Without a mask, one block: the whole square.
-        blocks = _causal_row_blocks(t) if is_causal else ((0, t),)
+        bias = causal_bias()
         for lo in range(0, b, per):
-            i = slice(lo, lo + per)
-            for r0, r1 in blocks:
-                p = probs[i, :, r0:r1, :r1]
-                _matmul_into(Q[i, :, r0:r1], K[i, :, :r1].swapaxes(-1, -2), p)
-                _softmax_scores_(p, s, None if bias is None else bias[r0:r1, :r1])
-                _matmul_into(p, V[i, :, :r1], out4[i, :, r0:r1])
+            n = builtins.min(per, b - lo)
+            sequence_probs(Q, K, lo, probs[:n] if recompute_probs else probs[lo:lo + n], bias, V, out4)
+        del bias
     else:
+        if recompute_probs and dropout_p and training:
+            gen = generator_for_draw(generator)
+            start = (gen, gen.bit_generator.state)
         probs, drop = _attention_probs(Q, K, s, is_causal, attn_mask, dropout_p, training, generator)
         out = xp.empty((b, t, h, hd), dtype=np.result_type(probs.dtype, V.dtype))
         out4 = out.transpose(0, 2, 1, 3)
         _matmul_into(probs * drop if drop is not None else probs, V, out4)
+    if recompute_probs:
+        probs = drop = None   # the backward closure holds neither
 
     def backward(g, n):
         Q, K, V = heads(_d(qkv))
@@ -835,9 +860,12 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
         gq, gk, gv = (grad[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
         if by_sequence:
             dp = xp.empty((builtins.min(per, b), h, t, t), dtype=np.result_type(G.dtype, V.dtype))
+            scratch = xp.empty((builtins.min(per, b), h, t, t), dtype=X.dtype) if recompute_probs else None
+            bias = causal_bias() if recompute_probs else None
             for lo in range(0, b, per):
-                i = slice(lo, lo + per)
-                p, Gi, ds = probs[i], G[i], dp[:builtins.min(per, b - lo)]
+                i, k = slice(lo, lo + per), builtins.min(per, b - lo)
+                p = sequence_probs(Q, K, lo, scratch[:k], bias) if recompute_probs else probs[i]
+                Gi, ds = G[i], dp[:k]
                 row_dot = _row_dot(Gi, out4[i])
                 for r0, r1 in blocks:  # the scores' gradient, row block by row block, on the forward's regions
                     dsr = ds[:, :, r0:r1, :r1]
@@ -849,15 +877,32 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
                     _matmul_into(p[:, :, c0:, c0:c1].swapaxes(-1, -2), Gi[:, :, c0:], gv[i, :, c0:c1])
                     _matmul_into(ds[:, :, c0:, c0:c1].swapaxes(-1, -2), Q[i, :, c0:], gk[i, :, c0:c1])
             return (grad.reshape(b, t, 3 * d),)
-        _matmul_into((probs * drop if drop is not None else probs).swapaxes(-1, -2), G, gv)
+        P, D = probs, drop
+        if recompute_probs:
+            P, D = _recomputed_probs(Q, K, s, is_causal, attn_mask, dropout_p, training, generator, start)
+        _matmul_into((P * D if D is not None else P).swapaxes(-1, -2), G, gv)
         dp = G @ V.swapaxes(-1, -2)
-        if drop is not None:
-            dp *= drop
-        ds = _attention_scores_grad(dp, probs, _row_dot(G, out4), s)
+        if D is not None:
+            dp *= D
+        ds = _attention_scores_grad(dp, P, _row_dot(G, out4), s)
         _matmul_into(ds, K, gq)
         _matmul_into(ds.swapaxes(-1, -2), Q, gk)
         return (grad.reshape(b, t, 3 * d),)
     return make_result("MultiHeadAttention", out.reshape(b, t, d), (qkv,), backward)
+
+
+def _recomputed_probs(Q, K, scale, is_causal, attn_mask, dropout_p, training, generator, start):
+    """Return ``_attention_probs`` again for a backward; ``start``: (generator, its state before the forward's
+    draw), to draw the same dropout mask, the generator put back afterwards (later draws see no difference)."""
+    if start is None:
+        return _attention_probs(Q, K, scale, is_causal, attn_mask, dropout_p, training, generator)
+    gen, state = start
+    now = gen.bit_generator.state
+    gen.bit_generator.state = state
+    try:
+        return _attention_probs(Q, K, scale, is_causal, attn_mask, dropout_p, training, gen)
+    finally:
+        gen.bit_generator.state = now
 
 
 # -- convolution, pooling, batch norm (images: (N, C, H, W)) ------------------------------------------------

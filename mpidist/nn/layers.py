@@ -167,14 +167,20 @@ class Embedding(Module):
 
 
 class MultiheadAttention(Module):
-    """Self-attention with ``num_heads`` heads over (batch, seq, dim) inputs; ``causal`` masks the future."""
+    """Self-attention with ``num_heads`` heads over (batch, seq, dim) inputs; ``causal`` masks the future.
+
+    ``recompute_probs``: selective activation recompute: backward recomputes the attention probabilities (and
+    dropout mask) from q and k instead of keeping them (``F.multi_head_attention``); ``GPT.checkpoint_blocks(
+    mode="selective")`` sets it on every block.
+    """
 
     def __init__(self, embed_dim, num_heads, *, causal=False, dropout=0.0, bias=True, rng=None,
-                 dtype=np.float32):
+                 dtype=np.float32, recompute_probs=False):
         super().__init__()
         if embed_dim % num_heads:
             raise ValueError(f"MultiheadAttention: embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
         self.embed_dim, self.num_heads, self.causal, self.dropout = embed_dim, num_heads, causal, dropout
+        self.recompute_probs = bool(recompute_probs)
         self.qkv = Linear(embed_dim, 3 * embed_dim, bias=bias, rng=rng, dtype=dtype)
         self.proj = Linear(embed_dim, embed_dim, bias=bias, rng=rng, dtype=dtype)
 
@@ -182,7 +188,8 @@ class MultiheadAttention(Module):
         """Return the attention output for ``x`` of shape (batch, seq, dim); ``attn_mask`` is additive."""
         # One fused op from the packed projections to the heads side by side: no split, permute or copy.
         y = F.multi_head_attention(self.qkv(x), self.num_heads, attn_mask=attn_mask, is_causal=self.causal,
-                                   dropout_p=self.dropout, training=self.training)
+                                   dropout_p=self.dropout, training=self.training,
+                                   recompute_probs=self.recompute_probs)
         return self.proj(y)
 
     def extra_repr(self):

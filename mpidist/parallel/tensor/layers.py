@@ -179,6 +179,7 @@ class ParallelAttention(TensorParallelModule):
             raise ValueError(f"ParallelAttention: {h} heads do not split over {size} tensor-parallel ranks; "
                              f"use a number of heads divisible by the TP size (or a TP size dividing {h})")
         self.embed_dim, self.num_heads, self.causal, self.dropout = d, h, attn.causal, attn.dropout
+        self.recompute_probs = getattr(attn, "recompute_probs", False)   # selective recompute (nn.MultiheadAttention)
         self.local_heads, self.head_dim = h // size, d // h
         width = self.local_heads * self.head_dim
         start = rank * width
@@ -196,7 +197,7 @@ class ParallelAttention(TensorParallelModule):
         # in place (no split, permute or copy), the heads side by side as the row-parallel projection wants.
         qkv = self.qkv(self.column_input(x))
         y = F.multi_head_attention(qkv, self.local_heads, is_causal=self.causal, dropout_p=self.dropout,
-                                   training=self.training)
+                                   training=self.training, recompute_probs=self.recompute_probs)
         return self.proj(y)
 
 
