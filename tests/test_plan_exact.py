@@ -7,13 +7,16 @@ gradient and optimizer bytes the wrappers report with ``memory_per_rank``. Equal
 """
 import contextlib
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from mpidist.parallel import DDP, FSDP
-from mpidist.plan import Layout, ModelShape, calls_per_rank, memory_per_rank
+from mpidist.plan import Layout, ModelShape, Profile, Tier, calls_per_rank, estimate, memory_per_rank
+from mpidist.plan.estimate import activation_bytes, attention_probs_bytes
 from mpidist.plan.execute import LayoutRun, traced_calls
+from test_autograd import saved_bytes
 
 SHAPE = ModelShape(layers=4, hidden=16, heads=4, vocab=37, seq=8)   # 37: vocabulary padded under TP
 
@@ -22,6 +25,7 @@ LAYOUTS_2 = [
     Layout(2, 1, 1, micro_batch=2, num_micro=2),
     Layout(1, 2, 1, num_micro=2),
     Layout(1, 2, 1, sequence_parallel=True, recompute="full"),
+    Layout(1, 2, 1, sequence_parallel=True, recompute="selective"),   # recomputes no communication
     Layout(2, 1, 1, "fsdp", num_micro=2),
     Layout(1, 1, 2, num_micro=3, schedule="1f1b"),
     Layout(1, 1, 2, num_micro=2, schedule="interleaved", chunks=2),
@@ -48,6 +52,7 @@ LAYOUTS_4 = [
     Layout(2, 1, 2, num_micro=2, schedule="1f1b"),
     Layout(1, 2, 2, num_micro=2, schedule="gpipe", sequence_parallel=True),
     Layout(2, 2, 1, micro_batch=2, recompute="full"),
+    Layout(2, 1, 2, num_micro=2, schedule="1f1b", recompute="selective"),
     Layout(1, 1, 4, num_micro=4, schedule="1f1b"),   # middle stages hold no copy of the tied weight
     Layout(4, 1, 1, "hybrid", shard_size=2, param_dtype="bfloat16"),   # replicas average bfloat16 in float32
     Layout(4, 1, 1, "hybrid", shard_size=2, gather_dtype="bfloat16", reduce_dtype="float16"),
@@ -275,3 +280,54 @@ def test_planned_calls_equal_wrappers_at_512_ranks_on_a_mesh(layout):
     with collectives_counted(calls):
         run.step()
     assert calls == planned(layout, 0)
+
+
+# -- selective recompute: the activation bytes it drops and the FLOPs it adds, against the real model -----------
+SELECTIVE = [   # (layout, the Split sizes its mesh declares (dp, pp, tp), the model's dtype)
+    (Layout(1, 1, 1, micro_batch=2), [1, 1, 1], "float32"),
+    (Layout(1, 4, 1, micro_batch=2), [1, 1, 4], "float32"),
+    (Layout(2, 4, 1, sequence_parallel=True), [2, 1, 4], "float32"),
+    (Layout(8, 1, 1, "fsdp", micro_batch=3), [8, 1, 1], "float32"),
+    (Layout(2, 2, 1, param_dtype="bfloat16"), [2, 1, 2], "float32"),   # 16-bit activations: the fp32 op keeps float32
+    (Layout(1, 1, 1, micro_batch=2), [1, 1, 1], "float64"),
+]
+UNIT_FLOPS = Profile("one FLOP/s", {"float32": 1.0, "float64": 1.0, "bfloat16": 1.0}, ((1.0, 1.0), (1e30, 1.0)),
+                     memory_bytes=1e30, memory_bandwidth=1.0, tiers={"intra": Tier(0.0, 1.0), "inter": Tier(0.0, 1.0)},
+                     elementwise_factor=0.0)
+
+
+@pytest.mark.parametrize("layout,splits,dtype", SELECTIVE, ids=lambda v: v.name().replace(" ", "-")
+                         if isinstance(v, Layout) else v if isinstance(v, str) else "")
+def test_selective_recompute_drops_the_planned_bytes_and_adds_the_planned_flops(monkeypatch, layout, splits, dtype):
+    """One rank of the real model and wrappers (``OneRankOfMany``: a TP rank other than 0): the bytes the autograd
+    graph of one micro-batch keeps fall, from no recompute to selective, by EXACTLY what the planner's activation
+    memory drops (``attention_probs_bytes``); one step's extra matmul FLOPs (every product the attention op
+    runs, counted from its operands) EQUAL the planner's extra compute under a profile of one FLOP/s."""
+    from mpidist.nn import functional as F
+    matmul_into, flops = F._matmul_into, [0]
+
+    def counting_matmul_into(a, b, out):
+        flops[0] += 2 * out.size * a.shape[-1]
+        return matmul_into(a, b, out)
+
+    monkeypatch.setattr(F, "_matmul_into", counting_matmul_into)
+    shape = replace(SHAPE, dtype=dtype)
+    held, counted = {}, {}
+    for recompute in ("none", "selective"):
+        lay = Layout(**{**layout.to_dict(), "recompute": recompute})
+        comm = OneRankOfMany(lay.ranks, rank=lay.tp - 1, splits=splits)
+        run = LayoutRun(shape, lay, comm)
+        b = lay.micro_batch
+        loss = run.model.loss(run.wrapper(run.x[:b]), run.y[:b])
+        held[recompute] = saved_bytes(loss)
+        loss.backward()
+        flops[0] = 0
+        run.step()
+        counted[recompute] = flops[0]
+    selective = Layout(**{**layout.to_dict(), "recompute": "selective"})
+    layers = ["embed"] + [f"blocks.{i}" for i in range(SHAPE.layers)] + ["head"]
+    planned = activation_bytes(shape, layout, layers) - activation_bytes(shape, selective, layers)
+    assert held["none"] - held["selective"] == planned == attention_probs_bytes(shape, layout, layers) > 0
+    extra = (estimate(shape, selective, UNIT_FLOPS, 8).time["compute"]
+             - estimate(shape, layout, UNIT_FLOPS, 8).time["compute"])
+    assert counted["selective"] - counted["none"] == pytest.approx(extra, rel=1e-12) and extra > 0

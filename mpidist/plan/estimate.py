@@ -27,7 +27,8 @@ from .model import ModelShape, parameters, stage_layers
 from .profile import Profile
 from .volumes import Call, calls_per_rank, ddp_buckets, dtypes, fsdp_units, summarize
 
-__all__ = ["Estimate", "estimate", "plan", "lower_bound", "memory_per_rank", "collective_seconds", "build_schedule", "activation_bytes"]
+__all__ = ["Estimate", "estimate", "plan", "lower_bound", "memory_per_rank", "collective_seconds", "build_schedule", "activation_bytes",
+           "attention_probs_bytes"]
 
 _BUILDERS = {"gpipe": lambda p, m, v: _schedules.gpipe(p, m), "1f1b": lambda p, m, v: _schedules.one_f_one_b(p, m),
              "interleaved": _schedules.interleaved_1f1b, "zb_h1": lambda p, m, v: _schedules.zero_bubble_h1(p, m)}
@@ -127,24 +128,40 @@ def _sync_waits(calls, groups, profile: Profile, ranks_per_node: int) -> float:
 
 
 # -- memory --------------------------------------------------------------------------------------------------
+def attention_probs_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float:
+    """Return the bytes of the attention probabilities one micro-batch's blocks in ``layers`` keep for backward:
+    what selective recompute does not keep (exact: tests/test_plan_exact.py walks the real graph).
+
+    ``F.multi_head_attention`` keeps one (batch, heads / tp, seq, seq) array per block (the scores become the
+    probabilities in place), computed in float32 under 16-bit activations (an fp32 op), else in theirs; every
+    key counted (causal row blocks leave the unseen part unwritten, not unallocated). Dropout would add its mask
+    of the same size: a ``ModelShape`` has no dropout."""
+    blocks = sum(layer.startswith("blocks.") for layer in layers)
+    itemsize = max(4, dtypes(shape, layout).act.itemsize)
+    return blocks * layout.micro_batch * (shape.heads // layout.tp) * shape.seq ** 2 * itemsize
+
+
 def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float:
     """Return the bytes one micro-batch leaves stored for backward in ``layers`` (an estimate, see docs).
 
     Per block and token, in elements: 5 hidden-sized tensors every TP rank holds whole (norm inputs and outputs,
     the residual; split by sequence parallelism), 6 hidden-sized and 2 ffn-sized ones split over the TP ranks
-    (q, k, v, attention output, projections' inputs; MLP pre- and post-activation), and 2 per head and key
-    (attention scores and probabilities). Full recompute keeps only each block's input.
+    (q, k, v, attention output, projections' inputs; MLP pre- and post-activation); and the attention
+    probabilities, 1 per head and key (``attention_probs_bytes``, exact), which selective recompute drops.
+    Full recompute keeps only each block's input.
     """
     b, t, d, e, tp = layout.micro_batch, shape.seq, shape.hidden, dtypes(shape, layout).act.itemsize, layout.tp
     sp = layout.sequence_parallel
     whole = 5 * d / (tp if sp else 1)
-    split = (6 * d + 2 * shape.ffn_size) / tp + 2 * (shape.heads / tp) * t
+    split = (6 * d + 2 * shape.ffn_size) / tp
     block = b * t * (whole + split) * e
     blocks = sum(layer.startswith("blocks.") for layer in layers)
     if layout.recompute == "full":
         stored = blocks * b * t * d / (tp if sp else 1) * e
     else:
         stored = blocks * block
+        if layout.recompute != "selective":
+            stored += attention_probs_bytes(shape, layout, layers)
     if "embed" in layers:
         stored += b * t * d * e
     if "head" in layers:
@@ -191,6 +208,8 @@ def memory_per_rank(shape: ModelShape, layout: Layout, position: int = 0, in_fli
     acts = per_mb * in_flight
     if layout.recompute == "full":   # one block's full activations while it is recomputed
         acts += activation_bytes(shape, Layout(**{**layout.to_dict(), "recompute": "none"}), ["blocks.0"])
+    elif layout.recompute == "selective":   # one block's probabilities while recomputed (at most: by slices)
+        acts += attention_probs_bytes(shape, layout, ["blocks.0"])
     if pp > 1:   # a received activation or gradient per neighbour
         buffers += 2 * layout.micro_batch * shape.seq * shape.hidden * dt.act.itemsize / (
             layout.tp if layout.sequence_parallel else 1)
@@ -227,6 +246,10 @@ def _compute_seconds(shape, layout, layers, profile, ranks_per_node):
     backward = 2 * fwd / rate + 2 * memory_bound / 3 + 2 * len(layers) * per_layer / 3
     if layout.recompute == "full":
         backward += blocks * per_block / rate + memory_bound / 3 + blocks * per_layer / 3
+    elif layout.recompute == "selective" and blocks:   # each block's scores product and softmax again (not x V)
+        probs = attention_probs_bytes(shape, plain, layers)
+        backward += blocks * 2 * b * t * t * d / tp / rate + memory_bound / 3 * probs / activation_bytes(
+            shape, plain, layers)
     return forward, backward
 
 

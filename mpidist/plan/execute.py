@@ -48,8 +48,10 @@ class LayoutRun:
         self.grid = mesh(comm, dp=layout.dp, pp=layout.pp, tp=layout.tp)
         if layout.tp > 1:
             tensor_parallel(model, self.grid.tp_comm, sequence_parallel=layout.sequence_parallel)
-        if layout.recompute == "full":
-            model.checkpoint_blocks()
+        if layout.recompute in ("full", "selective"):
+            model.checkpoint_blocks(mode=layout.recompute)
+        elif layout.recompute != "none":
+            raise ValueError(f"LayoutRun: recompute must be none, selective or full (got {layout.recompute!r})")
         if layout.param_dtype or layout.compute_dtype:
             apply_policy(model, Policy(layout.param_dtype or shape.dtype, layout.compute_dtype or None))
         self.model, self.pipeline = model, layout.pp > 1

@@ -11,6 +11,9 @@ Glossary:
   ``dp * micro_batch * num_micro``.
 - schedule: a name from ``mpidist.parallel.pipeline.schedules`` (``chunks`` stages per rank for the interleaved
   one); ``none`` without a pipeline.
+- recompute: ``GPT.checkpoint_blocks(mode=)``: ``full`` keeps each block's input and runs the block again in
+  backward; ``selective`` (Korthikanti et al.) keeps all but the attention probabilities, which backward
+  recomputes from q and k.
 - precision: ``param_dtype`` and ``compute_dtype`` are an ``nn.precision.Policy`` applied to the model before
   wrapping (16-bit parameters, gradients and DDP buckets; AdamW's float32 master weights and moments);
   ``comm_hook`` is DDP's ``register_comm_hook`` (``mpidist.parallel.comm_hooks``); ``gather_dtype`` and
@@ -26,7 +29,7 @@ __all__ = ["Layout", "SCHEDULES", "SHARDINGS", "COMM_HOOKS", "enumerate_layouts"
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")   # the names Pipeline takes
 SHARDINGS = ("ddp", "fsdp", "hybrid")
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")   # GPT.checkpoint_blocks(mode=...)
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")   # DDP hooks (mpidist.parallel.comm_hooks)
 
 
@@ -42,7 +45,7 @@ class Layout:
     num_micro: int = 1
     schedule: str = "none"
     chunks: int = 1
-    recompute: str = "none"
+    recompute: str = "none"      # none; selective (each block's attention probabilities); full (whole blocks)
     sequence_parallel: bool = False
     shard_size: int = 0     # hybrid: ranks per shard group (0: all dp ranks)
     # Mixed precision (see the module notes); "" keeps the model's one dtype for everything.
@@ -67,13 +70,13 @@ class Layout:
         return self.sharding in ("fsdp", "hybrid")
 
     def name(self) -> str:
-        """Return a short label, e.g. ``dp4 tp2 pp2 fsdp mb2x8 1f1b rc``."""
+        """Return a short label, e.g. ``dp4 tp2 pp2 fsdp mb2x8 1f1b rc`` (``rc-sel``: selective recompute)."""
         parts = [f"dp{self.dp}", f"tp{self.tp}" + ("sp" if self.sequence_parallel else ""), f"pp{self.pp}",
                  self.sharding, f"mb{self.micro_batch}x{self.num_micro}"]
         if self.pp > 1:
             parts.append(self.schedule + (f"v{self.chunks}" if self.chunks > 1 else ""))
         if self.recompute != "none":
-            parts.append("rc")
+            parts.append("rc" if self.recompute == "full" else "rc-sel")
         if self.param_dtype or self.compute_dtype:
             parts.append(_short(self.param_dtype or "model") + ("/" + _short(self.compute_dtype)
                                                                  if self.compute_dtype else ""))
