@@ -27,7 +27,9 @@ from mpidist.parallel import comm_hooks
 from mpidist.parallel.ddp import DDP
 from mpidist.parallel.fsdp import FSDP
 from mpidist.parallel.full_state import full_state_dict
+from mpidist.ring16 import iring_allreduce_16, ring_allreduce_16, ring_reduce_scatter_16
 
+from helpers import ring_reference
 from fake_device import FakeCupyArray, FakeDevice, FakeDeviceArray, FakeSegfault, RecordingComm, install_fake_cupy, to_fake_cupy
 from test_collectives import valid_ops
 from test_collectives import assert_matches, rank_input, reference
@@ -651,8 +653,10 @@ SIXTEEN = [("float16", np.float16), ("bfloat16", bfloat16)]
 
 
 def sixteen_bit_inputs(size, dtype, seed):
-    """Every rank's (7, 2) input of 16-bit ``dtype``, with sums that round (so a per-hop rounding would show)."""
-    return [(np.random.default_rng([seed, r]).standard_normal((7, 2)) * 3).astype(dtype) for r in range(size)]
+    """Every rank's (7, 2) input of 16-bit ``dtype``: multiples of 1/8 below 64 (rounded to ``dtype``), so their
+    float32 sums are exact in any order (a GPU path may add in another order than MPI)."""
+    return [(np.round(np.random.default_rng([seed, r]).standard_normal((7, 2)) * 96) / 8).clip(-63, 63).astype(dtype)
+            for r in range(size)]
 
 
 def sum_rounded_once(xs, dtype, mean=False):
@@ -665,12 +669,12 @@ def bits(a):
     return np.asarray(a).view(np.uint16)
 
 
-def check_sixteen_bit_collectives(comm, device):
+def check_sixteen_bit_collectives(comm, device, dtypes=SIXTEEN):
     """allreduce (sum, mean, max), reduce_scatter, allgather (uneven) and broadcast of float16 and bfloat16 device
     arrays: the numpy path's bits, and the float32 sum rounded once; copies carry arbitrary bit patterns."""
     size, rank = comm.Get_size(), comm.Get_rank()
     lo = sum(mpidist.collectives.split_sizes(7, size)[:rank])
-    for i, (name, dtype) in enumerate(SIXTEEN):
+    for i, (name, dtype) in enumerate(dtypes):
         xs = sixteen_bit_inputs(size, dtype, seed=40 + i)
         for op in ("sum", "mean", "max"):
             x = device.asarray(xs[rank])
@@ -719,6 +723,30 @@ def test_sixteen_bit_collectives_on_ipc_paths_equal_the_numpy_path(path, n_ranks
     mpidist.simulate(n_ranks, body, ranks_per_node=per_node)
 
 
+def check_ring16_on_device(comm, to_device, dtypes=SIXTEEN):
+    """ring16's 16-bit ring on device arrays (``to_device(numpy array)``, a copy): the numpy emulation of the ring on
+    every rank's input (helpers.ring_reference) bitwise, results on the device (``out`` written in place)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    for i, (name, dtype) in enumerate(dtypes):
+        xs = [np.random.default_rng([50 + i, r]).standard_normal(11).astype(dtype) for r in range(size)]
+        want = ring_reference(xs, dtype)
+        got = ring_allreduce_16(to_device(xs[rank]), comm)
+        assert mpidist.xp.is_device_array(got) and got.dtype == dtype
+        np.testing.assert_array_equal(bits(mpidist.xp.to_numpy(got)), bits(want), err_msg=name)
+        x = to_device(xs[rank])
+        assert iring_allreduce_16(x, comm, out=x).wait() is x  # out may be the input: copied at the start
+        np.testing.assert_array_equal(bits(mpidist.xp.to_numpy(x)), bits(want), err_msg=name)
+        chunk = -(-11 // size)
+        mean = ring_reference(xs, dtype, mean=True)[rank * chunk: (rank + 1) * chunk]
+        got = ring_reduce_scatter_16(to_device(xs[rank]), comm, mean=True)
+        assert mpidist.xp.is_device_array(got) and got.dtype == dtype
+        np.testing.assert_array_equal(bits(mpidist.xp.to_numpy(got)), bits(mean), err_msg=name)
+
+
+def test_ring16_on_fake_cupy_is_the_numpy_ring(comm, fake_cupy):
+    check_ring16_on_device(comm, lambda a: FakeCupyArray(a.copy()))  # a copy, as CuPy's asarray
+
+
 @pytest.fixture
 def fake_cupy(monkeypatch):
     """FakeCupy as ``cupy`` (CuPy 14: with bfloat16) for one test; every comm's device path on a fake device."""
@@ -747,11 +775,14 @@ def assert_same_bits(got, want):
         np.testing.assert_array_equal(g.view(f"u{g.dtype.itemsize}"), w.view(f"u{w.dtype.itemsize}"))
 
 
-def train_tiny(comm, wrap, on_device, steps=2, per_rank=3, policy=None, make_opt=None):
+FAKE_CUPY = (to_fake_cupy, FakeCupyArray)  # (move a module's arrays, an input array) to the device
+
+
+def train_tiny(comm, wrap, device=None, steps=2, per_rank=3, policy=None, make_opt=None):
     """Train ``tiny_model`` for ``steps`` on this rank's slice of the global batches: wrapped by ``wrap(model)``,
-    on FakeCupy arrays if ``on_device``; return (the wrapper, its module's parameters on the host)."""
+    on the device if ``device`` (a pair like FAKE_CUPY); return (the wrapper, the optimizer)."""
     size, rank = comm.Get_size(), comm.Get_rank()
-    model = to_fake_cupy(tiny_model()) if on_device else tiny_model()
+    model = device[0](tiny_model()) if device else tiny_model()
     if policy is not None:
         apply_policy(model, policy)  # on the device's arrays
     wrapped = wrap(model)
@@ -760,8 +791,8 @@ def train_tiny(comm, wrap, on_device, steps=2, per_rank=3, policy=None, make_opt
         x, y = tiny_batch(step, per_rank * size)
         part = slice(rank * per_rank, (rank + 1) * per_rank)
         x, y = x[part], y[part]
-        if on_device:
-            x, y = FakeCupyArray(x), FakeCupyArray(y)
+        if device:
+            x, y = device[1](x), device[1](y)
         opt.zero_grad()
         nn.functional.cross_entropy(wrapped(x), y).backward()
         opt.step()
@@ -776,7 +807,7 @@ def test_policy_on_fake_cupy_trains_as_on_numpy(fake_cupy, param, compute):
     policy = Policy(param, compute)
     results = []
     for on_device in (False, True):
-        model, opt = train_tiny(MPI.COMM_SELF, lambda m: m, on_device, steps=3, policy=policy)
+        model, opt = train_tiny(MPI.COMM_SELF, lambda m: m, FAKE_CUPY if on_device else None, steps=3, policy=policy)
         assert all(mpidist.xp.is_device_array(p.data) == on_device for p in model.parameters())
         masters = [opt.state[i]["master_param"] for i in range(len(opt.param_groups[0]["params"]))]
         assert all(m.dtype == np.float32 and mpidist.xp.is_device_array(m) == on_device for m in masters)
@@ -786,38 +817,43 @@ def test_policy_on_fake_cupy_trains_as_on_numpy(fake_cupy, param, compute):
     assert_same_bits(results[1][1], results[0][1])
 
 
-@pytest.mark.parametrize("hook", ["fp16_compress_hook", "bf16_compress_hook", "bf16_params"])
-def test_ddp_16_bit_step_on_fake_cupy_equals_numpy(comm, fake_cupy, hook):
-    """DDP on CuPy arrays with the 16-bit compression hooks (the ring staged through the host) and with bfloat16
-    parameters (bfloat16 buckets summed in float32 on the device path): the numpy run's bits on every rank."""
+DDP_16_BIT = ["fp16_compress_hook", "bf16_compress_hook", "bf16_params"]
+
+
+def ddp_16_bit_run(comm, kind, device):
+    """Two Adam steps of DDP (several buckets) with ``kind``: a 16-bit compression hook, or Policy("bf16")
+    parameters (bfloat16 buckets, summed in float32); return the module's parameters on the host."""
     def wrap(model):
         ddp = DDP(model, comm, bucket_cap_mb=0.0002, first_bucket_mb=0.0002)  # several buckets, several rings
-        if hook != "bf16_params":
-            ddp.register_comm_hook(None, getattr(comm_hooks, hook))
+        if kind != "bf16_params":
+            ddp.register_comm_hook(None, getattr(comm_hooks, kind))
         return ddp
 
-    policy = Policy("bf16") if hook == "bf16_params" else None
-    want = host_values(train_tiny(comm, wrap, False, policy=policy)[0].module)
-    got_ddp = train_tiny(comm, wrap, True, policy=policy)[0]
-    assert all(mpidist.xp.is_device_array(p.data) for p in got_ddp.parameters())
-    assert_same_bits(host_values(got_ddp.module), want)
+    ddp = train_tiny(comm, wrap, device, policy=Policy("bf16") if kind == "bf16_params" else None)[0]
+    assert all(mpidist.xp.is_device_array(p.data) == bool(device) for p in ddp.parameters())
+    return host_values(ddp.module)
+
+
+def fsdp_float16_run(comm, reduce_dtype, device):
+    """Two SGD steps of FSDP(param_dtype=float16, reduce_dtype); return the full state on the host."""
+    fsdp = train_tiny(comm, lambda m: FSDP(m, comm, param_dtype="fp16", reduce_dtype=reduce_dtype), device,
+                      make_opt=lambda ps: optim.SGD(ps, lr=0.5))[0]
+    assert all(mpidist.xp.is_device_array(p.data) == bool(device) for p in fsdp.parameters())
+    return [mpidist.xp.to_numpy(v) for v in full_state_dict(fsdp, all_ranks=True).values()]
+
+
+@pytest.mark.parametrize("kind", DDP_16_BIT)
+def test_ddp_16_bit_step_on_fake_cupy_equals_numpy(comm, fake_cupy, kind):
+    """DDP on CuPy arrays with the 16-bit compression hooks (the ring staged through the host) and with bfloat16
+    parameters (bfloat16 buckets summed in float32 on the device path): the numpy run's bits on every rank."""
+    assert_same_bits(ddp_16_bit_run(comm, kind, FAKE_CUPY), ddp_16_bit_run(comm, kind, None))
 
 
 @pytest.mark.parametrize("reduce_dtype", [None, "fp16"], ids=["reduce_fp32", "reduce_fp16"])
 def test_fsdp_float16_step_on_fake_cupy_equals_numpy(comm, fake_cupy, reduce_dtype):
     """FSDP(param_dtype=float16) on CuPy arrays: gathered in float16 on the device path, float32 shards;
     with reduce_dtype float16 the ring's reduce-scatter staged through the host: the numpy run's bits."""
-    def wrap(model):
-        return FSDP(model, comm, param_dtype="fp16", reduce_dtype=reduce_dtype)
-
-    def full(fsdp):
-        return [mpidist.xp.to_numpy(v) for v in full_state_dict(fsdp, all_ranks=True).values()]
-
-    make_opt = lambda ps: optim.SGD(ps, lr=0.5)  # noqa: E731
-    want = full(train_tiny(comm, wrap, False, make_opt=make_opt)[0])
-    got = train_tiny(comm, wrap, True, make_opt=make_opt)[0]
-    assert all(mpidist.xp.is_device_array(p.data) for p in got.parameters())
-    assert_same_bits(full(got), want)
+    assert_same_bits(fsdp_float16_run(comm, reduce_dtype, FAKE_CUPY), fsdp_float16_run(comm, reduce_dtype, None))
 
 
 def test_bfloat16_on_a_cupy_without_it_raises_naming_the_version(comm, monkeypatch):
