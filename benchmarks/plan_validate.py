@@ -12,8 +12,10 @@ Run from the repo root, one part per call (each under a few minutes, so each fit
         docs/plan_validate_vcluster.json --json docs/plan_validate.json
 
 Each layout is built for real (``mpidist.plan.execute.LayoutRun``: a GPT, the mesh, tensor parallel,
-DDP/FSDP/Pipeline, AdamW) and stepped: one warm-up step, then ``--steps`` timed steps (median of the slowest
-rank). Peak memory per rank is the arrays' bytes: the wrapper's persistent bytes (``memory_stats``: parameters,
+DDP/FSDP/Pipeline, AdamW), all of a part at once, and stepped interleaved: one warm-up step each, then
+``--rounds`` rounds in which every layout in turn takes one untimed and ``--steps`` timed steps (the slowest
+rank's); a layout's step time is the median of all its timed steps, so the machine's slow minutes fall on every
+layout alike. Peak memory per rank is the arrays' bytes: the wrapper's persistent bytes (``memory_stats``: parameters,
 gradients, optimizer state) plus the most ``tracemalloc`` saw allocated on top during a step (activations,
 gathered parameters, buffers); the largest over ranks is compared with the planner's per-rank total.
 
@@ -69,8 +71,10 @@ LAYOUTS = {
 
 
 def _timed_steps(run, comm, steps):
-    """Return (median of the slowest rank's step seconds, foreign share of the cores during them)."""
+    """Return (the slowest rank's step seconds, foreign share of the cores during them), after one untimed step
+    (the layout's arrays back in cache after the others ran)."""
     from mpi4py import MPI
+    run.step()
     comm.Barrier()
     busy0, own0, wall0 = machine_busy_seconds(), time.process_time(), time.perf_counter()
     times = []
@@ -82,25 +86,35 @@ def _timed_steps(run, comm, steps):
     wall = time.perf_counter() - wall0
     busy = comm.bcast(machine_busy_seconds() - busy0 if comm.Get_rank() == 0 else None)
     foreign = max(0.0, busy - own) / (wall * (os.cpu_count() or 1))
-    return statistics.median(times), foreign
+    return times, foreign
 
 
-def worker(part, steps, tries, max_foreign):
+def worker(part, steps, tries, max_foreign, rounds):
+    """Build every layout of ``part``, then time them interleaved: ``rounds`` rounds, each giving every layout
+    ``steps`` timed steps in turn, so a slow minute of the machine (another job, the scheduler's placement of
+    the ranks) falls on all layouts alike instead of on one; a layout's step is the median of all its steps."""
     from mpi4py import MPI
 
     from mpidist.plan.execute import LayoutRun
     comm = MPI.COMM_WORLD
-    rows = []
-    for layout in LAYOUTS[part]:
-        run = LayoutRun(SHAPE, layout, comm)
+    runs = [LayoutRun(SHAPE, layout, comm) for layout in LAYOUTS[part]]
+    for run in runs:
         run.step()
-        attempts = []
-        for _ in range(tries):
-            attempts.append(_timed_steps(run, comm, steps))
-            if attempts[-1][1] <= max_foreign:
-                break
-            time.sleep(2.0)   # another job's burst: let it pass
-        step_s, foreign = min(attempts, key=lambda a: a[1])
+    rounds_of = [[] for _ in runs]
+    for _ in range(rounds):
+        for k, run in enumerate(runs):
+            attempts = []
+            for _ in range(tries):
+                attempts.append(_timed_steps(run, comm, steps))
+                if attempts[-1][1] <= max_foreign:
+                    break
+                time.sleep(2.0)   # another job's burst: let it pass
+            rounds_of[k].append((min(attempts, key=lambda a: a[1]), attempts))
+    rows = []
+    for layout, run, measured in zip(LAYOUTS[part], runs, rounds_of):
+        steps_s = [t for (times, _), _ in measured for t in times]
+        step_s, foreign = statistics.median(steps_s), max(f for (_, f), _ in measured)
+        attempts = [a for _, tried in measured for a in tried]
         stats = run.interface.memory_stats(run.opt)
         persistent = stats["persistent_bytes"]
         comm.Barrier()
@@ -111,9 +125,8 @@ def worker(part, steps, tries, max_foreign):
         tracemalloc.stop()
         peak = comm.allreduce(persistent + transient, op=MPI.MAX)
         rows.append({"layout": layout.to_dict(), "name": layout.name(), "step_s": step_s, "peak_bytes": peak,
-                     "foreign_cpu_share": foreign, "attempts": [{"step_s": a[0], "foreign_cpu_share": a[1]}
-                                                                 for a in attempts]})
-        del run
+                     "foreign_cpu_share": foreign, "rounds_step_s": [statistics.median(t) for (t, _), _ in measured],
+                     "attempts": [{"step_s": statistics.median(a[0]), "foreign_cpu_share": a[1]} for a in attempts]})
     if comm.Get_rank() == 0:
         print("RESULT " + json.dumps(rows))
 
@@ -183,6 +196,7 @@ def print_part(name, part):
 
 def launch(part, args, cluster=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", part, "--steps", str(args.steps),
+           "--rounds", str(args.rounds),
            "--tries", str(args.tries), "--max-foreign", str(args.max_foreign)]
     if cluster is None:
         mpiexec = os.environ.get("MPIDIST_MPIEXEC") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -273,7 +287,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     parser.add_argument("--profile", default="local", help="profile name or JSON path")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per layout (median taken)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per layout and round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds over the layouts (a layout's step: the "
+                        "median of its steps of all rounds)")
     parser.add_argument("--ranks", choices=["2", "4"], help="one node: this many ranks")
     parser.add_argument("--vcluster", metavar="RATE", help="2 nodes x 2 ranks of the virtual cluster, links at RATE")
     parser.add_argument("--tries", type=int, default=8, help="measurements of a layout at most (interference)")
@@ -287,7 +303,7 @@ def main():
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.steps, args.tries, args.max_foreign)
+        return worker(args.worker, args.steps, args.tries, args.max_foreign, args.rounds)
     if args.calibrate:
         if not args.vcluster:
             parser.error("--calibrate needs --vcluster RATE")
@@ -311,6 +327,7 @@ def main():
         part = {"rows": rows, "ranks": ranks, "ranks_per_node": per_node, "cores": cores,
                 "profile": profile.name, "profile_source": profile.source,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": args.steps,
+                "rounds": args.rounds,
                 "load_average": os.getloadavg()}
         part["summary"] = predict(rows, profile, per_node, ranks, cores)
         report = {"model": SHAPE.__dict__, "global_batch": BATCH, "runs": {name: part}}

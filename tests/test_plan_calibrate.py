@@ -9,7 +9,7 @@ import pytest
 import mpidist
 from mpidist.plan import Layout, ModelShape, Profile, estimate, load_profile
 from mpidist.plan.calibrate import (PINGPONG_SIZES, calibrate_inter, fit_alpha_beta, fit_knobs, fit_microbatch_cost,
-                                    with_inter_tier)
+                                    fit_oversubscribed, with_inter_tier)
 from mpidist.plan.estimate import activation_bytes, collective_seconds
 
 SHAPE = ModelShape(layers=3, hidden=32, heads=4, vocab=64, seq=8)
@@ -200,16 +200,18 @@ def test_microbatch_factor_is_clamped_at_the_curve_ends():
     assert Profile.from_dict(dict(_profile().to_dict(), microbatch_cost=[])).microbatch_factor(1e5) == 1.0
 
 
-def test_profile_keeps_the_microbatch_curve_and_the_wait():
-    profile = _profile(microbatch_cost=[[1e3, 0.8], [1e6, 1.3]], oversubscribed_wait_s=2e-3)
+def test_profile_keeps_the_microbatch_curve_and_the_oversubscribed_tier():
+    over = {"latency_s": 1e-4, "bandwidth": 2e8}
+    profile = _profile(microbatch_cost=[[1e3, 0.8], [1e6, 1.3]], oversubscribed_tier=over)
     again = Profile.from_dict(profile.to_dict())
-    assert again.microbatch_cost == ((1e3, 0.8), (1e6, 1.3)) and again.oversubscribed_wait_s == 2e-3
+    assert again.microbatch_cost == ((1e3, 0.8), (1e6, 1.3))
+    assert (again.oversubscribed_tier.latency_s, again.oversubscribed_tier.bandwidth) == (1e-4, 2e8)
     with pytest.raises(ValueError, match=r"microbatch_cost must be \[\[activation_bytes, factor > 0\]"):
         _profile(microbatch_cost=[[1e6, 1.0], [1e3, 1.0]])
     with pytest.raises(ValueError, match=r"microbatch_cost must be"):
         _profile(microbatch_cost=[[1e3, 0.0]])
-    with pytest.raises(ValueError, match=r"oversubscribed_wait_s must be >= 0 \(got -1.0\)"):
-        _profile(oversubscribed_wait_s=-1.0)
+    with pytest.raises(ValueError, match=r"oversubscribed_tier needs latency_s >= 0 and bandwidth > 0"):
+        _profile(oversubscribed_tier={"latency_s": 1e-4, "bandwidth": 0})
 
 
 def test_fit_microbatch_cost_recovers_the_factors():
@@ -225,27 +227,54 @@ def test_fit_microbatch_cost_recovers_the_factors():
         fit_microbatch_cost([2.0, 1.0], [1e-3, 1e-3], [0, 0], [1e-3, 1e-3])
 
 
+_INTRA = load_profile("local").tiers["intra"]
+OVER = {"latency_s": 10 * _INTRA.latency_s, "bandwidth": _INTRA.effective_bandwidth / 10}   # a slower link
+
+
+def _ring(calls, layout, groups, latency, bandwidth):
+    from mpidist.plan.estimate import _group_size
+    return sum(c.count * collective_seconds(c.op, c.nbytes, _group_size(layout, c.group), latency, bandwidth)
+               for c in calls if c.group in groups)
+
+
 @pytest.mark.parametrize("layout", [Layout(4, 1, 1, micro_batch=4), Layout(4, 1, 1, "fsdp", micro_batch=4),
                                     Layout(2, 2, 1, micro_batch=8), Layout(1, 4, 1, micro_batch=16)])
-def test_oversubscribed_wait_per_blocking_call(layout):
-    """Ranks beyond the cores: each tensor- and data-parallel collective a rank calls adds the measured wait;
-    at or under the cores nothing changes."""
+def test_oversubscribed_calls_run_on_the_oversubscribed_tier(layout):
+    """Ranks beyond the cores: the tensor- and data-parallel calls take the ring time on the measured
+    oversubscribed link (alpha-beta) instead of the intra tier's; at or under the cores nothing changes."""
     from mpidist.plan.volumes import calls_per_rank
-    wait = 2e-3
-    syncs = sum(c.count for c in calls_per_rank(SHAPE, layout, 0) if c.group in ("tp", "dp"))
+    calls = calls_per_rank(SHAPE, layout, 0)
+    intra = _profile().tiers["intra"]
+    slower = (_ring(calls, layout, {"tp", "dp"}, OVER["latency_s"], OVER["bandwidth"])
+              - _ring(calls, layout, {"tp", "dp"}, intra.latency_s, intra.effective_bandwidth))
     base = estimate(SHAPE, layout, _profile(cores_per_node=2), 4).time["step"]
-    waited = estimate(SHAPE, layout, _profile(cores_per_node=2, oversubscribed_wait_s=wait), 4).time["step"]
-    assert waited - base == pytest.approx(syncs * wait)
-    assert estimate(SHAPE, layout, _profile(cores_per_node=4, oversubscribed_wait_s=wait), 4).time == \
+    over = estimate(SHAPE, layout, _profile(cores_per_node=2, oversubscribed_tier=OVER), 4).time["step"]
+    assert slower > 0
+    assert over - base == pytest.approx(slower)
+    assert estimate(SHAPE, layout, _profile(cores_per_node=4, oversubscribed_tier=OVER), 4).time == \
         estimate(SHAPE, layout, _profile(cores_per_node=4), 4).time
 
 
-def test_oversubscribed_wait_on_pipeline_messages():
-    """A 4-stage 1F1B pipeline of 4 micro-batches, 4 ranks on 2 cores: every message between stages waits;
-    the step grows by at least the first micro-batch's way there and back (2 x 3 messages) and at most by all
-    the messages of the step."""
+def test_oversubscribed_pipeline_messages_are_slower():
+    """A 4-stage 1F1B pipeline, 4 ranks on 2 cores: its messages between stages take the oversubscribed link;
+    the step grows by at least the first micro-batch's way there and back (2 x 3 messages' extra time) and at
+    most by every message's."""
     layout = Layout(1, 1, 4, micro_batch=1, num_micro=4, schedule="1f1b")
-    wait = 1e-3
+    intra = _profile().tiers["intra"]
+    nbytes = 1 * SHAPE.seq * SHAPE.hidden * 4   # one micro-batch's activation (or its gradient)
+    extra = (collective_seconds("send", nbytes, 2, OVER["latency_s"], OVER["bandwidth"])
+             - collective_seconds("send", nbytes, 2, intra.latency_s, intra.effective_bandwidth))
     base = estimate(SHAPE, layout, _profile(cores_per_node=2), 4).time["step"]
-    waited = estimate(SHAPE, layout, _profile(cores_per_node=2, oversubscribed_wait_s=wait), 4).time["step"]
-    assert 6 * wait - 1e-12 <= waited - base <= 2 * 3 * 4 * wait + 1e-12
+    over = estimate(SHAPE, layout, _profile(cores_per_node=2, oversubscribed_tier=OVER), 4).time["step"]
+    assert 6 * extra * (1 - 1e-9) <= over - base <= 2 * 3 * 4 * extra * (1 + 1e-9)
+
+
+def test_fit_oversubscribed_recovers_the_ring_allreduce():
+    """Times made by the ring allreduce formula at 4 ranks give back its alpha and bandwidth."""
+    alpha, bandwidth = 2e-4, 3e8
+    points = [[b, collective_seconds("allreduce", b, 4, alpha, bandwidth)] for b in (8, 1 << 16, 1 << 18, 1 << 20)]
+    fitted = fit_oversubscribed(points, 4)
+    assert fitted[0] == pytest.approx(alpha + 8 * 2 * 3 / 4 / bandwidth / 6, rel=1e-6)
+    assert fitted[1] == pytest.approx(bandwidth, rel=1e-6)
+    with pytest.raises(ValueError, match=r"fit_oversubscribed: needs 2 ranks or more \(got 1\)"):
+        fit_oversubscribed(points, 1)

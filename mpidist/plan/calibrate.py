@@ -5,8 +5,8 @@ timed by a ping-pong between two ranks started with ``mpiexec -n 2`` (this modul
 time = alpha + bytes / bandwidth over message sizes. Two knobs are then fitted on one-rank training steps of
 declared shapes (``CALIBRATION_RUNS``): ``compute_scale`` and ``layer_overhead_s`` (``fit_knobs``); then one-rank
 steps of one shape over micro-batch sizes (``MICROBATCH_SWEEP``) give the micro-batch cost curve
-(``fit_microbatch_cost``), and ``2 x cores`` ranks timing a loop of work with and without a tiny allreduce give
-the wait a blocking synchronization adds when ranks outnumber cores (``measure_sync_wait``). The
+(``fit_microbatch_cost``), and ``2 x cores`` ranks timing a loop of work with and without allreduces of several
+sizes give the intra link as oversubscribed ranks see it (``measure_oversubscribed``). The
 inter-node tier is the intra one until measured: run across two nodes, e.g.
 ``mpiexec -n 2 -hosts a,b python -m mpidist.plan.calibrate --inter BASE.json OUT.json``, the same ping-pong
 between ranks 0 and 1 (on different hosts) gives BASE's inter tier, written to OUT (``calibrate_inter``).
@@ -24,7 +24,7 @@ import numpy as np
 
 __all__ = ["measure_matmul_curve", "measure_memory_bandwidth", "measure_link", "measure_pingpong", "fit_alpha_beta",
            "calibrate", "calibrate_inter", "with_inter_tier", "fit_knobs", "machine_busy_seconds", "quiet_median",
-           "fit_microbatch_cost", "microbatch_curve", "measure_sync_wait"]
+           "fit_microbatch_cost", "microbatch_curve", "measure_oversubscribed", "fit_oversubscribed"]
 
 
 def _best(fn, repeat, budget_s=0.3):
@@ -173,10 +173,12 @@ def calibrate(name="local", memory_bytes=None, inter=None, cores=None) -> dict:
     data["fit"]["microbatch"]["foreign_cpu_share"] = [foreign for _, foreign in steps["sweep"]]
     if data["cores_per_node"] and data["cores_per_node"] > 1:
         mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        waits = _run_measurement([mpiexec, "-n", str(2 * data["cores_per_node"]), sys.executable, "-m",
-                                  "mpidist.plan.calibrate", "--sync-wait"])
-        data["oversubscribed_wait_s"] = waits["wait_s"]
-        data["fit"]["oversubscribed"] = waits
+        ranks = 2 * data["cores_per_node"]
+        points = _run_measurement([mpiexec, "-n", str(ranks), sys.executable, "-m", "mpidist.plan.calibrate",
+                                   "--oversubscribed"])
+        alpha, bandwidth = fit_oversubscribed(points, ranks)
+        data["oversubscribed_tier"] = {"latency_s": alpha, "bandwidth": bandwidth}
+        data["fit"]["oversubscribed"] = {"ranks": ranks, "allreduce_bytes_extra_s": points}
     return data
 
 
@@ -281,11 +283,14 @@ def microbatch_curve(profile_data, measured):
                    "modelled_arithmetic_s": arithmetic, "modelled_rest_s": rest}
 
 
-def measure_sync_wait(comm, iterations=100, segment_flops=4e7):
-    """Return {"wait_s": ..., ...}: what one tiny allreduce adds to a loop of ``segment_flops`` of matmul work
-    per rank (about a millisecond of a core) when ``comm``'s ranks outnumber the cores (run it with twice the
-    cores): the loop's time per iteration with the allreduce minus without it (the same work, one barrier at
-    the end), the median of 3 tries of each. The same work on every rank: no rank waits for a slower one."""
+OVERSUBSCRIBED_SIZES = (8, 1 << 16, 1 << 18, 1 << 20)
+
+
+def measure_oversubscribed(comm, sizes=OVERSUBSCRIBED_SIZES, iterations=30, segment_flops=4e7):
+    """Return [[bytes, seconds], ...]: what one allreduce of that many bytes adds to a loop of ``segment_flops``
+    of matmul work per rank (about half a millisecond of a core) when ``comm``'s ranks outnumber the cores (run
+    it with twice the cores): the loop's time per iteration with the allreduce minus without it (the same work,
+    one barrier at the end), medians of 3 tries. The same work on every rank: no rank waits for a slower one."""
     from mpi4py import MPI
     a = np.ones((128, 128), dtype=np.float32)
     reps = max(1, round(segment_flops / (2 * 128 ** 3)))
@@ -293,25 +298,35 @@ def measure_sync_wait(comm, iterations=100, segment_flops=4e7):
     def work():
         for _ in range(reps):
             a @ a
-    token = np.ones(1)
-
-    def loop(sync):
+    def loop(token):
         comm.Barrier()
         t0 = time.perf_counter()
         for _ in range(iterations):
             work()
-            if sync:
+            if token is not None:
                 comm.Allreduce(MPI.IN_PLACE, token)
         comm.Barrier()
         return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / iterations
-    loop(True)   # warm-up
-    plain, synced = [], []
-    for _ in range(3):
-        plain.append(loop(False))
-        synced.append(loop(True))
-    wait = max(0.0, float(np.median(synced) - np.median(plain)))
-    return {"wait_s": wait, "ranks": comm.Get_size(), "cores": os.cpu_count(), "segment_flops": segment_flops,
-            "iterations": iterations, "plain_s": plain, "synced_s": synced}
+    out = []
+    for size in sizes:
+        token = np.ones(max(1, size // 4), dtype=np.float32)
+        loop(token)   # warm-up
+        plain, synced = [], []
+        for _ in range(3):
+            plain.append(loop(None))
+            synced.append(loop(token))
+        out.append([size, max(0.0, float(np.median(synced) - np.median(plain)))])
+    return out
+
+
+def fit_oversubscribed(points, ranks):
+    """Return (alpha, bandwidth) of the ring allreduce time 2 (n - 1) alpha + 2 (n - 1) / n x bytes / bandwidth
+    (``estimate.collective_seconds``) fitted to ``points`` [[bytes, seconds], ...] of ``ranks`` ranks."""
+    n = ranks
+    if n < 2:
+        raise ValueError(f"fit_oversubscribed: needs 2 ranks or more (got {n})")
+    intercept, bandwidth = fit_alpha_beta([[2 * (n - 1) / n * b, t] for b, t in points])
+    return intercept / (2 * (n - 1)), bandwidth
 
 
 def with_inter_tier(base: dict, points, ranks_per_link: int = 1, hosts=(), name=None) -> dict:
@@ -379,9 +394,9 @@ if __name__ == "__main__":
         _compute()
     elif sys.argv[1:] == ["--steps"]:
         _steps()
-    elif sys.argv[1:] == ["--sync-wait"]:
+    elif sys.argv[1:] == ["--oversubscribed"]:
         from mpi4py import MPI
-        result = measure_sync_wait(MPI.COMM_WORLD)
+        result = measure_oversubscribed(MPI.COMM_WORLD)
         if MPI.COMM_WORLD.Get_rank() == 0:
             print(json.dumps(result))
     elif sys.argv[1:2] == ["--inter"]:

@@ -119,12 +119,21 @@ def _oversubscribed(profile: Profile, ranks_per_node: int) -> bool:
     return bool(profile.cores_per_node) and ranks_per_node > profile.cores_per_node
 
 
-def _sync_waits(calls, groups, profile: Profile, ranks_per_node: int) -> float:
-    """Return what the blocking calls of ``groups`` add when ranks outnumber cores: each waits
-    ``oversubscribed_wait_s`` for partners descheduled by the rank sharing their core (0 otherwise)."""
-    if not _oversubscribed(profile, ranks_per_node):
+def _sync_waits(calls, groups, profile: Profile, layout: Layout, ranks_per_node: int) -> float:
+    """Return what the calls of ``groups`` inside a node add when ranks outnumber cores: their time on the
+    profile's ``oversubscribed_tier`` (partners descheduled by the ranks sharing their cores) over that on the
+    intra tier (0 when not oversubscribed or not measured)."""
+    over = profile.oversubscribed_tier
+    if over is None or not _oversubscribed(profile, ranks_per_node):
         return 0.0
-    return profile.oversubscribed_wait_s * sum(c.count for c in calls if c.group in groups and c.op != "recv")
+    intra, extra = profile.tiers["intra"], 0.0
+    for c in calls:
+        if c.group in groups and _inner_span(layout, c.group) <= ranks_per_node:
+            n = _group_size(layout, c.group)
+            extra += c.count * max(0.0, collective_seconds(c.op, c.nbytes, n, over.latency_s, over.bandwidth)
+                                   - collective_seconds(c.op, c.nbytes, n, intra.latency_s,
+                                                        intra.effective_bandwidth))
+    return extra
 
 
 # -- memory --------------------------------------------------------------------------------------------------
@@ -280,8 +289,9 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
         tp_s = _calls_seconds(calls, profile, layout, ranks_per_node, {"tp"})
         pp_s = _calls_seconds(calls, profile, layout, ranks_per_node, {"pp"})
         dp_s = _calls_seconds(calls, profile, layout, ranks_per_node, {"dp", "dp_shard", "dp_replicate", "tied"})
-        tp_s += _sync_waits(calls, {"tp"}, profile, ranks_per_node)
-        dp_s += _sync_waits(calls, {"dp", "dp_shard", "dp_replicate", "tied"}, profile, ranks_per_node)
+        tp_s += _sync_waits(calls, {"tp"}, profile, layout, ranks_per_node)
+        pp_s += _sync_waits(calls, {"pp"}, profile, layout, ranks_per_node)
+        dp_s += _sync_waits(calls, {"dp", "dp_shard", "dp_replicate", "tied"}, profile, layout, ranks_per_node)
         if worst_mem is None or mem["total"] > worst_mem["total"]:
             worst_mem = mem
         # AdamW streams float32 state with master weights (a third of it: the masters), else the parameters
@@ -299,7 +309,6 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
         fc, bc = f + tp_per_mb / 3, b + 2 * tp_per_mb / 3
         wc = bc / 2 if layout.schedule == "zb_h1" else None
         per_message = pp_s / max(1, sum(c.count for c in calls if c.group == "pp" and c.op == "send")) * 2
-        per_message += profile.oversubscribed_wait_s if _oversubscribed(profile, ranks_per_node) else 0.0
         args = (layout, fc / v, bc / v, None if wc is None else wc / v)
         timed, untimed = _pipeline(*args, per_message), _pipeline(*args, 0.0)
         busy = timed["busy"]

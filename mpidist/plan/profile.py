@@ -20,9 +20,10 @@ Glossary:
   activation bytes one block of that micro-batch stores on a rank (interpolated in log size, clamped at the ends;
   empty: 1). On a CPU a sample costs more once a micro-batch's activations outgrow the caches, which the matmul
   curve (larger is cheaper) does not say.
-- ``oversubscribed_wait_s``: measured by ``--calibrate`` with twice as many ranks as cores: the time one
-  blocking synchronization (a collective, a pipeline message) adds when ranks outnumber cores: a partner that
-  shares its core with another rank is descheduled, and the caller busy-polls (MPICH) on its own share.
+- ``oversubscribed_tier``: the intra-node link as twice as many ranks as cores see it (``--calibrate`` times
+  allreduces of several sizes between equal work, with ``2 x cores`` ranks): a transfer moves only while both
+  partners hold a core, and a waiting rank busy-polls (MPICH) on its own share; used for the groups inside a node
+  when ranks outnumber cores (absent: the intra tier).
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ class Profile:
     layer_overhead_s: float = 0.0         # fitted knob: fixed seconds per layer per micro-batch (F+B; per-op cost)
     validated: dict = field(default_factory=dict)   # the range compared with measurements (see out_of_range)
     microbatch_cost: Tuple[Tuple[float, float], ...] = ()   # [[block activation bytes, factor]], measured
-    oversubscribed_wait_s: float = 0.0    # measured: seconds a blocking synchronization adds, ranks > cores
+    oversubscribed_tier: Optional[Tier] = None   # measured: the intra link when ranks outnumber cores
 
     def efficiency(self, gemm_flops: float) -> float:
         """Return the share of peak a GEMM of ``gemm_flops`` FLOPs reaches (log-linear interpolation)."""
@@ -105,7 +106,9 @@ class Profile:
                               "ranks_per_link": t.ranks_per_link}
                           for k, t in self.tiers.items()}, "fit": self.fit, "validated": self.validated,
                 "microbatch_cost": [list(p) for p in self.microbatch_cost],
-                "oversubscribed_wait_s": self.oversubscribed_wait_s}
+                "oversubscribed_tier": None if self.oversubscribed_tier is None else {
+                    "latency_s": self.oversubscribed_tier.latency_s,
+                    "bandwidth": self.oversubscribed_tier.bandwidth}}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "profile") -> "Profile":
@@ -121,9 +124,11 @@ class Profile:
         if any(b[0] <= a[0] for a, b in zip(mb_cost, mb_cost[1:])) or not all(y > 0 for _, y in mb_cost):
             raise ValueError(f"{where}: microbatch_cost must be [[activation_bytes, factor > 0], ...] with "
                              f"increasing sizes (got {data['microbatch_cost']!r:.200})")
-        wait = float(data.get("oversubscribed_wait_s", 0.0))
-        if not wait >= 0:
-            raise ValueError(f"{where}: oversubscribed_wait_s must be >= 0 (got {wait})")
+        over = data.get("oversubscribed_tier")
+        if over is not None:
+            if not (float(over.get("latency_s", -1)) >= 0 and float(over.get("bandwidth", 0)) > 0):
+                raise ValueError(f"{where}: oversubscribed_tier needs latency_s >= 0 and bandwidth > 0 (got {over})")
+            over = Tier(float(over["latency_s"]), float(over["bandwidth"]))
         tiers = {}
         for name in ("intra", "inter"):
             t = data["tiers"].get(name)
@@ -133,7 +138,7 @@ class Profile:
                                int(t.get("ranks_per_link", 1)))
         known = set(required) | {"elementwise_factor", "cores_per_node", "compute_scale", "layer_overhead_s",
                                  "source", "fit", "validated", "description", "microbatch_cost",
-                                 "oversubscribed_wait_s"}
+                                 "oversubscribed_tier"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
@@ -141,7 +146,7 @@ class Profile:
                    float(data["memory_bytes"]), float(data["memory_bandwidth"]), tiers,
                    float(data.get("elementwise_factor", 3.0)), data.get("cores_per_node"),
                    float(data.get("compute_scale", 1.0)), data.get("source", ""), dict(data.get("fit", {})),
-                   float(data.get("layer_overhead_s", 0.0)), dict(data.get("validated", {})), mb_cost, wait)
+                   float(data.get("layer_overhead_s", 0.0)), dict(data.get("validated", {})), mb_cost, over)
 
     def out_of_range(self, ranks: int, parameters: int, layout) -> List[str]:
         """Return why a plan of ``layout`` (a ``Layout``) on ``ranks`` ranks of a ``parameters``-parameter model is
