@@ -2,10 +2,12 @@
 
 References: float64 sums of every rank's inputs, one process training on the whole batch, plain DDP."""
 
+import threading
 import time
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from mpidist import nn, optim
 from mpidist.nn import functional as F
@@ -98,20 +100,38 @@ def test_compression_hooks_track_one_process_and_keep_replicas_equal(comm, hook)
 
 
 @pytest.mark.world_sizes(2, 4)
-def test_bf16_parameters_under_ddp_equal_ranks_emulated_rounding_where_ddp_rounds(comm):
-    """Policy("bf16", "fp32") under DDP (bfloat16 buckets, summed in float32 by the default hook), 3 SGD steps,
-    against the ranks emulated in one process: float32 masters, weights = masters rounded to bfloat16, each rank's
-    gradient rounded to bfloat16 and divided by the world size (exact: a power of two), the shares summed in
-    float32 rank by rank and rounded to bfloat16 once. Equal replicas; 1e-6 (MPI may add four shares in another
-    order; two add exactly)."""
+@pytest.mark.parametrize("poll", [None, 0.001], ids=["no_poll", "poll"])
+def test_bf16_parameters_under_ddp_equal_ranks_emulated_rounding_where_ddp_rounds(comm, poll):
+    """Policy("bf16", "fp32") under DDP (bfloat16 buckets, summed in float32 by the collectives, no hook), 3 SGD
+    steps, against the ranks emulated in one process: float32 masters, weights = masters rounded to bfloat16, each
+    rank's gradient rounded to bfloat16 and divided by the world size (exact: a power of two), the shares summed
+    in float32 rank by rank and rounded to bfloat16 once. Equal replicas; 1e-6 (MPI may add four shares in another
+    order; two add exactly). With ``progress_poll_s`` (one bucket per parameter, the first layer's backward held
+    up 30 ms after the later buckets launched): under real MPI its thread tests the bfloat16 buckets meanwhile, at
+    least once a step on the whole (as float32 ones; a default hook used to switch it off); SimComm needs none."""
     size = comm.Get_size()
     per_rank, lr = 4, 0.5
     model = make_model()
     apply_policy(model, Policy("bf16", "fp32"))
-    ddp = DDP(model, comm)
+    if poll is None:
+        ddp = DDP(model, comm)
+    else:
+        def slow_backward(module, args, out):  # returns None: the output stays as it is
+            out.register_hook(lambda grad: time.sleep(0.03))
+        model[0].register_forward_hook(slow_backward)
+        ddp = DDP(model, comm, bucket_cap_mb=1e-6, first_bucket_mb=1e-6, progress_poll_s=poll)
+        polls, progress, main = [], ddp._progress, threading.get_ident()
+
+        def recorded():  # DDP's test of its launched buckets, from whichever thread calls it
+            polls.append(threading.get_ident() != main)
+            progress()
+        ddp._progress = recorded
     assert all(b.flat.dtype == bfloat16 for b in ddp.buckets)
     opt = optim.SGD(ddp.parameters(), lr=lr)
     train(ddp, opt, comm, 3, per_rank)
+    if poll is not None:
+        simulated = not isinstance(comm, MPI.Comm)
+        assert sum(polls) >= (0 if simulated else 3) and (not simulated or not any(polls)), polls
 
     ref = make_model()
     masters = [p.data.astype(bfloat16).astype(np.float32) for p in ref.parameters()]
@@ -410,6 +430,7 @@ def test_two_hook_comms_keep_same_index_rings_apart_however_ranks_progress(comm)
     comms = [HookComms(), HookComms()]
     for c in comms:
         c.private(comm)  # collective: made where every rank makes it
+        c.allreduce16(comm, "auto")  # the compression hooks' (collective: placement and settings agreed)
     buckets = []
     for k, c in enumerate(comms):
         flat = np.full(9, 1.0 + rank, np.float32) * (1 + 100 * k) + np.arange(9, dtype=np.float32)

@@ -174,8 +174,8 @@ class DDP(WholeModuleWrapper):
     behind backward from ~0.3 to 0.43-0.61 with a rank per node (docs/cluster.md); where ranks already fill
     every core the thread competes with them (2 ranks per node on 2 cores: 0.17-0.65). Real MPI only, and needs
     MPI_THREAD_MULTIPLE (checked on every rank). It does nothing while a comm hook reduces the buckets: the
-    compression hooks, ``allreduce="hierarchical"``/``"auto"`` and bfloat16 buckets (reduced in float32 by a
-    hook) progress in their own ``test()`` calls. Alike on every rank.
+    compression hooks and ``allreduce="hierarchical"``/``"auto"`` progress in their own ``test()`` calls.
+    Alike on every rank.
     """
 
     def __init__(self, module, comm, bucket_cap_mb=25, first_bucket_mb=1, overlap=True, broadcast_buffers=True,
@@ -264,9 +264,8 @@ class DDP(WholeModuleWrapper):
         self._next_launch = 0
         self._forward_sync = None  # False if a training forward since the last backward ran under no_sync
         self._backward = None  # (sync mode, start time) while a backward runs
-        # register_comm_hook's (state, hook); MPI cannot sum bfloat16, so such buckets default to a float32 sum
-        self._comm_hook = (None, comm_hooks.allreduce_hook) if any(
-            b.flat.dtype.name == "bfloat16" for b in self.buckets) else None
+        # register_comm_hook's (state, hook); None: the collectives' own sum (bfloat16 too: mpidist.wire)
+        self._comm_hook = None
         self._hook_comms = comm_hooks.HookComms()  # the hooks' private communicators, freed by remove()
         # Its node communicators are freed by remove() (collective); a DDP dropped without it leaves them to the
         # ones later DDPs over this comm share (collectives_hier), not one pair per DDP.
@@ -383,7 +382,7 @@ class DDP(WholeModuleWrapper):
         the contract: ``mpidist.parallel.comm_hooks``). Once, before the first backward; alike on every rank."""
         if not callable(hook):
             raise TypeError(f"DDP.register_comm_hook: hook must be callable (got {type(hook).__name__})")
-        if self._comm_hook is not None and self._comm_hook[1] is not comm_hooks.allreduce_hook:
+        if self._comm_hook is not None:
             raise RuntimeError("DDP.register_comm_hook: a communication hook is already registered")
         if self.stats["steps"] or self._backward is not None:
             raise RuntimeError(f"DDP.register_comm_hook: register before the first backward "
