@@ -6,12 +6,16 @@ without a GPU). Meant for ``mpiexec -n 1/2/4 [--oversubscribe] python -m pytest 
 tests/test_gpu.py`` on a GPU machine (docs/gpu.md; first passed on an H100 on 2026-11-27).
 """
 
+import re
+
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import mpidist
 from mpidist import gpu, nn, optim
-from mpidist.xp import get_cupy
+from mpidist.nn.precision import Policy, apply_policy, bfloat16
+from mpidist.xp import bfloat16_problem, get_cupy, to_numpy
 
 pytestmark = pytest.mark.gpu
 
@@ -176,3 +180,95 @@ def test_pipeline_on_gpu_matches_cpu(comm):
         opt.step()
     for (name, a), (_, b) in zip(stage.named_parameters(), ref.stages[rank].named_parameters()):
         np.testing.assert_allclose(cupy.asnumpy(a.data), b.data, rtol=0, atol=1e-8, err_msg=name)
+
+
+# -- 16-bit floats on CuPy (issue 30) -------------------------------------------------------------------------
+# CuPy has bfloat16 from version 14 (through ml_dtypes, with NumPy >= 2.1.2: CuPy's v14 upgrade guide); where it
+# does not, the bfloat16 cases check the error instead.
+def cupy_dtypes():
+    """The 16-bit dtypes this CuPy holds: float16, and bfloat16 where ``mpidist.xp.bfloat16_problem`` finds it."""
+    from test_gpu_paths import SIXTEEN
+    return SIXTEEN if bfloat16_problem(cupy) is None else SIXTEEN[:1]
+
+
+def test_bfloat16_on_this_cupy():
+    """CuPy >= 14 holds bfloat16 arrays (a kernel round trip works); an older one raises naming its version."""
+    problem = bfloat16_problem(cupy)
+    if int(cupy.__version__.split(".")[0]) >= 14:
+        assert problem is None, f"CuPy {cupy.__version__}, numpy {np.__version__}: {problem}"
+        x = cupy.asarray(np.array([1.0, 257.0, -3.5], np.float32)).astype(bfloat16)
+        assert x.dtype == bfloat16 and cupy.asnumpy(x.astype(cupy.float32)).tolist() == [1.0, 256.0, -3.5]
+    else:
+        with pytest.raises(TypeError, match=f"CuPy {re.escape(cupy.__version__)} has no bfloat16"):
+            apply_policy(to_gpu(nn.Linear(2, 2)), Policy("bf16"))
+
+
+@pytest.mark.parametrize("path", [None, "staged", "cuda_aware", "nccl", "ipc", "hierarchical"])
+def test_sixteen_bit_collectives_on_every_available_path(comm, path):
+    """float16 (and bfloat16) CuPy arrays: sums in float32 rounded once, copies as 2-byte words; the numpy path's
+    bits on every path that works here."""
+    from test_gpu_paths import check_sixteen_bit_collectives
+    device = gpu.CupyDevice()
+    try:
+        gpu.attach(comm, device, path=path if comm.Get_size() > 1 else None)
+    except RuntimeError as exc:
+        if "is not possible" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    try:
+        check_sixteen_bit_collectives(comm, device, cupy_dtypes())
+    finally:
+        gpu.release(comm)
+
+
+def test_ring16_on_cupy_is_the_numpy_ring(comm):
+    from test_gpu_paths import check_ring16_on_device
+    check_ring16_on_device(comm, cupy.asarray, cupy_dtypes())
+
+
+def gpu_pair():
+    return (to_gpu, cupy.asarray)
+
+
+@pytest.mark.parametrize("kind", ["fp16_compress_hook", "bf16_compress_hook", "bf16_params"])
+def test_ddp_16_bit_on_gpu_matches_cpu(comm, kind):
+    """DDP with the 16-bit hooks (ring staged through the host) and with bfloat16 parameters, two Adam steps on CuPy
+    against numpy: GPU float32 matmuls differ from numpy's in the last bits, and a 16-bit rounding of a gradient may
+    then go the other way (2**-11 or 2**-8 of it), so the parameters agree within Adam's step times that."""
+    from test_gpu_paths import ddp_16_bit_run
+    if "bf16" in kind and bfloat16_problem(cupy) is not None:
+        pytest.skip(f"CuPy {cupy.__version__} has no bfloat16")
+    got, want = ddp_16_bit_run(comm, kind, gpu_pair()), ddp_16_bit_run(comm, kind, None)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype
+        atol = 2e-2 if kind == "bf16_params" else 1e-4  # bfloat16 parameters: one unit in the last place near 1
+        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, "fp16"], ids=["reduce_fp32", "reduce_fp16"])
+def test_fsdp_float16_on_gpu_matches_cpu(comm, reduce_dtype):
+    """FSDP(param_dtype=float16), two SGD steps on CuPy against numpy: float16 forward/backward on each (CuPy's
+    float16 matmul accumulates in float32, numpy's does not), so within float16's precision of the step."""
+    from test_gpu_paths import fsdp_float16_run
+    got, want = fsdp_float16_run(comm, reduce_dtype, gpu_pair()), fsdp_float16_run(comm, reduce_dtype, None)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == np.float32
+        np.testing.assert_allclose(g, w, rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("param,compute", [("fp16", None), ("fp16", "fp32"), ("bf16", None)])
+def test_policy_on_gpu_matches_cpu(param, compute):
+    """Policy on CuPy arrays: 16-bit parameters, float32 masters on the GPU, three Adam steps near numpy's."""
+    from test_gpu_paths import train_tiny
+    if param == "bf16" and bfloat16_problem(cupy) is not None:
+        pytest.skip(f"CuPy {cupy.__version__} has no bfloat16")
+    policy = Policy(param, compute)
+    runs = []
+    for device in (None, gpu_pair()):
+        model, opt = train_tiny(MPI.COMM_SELF, lambda m: m, device, steps=3, policy=policy)
+        master = opt.state[0]["master_param"]
+        assert master.dtype == np.float32 and isinstance(master, cupy.ndarray) == bool(device)
+        runs.append([to_numpy(p.data) for p in model.parameters()])
+    for g, w in zip(runs[1], runs[0], strict=True):
+        assert g.dtype == w.dtype == policy.param_dtype
+        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=0, atol=2e-2)
