@@ -35,15 +35,17 @@ from . import collectives
 from .comm import check_comm
 from .comm.agree import check_same, raise_if_any
 from .comm.nodes import node_of_ranks
-from .wire import resolve
+from .ring16 import _posted, _Ring16, iring_allreduce_16, wait_together
+from .wire import BFLOAT16, resolve
 
-__all__ = ["HierarchicalAllreduce", "ALGORITHMS"]
+__all__ = ["HierarchicalAllreduce", "HierarchicalAllreduce16", "ALGORITHMS"]
 
 ALGORITHMS = ("auto", "flat", "hierarchical")
 _TRIALS = 3  # timed calls per algorithm when choosing (after one untimed call each)
 # Pipeline chunk: small enough that a 4 MiB array fills the pipeline, large enough that each chunk's fixed
 # cost (three calls, one link round trip) is small next to its transfer (8 ms at 1 Gbit/s).
 CHUNK_BYTES = 1 << 20
+_TAGS = 32768  # HierarchicalAllreduce16 tags its sums 0..32767 in turn: every MPI allows them (MPI_TAG_UB >= 32767)
 
 
 class HierarchicalAllreduce:
@@ -172,6 +174,192 @@ class HierarchicalAllreduce:
         self.free()
 
 
+class HierarchicalAllreduce16:
+    """Sum float16/bfloat16 arrays over ``comm`` with 16-bit messages, through node leaders when ``comm`` spans nodes.
+
+    The flat 16-bit ring (``mpidist.ring16``) over ranks on several nodes puts one rank's ring traffic, 2(n-1)/n
+    of the 16-bit array, on each node's link: 0.75 of a float32 allreduce's bytes for 2 nodes x 2 ranks, not half.
+    Node by node instead, in three steps:
+
+    1. within each node the ranks send their 16-bit arrays to the leader (local rank 0), which adds them in
+       float32 in local-rank order (``float32(x_0) + x_1 + x_2 ...``: exact casts, float32 additions; no 16-bit
+       rounding);
+    2. the leaders run the 16-bit ring over the node sums (``leader_comm``, leaders in node order): each message
+       is a float32 partial sum rounded to 16 bits (one rounding per hop, nodes - 1 in all), each receiver adds
+       its node's float32 sum to the received 16-bit value in float32, and the owner of a chunk rounds its final
+       float32 sum once;
+    3. each leader sends the 16-bit result to its node's ranks (bits, exact).
+
+    Only the leaders' ring crosses the links: 2(N-1)/N of the 16-bit array per node for N nodes (the array once for
+    2 nodes: half a float32 allreduce's bytes). With one node the result is the float32 sum rounded once (the
+    ``mpidist.wire`` rule for 16-bit sums); every rank ends with the same bits.
+
+        allreduce16 = HierarchicalAllreduce16(comm)   # collective; algorithm "auto" | "flat" | "hierarchical"
+        allreduce16(x16)                              # blocking, in place; returns x16
+        work = allreduce16.start(x16)                 # nonblocking: work.test(), work.wait() -> the sum
+        allreduce16.free()                            # collective (or use it as a context manager)
+
+    ``algorithm="auto"`` (the default) takes the node-aware steps when ``comm`` spans several nodes and some node
+    holds several ranks (what NCCL does across nodes), else the flat ring: decided from the placement, not timed
+    (unlike ``HierarchicalAllreduce``), the same on every rank. ``"flat"`` is always ``ring16``'s ring over
+    ``comm``; ``"hierarchical"`` always the three steps. The ranks must agree on it (else every rank raises).
+    """
+
+    def __init__(self, comm, algorithm="auto"):
+        check_comm("HierarchicalAllreduce16", comm)
+        problem = None if algorithm in ALGORITHMS else f"algorithm must be one of {ALGORITHMS} (got {algorithm!r})"
+        raise_if_any(comm, problem, "HierarchicalAllreduce16")
+        check_same(comm, [algorithm], "HierarchicalAllreduce16", what="setting")
+        self.comm, self.algorithm = comm, algorithm
+        nodes = node_of_ranks(comm)  # collective; the same on every rank, so every rank chooses alike
+        self.nodes = max(nodes) + 1
+        useful = 1 < self.nodes < comm.Get_size()
+        self.chosen = "hierarchical" if algorithm == "hierarchical" or (algorithm == "auto" and useful) else "flat"
+        self._splits = _NodeSplits.acquire(comm) if self.chosen == "hierarchical" else None
+        self.node_comm = self._splits.node_comm if self._splits else None
+        self.leader_comm = self._splits.leader_comm if self._splits else None
+        rank = comm.Get_rank()
+        self.local_rank = sum(1 for r in range(rank) if nodes[r] == nodes[rank])
+
+    def __call__(self, x, out=None):
+        """Sum the 1-D float16/bfloat16 array ``x`` over ``comm``; return the sum, in ``out`` (default: ``x``).
+
+        Collective; a bad input on any rank (not 1-D 16-bit, ``out`` unfit, ranks disagreeing on the dtype or
+        size) raises on every rank."""
+        out = x if out is None else out
+        problem = _problem(x, out)
+        raise_if_any(self.comm, problem, "HierarchicalAllreduce16", error=TypeError)
+        check_same(self.comm, [str(x.dtype), x.size], "HierarchicalAllreduce16", what="dtype and size")
+        return self.start(x, out=out).wait()
+
+    def start(self, x, tag=None, out=None, group=None):
+        """Start summing the 1-D float16/bfloat16 ``x``; return the pending work (``test()``, ``done()``, and
+        ``wait()``, which returns the sum in ``out``, a new array if None; ``out`` may be ``x``).
+
+        Checks this rank's input only (the hooks' path: every rank's bucket is alike by construction).
+        ``tag``: None: the next of a sequence private to ``comm``'s node and leader communicators (flat: of
+        ``ring16``'s private duplicate); an int: the messages' tag (works pending at once need different ones).
+        ``group``: a list of pending works this one joins; its ``wait()`` advances them all."""
+        problem = _problem(x, x if out is None else out)
+        if problem:
+            raise TypeError(f"HierarchicalAllreduce16: {problem}")
+        if self.chosen == "flat":
+            return iring_allreduce_16(x, self.comm, out=out, tag=tag, group=group)
+        if tag is None:
+            tag = self._splits.take_tag()
+        return _NodeAware16(x, self, tag, out, group)
+
+    def free(self):
+        """Release the node and leader communicators (collective: every rank alike, no work pending)."""
+        if self._splits is not None:
+            self._splits.release()
+            self._splits = self.node_comm = self.leader_comm = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+
+
+def _problem(x, out):
+    """Return what makes ``x`` (and ``out``) unfit for a 16-bit sum, or None."""
+    if not isinstance(x, np.ndarray) or x.dtype not in (np.float16, BFLOAT16) or x.ndim != 1:
+        return (f"x must be a 1-D float16 or bfloat16 numpy array (got {type(x).__name__} "
+                f"{getattr(x, 'dtype', '')} of shape {getattr(x, 'shape', '?')})")
+    if not x.flags.c_contiguous:
+        return f"x must be contiguous (got strides {x.strides})"
+    if out is not x and (not isinstance(out, np.ndarray) or out.dtype != x.dtype or out.shape != x.shape
+                         or not out.flags.c_contiguous):
+        return (f"out must be a contiguous array of x's dtype and shape ({x.dtype}, {x.shape}; got "
+                f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')})")
+    if not out.flags.writeable:
+        return "out is read-only"
+    return None
+
+
+class _NodeAware16:
+    """One ``HierarchicalAllreduce16`` sum in flight, a state machine of stages; ``test()`` advances it.
+
+    Leader: ``gather`` (receives from the node's ranks) -> float32 node sum -> ``ring`` (the leaders' 16-bit
+    ring, if there are several nodes) -> ``broadcast`` (sends of the result) -> ``done``. Other ranks: ``send``
+    (their array to the leader) -> ``receive`` (the result, posted once the send completed: ``out`` may be the
+    array being sent) -> ``done``."""
+
+    def __init__(self, x, hier, tag, out, group):
+        self.x, self.tag, self.group = x, tag, group
+        self.out = np.empty_like(x) if out is None else out
+        self.node, self.leaders = hier.node_comm, hier.leader_comm
+        self.ring = None
+        if hier.local_rank == 0:
+            self.stage = "gather"
+            self.parts = [np.empty_like(x) for _ in range(1, self.node.Get_size())]
+            self.requests = [_posted(self.node, "recv", self.node.Irecv, part, peer, tag)
+                             for peer, part in enumerate(self.parts, 1)]
+        else:
+            self.stage = "send"
+            self.requests = [_posted(self.node, "send", self.node.Isend, x, 0, tag)]
+        if group is not None:
+            group.append(self)
+
+    def _next(self):
+        """The stage's messages (or ring) completed: do its work, post the next stage's messages."""
+        if self.stage == "send":
+            self.stage, self.requests = "receive", [_posted(self.node, "recv", self.node.Irecv, self.out, 0, self.tag)]
+        elif self.stage == "gather":
+            total = self.x.astype(np.float32)
+            for part in self.parts:  # local-rank order: the rounding of float32 additions is reproducible
+                total += part
+            self.parts = None
+            if self.leaders.Get_size() > 1:
+                self.stage = "ring"
+                self.ring = _Ring16(total, self.leaders, self.tag, out=self.out, wire_dtype=self.x.dtype)
+            else:
+                self.out[...] = total  # one node: the float32 sum rounded once
+                self._broadcast()
+        elif self.stage == "ring":
+            self.ring.wait()  # done already: copies the gathered 16-bit chunks into out
+            self.ring = None
+            self._broadcast()
+        else:
+            self.stage = "done"
+
+    def _broadcast(self):
+        self.stage = "broadcast"
+        self.requests = [_posted(self.node, "send", self.node.Isend, self.out, peer, self.tag)
+                         for peer in range(1, self.node.Get_size())]
+
+    def done(self):
+        """Whether the sum is complete on this rank (as far as ``test()``/``wait()`` have seen)."""
+        return self.stage == "done"
+
+    def test(self):
+        """Advance as far as the messages that arrived allow, without blocking; return whether it completed."""
+        while self.stage != "done":
+            if self.ring is not None:
+                if not self.ring.test():
+                    return False
+            else:
+                self.requests = [r for r in self.requests if not r.test()]
+                if self.requests:
+                    return False
+            self._next()
+        return True
+
+    def wait(self):
+        """Complete the sum; return ``out``. In a ``group`` every pending work of it advances meanwhile."""
+        if self.group is not None:
+            wait_together(self, self.group)
+        while self.stage != "done":
+            if self.ring is not None:
+                self.ring.wait()
+            for r in self.requests:
+                r.wait()
+            self.requests = []
+            self._next()
+        return self.out
+
+
 class _NodeSplits:
     """One communicator's node and leader communicators, shared by the HierarchicalAllreduce instances over it.
 
@@ -191,6 +379,13 @@ class _NodeSplits:
         self.node_comm = comm.Split(color=self.nodes[rank], key=rank)
         self.leader_comm = comm.Split(color=0 if local_rank == 0 else MPI.UNDEFINED, key=self.nodes[rank])
         self.users = 0
+        self._next_tag = 0  # HierarchicalAllreduce16's point-to-point tags on node_comm and leader_comm
+
+    def take_tag(self):
+        """Return the next tag of this pair's sequence (every rank starts the sums over it in one order)."""
+        with self._lock:
+            tag, self._next_tag = self._next_tag, (self._next_tag + 1) % _TAGS
+        return tag
 
     @classmethod
     def acquire(cls, comm):

@@ -24,14 +24,17 @@ The rings' messages and PowerSGD's Q allreduces run on the DDP's private duplica
 match theirs.
 """
 
+import dataclasses
+
 import numpy as np
 
 from .. import collectives
 from ..nn.precision import bfloat16, float16
-from ..ring16 import iring_allreduce_16
+from ..collectives_hier import ALGORITHMS, HierarchicalAllreduce16
 from ..xp import get_array_module
 
 __all__ = ["HookBucket", "HookComms", "HookWork", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
+           "CompressHookState",
            "PowerSGDState", "powerSGD_hook"]
 
 _TAG_UB = 32767  # the largest tag every MPI allows: the hooks' rings are tagged by bucket index on a private comm
@@ -48,6 +51,7 @@ class HookComms:
 
     def __init__(self):
         self._dups = {}  # id(comm) -> (comm, its Dup): the comm kept, so its id stays its own
+        self._allreduce16 = {}  # (id(comm), algorithm) -> the compression hooks' HierarchicalAllreduce16 over its Dup
         self.rings = []  # this DDP's 16-bit rings launched and not yet seen done: a wait() advances them all
 
     def private(self, comm):
@@ -57,8 +61,19 @@ class HookComms:
             pair = self._dups[id(comm)] = (comm, comm.Dup())
         return pair[1]
 
+    def allreduce16(self, comm, algorithm):
+        """Return this DDP's ``HierarchicalAllreduce16`` over its duplicate of ``comm`` (made now, collectively, at
+        the first request: the ranks' ``algorithm`` checked alike, the node placement found)."""
+        key = (id(comm), algorithm)
+        if key not in self._allreduce16:
+            self._allreduce16[key] = HierarchicalAllreduce16(self.private(comm), algorithm)
+        return self._allreduce16[key]
+
     def free(self):
         """Free the duplicates (collective: every rank, once no hook work on them is pending)."""
+        allreduce16, self._allreduce16 = self._allreduce16, {}
+        for each in allreduce16.values():
+            each.free()
         dups, self._dups = self._dups, {}
         for _, dup in dups.values():
             dup.Free()
@@ -140,7 +155,25 @@ class HookWork:
         return self._value
 
 
+@dataclasses.dataclass(frozen=True)
+class CompressHookState:
+    """Settings of ``fp16_compress_hook``/``bf16_compress_hook`` (their state: None or a communicator means these
+    defaults). ``comm``: None: the DDP's. ``algorithm``: "auto" (default): node-aware
+    (``collectives_hier.HierarchicalAllreduce16``: the node's ranks summed at its leader, a 16-bit ring among
+    the leaders, the result sent back) when the communicator spans several nodes and some node holds several
+    ranks, else the flat 16-bit ring over all ranks; "flat" or "hierarchical" force one. Alike on every rank."""
+
+    comm: object = None
+    algorithm: str = "auto"
+
+    def __post_init__(self):
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"CompressHookState: algorithm must be one of {ALGORITHMS} (got {self.algorithm!r})")
+
+
 def _comm(state, bucket):
+    if isinstance(state, CompressHookState):
+        state = state.comm
     return state if state is not None and not isinstance(state, PowerSGDState) else bucket.comm
 
 
@@ -162,7 +195,8 @@ def _compress_hook(dtype):
         rings = bucket._comms.rings
         if bucket.index() == 0:  # a new synchronization: rings still listed were abandoned (an exception)
             rings.clear()
-        ring = iring_allreduce_16(narrow, bucket.private_comm(comm), out=narrow, tag=bucket.index(), group=rings)
+        algorithm = state.algorithm if isinstance(state, CompressHookState) else "auto"
+        ring = bucket._comms.allreduce16(comm, algorithm).start(narrow, tag=bucket.index(), out=narrow, group=rings)
 
         def finish():
             flat[...] = ring.wait()
