@@ -4,7 +4,7 @@
 # SimComm worlds and under mpiexec -n 2 and 4. Every step has its own time limit so that one hang cannot eat
 # the lease; logs and JSON go to $OUT (default out/gpu).
 #
-#   OUT=out/gpu bash benchmarks/gpu_check.sh [steps...]     # steps: info bench gpt sim mpi2 mpi4 (default all)
+#   OUT=out/gpu bash benchmarks/gpu_check.sh [steps...]     # steps: info bench gpt sim mpi2 mpi4 (default), mpi1, p16
 #
 # Wheels the machine lacks (pytest, pytest-mpi, pytest-timeout, hypothesis, ...) are read from .gpuwheels/ when
 # that folder exists: they are unpacked onto PYTHONPATH, so no pip and no network is needed. Make it here first
@@ -27,6 +27,7 @@ export PYTHONPATH=$SITE:$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
 MPIEXEC="mpiexec --oversubscribe --mca btl_vader_single_copy_mechanism none"
 PYTEST="-m pytest -q -p no:cacheprovider --color=no --timeout=120 --timeout-method=thread -m gpu tests/test_gpu.py"
 STEPS=${*:-info bench gpt sim mpi2 mpi4}
+P16="sixteen or ring16 or 16_bit or float16_on or policy_on or bfloat16"  # issue 30's tests (16-bit floats on CuPy)
 
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, print a one-line verdict
   local name=$1 limit=$2; shift 2
@@ -50,6 +51,7 @@ for s in $STEPS; do
     mpi1) step mpi1 90 $MPIEXEC -n 1 "$PY" $PYTEST --with-mpi ;;
     mpi2) step mpi2 80 $MPIEXEC -n 2 "$PY" $PYTEST --with-mpi ;;
     mpi4) step mpi4 80 $MPIEXEC -n 4 "$PY" $PYTEST --with-mpi ;;
-    *) echo "gpu_check: unknown step '$s' (expected info bench gpt sim mpi1 mpi2 mpi4)"; exit 2 ;;
+    p16) step p16 240 "$PY" $PYTEST -k "$P16"; step p16-mpi2 180 $MPIEXEC -n 2 "$PY" $PYTEST --with-mpi -k "$P16" ;;
+    *) echo "gpu_check: unknown step '$s' (expected info bench gpt sim mpi1 mpi2 mpi4 p16)"; exit 2 ;;
   esac
 done
