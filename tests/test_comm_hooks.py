@@ -430,6 +430,7 @@ def test_two_hook_comms_keep_same_index_rings_apart_however_ranks_progress(comm)
     comms = [HookComms(), HookComms()]
     for c in comms:
         c.private(comm)  # collective: made where every rank makes it
+        c.allreduce16(comm, "auto")  # the compression hooks' (collective: placement and settings agreed)
     buckets = []
     for k, c in enumerate(comms):
         flat = np.full(9, 1.0 + rank, np.float32) * (1 + 100 * k) + np.arange(9, dtype=np.float32)
