@@ -240,7 +240,8 @@ PARITY = [("tests/test_ddp.py", "block"), ("tests/test_fsdp.py", "block"), ("tes
           ("tests/test_pipeline.py", "block"), ("tests/test_gpt.py", "block"),
           ("tests/test_fsdp_hybrid.py", "cyclic"), ("tests/test_gpt.py", "cyclic"),
           ("tests/test_cluster_allreduce.py", "block"), ("tests/test_cluster_allreduce.py", "cyclic"),
-          ("tests/test_cluster_ddp.py", "block"), ("tests/test_cluster_ddp.py", "cyclic")]
+          ("tests/test_cluster_ddp.py", "block"), ("tests/test_cluster_ddp.py", "cyclic"),
+          ("tests/test_hier16.py", "block")]
 
 
 @pytest.mark.timeout(600)

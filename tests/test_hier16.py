@@ -14,6 +14,7 @@ from mpi4py import MPI
 import mpidist
 from mpidist import nn, optim
 from mpidist.collectives_hier import HierarchicalAllreduce16
+from mpidist.comm.nodes import node_of_ranks
 from mpidist.nn import functional as F
 from mpidist.nn.precision import bfloat16, float16
 from mpidist.parallel.comm_hooks import CompressHookState, bf16_compress_hook, fp16_compress_hook
@@ -121,6 +122,18 @@ def test_sums_equal_the_numpy_emulation_on_round_robin_fake_nodes(comm):
         chosen, got, first, inputs = sum_everywhere(FakeNodes(comm, lambda r: r % 2), "hierarchical", dtype, 515)
         np.testing.assert_array_equal(got.view(np.uint16), node_aware_reference(inputs, nodes, dtype).view(np.uint16))
         assert got.tobytes() == first.tobytes()
+
+
+def test_auto_on_the_real_nodes_equals_the_emulation_of_what_it_chose(comm):
+    """The comm fixture's own placement (one node here; two in make test-cluster): "auto" is node-aware exactly
+    where the ranks span nodes with several ranks on some node, and equals that algorithm's emulation."""
+    nodes = node_of_ranks(comm)
+    spans = 1 < max(nodes) + 1 < comm.Get_size()
+    chosen, got, first, inputs = sum_everywhere(comm, "auto", bfloat16, 515, seed=3)
+    assert chosen == ("hierarchical" if spans else "flat")
+    want = node_aware_reference(inputs, nodes, bfloat16) if spans else flat_reference(inputs, bfloat16)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert got.tobytes() == first.tobytes()
 
 
 @pytest.mark.world_sizes(4)
