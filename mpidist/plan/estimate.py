@@ -20,24 +20,14 @@ import functools
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional
 
-from mpidist.parallel.pipeline import schedules as _schedules
-
 from .layouts import Layout, enumerate_layouts
 from .model import ModelShape, parameters, stage_layers
 from .profile import Profile
+from .schedule import build_schedule, in_flight as _in_flight, pipeline as _pipeline
 from .volumes import Call, calls_per_rank, ddp_buckets, dtypes, fsdp_units, summarize
 
 __all__ = ["Estimate", "estimate", "plan", "lower_bound", "memory_per_rank", "collective_seconds", "build_schedule", "activation_bytes",
            "attention_probs_bytes"]
-
-_BUILDERS = {"gpipe": lambda p, m, v: _schedules.gpipe(p, m), "1f1b": lambda p, m, v: _schedules.one_f_one_b(p, m),
-             "interleaved": _schedules.interleaved_1f1b, "zb_h1": lambda p, m, v: _schedules.zero_bubble_h1(p, m)}
-
-
-def build_schedule(layout: Layout):
-    """Return the ``Schedule`` the layout's Pipeline runs (with its send/receive actions)."""
-    return _schedules.insert_comms(_BUILDERS[layout.schedule](layout.pp, layout.num_micro, layout.chunks))
-
 
 @dataclass
 class Estimate:
@@ -269,20 +259,8 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
         return est
     est.warnings = profile.out_of_range(layout.ranks, _num_parameters(shape), layout)
     pp, v, m = layout.pp, layout.chunks, layout.num_micro
-    stages = stage_layers(shape, pp * v)
-    sim = _pipeline(layout, 1.0, 2.0, 1.0 if layout.schedule == "zb_h1" else None, 0.0) if pp > 1 else None
     worst_mem, worst_time, worst_calls = None, None, None
-    seen = set()
-    for position in range(pp):
-        mine = [s for s in range(pp * v) if s % pp == position]
-        layers = [layer for s in mine for layer in stages[s]]
-        in_flight = sim["peak"][position] if sim is not None else 1
-        # Middle positions with as many blocks hold and do the same: estimate each kind once.
-        kind = (tuple((sum(x.startswith("blocks.") for x in stages[s]), "embed" in stages[s], "head" in stages[s])
-                      for s in mine), in_flight)
-        if kind in seen:
-            continue
-        seen.add(kind)
+    for position, layers, in_flight in _positions(shape, layout, _peaks(layout)):
         mem = memory_per_rank(shape, layout, position, in_flight)
         calls = calls_per_rank(shape, layout, position)
         f, b = _compute_seconds(shape, layout, layers, profile, ranks_per_node)
@@ -296,7 +274,7 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
             worst_mem = mem
         # AdamW streams float32 state with master weights (a third of it: the masters), else the parameters
         updated = mem["optimizer"] / 3 if dtypes(shape, layout).masters else mem["params"]
-        worst_time = _merge_time(worst_time, (f, b, tp_s, pp_s, dp_s, updated, calls))
+        worst_time = _merge_time(worst_time, (f, b, tp_s, pp_s, dp_s, updated, calls), m)
         if worst_calls is None or sum(c.nbytes * c.count for c in calls) > sum(c.nbytes * c.count for c in worst_calls):
             worst_calls = calls
     f, b, tp_s, pp_s, dp_s, param_bytes, calls = worst_time
@@ -310,11 +288,12 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
         wc = bc / 2 if layout.schedule == "zb_h1" else None
         per_message = pp_s / max(1, sum(c.count for c in calls if c.group == "pp" and c.op == "send")) * 2
         args = (layout, fc / v, bc / v, None if wc is None else wc / v)
-        timed, untimed = _pipeline(*args, per_message), _pipeline(*args, 0.0)
-        busy = timed["busy"]
-        bubble = untimed["makespan"] - busy              # the schedule's own idle time
-        pp_exposed = timed["makespan"] - untimed["makespan"]   # what the messages between stages add
-        pipeline_time = timed["makespan"]
+        sim = _pipeline(*args, (per_message, 0.0))   # timed with the messages, and without them
+        timed, untimed = (float(t) for t in sim["makespan"])
+        busy = float(sim["busy"][0])
+        bubble = untimed - busy              # the schedule's own idle time
+        pp_exposed = timed - untimed         # what the messages between stages add
+        pipeline_time = timed
     else:
         pipeline_time = compute + tp_s
     # Data-parallel reductions: DDP inside a pipeline syncs after the schedule (exposed); otherwise they
@@ -333,10 +312,60 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
     est.comm = summarize(worst_calls)
     est.time = {"compute": compute, "tp": tp_s, "pp": pp_exposed, "bubble": bubble, "dp": dp_exposed,
                 "optimizer": optimizer, "step": step}
-    if worst_mem["total"] > profile.memory_bytes:
-        est.reason = (f"needs {worst_mem['total'] / 2**30:.2f} GiB per rank, has "
-                      f"{profile.memory_bytes / 2**30:.2f} GiB")
+    est.reason = _does_not_fit(worst_mem, profile)
     return est
+
+
+def _does_not_fit(memory: Dict[str, float], profile: Profile) -> str:
+    """Return why ``memory`` (a rank's, by component) does not fit the profile's ("" if it does)."""
+    if memory["total"] > profile.memory_bytes:
+        return f"needs {memory['total'] / 2**30:.2f} GiB per rank, has {profile.memory_bytes / 2**30:.2f} GiB"
+    return ""
+
+
+def _peaks(layout: Layout):
+    """Return each pipeline position's micro-batches in flight (None without a pipeline: one)."""
+    return _in_flight(layout.schedule, layout.pp, layout.num_micro, layout.chunks) if layout.pp > 1 else None
+
+
+def _positions(shape: ModelShape, layout: Layout, peaks=None):
+    """Yield (position, its layers, its micro-batches in flight) once per kind of pipeline position: middle
+    positions with as many blocks (and as many micro-batches in flight) hold and do the same."""
+    seen = set()
+    for position, (layers, kind) in enumerate(_position_kinds(shape, layout.pp, layout.chunks)):
+        in_flight = peaks[position] if peaks else 1
+        if (kind, in_flight) not in seen:
+            seen.add((kind, in_flight))
+            yield position, list(layers), in_flight
+
+
+@functools.lru_cache(maxsize=256)
+def _position_kinds(shape: ModelShape, pp: int, v: int):
+    """Return per pipeline position (its layers, its kind: per stage its blocks and whether it has the embedding
+    or the head)."""
+    stages = stage_layers(shape, pp * v)
+    mine = [range(position, pp * v, pp) for position in range(pp)]
+    return tuple((tuple(layer for s in stages_of for layer in stages[s]),
+                  tuple((sum(x.startswith("blocks.") for x in stages[s]), "embed" in stages[s], "head" in stages[s])
+                        for s in stages_of)) for stages_of in mine)
+
+
+def _memory(shape: ModelShape, layout: Layout) -> Dict[str, float]:
+    """Return ``estimate``'s memory: the largest over pipeline positions of ``memory_per_rank``.
+
+    A position's memory grows with its micro-batches in flight, so of the positions of one kind only the first
+    with the most in flight can hold the most: at pp=96 three positions are counted instead of 96."""
+    peaks, most = _peaks(layout), {}
+    for position, (_, kind) in enumerate(_position_kinds(shape, layout.pp, layout.chunks)):
+        in_flight = peaks[position] if peaks else 1
+        if kind not in most or in_flight > most[kind][1]:
+            most[kind] = (position, in_flight)
+    worst = None
+    for position, in_flight in sorted(most.values()):
+        mem = memory_per_rank(shape, layout, position, in_flight)
+        if worst is None or mem["total"] > worst["total"]:
+            worst = mem
+    return worst
 
 
 _DDP_ONLY, _FSDP_ONLY = ("comm_hook", "powersgd_rank"), ("gather_dtype", "reduce_dtype")
@@ -359,58 +388,26 @@ def _num_parameters(shape: ModelShape) -> int:
     return shape.num_parameters()
 
 
-@functools.lru_cache(maxsize=4096)
-def _simulated(schedule, p, m, v, f, b, w, comm):
-    built = _schedules.insert_comms(_BUILDERS[schedule](p, m, v))
-    return _schedules.simulate_schedule(built, f, b, w, comm_cost=comm)
+def _merge_time(worst, new, num_micro):
+    """Keep the position whose step costs most: its ``num_micro`` micro-batches' compute plus its communication.
 
-
-def _pipeline(layout: Layout, f: float, b: float, w, comm: float) -> dict:
-    """Return the schedule's makespan, busiest rank's busy time and per-rank peak micro-batches in flight.
-
-    Past its fill, a schedule repeats itself every p micro-batches (each group of p adds the same time and the
-    same holdings), so for m > 4p it is simulated at m1 = 2p + m % p and m2 = m1 + p micro-batches (same
-    remainder: the same branch of the interleaved builder) and extended linearly to m. tests/test_plan.py checks
-    the extension against the full simulation.
+    ``f`` and ``b`` are one micro-batch's, the communication a whole step's: weighing one micro-batch against a
+    step's messages picked the embedding's stage (its tied-weight reduction) over the head's at many micro-batches.
     """
-    p, m, v = layout.pp, layout.num_micro, layout.chunks
-    if m <= 4 * p:
-        r = _simulated(layout.schedule, p, m, v, f, b, w, comm)
-        return {"makespan": r.makespan, "busy": max(r.busy), "peak": r.peak_until_w}
-    m1 = 2 * p + m % p
-    r1 = _simulated(layout.schedule, p, m1, v, f, b, w, comm)
-    r2 = _simulated(layout.schedule, p, m1 + p, v, f, b, w, comm)
-    groups = (m - m1) // p
-    return {"makespan": r1.makespan + groups * (r2.makespan - r1.makespan),
-            "busy": max(r1.busy) + groups * (max(r2.busy) - max(r1.busy)),
-            "peak": tuple(k1 + groups * (k2 - k1) for k1, k2 in zip(r1.peak_until_w, r2.peak_until_w))}
-
-
-def _merge_time(worst, new):
-    """Keep the position whose step costs most (its compute plus its communication)."""
     if worst is None:
         return new
-    cost = lambda w: w[0] + w[1] + w[2] + w[3] + w[4]   # noqa: E731
+    cost = lambda w: num_micro * (w[0] + w[1]) + w[2] + w[3] + w[4]   # noqa: E731
     return new if cost(new) > cost(worst) else worst
 
 
 def lower_bound(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node: int) -> float:
     """Return a lower bound of ``estimate(...).time["step"]`` without simulating the schedule: the busiest
     position's compute, tensor-parallel communication and optimizer (a step is never shorter than its busy time)."""
-    pp, v = layout.pp, layout.chunks
-    stages = stage_layers(shape, pp * v)
     best = 0.0
-    seen = set()
-    for position in range(pp):
-        mine = [s for s in range(pp * v) if s % pp == position]
-        kind = tuple((sum(x.startswith("blocks.") for x in stages[s]), "embed" in stages[s], "head" in stages[s])
-                     for s in mine)
-        if kind in seen:
-            continue
-        seen.add(kind)
-        layers = [layer for s in mine for layer in stages[s]]
+    for position, layers, _ in _positions(shape, layout):
         f, b = _compute_seconds(shape, layout, layers, profile, ranks_per_node)
-        calls = calls_per_rank(shape, layout, position)
+        # The tensor-parallel calls do not depend on dp: counted without data parallelism, no DDP buckets are cut
+        calls = calls_per_rank(shape, replace(layout, dp=1), position)
         tp_s = _calls_seconds(calls, profile, layout, ranks_per_node, {"tp"})
         best = max(best, layout.num_micro * (f + b) + tp_s)
     return best
@@ -426,7 +423,9 @@ def plan(shape: ModelShape, global_batch: int, ranks: int, ranks_per_node: int, 
 
     Branch and bound: layouts are estimated in the order of a cheap lower bound of their step time
     (``lower_bound``); once that bound exceeds the ``keep``-th fastest step found, the remaining layouts cannot
-    enter the best ``keep`` and are listed as not ranked, with their bound, instead of simulated.
+    enter the best ``keep`` and are listed as not ranked, with their bound, instead of simulated. Memory comes
+    before time: a layout that does not fit (most of them, for large models) gets its ``memory`` and reason
+    only, without the step time, calls and warnings ``estimate`` would add.
     """
     if ranks < 1 or ranks_per_node < 1 or global_batch < 1:
         raise ValueError(f"plan: ranks, ranks_per_node and global_batch must be >= 1 (ranks={ranks}, "
@@ -452,6 +451,10 @@ def plan(shape: ModelShape, global_batch: int, ranks: int, ranks_per_node: int, 
         if len(steps) >= keep and bound > steps[keep - 1]:
             out.append(Estimate(layout, reason=f"not ranked: its step is at least {bound:.4g} s, slower than the "
                                                f"{keep} best layouts"))
+            continue
+        memory = _memory(shape, layout)
+        if _does_not_fit(memory, profile):
+            out.append(Estimate(layout, memory=memory, reason=_does_not_fit(memory, profile)))
             continue
         est = estimate(shape, layout, profile, ranks_per_node)
         out.append(est)

@@ -22,7 +22,7 @@ Glossary:
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Iterator, List, Tuple
 
 __all__ = ["Layout", "SCHEDULES", "SHARDINGS", "COMM_HOOKS", "enumerate_layouts", "divisors"]
@@ -87,7 +87,8 @@ class Layout:
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # every field is a scalar: a flat copy is asdict's, without its recursion (the planner calls it per layout)
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _short(dtype: str) -> str:

@@ -13,6 +13,8 @@ Glossary:
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
 
@@ -91,7 +93,7 @@ class Param:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)   # not np.prod: the planner asks millions of times
 
 
 def layer_names(shape: ModelShape) -> List[str]:
@@ -105,6 +107,11 @@ def parameters(shape: ModelShape, layer: str, tp: int = 1, own_head_weight: bool
     ``own_head_weight``: the head holds its own copy of a tied weight (a pipeline's last stage); otherwise a tied
     head lists no weight (it reads the embedding's).
     """
+    return list(_parameters(shape, layer, tp, own_head_weight))
+
+
+@functools.lru_cache(maxsize=4096)   # the planner asks for the same layers for each of thousands of layouts
+def _parameters(shape: ModelShape, layer: str, tp: int, own_head_weight: bool) -> Tuple[Param, ...]:
     d, s = shape.hidden, shape
     vocab_local = padded_split(s.vocab, tp, "plan (vocabulary)") if tp > 1 else s.vocab
     norm = [("weight", (d,), True)] + ([("bias", (d,), True)] if s.bias else [])
@@ -134,12 +141,17 @@ def parameters(shape: ModelShape, layer: str, tp: int = 1, own_head_weight: bool
         add("mlp.proj.", [("weight", (d, ffn), rep)] + ([("bias", (d,), True)] if s.bias else []))
     else:
         raise ValueError(f"plan: unknown layer {layer!r} (expected 'embed', 'blocks.i' or 'head')")
-    return out
+    return tuple(out)
 
 
 def stage_layers(shape: ModelShape, pp: int) -> List[List[str]]:
     """Return each pipeline stage's layers, cut as ``GPT.pipeline_stages(pp)`` cuts them."""
-    counts = split_layers(shape.layers, pp)
+    return [list(stage) for stage in _stage_layers(shape.layers, pp)]
+
+
+@functools.lru_cache(maxsize=256)   # the planner asks for each of thousands of layouts
+def _stage_layers(num_layers: int, pp: int) -> Tuple[Tuple[str, ...], ...]:
+    counts = split_layers(num_layers, pp)
     stages, start = [], 0
     for s, n in enumerate(counts):
         layers = [f"blocks.{i}" for i in range(start, start + n)]
@@ -147,6 +159,6 @@ def stage_layers(shape: ModelShape, pp: int) -> List[List[str]]:
             layers = ["embed"] + layers
         if s == pp - 1:
             layers = layers + ["head"]
-        stages.append(layers)
+        stages.append(tuple(layers))
         start += n
-    return stages
+    return tuple(stages)
