@@ -35,8 +35,9 @@ from . import collectives
 from .comm import check_comm
 from .comm.agree import check_same, raise_if_any
 from .comm.nodes import node_of_ranks
-from .ring16 import _posted, _Ring16, iring_allreduce_16, wait_together
+from .ring16 import post_16, Ring16, iring_allreduce_16, wait_together
 from .wire import BFLOAT16, resolve
+from .xp import asarray_like, copy_into, is_device_array, to_numpy
 
 __all__ = ["HierarchicalAllreduce", "HierarchicalAllreduce16", "ALGORITHMS"]
 
@@ -240,6 +241,8 @@ class HierarchicalAllreduce16:
         ``tag``: None: the next of a sequence private to ``comm``'s node and leader communicators (flat: of
         ``ring16``'s private duplicate); an int: the messages' tag (works pending at once need different ones).
         ``group``: a list of pending works this one joins; its ``wait()`` advances them all."""
+        if is_device_array(x):
+            return _OnDevice16(self.start(to_numpy(x), tag=tag, group=group), x, out)
         problem = _problem(x, x if out is None else out)
         if problem:
             raise TypeError(f"HierarchicalAllreduce16: {problem}")
@@ -278,6 +281,27 @@ def _problem(x, out):
     return None
 
 
+class _OnDevice16:
+    """A 16-bit sum of a device (CuPy) array, run on a host copy and copied up once by ``wait()``: as ``ring16``
+    stages its ring (messages in host buffers for an MPI that is not CUDA-aware, numpy's float32 accumulation)."""
+
+    def __init__(self, work, like, out):
+        self.work, self.like, self.out = work, like, out
+
+    def done(self):
+        return self.work.done()
+
+    def test(self):
+        return self.work.test()
+
+    def wait(self):
+        host = self.work.wait()
+        if self.out is None:
+            return asarray_like(host, self.like)
+        copy_into(self.out, host)
+        return self.out
+
+
 class _NodeAware16:
     """One ``HierarchicalAllreduce16`` sum in flight, a state machine of stages; ``test()`` advances it.
 
@@ -294,18 +318,18 @@ class _NodeAware16:
         if hier.local_rank == 0:
             self.stage = "gather"
             self.parts = [np.empty_like(x) for _ in range(1, self.node.Get_size())]
-            self.requests = [_posted(self.node, "recv", self.node.Irecv, part, peer, tag)
+            self.requests = [post_16(self.node, "recv", self.node.Irecv, part, peer, tag)
                              for peer, part in enumerate(self.parts, 1)]
         else:
             self.stage = "send"
-            self.requests = [_posted(self.node, "send", self.node.Isend, x, 0, tag)]
+            self.requests = [post_16(self.node, "send", self.node.Isend, x, 0, tag)]
         if group is not None:
             group.append(self)
 
     def _next(self):
         """The stage's messages (or ring) completed: do its work, post the next stage's messages."""
         if self.stage == "send":
-            self.stage, self.requests = "receive", [_posted(self.node, "recv", self.node.Irecv, self.out, 0, self.tag)]
+            self.stage, self.requests = "receive", [post_16(self.node, "recv", self.node.Irecv, self.out, 0, self.tag)]
         elif self.stage == "gather":
             total = self.x.astype(np.float32)
             for part in self.parts:  # local-rank order: the rounding of float32 additions is reproducible
@@ -313,7 +337,7 @@ class _NodeAware16:
             self.parts = None
             if self.leaders.Get_size() > 1:
                 self.stage = "ring"
-                self.ring = _Ring16(total, self.leaders, self.tag, out=self.out, wire_dtype=self.x.dtype)
+                self.ring = Ring16(total, self.leaders, self.tag, out=self.out, wire_dtype=self.x.dtype)
             else:
                 self.out[...] = total  # one node: the float32 sum rounded once
                 self._broadcast()
@@ -326,7 +350,7 @@ class _NodeAware16:
 
     def _broadcast(self):
         self.stage = "broadcast"
-        self.requests = [_posted(self.node, "send", self.node.Isend, self.out, peer, self.tag)
+        self.requests = [post_16(self.node, "send", self.node.Isend, self.out, peer, self.tag)
                          for peer in range(1, self.node.Get_size())]
 
     def done(self):

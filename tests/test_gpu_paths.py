@@ -820,13 +820,13 @@ def test_policy_on_fake_cupy_trains_as_on_numpy(fake_cupy, param, compute):
 DDP_16_BIT = ["fp16_compress_hook", "bf16_compress_hook", "bf16_params"]
 
 
-def ddp_16_bit_run(comm, kind, device):
-    """Two Adam steps of DDP (several buckets) with ``kind``: a 16-bit compression hook, or Policy("bf16")
-    parameters (bfloat16 buckets, summed in float32); return the module's parameters on the host."""
+def ddp_16_bit_run(comm, kind, device, state=None):
+    """Two Adam steps of DDP (several buckets) with ``kind``: a 16-bit compression hook (with ``state``), or
+    Policy("bf16") parameters (bfloat16 buckets, summed in float32); return the module's parameters on the host."""
     def wrap(model):
         ddp = DDP(model, comm, bucket_cap_mb=0.0002, first_bucket_mb=0.0002)  # several buckets, several rings
         if kind != "bf16_params":
-            ddp.register_comm_hook(None, getattr(comm_hooks, kind))
+            ddp.register_comm_hook(state, getattr(comm_hooks, kind))
         return ddp
 
     ddp = train_tiny(comm, wrap, device, policy=Policy("bf16") if kind == "bf16_params" else None)[0]
@@ -847,6 +847,21 @@ def test_ddp_16_bit_step_on_fake_cupy_equals_numpy(comm, fake_cupy, kind):
     """DDP on CuPy arrays with the 16-bit compression hooks (the ring staged through the host) and with bfloat16
     parameters (bfloat16 buckets summed in float32 on the device path): the numpy run's bits on every rank."""
     assert_same_bits(ddp_16_bit_run(comm, kind, FAKE_CUPY), ddp_16_bit_run(comm, kind, None))
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("kind", DDP_16_BIT[:2])
+def test_ddp_node_aware_16_bit_hooks_on_fake_cupy_equal_numpy(monkeypatch, kind):
+    """The node-aware 16-bit sum (collectives_hier, 2 simulated nodes x 2 ranks) on CuPy buckets: summed on a host
+    copy, the result copied up; the numpy run's bits."""
+    install_fake_cupy(monkeypatch)
+    state = comm_hooks.CompressHookState(algorithm="hierarchical")
+
+    def body(comm):
+        return ddp_16_bit_run(comm, kind, FAKE_CUPY, state), ddp_16_bit_run(comm, kind, None, state)
+
+    for got, want in mpidist.simulate(4, body, ranks_per_node=2):
+        assert_same_bits(got, want)
 
 
 @pytest.mark.parametrize("reduce_dtype", [None, "fp16"], ids=["reduce_fp32", "reduce_fp16"])
