@@ -151,6 +151,19 @@ def _scores(rows, predicted):
             "chosen": rows[chosen]["name"], "chosen_vs_best": measured[chosen] / min(measured) - 1}
 
 
+def repeat_tau(rows, key):
+    """Return {"median", "min", "max", "repeats"} of Kendall's tau between every two repeats of the measurement
+    (``key``: each row's per-round or per-run steps): how well the machine ranks the layouts against itself, the
+    ceiling of any model's tau on it; None without two repeats."""
+    series = [r.get(key) or [] for r in rows]
+    repeats = min(len(x) for x in series)
+    if repeats < 2:
+        return None
+    taus = [kendall_tau([x[i] for x in series], [x[j] for x in series])
+            for i in range(repeats) for j in range(i + 1, repeats)]
+    return {"median": statistics.median(taus), "min": min(taus), "max": max(taus), "repeats": repeats}
+
+
 def predict(rows, profile, ranks_per_node, ranks, cores):
     """Add the planner's prediction and the errors to ``rows``; return the part's summary (with the same
     scores for the profile's knobs left neutral, ``compute_scale`` 1 and no per-layer overhead: uncalibrated)."""
@@ -173,7 +186,11 @@ def predict(rows, profile, ranks_per_node, ranks, cores):
             "chosen": chosen["name"], "chosen_vs_best": chosen["step_s"] / min(measured) - 1,
             "best": rows[measured.index(min(measured))]["name"],
             "max_foreign_cpu_share": max(r["foreign_cpu_share"] for r in rows),
-            "oversubscribed": ranks > cores, "uncalibrated": _scores(rows, [r["uncalibrated_step_s"] for r in rows])}
+            "oversubscribed": ranks > cores, "uncalibrated": _scores(rows, [r["uncalibrated_step_s"] for r in rows]),
+            "repeat_tau_rounds": repeat_tau(rows, "rounds_step_s"), "repeat_tau_runs": repeat_tau(rows, "runs_step_s"),
+            "without": {term: _scores(rows, [estimate(SHAPE, Layout(**r["layout"]), Profile.from_dict(
+                dict(profile.to_dict(), **{term: off})), ranks_per_node).time["step"] for r in rows])
+                for term, off in (("microbatch_cost", []), ("oversubscribed_tier", None))}}
 
 
 def print_part(name, part):
@@ -189,6 +206,14 @@ def print_part(name, part):
     print(f"Kendall tau {s['kendall_tau']:.2f}; median |step error| {s['median_abs_step_error']:.0%}; "
           f"median |memory error| {s['median_abs_memory_error']:.0%}; chosen {s['chosen']} "
           f"({s['chosen_vs_best']:+.0%} vs the measured best, {s['best']})")
+    for kind in ("rounds", "runs"):
+        rt = s.get(f"repeat_tau_{kind}")
+        if rt:
+            print(f"the measurement against itself, between {rt['repeats']} {kind}: Kendall tau median "
+                  f"{rt['median']:.2f} (min {rt['min']:.2f}, max {rt['max']:.2f})")
+    for term, w in s["without"].items():
+        print(f"without {term}: Kendall tau {w['kendall_tau']:.2f}; median |step error| "
+              f"{w['median_abs_step_error']:.0%}; chosen {w['chosen']} ({w['chosen_vs_best']:+.0%})")
     u = s["uncalibrated"]
     print(f"uncalibrated (compute_scale 1, no layer overhead): Kendall tau {u['kendall_tau']:.2f}; median |step "
           f"error| {u['median_abs_step_error']:.0%}; chosen {u['chosen']} ({u['chosen_vs_best']:+.0%})")
@@ -266,6 +291,7 @@ def merge(args):
             quiet = [p["rows"][k]["step_s"] for p in parts if p["rows"][k]["foreign_cpu_share"] <= args.max_foreign]
             every = [p["rows"][k]["step_s"] for p in parts]
             rows.append({"layout": row["layout"], "name": row["name"], "peak_bytes": row["peak_bytes"],
+                         "rounds_step_s": [x for p in parts for x in p["rows"][k].get("rounds_step_s", [])],
                          "step_s": statistics.median(quiet or every), "runs_step_s": every,
                          "runs_foreign_cpu_share": [p["rows"][k]["foreign_cpu_share"] for p in parts],
                          "foreign_cpu_share": max(p["rows"][k]["foreign_cpu_share"] for p in parts)

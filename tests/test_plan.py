@@ -233,7 +233,8 @@ def test_cli_plans_mixed_precision(capsys):
 
 
 VALIDATION = os.path.join(os.path.dirname(__file__), "..", "docs", "plan_validate.json")
-VALIDATED_PROFILES = {"local-quiet": "local-quiet", "vcluster-2x2-200mbit": "vcluster-2x2"}   # name -> file
+VALIDATED_PROFILES = {"local-quiet": "local-quiet", "plan_validate_profile": "local-quiet",
+                      "vcluster-2x2-200mbit": "vcluster-2x2"}   # name -> file (the validated range)
 
 
 def test_local_profiles_validated_layouts_do_not_warn():

@@ -24,7 +24,8 @@ import numpy as np
 
 __all__ = ["measure_matmul_curve", "measure_memory_bandwidth", "measure_link", "measure_pingpong", "fit_alpha_beta",
            "calibrate", "calibrate_inter", "with_inter_tier", "fit_knobs", "machine_busy_seconds", "quiet_median",
-           "fit_microbatch_cost", "microbatch_curve", "measure_oversubscribed", "fit_oversubscribed"]
+           "fit_microbatch_cost", "microbatch_curve", "measure_oversubscribed", "fit_oversubscribed",
+           "interleaved_medians"]
 
 
 def _best(fn, repeat, budget_s=0.3):
@@ -196,22 +197,34 @@ CALIBRATION_RUNS = [({"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq"
 MICROBATCH_SWEEP = ({"layers": 2, "hidden": 128, "heads": 4, "vocab": 256, "seq": 64}, (1, 2, 4, 8, 16))
 
 
+def interleaved_medians(steps, rounds=6, per_round=3):
+    """Return [[median seconds, largest foreign share], ...] of each callable in ``steps``, timed interleaved:
+    ``rounds`` rounds in which each in turn takes one untimed and ``per_round`` timed calls (``quiet_median``),
+    so a slow minute of a shared machine falls on all of them alike; the median is over the rounds."""
+    times, foreign = [[] for _ in steps], [[] for _ in steps]
+    for _ in range(rounds):
+        for k, step in enumerate(steps):
+            step()
+            seconds, share = quiet_median(step, per_round)
+            times[k].append(seconds)
+            foreign[k].append(share)
+    return [[float(np.median(t)), max(f)] for t, f in zip(times, foreign)]
+
+
 def _steps():
     """Print {"runs": [[median seconds, foreign share], ...] of ``CALIBRATION_RUNS``, "sweep": the same of
-    ``MICROBATCH_SWEEP``}: one-rank training steps (real LayoutRuns), each measured when no other job loads the
-    machine (``quiet_median``)."""
+    ``MICROBATCH_SWEEP``}: one-rank training steps (real LayoutRuns), all timed interleaved
+    (``interleaved_medians``)."""
     from mpi4py import MPI
 
     from .execute import LayoutRun
     from .layouts import Layout
     from .model import ModelShape
-    def measure(dims, batch):
-        run = LayoutRun(ModelShape(**dims), Layout(1, 1, 1, micro_batch=batch), MPI.COMM_SELF)
-        run.step()
-        return quiet_median(run.step, 7)
     dims, batches = MICROBATCH_SWEEP
-    print(json.dumps({"runs": [measure(d, b) for d, b in CALIBRATION_RUNS],
-                      "sweep": [measure(dims, b) for b in batches]}))
+    shapes = list(CALIBRATION_RUNS) + [(dims, b) for b in batches]
+    runs = [LayoutRun(ModelShape(**d), Layout(1, 1, 1, micro_batch=b), MPI.COMM_SELF) for d, b in shapes]
+    measured = interleaved_medians([run.step for run in runs])
+    print(json.dumps({"runs": measured[:len(CALIBRATION_RUNS)], "sweep": measured[len(CALIBRATION_RUNS):]}))
 
 
 def fit_knobs(modelled, layer_passes, measured):
