@@ -270,13 +270,17 @@ def test_ddp_with_node_aware_compression_equals_the_emulated_ranks(hook, dtype, 
     assert any(not np.array_equal(w, f) for w, f in zip(want, flat))
 
 
-def test_ddp_with_node_aware_compression_on_fake_nodes_equals_the_emulated_ranks(comm):
-    """The comm fixture's ranks (mpiexec too) on round-robin fake nodes; "flat" keeps the flat ring's emulation."""
+@pytest.mark.parametrize("placement", ["round_robin", "real"])
+def test_ddp_with_node_aware_compression_on_fake_nodes_equals_the_emulated_ranks(comm, placement):
+    """The comm fixture's ranks (mpiexec too) on round-robin fake nodes, or on their real nodes (one here, two in
+    make test-cluster): "auto" equals the emulation of what it chose, "flat" the flat ring's emulation."""
     size = comm.Get_size()
-    nodes = [r % 2 for r in range(size)]
-    fake = FakeNodes(comm, lambda r: r % 2)
+    if placement == "real":
+        on, nodes = comm, node_of_ranks(comm)
+    else:
+        on, nodes = FakeNodes(comm, lambda r: r % 2), [r % 2 for r in range(size)]
     for algorithm in ("auto", "flat"):
-        params, layout = train_ddp(fake, bf16_compress_hook, CompressHookState(algorithm=algorithm))
+        params, layout = train_ddp(on, bf16_compress_hook, CompressHookState(algorithm=algorithm))
         node_aware = algorithm == "auto" and 1 < max(nodes) + 1 < size
         want = emulated_training(size, nodes, bfloat16, layout, node_aware)
         for got, w in zip(params, want):
