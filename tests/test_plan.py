@@ -11,8 +11,8 @@ from mpidist.models.gpt import GPT, GPTConfig
 from mpidist.models.gpt_parallel import tensor_parallel
 from mpidist.parallel.pipeline import schedules
 from mpidist.plan import Layout, ModelShape, Profile, estimate, load_profile, plan, profile_names
-from mpidist.plan.estimate import _pipeline, collective_seconds
-from mpidist.plan.model import layer_names, parameters
+from mpidist.plan.estimate import _compute_seconds, _pipeline, collective_seconds
+from mpidist.plan.model import layer_names, parameters, stage_layers
 
 CONFIGS = [GPTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=4, n_embd=8),
            GPTConfig(vocab_size=13, block_size=4, n_layer=3, n_head=4, n_embd=8, mlp_ratio=2, bias=False,
@@ -258,3 +258,20 @@ def test_local_profiles_validated_layouts_do_not_warn():
         "recompute 'full' never validated (validated: none)")
     assert estimate(shape, Layout(2, 1, 1, micro_batch=8), cluster, 2).warnings[0] == (
         "ranks 2 outside the validated 4..4")
+
+
+@pytest.mark.parametrize("num_micro", [1, 8, 128])
+def test_a_pipeline_steps_compute_is_its_busiest_stages(num_micro):
+    """A pipeline step's compute is the busiest stage's micro-batches, whatever each stage's messages cost.
+
+    The 5.9B GPT of arXiv 2104.04473 at pp=16: the last stage (2 blocks and the vocabulary head) computes most;
+    the first (2 blocks and the embedding) sends the tied embedding's reduction. Weighing one micro-batch's
+    compute against a whole step's messages once picked the first stage at many micro-batches."""
+    shape = ModelShape(layers=32, hidden=3840, heads=32, vocab=51200, seq=2048, dtype="float16")
+    layout = Layout(dp=4, tp=1, pp=16, micro_batch=1, num_micro=num_micro, schedule="1f1b")
+    profile = load_profile("a100-80gb-ib-fitted")
+    est = estimate(shape, layout, profile, ranks_per_node=8)
+    assert not est.reason, est.reason
+    per_stage = [sum(_compute_seconds(shape, layout, layers, profile, 8)) for layers in stage_layers(shape, 16)]
+    assert per_stage[-1] == max(per_stage) > per_stage[0]
+    assert est.time["compute"] == pytest.approx(num_micro * per_stage[-1], rel=1e-12)
