@@ -5,7 +5,7 @@ Run from the repo root:
 
     .venv/bin/python benchmarks/precision.py quality [--steps 80] [--json PATH]
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/precision.py comm [--steps 12] [--json PATH]
-    .venv/bin/python benchmarks/precision.py cluster [--rate 100mbit] [--steps 40] [--json PATH]   # root
+    .venv/bin/python benchmarks/precision.py cluster [--rate 100mbit] [--steps 40] [--setups NAME ...] [--json PATH]
 
 Results and the commands that made them: docs/precision.md (docs/precision_*.json).
 
@@ -28,9 +28,12 @@ rank); on one node the link is shared memory, so they show the compute cost of c
 cluster (root; brings up tests/cluster/vcluster.py's virtual cluster, 2 nodes x 2 ranks in block placement, each
 node's link shaped to ``--rate`` by tc's tbf, and always tears it down): the same GPT under DDP, batch 2 per rank
 (the global batch of 8 the quality runs use), buckets of 0.25 MB (5 buckets), AdamW lr 3e-3, seed 0, ``--steps``
-steps each with the float32 MPI allreduce (no hook), ``bf16_compress_hook`` and ``powerSGD_hook`` (rank 4, plain
-for the first 2 synchronizations), the two hooks also with ``DDP(overlap=False)`` (every bucket launched after
-backward: what the hooks' overlap with backward saves), taking their steps in turn. Reports the median of the
+steps each with the float32 MPI allreduce (no hook, ``fp32``), ``bf16_compress_hook`` over the flat 16-bit ring
+(``bf16-flat``) and node-aware (``bf16-node``: ``CompressHookState(algorithm="hierarchical")``, what "auto" takes
+here), and ``powerSGD_hook`` (rank 4, plain for the first 2 synchronizations, ``powersgd``), the flat ring and
+PowerSGD also with ``DDP(overlap=False)`` (``bf16-flat-nooverlap``, ``powersgd-nooverlap``: every bucket launched
+after backward: what the hooks' overlap with backward saves); ``--setups`` picks some (default: all), and they
+take their steps in turn. Reports the median of the
 slowest rank's step (steps 3 on), gradient bytes per rank by the algorithm's count, the bytes each node's link
 carried per step (its tx counter: everything, the 16-bit ring's and MPI's messages and the step's barriers), the
 mean training loss of the last 4 steps and the validation loss after ``--steps`` steps.
@@ -176,6 +179,7 @@ def comm_bench(steps, comm):
                        "parameters": int(numel)}, "rows": rows}
 
 
+CLUSTER_SETUPS = ("fp32", "bf16-flat", "bf16-flat-nooverlap", "bf16-node", "powersgd", "powersgd-nooverlap")
 CLUSTER_BATCH = 2  # per rank: 4 ranks x 2 = the quality runs' batch of 8
 CLUSTER_BUCKET_MB = 0.25  # 1 MB of gradients in 5 buckets: DDP's defaults (1 MB first, 25 MB) would make one
 
@@ -189,7 +193,27 @@ def _link_tx():
         return None
 
 
-def cluster_worker(steps, comm):
+def _cluster_setups():
+    """Return {name: (row label, hook, make the hook's state, overlap)} of the cluster benchmark."""
+    from mpidist.parallel import comm_hooks
+
+    def powersgd():
+        return comm_hooks.PowerSGDState(matrix_approximation_rank=4, start_powerSGD_iter=2)
+
+    def compress(algorithm):
+        return lambda: comm_hooks.CompressHookState(algorithm=algorithm)
+
+    bf16 = comm_hooks.bf16_compress_hook
+    return {"fp32": ("ddp fp32 allreduce", None, None, True),
+            "bf16-flat": ("ddp bf16_compress_hook, flat ring", bf16, compress("flat"), True),
+            "bf16-flat-nooverlap": ("ddp bf16_compress_hook, flat ring, overlap=False", bf16, compress("flat"), False),
+            "bf16-node": ("ddp bf16_compress_hook, node-aware", bf16, compress("hierarchical"), True),
+            "powersgd": ("ddp powerSGD_hook rank 4", comm_hooks.powerSGD_hook, powersgd, True),
+            "powersgd-nooverlap": ("ddp powerSGD_hook rank 4, overlap=False", comm_hooks.powerSGD_hook, powersgd,
+                                   False)}
+
+
+def cluster_worker(steps, comm, names):
     """Inside the job: DDP GPT training with each gradient communication; rows of timings, bytes and losses.
 
     The setups take their steps in turn (step k of each, then step k + 1), so a change in the machine's load
@@ -203,21 +227,15 @@ def cluster_worker(steps, comm):
     reads_link = node.Get_rank() == 0  # one rank per node reads its node's counter
     train, val = datasets()
 
-    def powersgd():
-        return comm_hooks.PowerSGDState(matrix_approximation_rank=4, start_powerSGD_iter=2)
-
+    table = _cluster_setups()
     setups = []
-    for name, hook, make_state, overlap in (
-            ("ddp fp32 allreduce", None, None, True),
-            ("ddp bf16_compress_hook", comm_hooks.bf16_compress_hook, None, True),
-            ("ddp bf16_compress_hook, overlap=False", comm_hooks.bf16_compress_hook, None, False),
-            ("ddp powerSGD_hook rank 4", comm_hooks.powerSGD_hook, powersgd, True),
-            ("ddp powerSGD_hook rank 4, overlap=False", comm_hooks.powerSGD_hook, powersgd, False)):
+    for key in names:
+        name, hook, make_state, overlap = table[key]
         model = GPT(CONFIG, rng=np.random.default_rng(0))
         ddp = DDP(model, comm, overlap=overlap, bucket_cap_mb=CLUSTER_BUCKET_MB, first_bucket_mb=CLUSTER_BUCKET_MB)
         if hook is not None:
             ddp.register_comm_hook(make_state() if make_state else None, hook)
-        setups.append({"name": name, "hook": hook, "model": model, "ddp": ddp, "times": [], "waits": [],
+        setups.append({"name": name, "key": key, "hook": hook, "model": model, "ddp": ddp, "times": [], "waits": [],
                        "losses": [], "link": 0,
                        "opt": optim.AdamW(ddp.parameters(), lr=3e-3, weight_decay=0.0)})
     for step in range(steps):
@@ -245,15 +263,18 @@ def cluster_worker(steps, comm):
         slowest = np.max(comm.allgather(s["times"]), axis=0)
         exposed = np.max(comm.allgather(s["waits"]), axis=0)
         mean_losses = np.mean(comm.allgather(s["losses"]), axis=0)
+        counted_link = None  # by the algorithm's count, each node's link, where known
         if s["hook"] is None:
             grad_bytes = _ring(4 * numel, size)  # by a ring's count; MPI's allreduce may send less over the link
+        elif s["key"] == "bf16-node":
+            grad_bytes = counted_link = _ring(2 * numel, len(per_node))  # the leaders' ring; in-node sends aside
         elif s["hook"] is comm_hooks.bf16_compress_hook:
-            grad_bytes = _ring(2 * numel, size)
+            grad_bytes = counted_link = _ring(2 * numel, size)  # block placement: one rank's ring per node's link
         else:
             grad_bytes = _powersgd_bytes(s["ddp"], 4, size)
-        rows.append({"setup": s["name"], "step_ms": 1e3 * float(np.median(slowest[3:])),
+        rows.append({"setup": s["name"], "key": s["key"], "step_ms": 1e3 * float(np.median(slowest[3:])),
                      "exposed_sync_ms": 1e3 * float(np.median(exposed[3:])),
-                     "grad_bytes_sent_per_rank": grad_bytes,
+                     "grad_bytes_sent_per_rank": grad_bytes, "link_bytes_by_count_per_node": counted_link,
                      "link_bytes_per_step_per_node": [float(v) for v in per_node],
                      "loss_last4": float(np.mean(mean_losses[-4:])), "val_loss": val_loss(s["model"], val),
                      "slowest_step_ms": [1e3 * float(t) for t in slowest]})
@@ -277,7 +298,7 @@ def cluster_driver(args):
     with vcluster.VirtualCluster(nodes=2, rate=args.rate) as cluster, tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "cluster.json")
         argv = cluster.mpiexec([sys.executable, os.path.abspath(__file__), "cluster", "--worker", "--out", out,
-                                "--steps", str(args.steps or 40)], ppn=2, placement="block")
+                                "--steps", str(args.steps or 40), "--setups", *args.setups], ppn=2, placement="block")
         env = dict(os.environ, OMP_NUM_THREADS="1", MPIDIST_COLLECTIVE_TIMEOUT="600")
         subprocess.run(argv, check=True, env=env, timeout=600, cwd=tmp)
         with open(out) as f:
@@ -293,12 +314,14 @@ def main():
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument("--rate", default="100mbit", help="cluster: each node's link rate, tc syntax")
+    parser.add_argument("--setups", nargs="+", default=list(CLUSTER_SETUPS), choices=CLUSTER_SETUPS,
+                        help="cluster: which setups to run (default: all)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.what == "cluster" and args.worker:
         from mpi4py import MPI
-        result = cluster_worker(args.steps or 40, MPI.COMM_WORLD)
+        result = cluster_worker(args.steps or 40, MPI.COMM_WORLD, args.setups)
         if MPI.COMM_WORLD.Get_rank() == 0:
             files.write_text_atomic(args.out, json.dumps(result))
         return
