@@ -401,8 +401,8 @@ def _merge_time(worst, new, num_micro):
 
 
 def lower_bound(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node: int) -> float:
-    """Return a lower bound of ``estimate(...).time["step"]`` without simulating the schedule: the busiest
-    position's compute, tensor-parallel communication and optimizer (a step is never shorter than its busy time)."""
+    """Return a lower bound of ``estimate(...).time["step"]`` without timing the schedule: the busiest position's
+    compute and tensor-parallel communication (a step is never shorter than its busy time)."""
     best = 0.0
     for position, layers, _ in _positions(shape, layout):
         f, b = _compute_seconds(shape, layout, layers, profile, ranks_per_node)
