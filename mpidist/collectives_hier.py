@@ -35,7 +35,7 @@ from . import collectives
 from .comm import check_comm
 from .comm.agree import check_same, raise_if_any
 from .comm.nodes import node_of_ranks
-from .ring16 import _posted, _Ring16, iring_allreduce_16, wait_together
+from .ring16 import Ring16, iring_allreduce_16, post_16, wait_together
 from .wire import BFLOAT16, resolve
 from .xp import asarray_like, copy_into, is_device_array, to_numpy
 
@@ -318,18 +318,18 @@ class _NodeAware16:
         if hier.local_rank == 0:
             self.stage = "gather"
             self.parts = [np.empty_like(x) for _ in range(1, self.node.Get_size())]
-            self.requests = [_posted(self.node, "recv", self.node.Irecv, part, peer, tag)
+            self.requests = [post_16(self.node, "recv", self.node.Irecv, part, peer, tag)
                              for peer, part in enumerate(self.parts, 1)]
         else:
             self.stage = "send"
-            self.requests = [_posted(self.node, "send", self.node.Isend, x, 0, tag)]
+            self.requests = [post_16(self.node, "send", self.node.Isend, x, 0, tag)]
         if group is not None:
             group.append(self)
 
     def _next(self):
         """The stage's messages (or ring) completed: do its work, post the next stage's messages."""
         if self.stage == "send":
-            self.stage, self.requests = "receive", [_posted(self.node, "recv", self.node.Irecv, self.out, 0, self.tag)]
+            self.stage, self.requests = "receive", [post_16(self.node, "recv", self.node.Irecv, self.out, 0, self.tag)]
         elif self.stage == "gather":
             total = self.x.astype(np.float32)
             for part in self.parts:  # local-rank order: the rounding of float32 additions is reproducible
@@ -337,7 +337,7 @@ class _NodeAware16:
             self.parts = None
             if self.leaders.Get_size() > 1:
                 self.stage = "ring"
-                self.ring = _Ring16(total, self.leaders, self.tag, out=self.out, wire_dtype=self.x.dtype)
+                self.ring = Ring16(total, self.leaders, self.tag, out=self.out, wire_dtype=self.x.dtype)
             else:
                 self.out[...] = total  # one node: the float32 sum rounded once
                 self._broadcast()
@@ -350,7 +350,7 @@ class _NodeAware16:
 
     def _broadcast(self):
         self.stage = "broadcast"
-        self.requests = [_posted(self.node, "send", self.node.Isend, self.out, peer, self.tag)
+        self.requests = [post_16(self.node, "send", self.node.Isend, self.out, peer, self.tag)
                          for peer in range(1, self.node.Get_size())]
 
     def done(self):

@@ -7,7 +7,7 @@ finished 16-bit chunks as bytes: 2 (n - 1) / n * (16-bit bytes) per rank, half o
 ends with the same bits (the owner's chunk is copied, never recomputed).
 
 Glossary:
-  ring      ``_Ring16``: the algorithm as a nonblocking state machine. Each step posts one Isend and one Irecv
+  ring      ``Ring16``: the algorithm as a nonblocking state machine. Each step posts one Isend and one Irecv
             of a chunk into buffers of known size; ``test()`` finishes the steps whose messages arrived and
             posts the next, ``wait()`` runs them to the end and returns the result.
   chunk     ``ceil(size / n)`` elements: rank r owns chunk r of the reduce-scatter (the last ones shorter or
@@ -23,7 +23,8 @@ Glossary:
 
 Blocking: ``ring_allreduce_16``, ``ring_reduce_scatter_16``. Pending work (DDP's compression hooks, FSDP's 16-bit
 reduce-scatter): ``iring_allreduce_16``, ``iring_reduce_scatter_16`` return the ring, whose ``test()`` advances it
-and whose ``wait()`` gives the result.
+and whose ``wait()`` gives the result. Building blocks of other 16-bit schemes (``collectives_hier``): ``Ring16``
+over a communicator and tag of the caller's, ``post_16`` (a header-free recorded message), ``wait_together``.
 """
 
 import time
@@ -34,7 +35,8 @@ from mpi4py import MPI
 from . import collectives, wire
 from .xp import asarray_like, check_dtype, copy_into, is_device_array, to_numpy
 
-__all__ = ["ring_allreduce_16", "ring_reduce_scatter_16", "iring_allreduce_16", "iring_reduce_scatter_16"]
+__all__ = ["ring_allreduce_16", "ring_reduce_scatter_16", "iring_allreduce_16", "iring_reduce_scatter_16",
+           "private_comm", "Ring16", "post_16", "wait_together"]
 
 _SIXTEEN_BIT = (np.dtype(np.float16), wire.BFLOAT16)
 _SEQUENCE_TAGS = 32768  # tags 0..32767, which every MPI allows (MPI_TAG_UB >= 32767)
@@ -62,8 +64,21 @@ def _free_private(comm, keyval, private):
         private.comm.Free()
 
 
+def private_comm(comm):
+    """Return ``comm``'s private duplicate, where rings without a tag run; made now (collectively) at the first request.
+
+    For callers that must name every communicator their work talks over (``mpidist.elastic`` revokes a wrapper's
+    ``communicators()`` after a failure; a ring blocked on an unrevoked duplicate would wait forever): they make
+    it up front, where every rank is, and list it."""
+    return _private_of(comm).comm
+
+
 def _private(comm):
     """Return (``comm``'s private duplicate for rings, this ring's tag); the first call for ``comm`` is collective."""
+    return _private_of(comm).take()
+
+
+def _private_of(comm):
     cls = type(comm)  # the class's own Create_keyval: SimComm keeps its keys' delete functions itself
     keyval = _keyvals.get(cls)
     if keyval is None:
@@ -72,7 +87,7 @@ def _private(comm):
     if private is None:
         private = _Private(comm.Dup())
         comm.Set_attr(keyval, private)
-    return private.take()
+    return private
 
 
 def _tag_ub(comm):
@@ -90,7 +105,7 @@ def _route(fn, comm, tag):
     return comm, int(tag)
 
 
-def _posted(comm, op, start, buf, peer, tag):
+def post_16(comm, op, start, buf, peer, tag):
     """Start ``start`` (``comm.Irecv`` or ``comm.Isend``) of 16-bit ``buf`` as a collectives Handle: no header (both
     ends know the size), and the guard's flight recorder and watchdog see it as they see ``collectives.isend``."""
     def post():
@@ -98,7 +113,7 @@ def _posted(comm, op, start, buf, peer, tag):
     return collectives.run_recorded(collectives.record_p2p(comm, op, buf, peer), post)
 
 
-class _Ring16:
+class Ring16:
     """The 16-bit ring as a nonblocking state machine: each step posts one Isend and one Irecv of a 16-bit chunk;
     ``test()`` finishes the steps whose messages arrived and posts the next, ``wait()`` runs them to the end and
     returns the result.
@@ -162,8 +177,8 @@ class _Ring16:
             # Allgather step j forwards chunk (rank - j), finished by its owner, and receives chunk (rank - j - 1).
             j = k - (n - 1)
             send, receive = self.gathered[self._span((rank - j) % n)], self.gathered[self._span((rank - j - 1) % n)]
-        self.requests = [_posted(self.comm, "recv", self.comm.Irecv, receive, left, self.tag),
-                         _posted(self.comm, "send", self.comm.Isend, send, right, self.tag)]
+        self.requests = [post_16(self.comm, "recv", self.comm.Irecv, receive, left, self.tag),
+                         post_16(self.comm, "send", self.comm.Isend, send, right, self.tag)]
 
     def _advance(self):
         """Finish the step whose messages completed and post the next."""
@@ -264,7 +279,7 @@ def iring_allreduce_16(flat, comm, out=None, tag=None, group=None):
     """Start ``ring_allreduce_16``; return the ring: ``test()`` advances it, ``wait()`` returns the sum.
 
     ``out`` (which may be ``flat``: it is copied at the start) is written by ``wait()``. ``group``: a list of
-    pending rings that this one joins (DDP's buckets): waiting for one advances them all (``_Ring16.wait``)."""
+    pending rings that this one joins (DDP's buckets): waiting for one advances them all (``Ring16.wait``)."""
     return _start("iring_allreduce_16", flat, comm, tag, group=group, out=out)
 
 
@@ -272,4 +287,4 @@ def _start(fn, flat, comm, tag, **ring):
     """Check ``fn``'s input and start its ring over ``comm`` or its private duplicate (``tag`` None)."""
     _check_16(fn, flat)
     ring_comm, tag = _route(fn, comm, tag)
-    return _Ring16(flat, ring_comm, tag, **ring)
+    return Ring16(flat, ring_comm, tag, **ring)

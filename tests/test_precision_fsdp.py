@@ -16,6 +16,7 @@ from mpidist.nn.precision import bfloat16, float16
 from mpidist.optim import SGD
 from mpidist.parallel.full_state import full_state_dict
 from mpidist.parallel.fsdp import FSDP
+from mpidist.ring16 import private_comm
 
 IN, HIDDEN, OUT = 6, 10, 4
 LR, STEPS, PER_RANK = 0.5, 3, 3
@@ -185,6 +186,17 @@ def test_16_bit_reduce_scatter_is_in_flight_after_the_units_gradients_are_final(
     fsdp, params = run_fsdp(comm, before=watch, param_dtype=dtype, reduce_dtype=dtype)
     assert in_flight == [False] * STEPS
     assert_bitwise(params, reference(comm.Get_size(), dtype, reduce_dtype=dtype, units=fsdp.units))
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_16_bit_reduce_names_its_rings_communicator_for_elastic(comm):
+    """The 16-bit ring runs on the shard group's private duplicate (ring16.private_comm), made when FSDP is built
+    and listed in communicators() (mpidist.elastic revokes those after a failure: a ring blocked on a duplicate
+    nobody revokes would wait forever); a float32 reduce_dtype makes none."""
+    fsdp = FSDP(make_model(), comm, param_dtype="bf16", reduce_dtype="bf16")
+    ring_comm = private_comm(fsdp.shard_comm)  # FSDP made it: local now
+    assert ring_comm is not comm and fsdp.communicators() == (ring_comm,)
+    assert FSDP(make_model(), comm, param_dtype="bf16").communicators() == ()
 
 
 def test_bad_precision_arguments_raise(comm):

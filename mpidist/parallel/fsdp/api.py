@@ -52,6 +52,7 @@ from ...nn.autograd import Tensor, is_grad_enabled, queue_callback, queue_weight
 from ...nn.module import Module
 from ...nn.precision import as_dtype
 from ...nn.placement import FlatShard, placement_of
+from ...ring16 import private_comm
 from ..agreement import TrainableAtBuild, check_same_shards, check_same_structure
 from ..grad_sync import GradSync
 from ..interface import PlacedParameter, Wrapper, dimensions, placement_comms, refuse_mesh
@@ -252,6 +253,11 @@ class FSDP(Wrapper):
         self._stamp = self._grad_sync.stamp
         for u in self._param_units:
             u.shard_from_rank0()
+        # A 16-bit reduce_dtype's ring runs on the shard group's private duplicate (mpidist.ring16): made here,
+        # where every rank is, so that communicators() names it and mpidist.elastic revokes it after a failure.
+        sixteen_bit = reduce_dtype is not None and reduce_dtype.itemsize == 2
+        self._ring_comm = private_comm(groups.shard_comm) if sixteen_bit and groups.shard_comm.Get_size() > 1 \
+            else None
         self._neighbours = self._param_neighbours()
         self._checkpoint_spans = self._ancestors_of_units(module)
         self._handles = []
@@ -336,10 +342,11 @@ class FSDP(Wrapper):
         return self._ctx.groups
 
     def communicators(self):
-        """The communicators this FSDP works over besides ``comm`` (hybrid: its shard and replica groups), e.g.
+        """The communicators this FSDP works over besides ``comm`` (hybrid: its shard and replica groups; a 16-bit
+        ``reduce_dtype``: the ring's private duplicate of the shard group, ``ring16.private_comm``), e.g.
         for ``mpidist.elastic`` to revoke after a failure: a rank blocked in one of them with live members is
         told of a failure only through them."""
-        return tuple(c for c in (self.groups.shard_comm, self.groups.replicate_comm)
+        return tuple(c for c in (self.groups.shard_comm, self.groups.replicate_comm, self._ring_comm)
                      if c is not None and c is not self.comm)
 
     def placed_parameters(self):
