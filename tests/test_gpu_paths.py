@@ -885,3 +885,17 @@ def test_bfloat16_on_a_cupy_without_it_raises_naming_the_version(comm, monkeypat
     apply_policy(model, Policy("fp16"))
     assert all(p.dtype == np.float16 and mpidist.xp.is_device_array(p.data) for p in model.parameters())
     assert mpidist.xp.bfloat16_problem(np) is None
+
+
+def test_bfloat16_wrappers_on_a_cupy_without_it_raise_naming_the_version(comm, monkeypatch):
+    """FSDP's bfloat16 param/reduce dtype and DDP's bf16_compress_hook on CuPy 13's arrays raise on every rank,
+    naming the dtype and the version (FSDP at construction, before its first collective; the hook at the first
+    bucket); float16 works there."""
+    install_fake_cupy(monkeypatch, version="13.6.0", bfloat16=False)
+    for what in ("param_dtype", "reduce_dtype"):
+        with pytest.raises(TypeError, match=rf"FSDP: {what}: CuPy 13\.6\.0 has no bfloat16 arrays"):
+            FSDP(to_fake_cupy(tiny_model()), comm, **{what: "bf16"})
+    with pytest.raises(TypeError, match=r"bf16_compress_hook: CuPy 13\.6\.0 has no bfloat16 arrays"):
+        ddp_16_bit_run(comm, "bf16_compress_hook", FAKE_CUPY)
+    fp16 = "fp16_compress_hook"
+    assert_same_bits(ddp_16_bit_run(comm, fp16, FAKE_CUPY), ddp_16_bit_run(comm, fp16, None))

@@ -31,7 +31,7 @@ import numpy as np
 from .. import collectives
 from ..nn.precision import bfloat16, float16
 from ..collectives_hier import ALGORITHMS, HierarchicalAllreduce16
-from ..xp import get_array_module
+from ..xp import check_dtype, get_array_module
 
 __all__ = ["HookBucket", "HookComms", "HookWork", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
            "CompressHookState",
@@ -189,6 +189,7 @@ def _compress_hook(dtype):
         if bucket.index() > _TAG_UB:
             raise ValueError(f"{hook.__name__}: bucket index {bucket.index()} exceeds the ring's tags (0..{_TAG_UB}); "
                              f"use fewer, larger buckets")
+        check_dtype(flat, dtype, hook.__name__)  # bfloat16 on a CuPy without it: an error naming CuPy's version
         narrow = flat.astype(dtype)
         # On the DDP's private comm (no other DDP's or user's messages there), a tag per bucket: DDP keeps
         # several buckets' rings in flight at once.

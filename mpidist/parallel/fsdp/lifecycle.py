@@ -25,7 +25,7 @@ from ... import collectives
 from ...nn.deferred import fill_boxes, is_deferred
 from ...nn.module import Parameter
 from ...nn.placement import FlatShard, placement_of
-from ...xp import get_array_module
+from ...xp import check_dtype, get_array_module
 from ...ring16 import iring_reduce_scatter_16
 from .layout import ParamSpan, UnitShard
 from .settings import ShardingStrategy
@@ -129,6 +129,9 @@ class Unit:
             return self.shard_deferred()
         first = self.params[0].data
         xp = get_array_module(first)
+        for what in ("param_dtype", "reduce_dtype"):  # bfloat16 on a CuPy without it: an error, on every rank
+            if getattr(self.ctx.settings, what) is not None:
+                check_dtype(first, getattr(self.ctx.settings, what), f"FSDP: {what}")
         flat = xp.zeros(self.padded, dtype=first.dtype)
         for p, view in zip(self.params, self.views(flat)):
             view[...] = p.data
