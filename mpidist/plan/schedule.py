@@ -72,7 +72,7 @@ class _Program:
     waves: Tuple[Tuple[np.ndarray, ...], ...]
 
 
-@functools.lru_cache(maxsize=256)   # a 3072-rank search of a 96-layer model times ~280 schedules (~30 MB here)
+@functools.lru_cache(maxsize=512)   # a 3072-rank search of a 96-layer model times ~280 schedules (~30 MB)
 def _program(schedule: str, p: int, m: int, v: int) -> _Program:
     """Compile the builder's schedule (see ``_Program``)."""
     built = _BUILDERS[schedule](p, m, v)
