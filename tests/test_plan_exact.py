@@ -16,6 +16,8 @@ from mpidist.parallel import DDP, FSDP
 from mpidist.plan import Layout, ModelShape, Profile, Tier, calls_per_rank, estimate, memory_per_rank
 from mpidist.plan.estimate import activation_bytes, attention_probs_bytes
 from mpidist.plan.execute import LayoutRun, traced_calls
+from mpidist.plan.model import parameters
+from mpidist.plan.volumes import bucket_params
 from test_autograd import saved_bytes
 
 SHAPE = ModelShape(layers=4, hidden=16, heads=4, vocab=37, seq=8)   # 37: vocabulary padded under TP
@@ -63,21 +65,21 @@ LAYOUTS_4 = [
 ]
 
 
-def planned(layout, position):
+def planned(layout, position, ranks_per_node=0, node_rank=0):
     """The planner's calls as the trace records them: a pipeline receive's size is unknown when it is posted (-1);
     the 16-bit ring's receives are posted into buffers of known size."""
     out = Counter()
-    for c in calls_per_rank(SHAPE, layout, position):
+    for c in calls_per_rank(SHAPE, layout, position, ranks_per_node, node_rank):
         out[(c.op, -1 if c.op == "recv" and c.group == "pp" else c.nbytes)] += c.count
     return out
 
 
-def check_layout(comm, layout):
+def check_layout(comm, layout, ranks_per_node=0, node_rank=0):
     run = LayoutRun(SHAPE, layout, comm)
     run.step()   # the first step allocates (optimizer state, buckets); the traced one is a steady step
     measured = traced_calls(run, comm)
     position = run.grid.pp_rank
-    want = planned(layout, position)
+    want = planned(layout, position, ranks_per_node, node_rank)
     assert measured == want, (f"{layout.name()} rank {comm.Get_rank()}: measured only {sorted((measured - want).items())}"
                               f", planned only {sorted((want - measured).items())}")
     memory = memory_per_rank(SHAPE, layout, position)
@@ -92,6 +94,7 @@ def check_layout(comm, layout):
         elif layout.pp == 1:
             got["grads"] = stats["grad_bytes"]
     assert {k: memory[k] for k in got} == got, layout.name()
+    return measured, position
 
 
 @pytest.mark.world_sizes(2)
@@ -104,6 +107,51 @@ def test_planned_calls_equal_wrappers_2_ranks(comm, layout):
 @pytest.mark.parametrize("layout", LAYOUTS_4, ids=lambda lay: lay.name().replace(" ", "-"))
 def test_planned_calls_equal_wrappers_4_ranks(comm, layout):
     check_layout(comm, layout)
+
+
+NODE_AWARE = [   # (layout, ranks per simulated node, whether the 16-bit hooks' "auto" goes node-aware)
+    (Layout(8, 1, 1, comm_hook="fp16"), 4, True),                           # 2 nodes x 4: leaders' ring over 2
+    (Layout(8, 1, 1, param_dtype="bfloat16", comm_hook="bf16"), 2, True),   # 4 nodes x 2: leaders' ring over 4
+    (Layout(4, 2, 1, comm_hook="bf16"), 4, True),                           # dp's ranks 2 apart: 2 per node
+    (Layout(8, 1, 1, comm_hook="fp16"), 1, False),                          # one rank per node: the flat ring
+    (Layout(4, 1, 1, comm_hook="bf16"), 4, False),                          # one node: the flat ring
+]
+
+
+@pytest.mark.parametrize("layout,per_node,node_aware", NODE_AWARE,
+                         ids=lambda v: v.name().replace(" ", "-") if isinstance(v, Layout) else str(v))
+def test_planned_calls_equal_node_aware_compression_hooks(layout, per_node, node_aware):
+    """The fp16/bf16 hooks on simulated nodes (blocks of ``per_node`` ranks): each rank's traced messages (to and
+    from its node's leader, the leaders' 16-bit ring) EQUAL the plan for its index on its node, which block
+    placement gives from the rank (dp's ranks are ``pp * tp`` apart); where the hooks go node-aware the flat
+    ring's plan differs from what they did."""
+    import mpidist
+
+    def run(comm):
+        node_rank = (comm.Get_rank() % per_node) // (layout.pp * layout.tp)
+        measured, position = check_layout(comm, layout, per_node, node_rank)
+        return measured != planned(layout, position)
+
+    flat_plan_wrong = mpidist.simulate(layout.ranks, run, ranks_per_node=per_node)
+    assert all(flat_plan_wrong) if node_aware else not any(flat_plan_wrong)
+    assert any(c.group == "dp_leaders" for c in calls_per_rank(SHAPE, layout, 0, per_node)) == node_aware
+
+
+def test_node_aware_hook_messages_are_charged_to_the_node_and_inter_node_tiers():
+    """The leader's messages in its node cost what they send on the intra tier, the leaders' ring what it sends
+    on the inter tier (each measured with the other tier free): bytes / bandwidth, no latency."""
+    from mpidist.plan.estimate import _calls_seconds
+    layout, per_node = Layout(8, 1, 1, comm_hook="fp16"), 4
+    calls = calls_per_rank(SHAPE, layout, 0, per_node)
+    numels = [sum(p.numel for p in b) for b in bucket_params(
+        [p for layer in ["embed"] + [f"blocks.{i}" for i in range(SHAPE.layers)] + ["head"]
+         for p in parameters(SHAPE, layer, 1)], 4)]
+    sent = {"intra": sum(3 * 2 * n for n in numels),            # the sum to each of the node's 3 other ranks
+            "inter": sum(2 * -(-n // 2) * 2 for n in numels)}   # 2 (nodes - 1) ring steps of half the 16-bit array
+    for slow in ("intra", "inter"):
+        tiers = {"intra": Tier(0.0, 1e300), "inter": Tier(0.0, 1e300), slow: Tier(0.0, 1.0)}
+        seconds = _calls_seconds(calls, replace(UNIT_FLOPS, tiers=tiers), layout, per_node, {"dp_node", "dp_leaders"})
+        assert seconds == pytest.approx(sent[slow], rel=1e-12), slow
 
 
 # -- 512 ranks without 512 threads --------------------------------------------------------------------------

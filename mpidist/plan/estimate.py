@@ -52,16 +52,20 @@ class Estimate:
 
 
 # -- communication time ------------------------------------------------------------------------------------
+_DP_GROUPS = {"dp", "dp_shard", "dp_replicate", "tied", "dp_node", "dp_leaders"}
+
+
 def _group_size(layout: Layout, group: str) -> int:
+    # dp_node and dp_leaders (the node-aware 16-bit hooks) carry only point-to-point messages: their size is moot
     return {"tp": layout.tp, "pp": 2, "dp": layout.dp, "tied": 2, "dp_shard": layout.shard_group,
-            "dp_replicate": layout.dp // max(1, layout.shard_group)}[group]
+            "dp_replicate": layout.dp // max(1, layout.shard_group), "dp_node": 2, "dp_leaders": 2}[group]
 
 
 def _inner_span(layout: Layout, group: str) -> int:
     """Return (consecutive ranks one group of ``group`` spans, ranks of it per such block): mesh order dp, pp, tp."""
     return {"tp": layout.tp, "pp": layout.pp * layout.tp, "tied": layout.pp * layout.tp,
             "dp": layout.ranks, "dp_shard": layout.shard_group * layout.pp * layout.tp,
-            "dp_replicate": layout.ranks}[group]
+            "dp_replicate": layout.ranks, "dp_node": layout.pp * layout.tp, "dp_leaders": layout.ranks}[group]
 
 
 def _link(profile: Profile, layout: Layout, group: str, ranks_per_node: int):
@@ -72,7 +76,9 @@ def _link(profile: Profile, layout: Layout, group: str, ranks_per_node: int):
     if span <= ranks_per_node:
         return profile.tiers["intra"], 1.0
     tier = profile.tiers["inter"]
-    stride = span // _group_size(layout, group) if group not in ("pp", "tied") else layout.tp
+    # dp's leaders cross the node as dp's ring does: one per dp group with ranks on the node
+    stride = (layout.tp if group in ("pp", "tied") else layout.pp * layout.tp if group == "dp_leaders"
+              else span // _group_size(layout, group))
     members_per_node = max(1, ranks_per_node // max(1, stride))
     concurrent = max(1, min(tier.ranks_per_link, ranks_per_node) // members_per_node)
     return tier, 1.0 / concurrent
@@ -262,14 +268,14 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
     worst_mem, worst_time, worst_calls = None, None, None
     for position, layers, in_flight in _positions(shape, layout, _peaks(layout)):
         mem = memory_per_rank(shape, layout, position, in_flight)
-        calls = calls_per_rank(shape, layout, position)
+        calls = calls_per_rank(shape, layout, position, ranks_per_node)
         f, b = _compute_seconds(shape, layout, layers, profile, ranks_per_node)
         tp_s = _calls_seconds(calls, profile, layout, ranks_per_node, {"tp"})
         pp_s = _calls_seconds(calls, profile, layout, ranks_per_node, {"pp"})
-        dp_s = _calls_seconds(calls, profile, layout, ranks_per_node, {"dp", "dp_shard", "dp_replicate", "tied"})
+        dp_s = _calls_seconds(calls, profile, layout, ranks_per_node, _DP_GROUPS)
         tp_s += _sync_waits(calls, {"tp"}, profile, layout, ranks_per_node)
         pp_s += _sync_waits(calls, {"pp"}, profile, layout, ranks_per_node)
-        dp_s += _sync_waits(calls, {"dp", "dp_shard", "dp_replicate", "tied"}, profile, layout, ranks_per_node)
+        dp_s += _sync_waits(calls, _DP_GROUPS, profile, layout, ranks_per_node)
         if worst_mem is None or mem["total"] > worst_mem["total"]:
             worst_mem = mem
         # AdamW streams float32 state with master weights (a third of it: the masters), else the parameters

@@ -16,7 +16,10 @@ communicators and asserts these lists EQUAL what they did):
 - DDP: one allreduce per gradient bucket per step (buckets cut as ``DDP._build_buckets`` cuts them: reverse
   parameter order, 1 MiB first, then 25 MiB), the step stamp riding in the last bucket where its dtype holds the
   sums exactly (else, and under a hook, an allreduce of its own); a hook reduces each bucket its way (the 16-bit
-  ring's point-to-point steps; PowerSGD's rest, P and Q).
+  ring's point-to-point steps; PowerSGD's rest, P and Q). The 16-bit hooks' default ``algorithm="auto"``
+  (``collectives_hier.HierarchicalAllreduce16``) goes node-aware when dp spans several nodes of which some hold
+  several of its ranks: ``dp_node`` messages to and from the node's leader (intra-node), the 16-bit ring among
+  the leaders over ``dp_leaders`` (inter-node).
 - dtypes (``Dtypes``): what a layout's precision fields make of each array; bytes are counted in them.
 - FSDP: an allgather of every unit's shard before its forward and again before its backward (FULL_SHARD frees
   after forward), a unit using a tied weight gathering the owner unit too; one reduce-scatter per unit per step.
@@ -144,6 +147,26 @@ def _ring_16(group: str, numel: int, n: int, gather: bool) -> List[Call]:
     return [Call(group, "send", chunk, steps), Call(group, "recv", chunk, steps)]
 
 
+def _dp_per_node(layout: Layout, ranks_per_node: int, position: int) -> List[int]:
+    """Return how many ranks of a position's dp group each node it spans holds, in node order (block placement,
+    mesh order dp, pp, tp: dp's ranks ``pp * tp`` apart; the group of tensor-parallel rank 0)."""
+    stride, first = layout.pp * layout.tp, position * layout.tp
+    nodes = Counter((first + i * stride) // ranks_per_node for i in range(layout.dp))
+    return [nodes[k] for k in sorted(nodes)]
+
+
+def _hier_16(numel: int, per_node: List[int], node_rank: int) -> List[Call]:
+    """``HierarchicalAllreduce16``'s messages of one ``numel``-element 16-bit sum on a rank of the first node: a
+    non-leader (``node_rank`` > 0) sends its array to the leader and receives the result; the leader receives the
+    node's other arrays, runs the 16-bit ring among the node leaders, and sends the result to each of them."""
+    full = numel * 2
+    if node_rank:
+        return [Call("dp_node", "send", full), Call("dp_node", "recv", full)]
+    others = per_node[0] - 1
+    return ([Call("dp_node", "recv", full, others), Call("dp_node", "send", full, others)]
+            + _ring_16("dp_leaders", numel, len(per_node), gather=True))
+
+
 def _powersgd(bucket, rank: int, min_rate: float = 2.0) -> List[Call]:
     """PowerSGD's allreduces of one bucket after its warm-up (``comm_hooks.powerSGD_hook``): the uncompressed
     gradients in float32, then P and Q of the compressed matrices (rows x r and cols x r, float32)."""
@@ -160,15 +183,17 @@ def _powersgd(bucket, rank: int, min_rate: float = 2.0) -> List[Call]:
     return out + ([Call("dp", "allreduce", ps * 4), Call("dp", "allreduce", qs * 4)] if ps else [])
 
 
-def _ddp_calls(params, dt: Dtypes, layout: Layout) -> List[Call]:
-    """DDP's calls of one synchronization over ``params`` (model order): one per bucket, as its hook reduces it."""
+def _ddp_calls(params, dt: Dtypes, layout: Layout, per_node: List[int], node_rank: int) -> List[Call]:
+    """DDP's calls of one synchronization over ``params`` (model order): one per bucket, as its hook reduces it
+    (``per_node``: dp's ranks on each node it spans; ``node_rank``: this rank's index among them on its node)."""
     dp, hook = layout.dp, layout.comm_hook
     buckets = bucket_params(params, dt.param.itemsize)
+    node_aware = 1 < len(per_node) < dp   # the 16-bit hooks' "auto": HierarchicalAllreduce16's own rule
     out = []
     for k, b in enumerate(buckets):
         numel = sum(p.numel for p in b)
         if hook in ("fp16", "bf16"):
-            out += _ring_16("dp", numel, dp, gather=True)
+            out += _hier_16(numel, per_node, node_rank) if node_aware else _ring_16("dp", numel, dp, gather=True)
         elif hook == "powersgd":
             out += _powersgd(b, layout.powersgd_rank)
         else:
@@ -241,8 +266,12 @@ def _tp_calls(shape: ModelShape, layout: Layout, layers: List[str], dt: Dtypes) 
     return out
 
 
-def calls_per_rank(shape: ModelShape, layout: Layout, position: int = 0) -> List[Call]:
-    """Return every call a rank at pipeline ``position`` makes in one training step of ``layout``."""
+def calls_per_rank(shape: ModelShape, layout: Layout, position: int = 0, ranks_per_node: int = 0,
+                   node_rank: int = 0) -> List[Call]:
+    """Return every call a rank at pipeline ``position`` makes in one training step of ``layout``.
+
+    ``ranks_per_node``: the node size (0: one node holds every rank); ``node_rank``: the rank's index among its dp
+    group's ranks on its node (0: the leader, whose calls the node-aware 16-bit hooks make longest)."""
     dt = dtypes(shape, layout)
     m = layout.num_micro
     pp, v = layout.pp, layout.chunks
@@ -272,9 +301,11 @@ def calls_per_rank(shape: ModelShape, layout: Layout, position: int = 0) -> List
         if layout.fsdp:
             out += _fsdp_calls(shape, layout, dt)
         else:
+            per_node = _dp_per_node(layout, ranks_per_node or layout.ranks, position)
             for s in mine:
                 out += _ddp_calls([p for layer in stages[s] for p in parameters(
-                    shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1)], dt, layout)
+                    shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1)], dt, layout,
+                    per_node, node_rank)
     return _merge(out)
 
 
