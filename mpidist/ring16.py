@@ -27,6 +27,7 @@ and whose ``wait()`` gives the result. Building blocks of other 16-bit schemes (
 over a communicator and tag of the caller's, ``post_16`` (a header-free recorded message), ``wait_together``.
 """
 
+import threading
 import time
 
 import numpy as np
@@ -41,6 +42,7 @@ __all__ = ["ring_allreduce_16", "ring_reduce_scatter_16", "iring_allreduce_16", 
 _SIXTEEN_BIT = (np.dtype(np.float16), wire.BFLOAT16)
 _SEQUENCE_TAGS = 32768  # tags 0..32767, which every MPI allows (MPI_TAG_UB >= 32767)
 _keyvals = {}  # communicator class -> the attribute key caching a communicator's _Private
+_keyvals_lock = threading.Lock()
 
 
 class _Private:
@@ -80,9 +82,10 @@ def _private(comm):
 
 def _private_of(comm):
     cls = type(comm)  # the class's own Create_keyval: SimComm keeps its keys' delete functions itself
-    keyval = _keyvals.get(cls)
-    if keyval is None:
-        keyval = _keyvals[cls] = cls.Create_keyval(delete_fn=_free_private)
+    with _keyvals_lock:   # SimComm's ranks are threads: two making a key each would disagree on who has a Dup
+        keyval = _keyvals.get(cls)
+        if keyval is None:
+            keyval = _keyvals[cls] = cls.Create_keyval(delete_fn=_free_private)
     private = comm.Get_attr(keyval)
     if private is None:
         private = _Private(comm.Dup())

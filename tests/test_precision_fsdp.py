@@ -199,6 +199,23 @@ def test_16_bit_reduce_names_its_rings_communicator_for_elastic(comm):
     assert FSDP(make_model(), comm, param_dtype="bf16").communicators() == ()
 
 
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=["fp16", "bf16"])
+def test_16_bit_parameters_without_a_reduce_dtype_name_their_rings_communicator(comm, dtype):
+    """A 16-bit model wrapped without reduce_dtype reduces in its own 16 bits: the ring's duplicate is made when
+    FSDP is built (not inside backward, where it was once made and never listed) and listed for mpidist.elastic."""
+    rng = np.random.default_rng(0)
+    model = nn.Sequential(nn.Linear(IN, HIDDEN, rng=rng, dtype=dtype), nn.Tanh(),
+                          nn.Linear(HIDDEN, OUT, rng=rng, dtype=dtype))
+    fsdp = FSDP(model, comm)
+    ring_comm = private_comm(fsdp.shard_comm)
+    assert ring_comm is not comm and fsdp.communicators() == (ring_comm,)
+    x, y = global_batch(0, comm.Get_size())
+    mine = slice(comm.Get_rank(), comm.Get_rank() + 1)
+    F.cross_entropy(fsdp(x[mine].astype(dtype)), y[mine]).backward()
+    assert private_comm(fsdp.shard_comm) is ring_comm   # backward made no other
+
+
 def test_bad_precision_arguments_raise(comm):
     with pytest.raises(ValueError, match=r"FSDP: param_dtype: dtype must be float16, bfloat16 or float32 "
                                          r"\(got 'int8'\)"):

@@ -100,3 +100,38 @@ def test_an_explicit_tag_runs_on_the_comm_itself_within_mpi_tag_ub(comm):
             ring_allreduce_16(inputs[rank], comm, tag=bad)
     with pytest.raises(ValueError, match=r"ring_reduce_scatter_16: needs a 1-D array \(got shape \(2, 5\)\)"):
         ring_reduce_scatter_16(inputs[rank].reshape(2, 5), comm)
+
+
+def test_ranks_that_are_threads_agree_on_the_private_duplicates_key(monkeypatch):
+    """SimComm's ranks are threads sharing one communicator class: making the attribute key was check-then-set,
+    so with a thread switch inside Create_keyval each rank could make its own key, the last one stored won, and the
+    next ring had some ranks calling Dup() again while the others waited in the ring (a hang). Widen that window."""
+    import time
+
+    import mpidist
+    from mpidist import ring16
+    from mpidist.comm.sim.comm import SimComm
+
+    made = []
+    create = SimComm.Create_keyval.__func__
+
+    def slow_create_keyval(cls, *args, **kwargs):
+        time.sleep(0.05)   # every rank reaches the check before the first key is stored
+        made.append(1)
+        return create(cls, *args, **kwargs)
+
+    monkeypatch.setattr(SimComm, "Create_keyval", classmethod(slow_create_keyval))
+    monkeypatch.setattr(ring16, "_keyvals", {})
+
+    def run(comm):
+        data = np.arange(8, dtype=np.float32).astype(float16) + comm.Get_rank()
+        first = ring_allreduce_16(data, comm)
+        second = ring_allreduce_16(data, comm)
+        return first, second
+
+    results = mpidist.simulate(4, run, timeout=60)
+    expected = ring_reference([np.arange(8, dtype=np.float32).astype(float16) + r for r in range(4)], float16)
+    for first, second in results:
+        np.testing.assert_array_equal(first, expected)
+        np.testing.assert_array_equal(second, expected)
+    assert len(made) == 1

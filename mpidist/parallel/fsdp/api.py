@@ -253,9 +253,10 @@ class FSDP(Wrapper):
         self._stamp = self._grad_sync.stamp
         for u in self._param_units:
             u.shard_from_rank0()
-        # A 16-bit reduce_dtype's ring runs on the shard group's private duplicate (mpidist.ring16): made here,
-        # where every rank is, so that communicators() names it and mpidist.elastic revokes it after a failure.
-        sixteen_bit = reduce_dtype is not None and reduce_dtype.itemsize == 2
+        # A 16-bit reduction (reduce_dtype, or a 16-bit shard without one) runs the ring on the shard group's private
+        # duplicate (mpidist.ring16): made here, where every rank is, so that communicators() names it and
+        # mpidist.elastic revokes it after a failure.
+        sixteen_bit = any(u.reduces_in_16_bit() for u in self._param_units)
         self._ring_comm = private_comm(groups.shard_comm) if sixteen_bit and groups.shard_comm.Get_size() > 1 \
             else None
         self._neighbours = self._param_neighbours()

@@ -110,6 +110,11 @@ class Unit:
         dtype = self.ctx.settings.reduce_dtype
         return self.shard.data.dtype if dtype is None else dtype
 
+    def reduces_in_16_bit(self):
+        """Whether this unit's gradients are reduce-scattered by the 16-bit ring (mpidist.ring16), not MPI."""
+        dtype = np.dtype(self.reduce_dtype())
+        return not self.no_shard and dtype.itemsize == 2 and dtype.kind not in "iu"
+
     def views(self, flat):
         """Return one view of ``flat`` per parameter, shaped like it."""
         return [flat[o: o + n].reshape(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
@@ -297,7 +302,7 @@ class Unit:
             # The unsharded grad is the shard grad (averaged in place); the replica group is every rank.
             self.reduction = _Reduction(collectives.iallreduce(self.shard.grad, groups.replicate_comm, op="mean"),
                                         _Stage.REPLICAS)
-        elif self.unsharded_grad.dtype.itemsize == 2 and self.unsharded_grad.dtype.kind != "i":
+        elif self.reduces_in_16_bit():
             # 16-bit: MPI would widen float16 to float32 on the wire and has no bfloat16; the ring keeps 16 bits.
             # Pending as MPI's reduce-scatter is: FSDP's progress tests it between layers (each test() posts
             # the ring's next step), and advance_reduce waits for it where it waits for the float32 one.
