@@ -382,7 +382,12 @@ def _with_precision(layout: Layout, precision: dict) -> Layout:
     unknown = sorted(set(precision) - {"param_dtype", "compute_dtype"} - set(_DDP_ONLY) - set(_FSDP_ONLY))
     if unknown:
         raise ValueError(f"plan: unknown precision fields {unknown}")
-    skip = _FSDP_ONLY if not layout.fsdp else _DDP_ONLY
+    if layout.fsdp:
+        skip = _DDP_ONLY
+    elif layout.pp > 1:   # a Pipeline averages its DDP replicas' gradients itself: no communication hooks
+        skip = _FSDP_ONLY + _DDP_ONLY
+    else:
+        skip = _FSDP_ONLY
     fields = {k: v for k, v in precision.items() if k not in skip}
     if fields:
         dtypes(ModelShape(1, 1, 1, 1, 1), replace(layout, **fields))   # a bad dtype name raises here, once
@@ -425,7 +430,8 @@ def plan(shape: ModelShape, global_batch: int, ranks: int, ranks_per_node: int, 
     """Return every layout's Estimate: feasible ones fastest first, then the others with the reason.
 
     ``precision``: ``Layout``'s precision fields for every layout (``param_dtype``, ``compute_dtype``; ``comm_hook``
-    and ``powersgd_rank`` apply to DDP layouts, ``gather_dtype`` and ``reduce_dtype`` to FSDP ones).
+    and ``powersgd_rank`` apply to DDP layouts without a pipeline, ``gather_dtype`` and ``reduce_dtype`` to FSDP
+    ones).
 
     Branch and bound: layouts are estimated in the order of a cheap lower bound of their step time
     (``lower_bound``); once that bound exceeds the ``keep``-th fastest step found, the remaining layouts cannot
