@@ -173,3 +173,19 @@ def test_layouts_that_do_not_fit_get_their_memory_not_a_step_time():
     for e in dropped:
         full = est_module.estimate(shape, e.layout, with_memory("local", 0.001), 4)
         assert e.reason == full.reason and e.memory["total"] == full.memory["total"] and e.time == {}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pruned_search_keeps_the_best_layouts_of_the_full_search_and_its_bound_is_a_lower_bound(case):
+    """Branch and bound is only sound when ``lower_bound`` never exceeds a layout's estimated step: checked on every
+    feasible candidate; and the ``keep`` best of the pruned search are those of a search that prunes nothing."""
+    shape, batch, ranks, per_node, profile, keep, precision, choices = CASES[case]
+    profile = with_memory(*profile)
+    per_node = min(per_node, ranks)
+    full = [e for e in plan(shape, batch, ranks, per_node, profile, keep=10**9, precision=precision, **choices)
+            if e.feasible]
+    assert len(full) > keep
+    for e in full:
+        assert est_module.lower_bound(shape, e.layout, profile, per_node) <= e.time["step"] * (1 + 1e-12), e.layout
+    pruned = plan(shape, batch, ranks, per_node, profile, keep=keep, precision=precision, **choices)
+    assert [(e.layout, e.time["step"]) for e in pruned[:keep]] == [(e.layout, e.time["step"]) for e in full[:keep]]
