@@ -4,6 +4,7 @@ Run (two phases, in this order; the first writes the fitted profile, committed b
     .venv/bin/python benchmarks/plan_published.py --fit            # calibration rows only -> fitted profile + fit json
     .venv/bin/python benchmarks/plan_published.py --json docs/plan_published.json   # every row, priors and fitted
     .venv/bin/python benchmarks/plan_published.py --studies --json docs/plan_studies.json   # layout studies
+    .venv/bin/python benchmarks/plan_published.py --memory --json docs/plan_memory.json     # activation formulas
 
 Rows:
 - Korthikanti et al. 2022 (arXiv 2205.05198): the four "full recompute" iteration times (22B, 175B, 530B, 1T GPT
@@ -396,13 +397,107 @@ def run_studies(path=None):
             f.write("\n")
 
 
+# -- memory: Korthikanti et al.'s activation formulas per layer (``--memory``) ---------------------------------
+# arXiv 2205.05198, Section 4 and Table 2: bytes of activations one transformer layer keeps per rank, 16-bit
+# activations, dropout masks 1 byte per element. Its own breakdown (Section 4.1): attention 11sbh + 5as^2b (input
+# 2sbh; Q, K 4sbh; softmax output 2as^2b; its dropout mask as^2b; dropout output 2as^2b; V 2sbh; output
+# projection's input 2sbh; its dropout mask sbh), MLP 19sbh (input 2sbh; GeLU input 8sbh; second linear's input
+# 8sbh; dropout mask sbh), two LayerNorms' inputs 4sbh: 34sbh + 5as^2b. Under tensor parallelism 10sbh stay whole
+# (LayerNorm inputs 4, the two linear inputs they feed 4, the two residual dropout masks 2) and 24sbh + 5as^2b are
+# split; sequence parallelism splits the 10 too. A ``ModelShape`` has no dropout: without it the masks (as^2b and
+# 2sbh) go, and the softmax output IS the input of the product with V (2as^2b once, not twice), so the "formula
+# terms" the planner is compared with are 32sbh + 2as^2b (8 whole, 24 split, 2as^2b split).
+MEMORY_CASES = [("none", False), ("none", True), ("selective", False), ("selective", True), ("full", False),
+                ("full", True)]
+
+
+def table2_bytes(s, b, h, a, t, recompute, sp):
+    """Return Korthikanti's Table 2 activation bytes per layer and rank (dropout included), as printed.
+
+    Table 2 gives full recompute as 2sbh whatever the parallelism; with sequence parallelism the stored layer
+    input is itself split (Megatron keeps it sharded), so 2sbh/t there (derived, not a Table 2 row)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    probs = 0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return s * b * h / t * (34 + probs)
+    return s * b * h * (10 + 24 / t + probs / t)
+
+
+def formula_terms(s, b, h, a, t, recompute, sp):
+    """Return the paper's per-layer bytes without dropout (its breakdown less the masks): the formula terms."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    probs = 0 if recompute == "selective" else 2 * a * s / h
+    if sp:
+        return s * b * h / t * (32 + probs)
+    return s * b * h * (8 + 24 / t + probs / t)
+
+
+def memory_rows():
+    """Compare the planner's per-layer activation bytes with the formula terms for Korthikanti's four models."""
+    from mpidist.plan.estimate import activation_bytes, attention_probs_bytes
+    rows = []
+    for name, layers, h, a, t, _pp, _v, _batch, b, _gpus, _time in KORTHIKANTI:
+        s = SEQ
+        shape = ModelShape(layers=layers, hidden=h, heads=a, vocab=VOCAB, seq=s, dtype="float16")
+        for recompute, sp in MEMORY_CASES:
+            layout = Layout(1, t, 1, "ddp", b, 1, "none", 1, recompute, sequence_parallel=sp)
+            planner = activation_bytes(shape, layout, ["blocks.0"])
+            probs = attention_probs_bytes(shape, layout, ["blocks.0"]) if recompute == "none" else 0.0
+            formula = formula_terms(s, b, h, a, t, recompute, sp)
+            paper_probs = 2 * a * s * s * b / t if recompute == "none" else 0.0
+            # the planner's probabilities at the activations' 2 bytes instead of float32's 4
+            same_dtype = planner - probs / 2
+            rows.append({"model": name, "s": s, "b": b, "h": h, "a": a, "t": t, "recompute": recompute,
+                         "sequence_parallel": sp, "table2_bytes": table2_bytes(s, b, h, a, t, recompute, sp),
+                         "formula_bytes": formula, "planner_bytes": planner, "error": planner / formula - 1,
+                         "formula_hidden_bytes": formula - paper_probs, "planner_hidden_bytes": planner - probs,
+                         "hidden_error": (planner - probs) / (formula - paper_probs) - 1,
+                         "formula_probs_bytes": paper_probs, "planner_probs_bytes": probs,
+                         "error_probs_16bit": same_dtype / formula - 1})
+    return rows
+
+
+def run_memory(path=None):
+    """Print (and with ``path`` write) the per-layer activation comparison."""
+    rows = memory_rows()
+    mib = 2 ** 20
+    print(f"{'model':<5} {'t':>2} {'recompute':<9} {'sp':<3} {'Table 2':>9} {'formula':>9} {'planner':>9} "
+          f"{'error':>7} {'hidden':>7} {'probs16':>7}   (MiB per layer and rank; errors vs formula terms)")
+    for r in rows:
+        print(f"{r['model']:<5} {r['t']:>2} {r['recompute']:<9} {'sp' if r['sequence_parallel'] else '-':<3} "
+              f"{r['table2_bytes'] / mib:>9.1f} {r['formula_bytes'] / mib:>9.1f} {r['planner_bytes'] / mib:>9.1f} "
+              f"{r['error']:>+7.1%} {r['hidden_error']:>+7.1%} {r['error_probs_16bit']:>+7.1%}")
+    summary = {"max_abs_error": max(abs(r["error"]) for r in rows),
+               "mean_abs_error": statistics.mean(abs(r["error"]) for r in rows),
+               "max_abs_error_probs_16bit": max(abs(r["error_probs_16bit"]) for r in rows),
+               "rows_within_10pct": sum(abs(r["error"]) <= 0.10 for r in rows), "rows": len(rows)}
+    for k, v in summary.items():
+        print(f"{k}: {v:.1%}" if isinstance(v, float) else f"{k}: {v}")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"source": "Korthikanti et al. 2022, arXiv 2205.05198, Section 4.1 (per-layer breakdown) "
+                                 "and Table 2; models and micro-batches of its Table 3 (s=2048)",
+                       "formula_terms": "Table 2 less dropout: 32sbh + 2as^2b bytes per layer (8sbh whole, 24sbh "
+                                        "and 2as^2b split over t; sequence parallel splits all); selective drops "
+                                        "2as^2b; full keeps the layer input 2sbh (2sbh/t with sequence parallel)",
+                       "rows": rows, "summary": summary}, f, indent=1)
+            f.write("\n")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="fit the two knobs on the calibration rows only")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--studies", action="store_true",
                         help="the layout studies of arXiv 2104.04473 (Figures 12-16, Table 2) instead of the rows")
+    parser.add_argument("--memory", action="store_true",
+                        help="per-layer activation bytes against arXiv 2205.05198's formulas instead of the rows")
     args = parser.parse_args()
+    if args.memory:
+        run_memory(args.json)
+        return
     if args.fit:
         fit()
         return

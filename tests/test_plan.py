@@ -279,3 +279,29 @@ def test_a_pipeline_steps_compute_is_its_busiest_stages(num_micro):
     per_stage = [sum(_compute_seconds(shape, layout, layers, profile, 8)) for layers in stage_layers(shape, 16)]
     assert per_stage[-1] == max(per_stage) > per_stage[0]
     assert est.time["compute"] == pytest.approx(num_micro * per_stage[-1], rel=1e-12)
+
+
+def test_published_memory_compares_with_korthikantis_formula_by_hand():
+    """The ``--memory`` row of Korthikanti's 22B (s 2048, b 4, h 6144, a 64, t 8) with sequence parallelism and
+    no recompute: the formula terms are Table 2's sbh/t (34 + 5as/h) less dropout's masks, by hand."""
+    import importlib.util
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        spec = importlib.util.spec_from_file_location("plan_published", os.path.join(bench, "plan_published.py"))
+        published = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(published)
+    finally:
+        sys.path.remove(bench)
+    s, b, h, a, t = 2048, 4, 6144, 64, 8
+    table2 = s * b * h / t * 34 + 5 * a * s * s * b / t              # 884,998,144 bytes
+    masks = a * s * s * b / t + 2 * s * b * h / t                    # the probabilities' mask, two residual masks
+    softmax_output_once = 2 * a * s * s * b / t                      # no dropout: softmax output feeds the product
+    formula = table2 - masks - softmax_output_once
+    assert table2 == 884_998_144 and formula == 469_762_048
+    row = next(r for r in published.memory_rows() if r["model"] == "22B" and r["recompute"] == "none"
+               and r["sequence_parallel"])
+    assert row["table2_bytes"] == pytest.approx(table2, rel=1e-12)
+    assert row["formula_bytes"] == pytest.approx(formula, rel=1e-12)
+    assert row["error"] == pytest.approx(row["planner_bytes"] / formula - 1, rel=1e-12)
