@@ -77,7 +77,8 @@ def test_plan_ranks_feasible_layouts_and_says_why_others_drop():
     assert "pp=4 stages for 2 layers" in reasons
     for e in feasible:
         m = e.memory
-        assert m["total"] == sum(m[k] for k in ("params", "grads", "optimizer", "activations", "comm_buffers"))
+        assert m["total"] == sum(m[k] for k in ("params", "grads", "optimizer", "activations", "transient",
+                                                 "comm_buffers"))
         assert e.time["step"] > 0 and e.layout.dp * e.layout.micro_batch * e.layout.num_micro == 8
 
 

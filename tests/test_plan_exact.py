@@ -14,7 +14,7 @@ import pytest
 
 from mpidist.parallel import DDP, FSDP
 from mpidist.plan import Layout, ModelShape, Profile, Tier, calls_per_rank, estimate, memory_per_rank
-from mpidist.plan.estimate import activation_bytes, attention_probs_bytes
+from mpidist.plan.estimate import activation_bytes, attention_probs_bytes, transient_bytes
 from mpidist.plan.execute import LayoutRun, traced_calls
 from mpidist.plan.model import parameters
 from mpidist.plan.volumes import bucket_params
@@ -379,3 +379,36 @@ def test_selective_recompute_drops_the_planned_bytes_and_adds_the_planned_flops(
     extra = (estimate(shape, selective, UNIT_FLOPS, 8).time["compute"]
              - estimate(shape, layout, UNIT_FLOPS, 8).time["compute"])
     assert counted["selective"] - counted["none"] == pytest.approx(extra, rel=1e-12) and extra > 0
+
+
+@pytest.mark.parametrize("layout", [Layout(1, 1, 1, micro_batch=4), Layout(1, 2, 1, micro_batch=2)],
+                         ids=lambda v: v.name().replace(" ", "-"))
+def test_transient_is_the_working_memory_above_the_stored_activations_at_the_loss(layout):
+    """One rank of the real model (``OneRankOfMany``, the last TP rank), a vocabulary large enough that the head
+    dominates: ``tracemalloc``'s peak while one micro-batch goes forward through the model and its loss, above
+    what stays allocated once the logits are dropped (the graph's stored activations), is the planner's
+    ``transient_bytes`` (one logits-sized array) to within 3%; and ``memory_per_rank`` adds it to the total."""
+    import tracemalloc
+    shape = ModelShape(layers=1, hidden=16, heads=2, vocab=1024, seq=16)
+    comm = OneRankOfMany(layout.ranks, rank=layout.tp - 1, splits=[1, 1, layout.tp])
+    run = LayoutRun(shape, layout, comm)
+    b = layout.micro_batch
+    run.step()   # parameters' gradients and the optimizer's state exist: not counted below
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        logits = run.wrapper(run.x[:b])
+        loss = run.model.loss(logits, run.y[:b])
+        del logits
+        stored, peak = (m - base for m in tracemalloc.get_traced_memory())
+    finally:
+        tracemalloc.stop()
+    assert loss is not None
+    layers = ["embed", "blocks.0", "head"]
+    planned = transient_bytes(shape, layout, layers)
+    assert planned == b * shape.seq * shape.vocab / layout.tp * 4
+    assert peak - stored == pytest.approx(planned, rel=0.03)
+    assert transient_bytes(shape, layout, ["embed", "blocks.0"]) == 0
+    memory = memory_per_rank(shape, layout)
+    assert memory["transient"] == planned
+    assert memory["total"] == sum(v for k, v in memory.items() if k != "total")

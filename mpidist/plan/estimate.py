@@ -27,7 +27,7 @@ from .schedule import build_schedule, in_flight as _in_flight, pipeline as _pipe
 from .volumes import Call, calls_per_rank, ddp_buckets, dtypes, fsdp_units, summarize
 
 __all__ = ["Estimate", "estimate", "plan", "lower_bound", "memory_per_rank", "collective_seconds", "build_schedule", "activation_bytes",
-           "attention_probs_bytes"]
+           "attention_probs_bytes", "transient_bytes"]
 
 @dataclass
 class Estimate:
@@ -174,6 +174,21 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
     return stored
 
 
+def transient_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float:
+    """Return the bytes of working memory on top of the stored activations at a rank's peak: one logits-sized
+    array of one micro-batch where ``layers`` hold the head, 0 elsewhere.
+
+    ``F.cross_entropy`` keeps two (batch x seq, vocab / tp) arrays for backward (counted in ``activation_bytes``);
+    while it forms them the logits are alive too (freed after the loss), and backward's first gradient, that of
+    the logits, has their size and sits next to the two: either way one more logits-sized array, in the loss's
+    dtype (float32 under 16-bit activations, an fp32 op). The blocks' own temporaries (a row block's scores,
+    a block's gradients) are smaller and not counted."""
+    if "head" not in layers:
+        return 0.0
+    itemsize = max(4, dtypes(shape, layout).act.itemsize)
+    return layout.micro_batch * shape.seq * (shape.vocab / layout.tp) * itemsize
+
+
 def memory_per_rank(shape: ModelShape, layout: Layout, position: int = 0, in_flight: int = 1) -> Dict[str, float]:
     """Return the bytes a rank at pipeline ``position`` holds, by component (see the module notes).
 
@@ -219,7 +234,7 @@ def memory_per_rank(shape: ModelShape, layout: Layout, position: int = 0, in_fli
         buffers += 2 * layout.micro_batch * shape.seq * shape.hidden * dt.act.itemsize / (
             layout.tp if layout.sequence_parallel else 1)
     out = {"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer, "activations": acts,
-           "comm_buffers": buffers}
+           "transient": transient_bytes(shape, layout, layers), "comm_buffers": buffers}
     out["total"] = sum(out.values())
     return out
 

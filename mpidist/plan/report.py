@@ -9,7 +9,7 @@ from .estimate import Estimate
 __all__ = ["format_table", "to_json", "plot", "TIME_PARTS", "MEMORY_PARTS"]
 
 TIME_PARTS = ("compute", "tp", "pp", "bubble", "dp", "optimizer")      # they add up to the step
-MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "comm_buffers")   # they add up to the total
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "transient", "comm_buffers")   # they add up to the total
 _COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
 
 
@@ -25,7 +25,7 @@ def format_table(estimates: List[Estimate], top: int = 15, reasons: int = 8) -> 
     """Return the best ``top`` feasible layouts as a table, then counts of the infeasible ones by reason."""
     feasible = [e for e in estimates if e.feasible]
     head = (f"{'#':>3} {'layout':<42} {'step ms':>9} {'compute':>8} {'tp':>7} {'pp':>7} {'bubble':>7} {'dp':>7} "
-            f"{'opt':>6} {'mem GiB':>8} {'params':>7} {'grads':>7} {'optim':>7} {'acts':>7} {'bufs':>7} "
+            f"{'opt':>6} {'mem GiB':>8} {'params':>7} {'grads':>7} {'optim':>7} {'acts':>7} {'trans':>7} {'bufs':>7} "
             f"{'comm MiB':>9}")
     lines = [head]
     for i, e in enumerate(feasible[:top], 1):
@@ -34,7 +34,7 @@ def format_table(estimates: List[Estimate], top: int = 15, reasons: int = 8) -> 
         lines.append(f"{i:>3} {e.layout.name():<42} {_ms(t['step']):>9} {_ms(t['compute']):>8} {_ms(t['tp']):>7} "
                      f"{_ms(t['pp']):>7} {_ms(t['bubble']):>7} {_ms(t['dp']):>7} {_ms(t['optimizer']):>6} "
                      f"{_gib(m['total']):>8} {_gib(m['params']):>7} {_gib(m['grads']):>7} {_gib(m['optimizer']):>7} "
-                     f"{_gib(m['activations']):>7} {_gib(m['comm_buffers']):>7} {comm:>9.1f}")
+                     f"{_gib(m['activations']):>7} {_gib(m['transient']):>7} {_gib(m['comm_buffers']):>7} {comm:>9.1f}")
     dropped = Counter(_reason_kind(e.reason) for e in estimates if not e.feasible)
     lines.append(f"{len(feasible)} feasible layouts (times in ms per step, memory per rank); "
                  f"{sum(dropped.values())} infeasible:")
