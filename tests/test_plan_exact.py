@@ -412,3 +412,41 @@ def test_transient_is_the_working_memory_above_the_stored_activations_at_the_los
     memory = memory_per_rank(shape, layout)
     assert memory["transient"] == planned
     assert memory["total"] == sum(v for k, v in memory.items() if k != "total")
+
+
+# -- activation bytes: one block's saved arrays, against the real autograd graph --------------------------------
+PRECISIONS = [   # (the model's dtype, Layout's precision fields)
+    ("float32", {}),
+    ("float64", {}),
+    ("float32", {"param_dtype": "bfloat16"}),                            # 16-bit activations: fp32 ops keep float32
+    ("float32", {"param_dtype": "float16"}),
+    ("float32", {"param_dtype": "bfloat16", "compute_dtype": "float32"}),   # float32 activations, 16-bit norms
+]
+
+
+def block_graph_bytes(shape, layout):
+    """The bytes one micro-batch's autograd graph keeps for one block on one rank of many (the last TP rank): the
+    graph of a 2-block model less that of a 1-block one (the same embedding and head)."""
+    kept = []
+    for blocks in (2, 1):
+        comm = OneRankOfMany(layout.ranks, rank=layout.tp - 1, splits=[layout.dp, layout.pp, layout.tp])
+        run = LayoutRun(replace(shape, layers=blocks), layout, comm)
+        b = layout.micro_batch
+        kept.append(saved_bytes(run.model.loss(run.wrapper(run.x[:b]), run.y[:b])))
+    return kept[0] - kept[1]
+
+
+@pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, False), (2, True), (4, False), (4, True)],
+                         ids=lambda v: str(v))
+def test_activation_bytes_equal_one_blocks_saved_arrays(tp, sequence_parallel):
+    """For every precision, recompute mode and micro-batch size: the bytes one block's real ops keep for backward
+    (norms' xhat and statistics, linears' inputs, attention's qkv, output and probabilities, GELU's input and
+    half-tanh; float32 copies of 16-bit norm weights) EQUAL ``activation_bytes(shape, layout, ["blocks.0"])``."""
+    shape = ModelShape(layers=1, hidden=16, heads=4, vocab=37, seq=8)
+    for dtype, precision in PRECISIONS:
+        for recompute in ("none", "selective", "full"):
+            for micro_batch in (1, 2):
+                layout = Layout(1, tp, 1, micro_batch=micro_batch, recompute=recompute,
+                                sequence_parallel=sequence_parallel, **precision)
+                s = replace(shape, dtype=dtype)
+                assert block_graph_bytes(s, layout) == activation_bytes(s, layout, ["blocks.0"]), (layout.name(), dtype)

@@ -20,6 +20,8 @@ import functools
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional
 
+from mpidist.nn.precision import is_low_precision
+
 from .layouts import Layout, enumerate_layouts
 from .model import ModelShape, parameters, stage_layers
 from .profile import Profile
@@ -147,24 +149,42 @@ def attention_probs_bytes(shape: ModelShape, layout: Layout, layers: List[str]) 
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float:
-    """Return the bytes one micro-batch leaves stored for backward in ``layers`` (an estimate, see docs).
+    """Return the bytes one micro-batch leaves stored for backward in ``layers``: what the autograd graph of the
+    real ops keeps (exact for the blocks: tests/test_plan_exact.py measures one block's saved arrays).
 
-    Per block and token, in elements: 5 hidden-sized tensors every TP rank holds whole (norm inputs and outputs,
-    the residual; split by sequence parallelism), 6 hidden-sized and 2 ffn-sized ones split over the TP ranks
-    (q, k, v, attention output, projections' inputs; MLP pre- and post-activation); and the attention
-    probabilities, 1 per head and key (``attention_probs_bytes``, exact), which selective recompute drops.
-    Full recompute keeps only each block's input.
+    Per block and token, in elements; ``s`` is tp under sequence parallelism, else 1; "float32" below is the
+    activations' own dtype unless they are 16-bit (``fp32_op`` computes those ops in float32):
+    - ``F.layer_norm`` (an fp32 op), each of the two: its normalized input ``xhat`` (d / s, float32) and the
+      reciprocal standard deviations (1 / s, float32); the residual adds keep nothing;
+    - ``F.linear`` keeps its input: the two column-parallel ones (qkv, fc1) read the norms' outputs, the whole
+      sequence under sequence parallelism (the gathered copy), d each in the activations' dtype; attention's
+      projection reads the attention output (d / tp), fc2 GELU's output (ffn / tp);
+    - ``F.multi_head_attention`` (an fp32 op) keeps its qkv (3 d / tp) and its output (d / tp) in float32: under
+      16-bit activations the projection's input is a second, 16-bit copy of that output, else the same array;
+      and the probabilities (``attention_probs_bytes``), which selective recompute drops;
+    - ``F.gelu`` keeps its input and its half-tanh ``s`` (2 ffn / tp).
+    Under 16-bit parameters (or FSDP's 16-bit gathers) the norms' weights and biases are cast to float32 copies
+    the graph keeps: 2 (1 + bias) d per block and micro-batch, independent of the tokens.
+    Full recompute keeps only each block's input (d / s). The embedding's and the head's terms are still
+    estimates (the graph keeps the token indices, the head norm's xhat and statistics, the loss's arrays).
     """
-    b, t, d, e, tp = layout.micro_batch, shape.seq, shape.hidden, dtypes(shape, layout).act.itemsize, layout.tp
-    sp = layout.sequence_parallel
-    whole = 5 * d / (tp if sp else 1)
-    split = (6 * d + 2 * shape.ffn_size) / tp
-    block = b * t * (whole + split) * e
+    dt = dtypes(shape, layout)
+    b, t, d, f, tp = layout.micro_batch, shape.seq, shape.hidden, shape.ffn_size, layout.tp
+    e = dt.act.itemsize
+    low = is_low_precision(dt.act)
+    e32 = 4 if low else e   # the fp32 ops' (layer_norm, multi_head_attention) dtype
+    s = tp if layout.sequence_parallel else 1
     blocks = sum(layer.startswith("blocks.") for layer in layers)
+    per_token = (2 * (d + 1) / s * e32            # layer_norm: xhat and rstd, twice
+                 + 2 * d * e                      # qkv's and fc1's inputs (whole sequence)
+                 + (3 * d + d) / tp * e32         # attention: qkv and its output
+                 + (d / tp * e if low else 0)     # the projection's 16-bit copy of attention's output
+                 + 3 * f / tp * e)                # gelu's input and s, fc2's input
+    norm_params = 2 * (1 + shape.bias) * d * 4 if is_low_precision(dt.gather) else 0
     if layout.recompute == "full":
-        stored = blocks * b * t * d / (tp if sp else 1) * e
+        stored = blocks * b * t * d / s * e
     else:
-        stored = blocks * block
+        stored = blocks * (b * t * per_token + norm_params)
         if layout.recompute != "selective":
             stored += attention_probs_bytes(shape, layout, layers)
     if "embed" in layers:
