@@ -450,3 +450,13 @@ def test_activation_bytes_equal_one_blocks_saved_arrays(tp, sequence_parallel):
                                 sequence_parallel=sequence_parallel, **precision)
                 s = replace(shape, dtype=dtype)
                 assert block_graph_bytes(s, layout) == activation_bytes(s, layout, ["blocks.0"]), (layout.name(), dtype)
+
+
+@pytest.mark.parametrize("gather_dtype", ["bfloat16", "float16"])
+def test_fsdp_gathered_in_16_bit_keeps_activations_in_its_ops_dtype(gather_dtype):
+    """FSDP(param_dtype=16-bit) on a float32 model without a Policy: float16 units compute in float16, bfloat16
+    units in float32 (numpy's bfloat16 matmul returns float32); the planner once counted both as 16-bit."""
+    shape = ModelShape(layers=1, hidden=16, heads=4, vocab=37, seq=8)
+    for micro_batch in (1, 2):
+        layout = Layout(2, 1, 1, sharding="fsdp", micro_batch=micro_batch, gather_dtype=gather_dtype)
+        assert block_graph_bytes(shape, layout) == activation_bytes(shape, layout, ["blocks.0"]), layout.name()
