@@ -15,9 +15,9 @@ Each layout is built for real (``mpidist.plan.execute.LayoutRun``: a GPT, the me
 DDP/FSDP/Pipeline, AdamW), all of a part at once, and stepped interleaved: one warm-up step each, then
 ``--rounds`` rounds in which every layout in turn takes one untimed and ``--steps`` timed steps (the slowest
 rank's); a layout's step time is the median of all its timed steps, so the machine's slow minutes fall on every
-layout alike. Peak memory per rank is the arrays' bytes: the wrapper's persistent bytes (``memory_stats``: parameters,
-gradients, optimizer state) plus the most ``tracemalloc`` saw allocated on top during a step (activations,
-gathered parameters, buffers); the largest over ranks is compared with the planner's per-rank total.
+layout alike. Peak memory per rank: a fresh run of the layout built under ``tracemalloc``, the most it saw alive
+during the run's second step (parameters, gradients, optimizer state, activations, gathered parameters, buffers:
+each byte once, see ``_peak_bytes``); the largest over ranks is compared with the planner's per-rank total.
 
 Interference: the machine is shared, so each layout's timed steps also record the CPU time the whole machine
 spent (``/proc/stat``: user, nice, system, steal) minus the CPU time of this job's ranks: the "foreign" share of
@@ -30,6 +30,7 @@ between predicted and measured step times, and the measured step of the layout t
 the measured best.
 """
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -89,6 +90,38 @@ def _timed_steps(run, comm, steps):
     return times, foreign
 
 
+def _peak_bytes(layout, comm):
+    """Return the largest over ranks of: bytes a fresh run of ``layout`` holds between steps, its peak in a step,
+    and its wrapper's ``memory_stats`` persistent bytes (what the wrapper accounts for of the held bytes).
+
+    One tracer counts every byte once: ``tracemalloc`` starts before the run is built, so whatever the run
+    allocated and still holds at the step's peak (parameters, gradients wherever they live: DDP's buckets, FSDP's
+    shards, a pipeline stage's or a tensor-parallel slice's own arrays; optimizer state; activations, gathered
+    parameters, messages) is in its traced total exactly once, and what the step frees first (``zero_grad`` sets
+    gradients to None, backward allocates them again) is not counted both before and during the step, as
+    adding a wrapper's ``memory_stats`` (gradients held before the step) to the step's traced peak did. The
+    second step is the one measured: the first creates the optimizer's state. Not counted: MPI's own buffers
+    (allocated in C, outside Python's allocator); counted beyond the planner's terms: the run's input batch
+    (16 KiB) and its Python objects; held beyond ``memory_stats``: AdamW's persistent work arrays."""
+    from mpi4py import MPI
+
+    from mpidist.plan.execute import LayoutRun
+    gc.collect()
+    comm.Barrier()
+    tracemalloc.start()
+    run = LayoutRun(SHAPE, layout, comm)
+    run.step()
+    gc.collect()   # the unsplit model's freed stages and slices (cycles), as a long run's collector would
+    held = tracemalloc.get_traced_memory()[0]
+    persistent = run.interface.memory_stats(run.opt)["persistent_bytes"]
+    tracemalloc.reset_peak()
+    run.step()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    del run
+    return tuple(comm.allreduce(x, op=MPI.MAX) for x in (held, peak, persistent))
+
+
 def worker(part, steps, tries, max_foreign, rounds):
     """Build every layout of ``part``, then time them interleaved: ``rounds`` rounds, each giving every layout
     ``steps`` timed steps in turn, so a slow minute of the machine (another job, the scheduler's placement of
@@ -111,20 +144,13 @@ def worker(part, steps, tries, max_foreign, rounds):
                 time.sleep(2.0)   # another job's burst: let it pass
             rounds_of[k].append((min(attempts, key=lambda a: a[1]), attempts))
     rows = []
-    for layout, run, measured in zip(LAYOUTS[part], runs, rounds_of):
+    for layout, measured in zip(LAYOUTS[part], rounds_of):
         steps_s = [t for (times, _), _ in measured for t in times]
         step_s, foreign = statistics.median(steps_s), max(f for (_, f), _ in measured)
         attempts = [a for _, tried in measured for a in tried]
-        stats = run.interface.memory_stats(run.opt)
-        persistent = stats["persistent_bytes"]
-        comm.Barrier()
-        tracemalloc.start()
-        base = tracemalloc.get_traced_memory()[0]
-        run.step()
-        transient = tracemalloc.get_traced_memory()[1] - base
-        tracemalloc.stop()
-        peak = comm.allreduce(persistent + transient, op=MPI.MAX)
+        held, peak, persistent = _peak_bytes(layout, comm)
         rows.append({"layout": layout.to_dict(), "name": layout.name(), "step_s": step_s, "peak_bytes": peak,
+                     "held_bytes": held, "persistent_bytes": persistent,
                      "foreign_cpu_share": foreign, "rounds_step_s": [statistics.median(t) for (t, _), _ in measured],
                      "attempts": [{"step_s": statistics.median(a[0]), "foreign_cpu_share": a[1]} for a in attempts]})
     if comm.Get_rank() == 0:
@@ -291,6 +317,7 @@ def merge(args):
             quiet = [p["rows"][k]["step_s"] for p in parts if p["rows"][k]["foreign_cpu_share"] <= args.max_foreign]
             every = [p["rows"][k]["step_s"] for p in parts]
             rows.append({"layout": row["layout"], "name": row["name"], "peak_bytes": row["peak_bytes"],
+                         **{k: row[k] for k in ("held_bytes", "persistent_bytes") if k in row},
                          "rounds_step_s": [x for p in parts for x in p["rows"][k].get("rounds_step_s", [])],
                          "step_s": statistics.median(quiet or every), "runs_step_s": every,
                          "runs_foreign_cpu_share": [p["rows"][k]["foreign_cpu_share"] for p in parts],
