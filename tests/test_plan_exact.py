@@ -394,20 +394,26 @@ def test_transient_is_the_working_memory_above_the_stored_activations_at_the_los
     run = LayoutRun(shape, layout, comm)
     b = layout.micro_batch
     run.step()   # parameters' gradients and the optimizer's state exist: not counted below
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        logits = run.wrapper(run.x[:b])
-        loss = run.model.loss(logits, run.y[:b])
-        del logits
-        stored, peak = (m - base for m in tracemalloc.get_traced_memory())
-    finally:
-        tracemalloc.stop()
-    assert loss is not None
+    extras = []
+    # tracemalloc counts the whole process: another thread's allocation (the test harness, MPI's progress) can
+    # only add to a peak, so the least of three forwards is this one's (a CI run once saw +32 KiB on one rank).
+    for _ in range(3):
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            logits = run.wrapper(run.x[:b])
+            loss = run.model.loss(logits, run.y[:b])
+            del logits
+            stored, peak = (m - base for m in tracemalloc.get_traced_memory())
+        finally:
+            tracemalloc.stop()
+        assert loss is not None
+        del loss
+        extras.append(peak - stored)
     layers = ["embed", "blocks.0", "head"]
     planned = transient_bytes(shape, layout, layers)
     assert planned == b * shape.seq * shape.vocab / layout.tp * 4
-    assert peak - stored == pytest.approx(planned, rel=0.03)
+    assert min(extras) == pytest.approx(planned, rel=0.03)
     assert transient_bytes(shape, layout, ["embed", "blocks.0"]) == 0
     memory = memory_per_rank(shape, layout)
     assert memory["transient"] == planned
