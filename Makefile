@@ -97,7 +97,7 @@ lint: venv
 test-sim: venv
 	$(PY) $(PYTEST) -m 'not slow'
 
-# The tests marked slow (launch-based, over ~5 s each): kept out of `make test` for its 10-minute budget; CI runs them.
+# The tests marked slow (launch- and timeout-based, over ~2 s each): kept out of `make test` for its 10-minute budget; CI runs them.
 test-slow: venv
 	$(PY) $(PYTEST) -m slow
 

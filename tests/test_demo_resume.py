@@ -105,6 +105,7 @@ def unwritable(tmp_path):
         parent.chmod(0o755)
 
 
+@pytest.mark.slow
 def test_an_unwritable_ckpt_fails_before_the_first_epoch_naming_the_path(unwritable):
     t0 = time.monotonic()
     proc = demo(2, "--ckpt", unwritable, "--epochs", "2")
@@ -114,6 +115,7 @@ def test_an_unwritable_ckpt_fails_before_the_first_epoch_naming_the_path(unwrita
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow
 def test_metrics_rows_are_one_per_step_with_the_memory_fsdp_accounts(tmp_path):
     """--metrics: mpidist.metrics.Logger writes one row per global step (ceil(train / (ranks x batch)) per epoch)."""
     metrics = tmp_path / "metrics"

@@ -141,6 +141,7 @@ def test_sim_rank_raising_before_a_collective_releases_the_others():
     ("other-comm", None, None),
     ("tag", None, None),
 ])
+@pytest.mark.slow
 def test_watchdog_reports_and_aborts(kind, arrived, missing):
     proc = subprocess.run(launcher.mpiexec(4, sys.executable, os.path.join(ROOT, "tests", "jobs", "hang.py"), kind),
                           capture_output=True, text=True, timeout=60, env=launcher.env())

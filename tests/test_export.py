@@ -445,6 +445,7 @@ def transformers(request):
     return pytest.importorskip("transformers", reason="transformers is not installed (the hf extra: make test-hf)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tie_weights", [True, False])
 def test_transformers_loads_our_export_and_gives_our_logits(tmp_path, transformers, tie_weights):
     import torch

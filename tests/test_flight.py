@@ -176,6 +176,7 @@ def report(tmp):
     return proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.mpi_skip
 @launcher.needed
 @pytest.mark.parametrize("n", [2, 3])

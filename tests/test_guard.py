@@ -181,6 +181,7 @@ def run_job(*args, env=None, timeout=60):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.mpi_skip
 @launcher.needed
 @pytest.mark.parametrize("n, large", [(2, 0), (2, 1), (3, 1)])
@@ -199,6 +200,7 @@ def test_straddling_sizes_under_mpiexec_end_in_desync_error(n, large, tmp_path):
         assert f"[rank {r}] mpidist: this rank is blocked inside MPI and cannot raise it; rank {large} raises it" in out, out
 
 
+@pytest.mark.slow
 @pytest.mark.mpi_skip
 @launcher.needed
 @pytest.mark.parametrize("n, large", [(2, 0), (3, 1)])
@@ -340,6 +342,7 @@ def run_leave_job(n, kind, tmp_path, timeout):
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
+@pytest.mark.slow
 @pytest.mark.mpi_skip
 @launcher.needed
 @pytest.mark.parametrize("n", [2, 4])
@@ -390,6 +393,7 @@ def test_only_the_members_of_its_communicator_wait_for_a_rank_that_left(tmp_path
     assert elapsed < LIMIT / 2, (elapsed, out)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi_skip
 @launcher.needed
 @pytest.mark.parametrize("n", [2, 4])

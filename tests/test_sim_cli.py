@@ -367,6 +367,7 @@ def test_timeout_stops_ranks_that_all_loop(tmp_path, capsys, monkeypatch):
     assert status == 124 and err.count("computes (not in a communication call):\n") == 2, err
 
 
+@pytest.mark.slow
 def test_a_wait_past_mpidist_sim_timeout_is_reported_as_a_timeout(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MPIDIST_SIM_TIMEOUT", "0.5")  # the per-wait watchdog: rank 1 waits for the looping rank 0
     prog = write(tmp_path, "loop.py", LOOPS.replace("RANKS", "(0,)"))

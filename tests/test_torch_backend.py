@@ -35,6 +35,7 @@ def run(n, script, *args, timeout=240, finished=None, **env):
     return proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n, init, progress", [(2, "mpi", "thread"), (4, "mpi", "thread"), (2, "tcp", "thread"),
                                                 (2, "mpi", "poll"), (2, "mpi", "inline")])
 def test_every_op_and_dtype_matches_the_reference(n, init, progress):
@@ -42,6 +43,7 @@ def test_every_op_and_dtype_matches_the_reference(n, init, progress):
     assert proc.stdout.count("all ops match") == n, proc.stdout
 
 
+@pytest.mark.slow
 def test_ranks_calling_different_ops_or_sizes_raise_desync_on_every_rank():
     proc = run(2, "torch_ops.py", "--desync", timeout=60, MPIDIST_DEBUG="1")
     out = proc.stdout  # both ranks print to one pipe: their lines may interleave, so count, don't split
