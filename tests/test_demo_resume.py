@@ -25,8 +25,8 @@ pytest.importorskip("sklearn", reason="the digits demo needs scikit-learn (the e
 
 
 def demo(n, *args, timeout=180):
-    return subprocess.run(launcher.mpiexec(n, sys.executable, DEMO, *args), capture_output=True, text=True,
-                          timeout=timeout, env=launcher.env())
+    return launcher.run(launcher.mpiexec(n, sys.executable, DEMO, *args), capture_output=True, text=True,
+                        timeout=timeout, env=launcher.env())
 
 
 def check_ok(proc):
