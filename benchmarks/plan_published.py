@@ -415,27 +415,26 @@ MEMORY_CASES = [("none", False), ("none", True), ("selective", False), ("selecti
                 ("full", True)]
 
 
-def table2_bytes(s, b, h, a, t, recompute, sp):
-    """Return Korthikanti's Table 2 activation bytes per layer and rank (dropout included), as printed.
-
-    Table 2 gives full recompute as 2sbh whatever the parallelism; with sequence parallelism the stored layer
-    input is itself split (Megatron keeps it sharded), so 2sbh/t there (derived, not a Table 2 row)."""
+def _layer_bytes(s, b, h, a, t, recompute, sp, unsplit, probs_per_element):
+    """Return Korthikanti's per-layer bytes: ``unsplit`` sbh that tensor parallelism leaves whole, 24 sbh it splits,
+    ``probs_per_element`` x a s^2 b of attention probabilities; full recompute keeps the layer input, 2sbh
+    (Table 2 whatever the parallelism; split under sequence parallelism, as Megatron keeps it: derived)."""
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
-    probs = 0 if recompute == "selective" else 5 * a * s / h
+    probs = 0 if recompute == "selective" else probs_per_element * a * s / h
     if sp:
-        return s * b * h / t * (34 + probs)
-    return s * b * h * (10 + 24 / t + probs / t)
+        return s * b * h / t * (unsplit + 24 + probs)
+    return s * b * h * (unsplit + 24 / t + probs / t)
+
+
+def table2_bytes(s, b, h, a, t, recompute, sp):
+    """Return Korthikanti's Table 2 activation bytes per layer and rank (dropout included), as printed."""
+    return _layer_bytes(s, b, h, a, t, recompute, sp, unsplit=10, probs_per_element=5)
 
 
 def formula_terms(s, b, h, a, t, recompute, sp):
     """Return the paper's per-layer bytes without dropout (its breakdown less the masks): the formula terms."""
-    if recompute == "full":
-        return 2 * s * b * h / (t if sp else 1)
-    probs = 0 if recompute == "selective" else 2 * a * s / h
-    if sp:
-        return s * b * h / t * (32 + probs)
-    return s * b * h * (8 + 24 / t + probs / t)
+    return _layer_bytes(s, b, h, a, t, recompute, sp, unsplit=8, probs_per_element=2)
 
 
 def memory_rows():

@@ -9,6 +9,7 @@ What runs where:
 Nothing here touches CUDA; docs/gpu.md lists what has run on a real GPU (nothing yet).
 """
 
+import contextlib
 import logging
 
 import numpy as np
@@ -329,15 +330,22 @@ def check_reduction_rules(comm, device):
         np.testing.assert_array_equal(device.to_numpy(got), want[first: first + got.shape[0]])
 
 
-@pytest.mark.parametrize("path,kw", ANY_COMM_PATHS, ids=[p for p, _ in ANY_COMM_PATHS])
-def test_nan_and_float16_rules_on_path(comm, path, kw):
+@contextlib.contextmanager
+def device_on_path(comm, path, kw):
+    """Attach a fake device with ``kw`` to ``comm`` on ``path`` (any path on one rank), in tiny chunks; release it."""
     device = FakeDevice(f"gpu{comm.Get_rank()}", **kw)
     gpu.attach(comm, device, path=None if comm.Get_size() == 1 else path, probe=YES if kw.get("cuda_aware") else NO,
                settings=TINY_CHUNKS)
     try:
-        check_reduction_rules(comm, device)
+        yield device
     finally:
         gpu.release(comm)
+
+
+@pytest.mark.parametrize("path,kw", ANY_COMM_PATHS, ids=[p for p, _ in ANY_COMM_PATHS])
+def test_nan_and_float16_rules_on_path(comm, path, kw):
+    with device_on_path(comm, path, kw) as device:
+        check_reduction_rules(comm, device)
 
 
 @pytest.mark.mpi_skip
@@ -700,13 +708,8 @@ def check_sixteen_bit_collectives(comm, device, dtypes=SIXTEEN):
 
 @pytest.mark.parametrize("path,kw", ANY_COMM_PATHS, ids=[p for p, _ in ANY_COMM_PATHS])
 def test_sixteen_bit_collectives_on_path_equal_the_numpy_path(comm, path, kw):
-    device = FakeDevice(f"gpu{comm.Get_rank()}", **kw)
-    gpu.attach(comm, device, path=None if comm.Get_size() == 1 else path, probe=YES if kw.get("cuda_aware") else NO,
-               settings=TINY_CHUNKS)
-    try:
+    with device_on_path(comm, path, kw) as device:
         check_sixteen_bit_collectives(comm, device)
-    finally:
-        gpu.release(comm)
 
 
 @pytest.mark.mpi_skip
