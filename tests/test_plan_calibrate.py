@@ -10,7 +10,7 @@ import mpidist
 from mpidist.plan import Layout, ModelShape, Profile, estimate, load_profile
 from mpidist.plan.calibrate import (PINGPONG_SIZES, calibrate_inter, fit_alpha_beta, fit_knobs, fit_microbatch_cost,
                                     fit_oversubscribed, with_inter_tier)
-from mpidist.plan.estimate import activation_bytes, collective_seconds
+from mpidist.plan.estimate import collective_seconds, touched_bytes
 
 SHAPE = ModelShape(layers=3, hidden=32, heads=4, vocab=64, seq=8)
 
@@ -181,8 +181,8 @@ def test_no_module_under_mpidist_imports_test_code():
 def test_microbatch_factor_multiplies_the_arithmetic_only(layout, ranks_per_node, cores):
     """A curve interpolated in log size: at the layout's block bytes x, halfway (in log) between x / 2 (factor 1)
     and 2 x (factor 2), compute is 1.5 x the arithmetic plus the unchanged per-layer overhead. The key, x, is
-    one block's stored activations per micro-batch and rank (``activation_bytes``)."""
-    x = activation_bytes(SHAPE, Layout(**{**layout.to_dict(), "recompute": "none"}), ["blocks.0"])
+    one block's formed arrays per micro-batch and rank (``touched_bytes``)."""
+    x = touched_bytes(SHAPE, Layout(**{**layout.to_dict(), "recompute": "none"}), ["blocks.0"])
     curve = [[x / 2, 1.0], [2 * x, 2.0]]
     knobs = dict(cores_per_node=cores, layer_overhead_s=1e-3)
     arithmetic = estimate(SHAPE, layout, _profile(**dict(knobs, layer_overhead_s=0.0)), ranks_per_node).time

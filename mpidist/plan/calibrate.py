@@ -277,7 +277,7 @@ def fit_microbatch_cost(block_bytes, arithmetic, rest, measured, floor=0.05):
 def microbatch_curve(profile_data, measured):
     """Return (curve, fit record) of ``MICROBATCH_SWEEP`` measured in ``measured`` against ``profile_data``'s
     fitted knobs (``fit_microbatch_cost``)."""
-    from .estimate import activation_bytes, estimate
+    from .estimate import estimate, touched_bytes
     from .layouts import Layout
     from .model import ModelShape
     from .profile import Profile
@@ -288,7 +288,7 @@ def microbatch_curve(profile_data, measured):
     sizes, arithmetic, rest = [], [], []
     for batch in batches:
         layout = Layout(1, 1, 1, micro_batch=batch)
-        sizes.append(activation_bytes(shape, layout, ["blocks.0"]))
+        sizes.append(touched_bytes(shape, layout, ["blocks.0"]))
         arithmetic.append(estimate(shape, layout, arithmetic_only, 1).time["compute"])
         rest.append(estimate(shape, layout, full, 1).time["step"] - arithmetic[-1])
     curve = fit_microbatch_cost(sizes, arithmetic, rest, measured)

@@ -28,7 +28,7 @@ from .profile import Profile
 from .schedule import build_schedule, in_flight as _in_flight, pipeline as _pipeline
 from .volumes import Call, calls_per_rank, ddp_buckets, dtypes, fsdp_units, summarize
 
-__all__ = ["Estimate", "estimate", "plan", "lower_bound", "memory_per_rank", "collective_seconds", "build_schedule", "activation_bytes",
+__all__ = ["Estimate", "estimate", "plan", "lower_bound", "memory_per_rank", "collective_seconds", "build_schedule", "activation_bytes", "touched_bytes",
            "attention_probs_bytes", "transient_bytes"]
 
 @dataclass
@@ -148,6 +148,14 @@ def attention_probs_bytes(shape: ModelShape, layout: Layout, layers: List[str]) 
     return blocks * layout.micro_batch * (shape.heads // layout.tp) * shape.seq ** 2 * itemsize
 
 
+def _formed_probs_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float:
+    """Return the bytes of the attention probabilities one micro-batch's blocks form (float32 under 16-bit
+    activations: the softmax's dtype), whether kept or not: the compute model's traffic for them."""
+    blocks = sum(layer.startswith("blocks.") for layer in layers)
+    itemsize = max(4, dtypes(shape, layout).act.itemsize)
+    return blocks * layout.micro_batch * (shape.heads // layout.tp) * shape.seq ** 2 * itemsize
+
+
 def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float:
     """Return the bytes one micro-batch leaves stored for backward in ``layers``: what the autograd graph of the
     real ops keeps (exact for the blocks: tests/test_plan_exact.py measures one block's saved arrays).
@@ -192,6 +200,36 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
     if "head" in layers:
         stored += b * t * d * e + 2 * b * t * (shape.vocab / tp) * e   # norm input, logits, their softmax
     return stored
+
+
+def touched_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float:
+    """Return the compute model's memory-traffic proxy: the bytes of the arrays one micro-batch's ops in ``layers``
+    form, with recompute none (see ``activation_bytes`` for what backward keeps).
+
+    The elementwise passes' time (``_compute_seconds``) and the micro-batch cost curve's key (``calibrate``) read
+    it. It counts what the ops write, kept or not: each norm's normalized input and statistic, the linears'
+    inputs, attention's float32 qkv, output and probabilities (plus the 16-bit output under 16-bit
+    activations), GELU's input, half-tanh and output. (It was the stored-activation count until the ops kept
+    less, on 2026-11-28; the calibrated profiles' micro-batch curves are keyed on it, so it is kept as it was.)"""
+    dt = dtypes(shape, layout)
+    b, t, d, f, tp = layout.micro_batch, shape.seq, shape.hidden, shape.ffn_size, layout.tp
+    e = dt.act.itemsize
+    low = is_low_precision(dt.act)
+    e32 = 4 if low else e   # the float32 ops' dtype under 16-bit activations
+    s = tp if layout.sequence_parallel else 1
+    blocks = sum(layer.startswith("blocks.") for layer in layers)
+    per_token = (2 * (d + 1) / s * e32            # layer_norm: xhat and rstd, twice
+                 + 2 * d * e                      # qkv's and fc1's inputs (whole sequence)
+                 + (3 * d + d) / tp * e32         # attention: qkv and its output
+                 + (d / tp * e if low else 0)     # the 16-bit copy of attention's output
+                 + 3 * f / tp * e)                # gelu's input, s and output
+    norm_params = 2 * (1 + shape.bias) * d * 4 if is_low_precision(dt.gather) else 0
+    formed = blocks * (b * t * per_token + norm_params) + _formed_probs_bytes(shape, layout, layers)
+    if "embed" in layers:
+        formed += b * t * d * e
+    if "head" in layers:
+        formed += b * t * d * e + 2 * b * t * (shape.vocab / tp) * e   # norm input, logits, their softmax
+    return formed
 
 
 def transient_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float:
@@ -271,11 +309,11 @@ def _compute_seconds(shape, layout, layers, profile, ranks_per_node):
     if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
         rate *= profile.cores_per_node / ranks_per_node
     plain = Layout(**{**layout.to_dict(), "recompute": "none"})
-    memory_bound = activation_bytes(shape, plain, layers) * profile.elementwise_factor / profile.memory_bandwidth
+    memory_bound = touched_bytes(shape, plain, layers) * profile.elementwise_factor / profile.memory_bandwidth
     if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
         memory_bound *= ranks_per_node / profile.cores_per_node
     # The measured per-sample cost at this micro-batch's size (caches), relative to the calibration's fit.
-    factor = profile.microbatch_factor(activation_bytes(shape, plain, ["blocks.0"]))
+    factor = profile.microbatch_factor(touched_bytes(shape, plain, ["blocks.0"]))
     rate /= profile.compute_scale * factor
     memory_bound *= profile.compute_scale * factor
     # The fixed cost of a layer's ops (Python, dispatch), a third in forward: it does not shrink with tp or b.
@@ -287,8 +325,8 @@ def _compute_seconds(shape, layout, layers, profile, ranks_per_node):
     if layout.recompute == "full":
         backward += blocks * per_block / rate + memory_bound / 3 + blocks * per_layer / 3
     elif layout.recompute == "selective" and blocks:   # each block's scores product and softmax again (not x V)
-        probs = attention_probs_bytes(shape, plain, layers)
-        backward += blocks * 2 * b * t * t * d / tp / rate + memory_bound / 3 * probs / activation_bytes(
+        probs = _formed_probs_bytes(shape, plain, layers)
+        backward += blocks * 2 * b * t * t * d / tp / rate + memory_bound / 3 * probs / touched_bytes(
             shape, plain, layers)
     return forward, backward
 
