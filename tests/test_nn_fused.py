@@ -17,7 +17,9 @@ import pytest
 from mpidist import nn
 from mpidist.nn import functional as F
 from mpidist.nn.allocator import retain_freed_memory
+from tests import reference_ops
 from tests.gradcheck import gradcheck
+from test_autograd import saved_bytes
 
 RTOL = 2e-5
 
@@ -340,3 +342,92 @@ def test_causal_attention_never_forms_the_scores_of_unseen_keys():
     np.testing.assert_allclose(grad[..., hd:], np.concatenate([ref_gk, ref_gv], axis=-1)[:, 0], rtol=1e-4, atol=1e-6)
     # dL/dq_0 is ds @ k: 1e20-sized rows of k meet zero score gradients; held to the reference's own scale.
     _close(grad[..., :hd], ref_gq[:, 0])
+
+
+# -- the norms and GELU keep for backward what Megatron-LM keeps (Korthikanti et al. 2022, section 4.1) ----------
+# LayerNorm and RMSNorm keep their input in its own dtype and per-row statistics, GELU its input alone; backward forms
+# xhat and GELU's half-tanh again by the same operations, so outputs and gradients equal the old ops'
+# (tests/reference_ops.py, which kept those arrays and float32 copies of 16-bit inputs) to the bit.
+
+BF16 = nn.precision.bfloat16
+# (activation dtype, parameter dtype): each dtype alone, and float32 activations with bfloat16 weights
+NORM_DTYPES = [(np.float64, np.float64), (np.float32, np.float32), (BF16, BF16), (np.float16, np.float16),
+               (np.float32, BF16)]
+NORM_IDS = ["float64", "float32", "bfloat16", "float16", "float32-bfloat16_weights"]
+
+
+def _assert_bits_equal(got, ref):
+    assert (got.dtype, got.shape) == (ref.dtype, ref.shape)
+    assert got.tobytes() == ref.tobytes(), f"{got.dtype}: differs in {int((got != ref).sum())} elements"
+
+
+def _bitwise_same_as_old(new_op, old_op, arrays, dy, needs):
+    """Assert ``new_op`` and ``old_op`` give the same bits: output, and the gradient of each input in ``needs``."""
+    results = []
+    for op in (new_op, old_op):
+        ts = [nn.Tensor(a, requires_grad=r) for a, r in zip(arrays, needs)]
+        out = op(*ts)
+        out.backward(dy)
+        results.append([out.data] + [t.grad for t in ts if t.requires_grad])
+    for got, ref in zip(*results):
+        _assert_bits_equal(got, ref)
+
+
+def _norm_inputs(dtype, param_dtype, d=48):
+    rng = np.random.default_rng(20)
+    x = (3 + rng.standard_normal((2, 5, d))).astype(dtype)   # an offset mean: centering matters
+    w = (1 + 0.1 * rng.standard_normal(d)).astype(param_dtype)
+    b = (0.1 * rng.standard_normal(d)).astype(param_dtype)
+    return x, w, b, rng.standard_normal(x.shape).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype,param_dtype", NORM_DTYPES, ids=NORM_IDS)
+@pytest.mark.parametrize("needs", [(True, True, True), (True, True), (True,), (False, True, True)],
+                         ids=["weight_bias", "weight", "plain", "weights_only"])   # the last: the weights' pass alone
+def test_layer_norm_outputs_and_gradients_are_the_old_ones_bitwise(dtype, param_dtype, needs):
+    x, w, b, dy = _norm_inputs(dtype, param_dtype)
+    arrays = [x, w, b][:len(needs)]
+    _bitwise_same_as_old(F.layer_norm, reference_ops.layer_norm, arrays, dy, needs)
+
+
+@pytest.mark.parametrize("dtype,param_dtype", NORM_DTYPES, ids=NORM_IDS)
+@pytest.mark.parametrize("needs", [(True, True), (True,), (False, True)], ids=["weight", "plain", "weight_only"])
+def test_rms_norm_outputs_and_gradients_are_the_old_ones_bitwise(dtype, param_dtype, needs):
+    x, w, _, dy = _norm_inputs(dtype, param_dtype)
+    _bitwise_same_as_old(F.rms_norm, reference_ops.rms_norm, [x, w][:len(needs)], dy, needs)
+
+
+@pytest.mark.parametrize("dtype,shape", [(np.float64, (5, 33)), (np.float32, (5, 33)), (np.float16, (5, 33)),
+                                         (BF16, (5, 33)), (np.float32, (2 * F._CHUNK + 7,)),   # three slices
+                                         (BF16, (F._CHUNK + 3,))])
+def test_gelu_output_and_gradient_are_the_old_ones_bitwise(dtype, shape):
+    rng = np.random.default_rng(21)
+    x = rng.uniform(-6, 6, shape).astype(dtype)
+    _bitwise_same_as_old(F.gelu, reference_ops.gelu, [x], rng.standard_normal(shape).astype(dtype), (True,))
+
+
+def _activation(shape, dtype):
+    """Return a computed (non-leaf) tensor of ``dtype``: made by a cast, which keeps no array for backward."""
+    source = np.float32 if dtype == np.float64 else np.float64
+    leaf = nn.Tensor(np.random.default_rng(22).standard_normal(shape).astype(source), requires_grad=True)
+    return nn.precision.cast(leaf, np.dtype(dtype))
+
+
+@pytest.mark.parametrize("dtype,param_dtype", NORM_DTYPES, ids=NORM_IDS)
+def test_norms_keep_their_input_and_per_row_statistics_only(dtype, param_dtype):
+    rows, d = 6, 40
+    itemsize = np.dtype(dtype).itemsize
+    stat = 8 if dtype == np.float64 else 4   # float32 statistics for 16-bit and float32 inputs
+    x = _activation((2, 3, d), dtype)
+    w = nn.Tensor(np.ones(d, param_dtype), requires_grad=True)
+    b = nn.Tensor(np.zeros(d, param_dtype), requires_grad=True)
+    assert saved_bytes(F.layer_norm(x, w, b)) == rows * d * itemsize + 2 * rows * stat   # mean and rstd
+    assert saved_bytes(F.layer_norm(x)) == rows * d * itemsize + 2 * rows * stat
+    assert saved_bytes(F.rms_norm(x, w)) == rows * d * itemsize + rows * stat            # 1 / rms
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16, BF16],
+                         ids=["float64", "float32", "float16", "bfloat16"])
+def test_gelu_keeps_its_input_only(dtype):
+    x = _activation((4, 2 * F._CHUNK // 4 + 1), dtype)   # more than one slice
+    assert saved_bytes(F.gelu(x)) == x.data.nbytes

@@ -10,8 +10,9 @@ import pytest
 
 import mpidist.nn as nn
 import mpidist.nn.functional as F
-from mpidist.nn.precision import (FP32_OPS, Policy, apply_policy, as_dtype, bfloat16, float16, float32,
-                                  is_floating, is_low_precision)
+from mpidist.nn.autograd import make_result
+from mpidist.nn.precision import (FP32_OPS, Policy, apply_policy, as_dtype, bfloat16, float16, float32, fp32_op,
+                                  grads_as, input_dtypes, is_floating, is_low_precision, upcast)
 from mpidist.optim import SGD, Adam, AdamW
 
 LOW = [pytest.param(float16, id="float16"), pytest.param(bfloat16, id="bfloat16")]
@@ -316,3 +317,30 @@ def test_checkpoint_keeps_bfloat16_parameters_float32_masters_and_the_scaler(tmp
                                                              r"float32 in the model"):
             checkpoint.load(str(tmp_path), {"model": _mlp()}, comm, strict=False)
     simulate(1, body)
+
+
+def test_an_fp32_op_casting_inside_gets_its_inputs_as_given_and_rounds_its_result_once():
+    # What the norms use (and attention may): the op sees the 16-bit input itself (so backward can keep it), the
+    # wrapper still rounds the float32 result once to the first input's dtype; each gradient comes back in its
+    # input's dtype.
+    seen = []
+
+    @fp32_op(casts_inside=True)
+    def scale(x, w):
+        seen.append(input_dtypes(x, w))
+        dtypes = input_dtypes(x, w)
+        return make_result("Scale", upcast(x) * upcast(w), (x, w),
+                           lambda g, n: grads_as((g * upcast(w), (g * upcast(x)).sum()), dtypes))
+
+    x64 = np.array([1.5, 2.5, -3.0, 7.0])
+    w = np.float32(1 / 3)
+    x = nn.Tensor(x64.astype(bfloat16), requires_grad=True)
+    wt = nn.Tensor(np.full((), w), requires_grad=True)
+    out = scale(x, wt)
+    assert seen == [(bfloat16, np.dtype(np.float32))]
+    assert out.dtype == bfloat16
+    np.testing.assert_array_equal(out.data, (x64.astype(np.float32) * w).astype(bfloat16))   # one rounding
+    out.backward(np.ones(4, bfloat16))
+    assert x.grad.dtype == bfloat16 and wt.grad.dtype == np.float32
+    np.testing.assert_array_equal(x.grad, np.full(4, w).astype(bfloat16))
+    assert wt.grad == np.float32(x64.sum())

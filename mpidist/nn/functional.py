@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from mpidist.nn.autograd import Tensor, make_result, make_results, unbroadcast
-from mpidist.nn.precision import fp32_op
+from mpidist.nn.precision import fp32_op, grads_as, input_dtypes, upcast
 from mpidist.nn.random import generator_for_draw
 from mpidist.xp import get_array_module, scatter_add
 
@@ -402,36 +402,46 @@ def _slices(n, xp):
     return (slice(lo, lo + step) for lo in range(0, n, step))
 
 
+def _half_tanh_into(xs, ss, dt):
+    """Write ``s = (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2`` of slice ``xs`` into ``ss``, in place.
+
+    GELU's forward and its backward both form s here, so backward's s is forward's to the bit. Written as
+    products: numpy's float32 ``x ** 3`` calls powf per element and took 60x longer than the rest of GELU."""
+    xp = get_array_module(xs)
+    xp.multiply(xs, xs, out=ss)
+    ss *= dt(_GELU_C * _GELU_K)
+    ss += dt(_GELU_C)
+    ss *= xs
+    xp.tanh(ss, out=ss)
+    ss *= dt(0.5)
+    ss += dt(0.5)
+
+
 def gelu(a):
     """Return GELU with the tanh approximation: ``0.5 a (1 + tanh(sqrt(2/pi) (a + 0.044715 a^3)))``."""
     x = _d(a)
     xp = get_array_module(x)
-    # In place, eight passes and one tanh (the costly one), slice by slice so that the passes after the first
-    # read the slice from L2 (GPT-sized activations, 8 MiB, otherwise stream through L3 nine times: 30% slower).
-    # Backward keeps s = (1 + tanh(u)) / 2, what both the output and the derivative are made of. Written as
-    # products: numpy's float32 ``x ** 3`` calls powf per element and took 60x longer than the rest of GELU.
+    # In place, slice by slice so that the passes after the first read the slice from L2 (GPT-sized
+    # activations, 8 MiB, otherwise stream through L3 nine times: 30% slower). Backward keeps only the input,
+    # as Megatron-LM's fused bias-GeLU does, and forms s = (1 + tanh(u)) / 2 again (one more tanh there).
     dt = x.dtype.type
+    shape = x.shape
     xf = x.reshape(-1)
-    s, out = xp.empty_like(xf), xp.empty_like(xf)
+    out = xp.empty_like(xf)
     for i in _slices(xf.size, xp):
-        xs, ss = xf[i], s[i]
-        xp.multiply(xs, xs, out=ss)
-        ss *= dt(_GELU_C * _GELU_K)
-        ss += dt(_GELU_C)
-        ss *= xs
-        xp.tanh(ss, out=ss)
-        ss *= dt(0.5)
-        ss += dt(0.5)
-        xp.multiply(xs, ss, out=out[i])
+        xs, outs = xf[i], out[i]
+        _half_tanh_into(xs, outs, dt)
+        outs *= xs
 
     def backward(g, n):
         # d/dx = s + x s (1 - s) (2C + 6CK x^2), as 0.5 (1 - tanh^2) = 2 s (1 - s).
         xf, gf = _d(a).reshape(-1), g.reshape(-1)
         grad = xp.empty_like(xf)
-        scratch = xp.empty(builtins.min(xf.size, _CHUNK) if xp is np else xf.size, dtype=s.dtype)
+        scratch = xp.empty((2, builtins.min(xf.size, _CHUNK) if xp is np else xf.size), dtype=xf.dtype)
         for i in _slices(xf.size, xp):
-            xs, ss, d = xf[i], s[i], grad[i]
-            q = scratch[:d.size]
+            xs, d = xf[i], grad[i]
+            ss, q = scratch[0, :d.size], scratch[1, :d.size]
+            _half_tanh_into(xs, ss, dt)
             xp.multiply(xs, xs, out=d)
             d *= dt(6 * _GELU_C * _GELU_K)
             d += dt(2 * _GELU_C)
@@ -441,8 +451,8 @@ def gelu(a):
             d *= q
             d += ss
             d *= gf[i]
-        return (grad.reshape(x.shape),)
-    return make_result("Gelu", out.reshape(x.shape), (a,), backward)
+        return (grad.reshape(shape),)
+    return make_result("Gelu", out.reshape(shape), (a,), backward)
 
 
 @fp32_op
@@ -469,7 +479,22 @@ def log_softmax(a, axis=-1):
 
 # -- fused layers -----------------------------------------------------------------------------------------
 
-@fp32_op
+def _rows(x, rows, d):
+    """Return Tensor ``x``'s array in the compute dtype as (rows, d), and whether that is a fresh copy (the
+    float32 one of a 16-bit input, free to overwrite)."""
+    data = upcast(x)
+    return data.reshape(rows, d), data is not _d(x)
+
+
+def _centered(x2, fresh, mean):
+    """Return (rows, d) ``x2`` less each row's ``mean``: in place if ``x2`` is ``fresh``, else in a new array."""
+    if fresh:
+        x2 -= mean[:, None]
+        return x2
+    return x2 - mean[:, None]
+
+
+@fp32_op(casts_inside=True)
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
     """Normalize over the last axis, then scale by ``weight`` and shift by ``bias``."""
     dx = _d(x)
@@ -479,12 +504,16 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
         raise ValueError(f"layer_norm: weight shape {_d(weight).shape} does not match the last axis {d} "
                          f"of the input {dx.shape}")
     # As (rows, d), with the row sums as products with a ones vector (one BLAS pass, no temporary: 3-4x
-    # numpy's mean over the last axis) and the squares' row sums as row dot products. Backward keeps
-    # xhat and rstd, as before; it works in place on one fresh array and one scratch.
+    # numpy's mean over the last axis) and the squares' row sums as row dot products. Backward keeps what
+    # Megatron-LM keeps: the input as given (16-bit stays 16-bit: fp32_op's casts_inside) and each row's mean
+    # and rstd, and forms xhat again by the same operations, so its gradients are the same to the bit.
     shape, rows = dx.shape, math.prod(dx.shape[:-1])
-    dt = dx.dtype.type
-    x2 = dx.reshape(rows, d)
-    xhat = x2 - ((x2 @ xp.ones(d, dtype=dx.dtype)) * dt(1 / d))[:, None] if d else x2.copy()
+    dtypes = input_dtypes(x, weight, bias)
+    x2, fresh = _rows(x, rows, d)
+    dt = x2.dtype.type
+    mean = (x2 @ xp.ones(d, dtype=x2.dtype)) * dt(1 / d) if d else xp.zeros(rows, dtype=x2.dtype)
+    xhat = _centered(x2, fresh, mean)
+    del x2
     rstd = _row_dot(xhat, xhat)
     rstd *= dt(1 / d) if d else dt(0)
     rstd += dt(eps)
@@ -492,21 +521,27 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
     xp.divide(1, rstd, out=rstd)
     xhat *= rstd[:, None]
     if weight is not None:
-        out = xhat * _d(weight)
+        out = xhat * upcast(weight)
         if bias is not None:
-            out += _d(bias)
+            out += upcast(bias)
     else:
-        out = xhat + _d(bias) if bias is not None else xhat.copy()
+        out = xhat + upcast(bias) if bias is not None else xhat
+    del xhat
+    has_bias = bias is not None
 
     def backward(g, n):
         g2 = g.reshape(rows, d)
-        w = _d(weight) if weight is not None else None
+        w = upcast(weight) if weight is not None else None
         gw = gb = gx = None
         ones = xp.ones(rows, dtype=g.dtype)
-        scratch = g2 * xhat if (n[0] or (w is not None and n[1])) else None
+        scratch = None
+        if n[0] or (w is not None and n[1]):
+            xhat = _centered(*_rows(x, rows, d), mean)
+            xhat *= rstd[:, None]
+            scratch = g2 * xhat
         if w is not None and n[1]:
             gw = ones @ scratch
-        if bias is not None and n[2]:
+        if has_bias and n[2]:
             gb = ones @ g2
         if n[0]:
             # gx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), dxhat = g w; the two row means are
@@ -524,26 +559,32 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
             gx -= mean_g[:, None]
             gx *= rstd[:, None]
             gx = gx.reshape(shape)
-        return gx, gw, gb
+        return grads_as((gx, gw, gb), dtypes)
     return make_result("LayerNorm", out.reshape(shape), (x, weight, bias), backward)
 
 
-@fp32_op
+@fp32_op(casts_inside=True)
 def rms_norm(x, weight=None, eps=1e-6):
     """Divide by the root mean square over the last axis, then scale by ``weight``."""
-    dx = _d(x)
+    dx = upcast(x)
     xp = get_array_module(dx)
+    dtypes = input_dtypes(x, weight)
+    # Backward keeps the input as given and each row's 1 / rms, and forms xhat again (as layer_norm).
     rrms = 1.0 / xp.sqrt((dx * dx).mean(axis=-1, keepdims=True) + eps)
     xhat = dx * rrms
-    out = xhat * _d(weight) if weight is not None else xhat
+    del dx
+    out = xhat * upcast(weight) if weight is not None else xhat
+    del xhat
 
     def backward(g, n):
-        gx = None
+        gx = gw = None
+        xhat = upcast(x) * rrms
         if n[0]:
-            dxhat = g * _d(weight) if weight is not None else g
+            dxhat = g * upcast(weight) if weight is not None else g
             gx = rrms * (dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
-        gw = (g * xhat).sum(axis=tuple(range(g.ndim - 1))) if weight is not None and n[1] else None
-        return gx, gw
+        if weight is not None and n[1]:
+            gw = (g * xhat).sum(axis=tuple(range(g.ndim - 1)))
+        return grads_as((gx, gw), dtypes)
     return make_result("RMSNorm", out, (x, weight), backward)
 
 

@@ -10,6 +10,8 @@ Glossary:
   fp32 op        an op that computes in float32 whatever its inputs (``FP32_OPS``): its 16-bit inputs are
                  cast up exactly, the result is rounded back once to the dtype of its first input (the
                  activation; losses stay float32, so the loss scale and the backward's seed are float32).
+                 One that casts inside (``fp32_op(casts_inside=True)``: the norms) keeps a 16-bit input for
+                 backward as it is and casts it up again there, never a float32 copy.
 
 bfloat16 on numpy is ``ml_dtypes.bfloat16``; MPI has no such type. The collectives take it as any dtype, by one
 rule (``mpidist.wire``): copies (broadcast, allgather, send/recv, alltoall) carry its uint16 bit patterns, and
@@ -28,7 +30,7 @@ from mpidist.nn.deferred import deferred_like, is_deferred
 from mpidist.xp import check_dtype, is_device_array
 
 __all__ = ["bfloat16", "float16", "float32", "LOW_PRECISION", "FP32_OPS", "as_dtype", "is_low_precision",
-           "is_floating", "fp32_op", "cast", "Policy", "apply_policy"]
+           "is_floating", "fp32_op", "upcast", "input_dtypes", "grads_as", "cast", "Policy", "apply_policy"]
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float16 = np.dtype(np.float16)
@@ -88,12 +90,26 @@ def _low(x):
     return dtype if dtype is not None and getattr(dtype, "char", None) in _LOW_CHARS else None
 
 
-def fp32_op(fn=None, *, loss=False):
+def fp32_op(fn=None, *, loss=False, casts_inside=False):
     """Decorate op ``fn`` to compute in float32 when an input is 16-bit, rounding the result back once.
 
-    ``loss``: the result stays float32. Inputs of other dtypes pass unchanged (float32 costs one dtype check)."""
+    ``loss``: the result stays float32. Inputs of other dtypes pass unchanged (float32 costs one dtype check).
+
+    ``casts_inside``: ``fn`` gets its inputs as given and casts them itself, so that its backward can keep a
+    16-bit input as it is (2 bytes an element, the caller's own array) instead of a float32 copy, and cast it
+    again when it runs (Megatron-LM's norms keep their 16-bit input this way). Such an op reads each input's
+    array with ``upcast(t)`` in forward and again in backward, notes ``input_dtypes(...)`` in forward and
+    returns ``grads_as(grads, dtypes)``; the wrapper still rounds the result once::
+
+        @fp32_op(casts_inside=True)
+        def op(x, weight):
+            dtypes = input_dtypes(x, weight)
+            out = f(upcast(x), upcast(weight))
+            return make_result("Op", out, (x, weight),
+                               lambda g, n: grads_as(df(g, upcast(x), upcast(weight)), dtypes))
+    """
     if fn is None:
-        return functools.partial(fp32_op, loss=loss)
+        return functools.partial(fp32_op, loss=loss, casts_inside=casts_inside)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -111,11 +127,28 @@ def fp32_op(fn=None, *, loss=False):
         # a bfloat16 weight stays float32.
         first = args[0] if args else next(iter(kwargs.values()))
         out_dtype = None if loss else _low(first)
-        args = [cast(a, float32) if _low(a) is not None else a for a in args]
-        kwargs = {k: (cast(v, float32) if _low(v) is not None else v) for k, v in kwargs.items()}
+        if not casts_inside:
+            args = [cast(a, float32) if _low(a) is not None else a for a in args]
+            kwargs = {k: (cast(v, float32) if _low(v) is not None else v) for k, v in kwargs.items()}
         out = fn(*args, **kwargs)
         return out if out_dtype is None else cast(out, out_dtype)
     return wrapper
+
+
+def upcast(x):
+    """Return the array of Tensor (or array) ``x`` in float32 if it is 16-bit (a fresh copy), else ``x``'s own."""
+    data = x.data if isinstance(x, Tensor) else x
+    return data.astype(float32) if _low(data) is not None else data
+
+
+def input_dtypes(*inputs):
+    """Return the dtype of each input's array (None for None): what ``grads_as`` returns their gradients in."""
+    return tuple(None if t is None else (t.data if isinstance(t, Tensor) else t).dtype for t in inputs)
+
+
+def grads_as(grads, dtypes):
+    """Return each gradient (or None) in its input's dtype (``input_dtypes``), as ``cast``'s backward does."""
+    return tuple(g if g is None or g.dtype == dt else g.astype(dt) for g, dt in zip(grads, dtypes))
 
 
 @dataclasses.dataclass(frozen=True)
