@@ -24,14 +24,17 @@ import pytest
 from mpidist import collectives, nn, simulate
 from mpidist.models import GPT, GPTConfig, lm_loss
 from mpidist.nn import functional as F
+from mpidist.nn.autograd import backward_input, make_result
 from mpidist.nn.placement import Replicate, Shard, placement_of
+from mpidist.nn.precision import Policy, apply_policy, bfloat16
 from mpidist.optim import AdamW
 from mpidist.models import tensor_parallel
 from mpidist.parallel import DDP, FSDP, Pipeline, mesh
 from mpidist.parallel.tensor import (ColumnParallelLinear, ParallelAttention, ParallelLayerNorm, ParallelMLP,
-                                     RowParallelLinear, VocabParallelEmbedding, copy_to_tp, gather_last,
-                                     gather_sequence, padded_split, reduce_from_tp, scatter_sequence,
-                                     vocab_parallel_cross_entropy)
+                                     RowParallelLinear, TensorParallelModule, VocabParallelEmbedding, copy_to_tp,
+                                     gather_last, gather_sequence, gather_sequence_linear, padded_split,
+                                     reduce_from_tp, scatter_sequence, vocab_parallel_cross_entropy)
+from test_autograd import saved_bytes
 
 TOL = 1e-10
 STEPS = 3
@@ -554,3 +557,162 @@ def test_parallel_never_imports_models():
             offenders += [f"{path.relative_to(root)}: {n}" for n in names if n.startswith("mpidist.models")]
     assert offenders == []
     assert not hasattr(mpidist.parallel, "tensor_parallel")
+
+
+# -- sequence parallelism keeps the column-parallel inputs' shards (Korthikanti et al. 2022, 4.2.2) ------------
+LOW = {"bfloat16": bfloat16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
+
+
+def _computed(array):
+    """A tensor made by an op that keeps nothing (not a leaf: ``saved_bytes`` excludes leaves as parameters)."""
+    leaf = nn.Tensor(array, requires_grad=True)
+    return leaf, make_result("Input", array.copy(), (leaf,), lambda g, n: (g,))
+
+
+def _unfused_column_linear(module):
+    """Make ``module`` multiply its column-parallel input as before fusing: ``F.linear(gather_sequence(x))``,
+    which keeps the gathered input (a per-instance override: simulated ranks share the class)."""
+    def column_linear(x, weight, bias=None):
+        return F.linear(gather_sequence(x, module.comm), weight, bias)
+    object.__setattr__(module, "column_linear", column_linear)
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtype", list(LOW))
+def test_gather_sequence_linear_equals_gather_then_linear_and_keeps_the_shard(comm, dtype, bias):
+    """Output, input, weight and bias gradients EQUAL (bit for bit) those of ``F.linear(gather_sequence(x))``
+    and, within rounding, numpy on every rank's shards; the graph keeps the shard, not the gathered input."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    dt = np.dtype(LOW[dtype])
+    b, t, f, out_features = 2, 3, 8, 5
+    xs = [a.astype(dt) for a in per_rank(70, n, (b, t, f))]
+    w = np.random.default_rng(80 + r).standard_normal((out_features, f)).astype(dt)   # this rank's rows
+    bv = np.random.default_rng(90 + r).standard_normal(out_features).astype(dt) if bias else None
+    results = []
+    for fused in (True, False):
+        leaf, x = _computed(xs[r].copy())
+        weight = nn.Tensor(w.copy(), requires_grad=True)
+        bias_t = nn.Tensor(bv.copy(), requires_grad=True) if bias else None
+        y = (gather_sequence_linear(x, weight, bias_t, comm) if fused
+             else F.linear(gather_sequence(x, comm), weight, bias_t))
+        kept = saved_bytes(y)
+        g = np.random.default_rng(100 + r).standard_normal(y.shape).astype(y.dtype)
+        y.backward(g)
+        results.append((y.data, leaf.grad, weight.grad, None if bias_t is None else bias_t.grad, kept))
+    (y, gx, gw, gb, kept), (y0, gx0, gw0, gb0, kept0) = results
+    for got, want, what in [(y, y0, "output"), (gx, gx0, "input grad"), (gw, gw0, "weight grad"), (gb, gb0, "bias grad")]:
+        assert (got is None) == (want is None), what
+        if got is not None:
+            assert got.dtype == want.dtype, what
+            np.testing.assert_array_equal(got, want, err_msg=what)
+    assert kept == b * t * f * dt.itemsize and kept0 == n * kept   # the shard; before: the gathered input
+    full = np.concatenate(xs, axis=1).astype(np.float64)
+    expected = full @ w.astype(np.float64).T + (bv.astype(np.float64) if bias else 0)
+    tol = 1e-12 if dt == np.float64 else 1e-5 if dt == np.float32 else 3e-2
+    np.testing.assert_allclose(y.astype(np.float64), expected, rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("name", ["column", "attention", "mlp"])
+def test_sequence_parallel_column_layers_keep_the_input_shard_not_the_sequence(comm, name):
+    """A layer under sequence parallelism keeps what it keeps without it, less the column-parallel linear's input
+    of the whole sequence plus its input's shard: b * (t - t / tp) * d * itemsize fewer bytes, EXACTLY."""
+    build = LAYERS[name][0]
+    n, r = comm.Get_size(), comm.Get_rank()
+    for dtype in (np.float32, np.float64):
+        x = np.random.default_rng(6).standard_normal((B, S, W))
+        kept = {}
+        for sequence_parallel in (False, True):
+            source = build(np.random.default_rng(3))
+            layer = LAYERS[name][1](source, comm, sequence_parallel)
+            for p in layer.parameters():
+                p.data = p.data.astype(dtype)
+            part = x[:, r * S // n:(r + 1) * S // n] if sequence_parallel else x
+            kept[sequence_parallel] = saved_bytes(layer(_computed(part.astype(dtype))[1]))
+        assert kept[False] - kept[True] == B * (S - S // n) * W * np.dtype(dtype).itemsize, (name, dtype)
+
+
+def _gpt_step(comm, fused, precision, recompute, bias, dropout):
+    """One forward and backward of a 1-block sequence-parallel GPT: (loss, logits, {name: grad}, saved bytes)."""
+    model = GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=1, n_head=4, n_embd=16, dropout=dropout, bias=bias,
+                          dtype=precision[0]), rng=np.random.default_rng(0))
+    tensor_parallel(model, comm, sequence_parallel=True)
+    if not fused:
+        for m in model.modules():
+            if isinstance(m, TensorParallelModule):
+                _unfused_column_linear(m)
+    if recompute != "none":
+        model.checkpoint_blocks(mode=recompute)
+    if precision[1:]:
+        apply_policy(model, Policy(*precision[1:]))
+    seed_dropout(model, comm)
+    x = np.random.default_rng(1).integers(0, 37, (2, 8))
+    logits = model(x)
+    loss = model.loss(logits, x)
+    kept = saved_bytes(loss)
+    loss.backward()
+    return loss.data, logits.data, {k: p.grad for k, p in model.named_parameters()}, kept
+
+
+def seed_dropout(model, comm):
+    """Draw the same dropout masks in both runs (each TP rank its own stream: its heads and shards)."""
+    nn.manual_seed(1000 + comm.Get_rank())
+
+
+GPT_CASES = [   # (model dtype[, Policy param dtype, compute dtype]), recompute, bias, dropout
+    (("float64",), "none", True, 0.0),
+    (("float32",), "none", False, 0.0),
+    (("float32",), "selective", True, 0.0),
+    (("float32",), "full", True, 0.1),
+    (("float32", "bfloat16"), "none", True, 0.0),
+    (("float32", "float16"), "full", False, 0.0),
+    (("float32", "bfloat16", "float32"), "selective", True, 0.0),
+]
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("precision,recompute,bias,dropout", GPT_CASES,
+                         ids=lambda v: "-".join(v) if isinstance(v, tuple) else str(v))
+def test_sequence_parallel_gpt_equals_the_unfused_gather_bit_for_bit(comm, precision, recompute, bias, dropout):
+    """The split GPT under sequence parallelism (qkv, fc and the head fused with their gathers) gives the loss,
+    logits and every gradient of the unfused ``F.linear(gather_sequence(x))`` bit for bit, under precision
+    policies and recompute; it keeps (2 per kept block + the head) b * (t - t / tp) * d * itemsize bytes less."""
+    n = comm.Get_size()
+    fused = _gpt_step(comm, True, precision, recompute, bias, dropout)
+    unfused = _gpt_step(comm, False, precision, recompute, bias, dropout)
+    np.testing.assert_array_equal(fused[0], unfused[0], err_msg="loss")
+    np.testing.assert_array_equal(fused[1], unfused[1], err_msg="logits")
+    assert list(fused[2]) == list(unfused[2])
+    for name in fused[2]:
+        assert fused[2][name].dtype == unfused[2][name].dtype, name
+        np.testing.assert_array_equal(fused[2][name], unfused[2][name], err_msg=name)
+    itemsize = np.dtype(LOW[precision[2] if len(precision) > 2 else precision[1] if precision[1:]
+                            else precision[0]]).itemsize
+    kept_blocks = 0 if recompute == "full" else 1
+    assert unfused[3] - fused[3] == (2 * kept_blocks + 1) * 2 * (8 - 8 // n) * 16 * itemsize
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_gather_sequence_linear_defers_its_weight_gradient_and_gathers_then(comm):
+    """A zero-bubble split (``backward_input`` now, the weight pass, which gathers the shard again, later) gives
+    the gradients of one backward, bit for bit."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    xs = per_rank(110, n, (2, 3, 8))
+    w = np.random.default_rng(120 + r).standard_normal((5, 8))
+    g = np.random.default_rng(130 + r).standard_normal((2, 3 * n, 5))
+    grads = []
+    for split_pass in (False, True):
+        x = nn.Tensor(xs[r].copy(), requires_grad=True)
+        weight, bias = nn.Tensor(w.copy(), requires_grad=True), nn.Tensor(np.ones(5), requires_grad=True)
+        y = gather_sequence_linear(x, weight, bias, comm)
+        if split_pass:
+            (gx,), deferred = backward_input(y, g, [x])
+            assert weight.grad is None and bias.grad is None
+            deferred.run()
+        else:
+            y.backward(g)
+            gx = x.grad
+        grads.append((gx, weight.grad, bias.grad))
+    for got, want in zip(*grads):
+        np.testing.assert_array_equal(got, want)

@@ -93,7 +93,7 @@ class ParallelGPTHead(TensorParallelModule):
         self.weight = weight
 
     def forward(self, x):
-        return F.linear(self.column_input(self.ln_f(x)), self.weight)
+        return self.column_linear(self.ln_f(x), self.weight)
 
     def loss(self, logits, targets, ignore_index=-100):
         """Mean next-token cross-entropy of this rank's logit slice (see ``vocab_parallel_cross_entropy``)."""

@@ -166,13 +166,29 @@ def linear(x, weight, bias=None):
         out += _d(bias)
 
     def backward(g, n):
-        g2 = g.reshape(rows, g.shape[-1])
-        gx = (g2 @ _d(weight)).reshape(g.shape[:-1] + (_d(weight).shape[1],)) if n[0] else None
-        gw = g2.T @ _d(x).reshape(rows, _d(x).shape[-1]) if n[1] else None
-        # The bias gradient's column sums as one BLAS pass (ones @ g): about 2x numpy's sum over axis 0.
-        gb = get_array_module(g2).ones(rows, dtype=g2.dtype) @ g2 if bias is not None and n[2] else None
-        return gx, gw, gb
+        gx = linear_input_grad(g, _d(weight)) if n[0] else None
+        return (gx,) + linear_param_grads(g, _d(x) if n[1] else None, bias is not None and n[2])
     return make_result("Linear", out, (x, weight, bias), backward)
+
+
+def linear_input_grad(g, weight):
+    """Return the gradient of ``linear``'s input for the output gradient ``g`` (arrays; ``weight`` is (out, in))."""
+    rows = math.prod(g.shape[:-1])
+    return (g.reshape(rows, g.shape[-1]) @ weight).reshape(g.shape[:-1] + (weight.shape[1],))
+
+
+def linear_param_grads(g, x, bias_grad):
+    """Return the gradients of ``linear``'s weight (None when ``x`` is None) and bias (None unless ``bias_grad``)
+    for the output gradient ``g`` and the input array ``x``.
+
+    Apart from the input's gradient so that an op which re-creates its input for them (sequence parallelism
+    gathers it again: ``mpidist.parallel.tensor``) computes exactly ``linear``'s products."""
+    rows = math.prod(g.shape[:-1])
+    g2 = g.reshape(rows, g.shape[-1])
+    gw = g2.T @ x.reshape(rows, x.shape[-1]) if x is not None else None
+    # The bias gradient's column sums as one BLAS pass (ones @ g): about 2x numpy's sum over axis 0.
+    gb = get_array_module(g2).ones(rows, dtype=g2.dtype) @ g2 if bias_grad else None
+    return gw, gb
 
 
 # -- shapes -----------------------------------------------------------------------------------------------

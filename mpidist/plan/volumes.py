@@ -11,8 +11,10 @@ Glossary:
 What each wrapper issues (the wrappers' own rules; tests/test_plan_exact.py runs the wrappers on counting
 communicators and asserts these lists EQUAL what they did):
 - tensor parallel (``mpidist.parallel.tensor``): per micro-batch and block, Megatron's f/g pairs; with sequence
-  parallelism an allgather + reduce-scatter pair instead of each allreduce, and one allreduce per replicated
-  parameter read through ``copy_to_tp`` in backward; the vocabulary-parallel loss adds two per-token allreduces.
+  parallelism an allgather + reduce-scatter pair instead of each allreduce, one more allgather in backward per
+  column-parallel input (its shard gathered again for the weight's gradient: ``gather_sequence_linear``), and
+  one allreduce per replicated parameter read through ``copy_to_tp`` in backward; the vocabulary-parallel loss
+  adds two per-token allreduces.
 - DDP: one allreduce per gradient bucket per step (buckets cut as ``DDP._build_buckets`` cuts them: reverse
   parameter order, 1 MiB first, then 25 MiB), the step stamp riding in the last bucket where its dtype holds the
   sums exactly (else, and under a hook, an allreduce of its own); a hook reduces each bucket its way (the 16-bit
@@ -249,8 +251,9 @@ def _tp_calls(shape: ModelShape, layout: Layout, layers: List[str], dt: Dtypes) 
     passes = 2 if layout.recompute == "full" else 1   # a recomputed block runs its forward again in backward
     out = []
     norms = 4 if shape.bias else 2                   # ln1, ln2 weights (and biases)
-    if sp:
-        out += [Call("tp", "allgather", normed, 2 * blocks * passes), Call("tp", "reduce_scatter", full, 2 * blocks * passes),
+    if sp:   # the column inputs (qkv's, fc's) gathered in forward and again in backward, for the weights' gradients
+        out += [Call("tp", "allgather", normed, 2 * blocks * (passes + 1)),
+                Call("tp", "reduce_scatter", full, 2 * blocks * passes),
                 Call("tp", "reduce_scatter", full, 2 * blocks), Call("tp", "allgather", part, 2 * blocks),
                 Call("tp", "allreduce", d * norm_grad, norms * blocks)]
         if shape.bias:   # the row-parallel projections' biases
@@ -267,7 +270,7 @@ def _tp_calls(shape: ModelShape, layout: Layout, layers: List[str], dt: Dtypes) 
     if "head" in layers:
         if sp:
             out += [Call("tp", "allreduce", d * norm_grad, 2 if shape.bias else 1),
-                    Call("tp", "allgather", normed), Call("tp", "reduce_scatter", full)]
+                    Call("tp", "allgather", normed, 2), Call("tp", "reduce_scatter", full)]
         else:
             out.append(Call("tp", "allreduce", full))
         loss = 4 if is_low_precision(dt.act) else e   # the vocabulary-parallel loss is an fp32 op

@@ -8,9 +8,10 @@ model's own split layers: ``TensorParallelModule`` (the base: how activations en
 from .layers import (ColumnParallelLinear, ParallelAttention, ParallelLayerNorm, ParallelMLP, RowParallelLinear,
                      TensorParallelModule, VocabParallelEmbedding, padded_rows, padded_split, replicated_parameter,
                      sharded_parameter, vocab_parallel_cross_entropy)
-from .ops import copy_to_tp, gather_last, gather_sequence, reduce_from_tp, scatter_sequence
+from .ops import copy_to_tp, gather_last, gather_sequence, gather_sequence_linear, reduce_from_tp, scatter_sequence
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelAttention", "ParallelMLP", "ParallelLayerNorm",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "padded_split", "padded_rows",
            "sharded_parameter", "replicated_parameter", "TensorParallelModule",
-           "copy_to_tp", "reduce_from_tp", "gather_sequence", "scatter_sequence", "gather_last"]
+           "copy_to_tp", "reduce_from_tp", "gather_sequence", "scatter_sequence", "gather_last",
+           "gather_sequence_linear"]

@@ -1,7 +1,8 @@
 """Tensor-parallel layers: each built from the unsharded layer (same seed, same values), holding its slice.
 
 - ``ColumnParallelLinear``: the output features split over the TP ranks (weight rows); its input is the full
-  activation (``copy_to_tp``, or ``gather_sequence`` under sequence parallelism), its output a feature slice.
+  activation (``copy_to_tp``, or gathered along the sequence under sequence parallelism, where backward keeps
+  only this rank's shard: ``gather_sequence_linear``), its output a feature slice.
 - ``RowParallelLinear``: the input features split (weight columns); it adds the ranks' partial products
   (``reduce_from_tp``, or ``scatter_sequence``) and then its bias, which is replicated.
 - ``ParallelAttention``: heads split over the ranks: the fused q/k/v projection column-parallel by heads, the
@@ -32,7 +33,7 @@ from mpidist.nn.placement import Replicate, Shard, set_placement
 from mpidist.nn.precision import fp32_op
 from mpidist.xp import get_array_module
 
-from .ops import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
+from .ops import copy_to_tp, gather_sequence_linear, reduce_from_tp, scatter_sequence
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelAttention", "ParallelMLP", "VocabParallelEmbedding",
            "ParallelLayerNorm", "vocab_parallel_cross_entropy", "padded_split", "padded_rows", "sharded_parameter",
@@ -87,8 +88,8 @@ def replicated_parameter(param, comm):
 class TensorParallelModule(Module):
     """Base of a module split over the tensor-parallel ranks of ``comm``: the entry and exit of its activations.
 
-    A subclass (these layers, or a model's own blocks: ``mpidist.models.gpt_parallel``) calls ``column_input``
-    on what a column-parallel layer reads, ``row_output`` on a row-parallel layer's partial result, and
+    A subclass (these layers, or a model's own blocks: ``mpidist.models.gpt_parallel``) calls ``column_linear``
+    for a column-parallel layer's product, ``row_output`` on a row-parallel layer's partial result, and
     ``read_replicated`` on a replicated parameter it uses; all three follow ``sequence_parallel``.
     """
 
@@ -97,9 +98,13 @@ class TensorParallelModule(Module):
         object.__setattr__(self, "comm", comm)
         object.__setattr__(self, "sequence_parallel", bool(sequence_parallel))
 
-    def column_input(self, x):
-        """Return the full activation a column-parallel layer reads (gathered along the sequence under SP)."""
-        return gather_sequence(x, self.comm) if self.sequence_parallel else copy_to_tp(x, self.comm)
+    def column_linear(self, x, weight, bias=None):
+        """Return ``linear(full x, weight, bias)`` for a column-parallel slice ``weight``: ``x`` is the full
+        activation (its gradient summed over the ranks), or under SP this rank's sequence shard, gathered for the
+        product and gathered again in backward (only the shard is kept: ``gather_sequence_linear``)."""
+        if self.sequence_parallel:
+            return gather_sequence_linear(x, weight, bias, self.comm)
+        return F.linear(copy_to_tp(x, self.comm), weight, bias)
 
     def row_output(self, partial):
         """Return the sum of the row-parallel partial results (sequence parallel: this rank's sequence shard of it)."""
@@ -127,7 +132,7 @@ class ColumnParallelLinear(TensorParallelModule):
                      sharded_parameter(linear.bias, padded_rows(linear.bias.data, start, self.local), comm, 0, start))
 
     def forward(self, x):
-        return F.linear(self.column_input(x), self.weight, self.bias)
+        return self.column_linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(TensorParallelModule):
@@ -161,12 +166,12 @@ class ParallelLayerNorm(TensorParallelModule):
         return F.layer_norm(x, self.read_replicated(self.weight), self.read_replicated(self.bias), self.eps)
 
 
-class _Projection(Module):
-    """``F.linear`` by the weight and bias set on it: a module, so forward hooks (a precision policy's rounding of
-    the output, as on the unsharded layer's ``nn.Linear``) see its output."""
+class _Projection(TensorParallelModule):
+    """The column-parallel product by the weight and bias set on it: a module, so forward hooks (a precision
+    policy's rounding of the output, as on the unsharded layer's ``nn.Linear``) see its output."""
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return self.column_linear(x, self.weight, self.bias)
 
 
 class ParallelAttention(TensorParallelModule):
@@ -187,7 +192,7 @@ class ParallelAttention(TensorParallelModule):
         pieces = tuple((which * d + start, which * width, width) for which in range(3))
         w, b = attn.qkv.weight, attn.qkv.bias
         take = np.concatenate([np.arange(g, g + n) for g, _, n in pieces])
-        self.qkv = _Projection()
+        self.qkv = _Projection(comm, sequence_parallel)
         self.qkv.weight = sharded_parameter(w, _rows(w.data, take), comm, 0, start, pieces)
         self.qkv.bias = None if b is None else sharded_parameter(b, _rows(b.data, take), comm, 0, start, pieces)
         self.proj = RowParallelLinear(attn.proj, comm, sequence_parallel, local_in=width)
@@ -195,7 +200,7 @@ class ParallelAttention(TensorParallelModule):
     def forward(self, x):
         # The local projection is [q | k | v] of this rank's heads: the packed layout multi_head_attention reads
         # in place (no split, permute or copy), the heads side by side as the row-parallel projection wants.
-        qkv = self.qkv(self.column_input(x))
+        qkv = self.qkv(x)
         y = F.multi_head_attention(qkv, self.local_heads, is_causal=self.causal, dropout_p=self.dropout,
                                    training=self.training, recompute_probs=self.recompute_probs)
         return self.proj(y)

@@ -9,6 +9,11 @@ differentiates correctly without any hand-written gradient exchange:
     scatter_sequence  forward: reduce-scatter      backward: allgather                 and out of a TP region)
     gather_last       forward: allgather along the last axis     backward: this rank's slice (full logits)
 
+``gather_sequence_linear`` fuses ``gather_sequence`` with the column-parallel linear that reads it: the same
+products and collectives, but backward keeps this rank's sequence shard instead of the gathered input and
+gathers it again for the weight's gradient (Megatron-LM's sequence parallelism, Korthikanti et al. 2022, 4.2.2):
+a column-parallel linear keeps 1/tp of its input, for one more allgather per backward.
+
 Sequence parallelism replaces each allreduce of plain tensor parallelism by a reduce-scatter plus an allgather
 of the same total bytes, and keeps the activations between blocks (norms, dropout, residuals) split along the
 sequence. A replicated parameter used on a sequence shard gets only its shard's share of the gradient, so it
@@ -20,10 +25,13 @@ their bits, the sums (allreduce, reduce-scatter) accumulate in float32 and round
 from __future__ import annotations
 
 from mpidist import collectives
+from mpidist.nn import functional as F
 from mpidist.nn.autograd import Tensor, make_result
+from mpidist.nn.functional import linear_input_grad, linear_param_grads
 from mpidist.xp import get_array_module
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "gather_sequence", "scatter_sequence", "gather_last"]
+__all__ = ["copy_to_tp", "reduce_from_tp", "gather_sequence", "scatter_sequence", "gather_last",
+           "gather_sequence_linear"]
 
 
 def _data(x):
@@ -34,20 +42,45 @@ def _allreduce(a, comm):
     return collectives.allreduce(get_array_module(a).array(a, copy=True, order="C"), comm, op="sum")
 
 
-def _allgather_axis(a, comm, axis):
+def _to_front(a, axis):
     xp = get_array_module(a)
-    moved = xp.ascontiguousarray(xp.moveaxis(a, axis, 0))
-    return xp.ascontiguousarray(xp.moveaxis(collectives.allgather(moved, comm), 0, axis))
+    return xp.ascontiguousarray(xp.moveaxis(a, axis, 0))
 
 
-def _reduce_scatter_axis(a, comm, axis, what):
+def _from_front(a, axis):
+    xp = get_array_module(a)
+    return xp.ascontiguousarray(xp.moveaxis(a, 0, axis))
+
+
+def _allgather_axis(a, comm, axis):
+    return _from_front(collectives.allgather(_to_front(a, axis), comm), axis)
+
+
+def _start_allgather_axis(a, comm, axis):
+    """Start ``_allgather_axis`` (every rank's ``a`` has one shape); return a function that waits for its result."""
+    moved = _to_front(a, axis)
+    out = get_array_module(a).empty((comm.Get_size() * moved.shape[0],) + moved.shape[1:], dtype=moved.dtype)
+    handle = collectives.iallgather(moved, comm, out=out)
+    return lambda: _from_front(handle.wait(), axis)
+
+
+def _check_splits(a, comm, axis, what):
     size = comm.Get_size()
     if a.shape[axis] % size:
         raise ValueError(f"{what}: axis {axis} of length {a.shape[axis]} does not split evenly over {size} "
                          f"tensor-parallel ranks (shape {tuple(a.shape)})")
-    xp = get_array_module(a)
-    moved = xp.ascontiguousarray(xp.moveaxis(a, axis, 0))
-    return xp.ascontiguousarray(xp.moveaxis(collectives.reduce_scatter(moved, comm), 0, axis))
+
+
+def _reduce_scatter_axis(a, comm, axis, what):
+    _check_splits(a, comm, axis, what)
+    return _from_front(collectives.reduce_scatter(_to_front(a, axis), comm), axis)
+
+
+def _start_reduce_scatter_axis(a, comm, axis, what):
+    """Start ``_reduce_scatter_axis``; return a function that waits for its result."""
+    _check_splits(a, comm, axis, what)
+    handle = collectives.ireduce_scatter(_to_front(a, axis), comm)
+    return lambda: _from_front(handle.wait(), axis)
 
 
 def _local_slice(a, comm, axis):
@@ -84,3 +117,25 @@ def gather_last(x, comm):
     a = _data(x)
     return make_result("GatherLast", _allgather_axis(a, comm, a.ndim - 1), (x,),
                        lambda g, n: (_local_slice(g, comm, g.ndim - 1),))
+
+
+def gather_sequence_linear(x, weight, bias, comm, axis=1):
+    """Return ``F.linear(gather_sequence(x, comm, axis), weight, bias)``, keeping only the shard ``x`` for backward.
+
+    The gathered input is let go after the product; backward gathers ``x`` again for the weight's gradient,
+    overlapping that allgather with the input gradient's product and the input gradient's reduce-scatter with
+    the weight gradient's product (as Megatron-LM does). Outputs and gradients equal those of the unfused pair
+    bit for bit: the gather is a copy, and the products and the reduce-scatter are the same.
+    """
+    out = F.linear(_allgather_axis(_data(x), comm, axis), _data(weight), None if bias is None else _data(bias))
+
+    def backward(g, n):
+        # The weight is read now, not at forward: FSDP may have freed and gathered it again (autograd's glossary).
+        gathered = _start_allgather_axis(_data(x), comm, axis) if n[1] else None
+        scattered = None
+        if n[0]:
+            scattered = _start_reduce_scatter_axis(linear_input_grad(g, _data(weight)), comm, axis,
+                                                   "gather_sequence_linear backward")
+        gw, gb = linear_param_grads(g, gathered() if gathered else None, bias is not None and n[2])
+        return (scattered() if scattered else None), gw, gb
+    return make_result("GatherSequenceLinear", out.data, (x, weight, bias), backward)
