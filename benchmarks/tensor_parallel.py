@@ -25,6 +25,7 @@ bandwidth-optimal ring (or reduce-scatter + allgather) algorithm: allreduce of N
 a piece n (t-1) n, reduce_scatter of N (t-1)/t N. ``formula_*`` is the same sum computed from the model's shape
 alone (``formula_terms``): Megatron's 4 allreduces of b*s*h per layer (plain TP) or 4 allgathers + 4
 reduce-scatters of the same total bytes (sequence parallel), plus the embedding, head, loss and (SP only) the
+column-parallel inputs gathered again in backward (Megatron's too: backward keeps only the shards) and the
 gradients of the replicated parameters used on sequence shards. ``megatron_layer_ring_bytes`` is the
 per-layer term alone, 4 L 2(t-1)/t b s h x 4 bytes. Not counted: the 144-byte (18 int64) shape header each
 ``allgather`` without ``out=`` exchanges first (``allgather_calls_with_header`` counts those calls).
@@ -173,10 +174,13 @@ def formula_terms(config, batch, tp, sequence_parallel):
                  ("reduce_scatter", bsh, 2 * layers, "blocks forward: attention and MLP outputs"),
                  ("reduce_scatter", bsh, 2 * layers, "blocks backward: attention and MLP input gradients"),
                  ("allgather", bsh // tp, 2 * layers, "blocks backward: attention and MLP output gradients"),
+                 ("allgather", bsh // tp, 2 * layers,
+                  "blocks backward: attention and MLP inputs gathered again for the qkv and fc weight gradients"),
                  ("reduce_scatter", bsh, 1, "token embedding output (forward)"),
                  ("allgather", bsh // tp, 1, "token embedding output gradient (backward)"),
                  ("allgather", bsh // tp, 1, "head input (forward)"),
                  ("reduce_scatter", bsh, 1, "head input gradient (backward)"),
+                 ("allgather", bsh // tp, 1, "head input gathered again for its weight gradient (backward)"),
                  ("allreduce", h, replicated_per_layer * layers + 1 + config.bias,
                   "gradients of norm gains/shifts and row-parallel biases seen on sequence shards (backward)"),
                  ("allreduce", config.block_size * h, 1, "position table gradient (backward)")]
