@@ -160,39 +160,37 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
     """Return the bytes one micro-batch leaves stored for backward in ``layers``: what the autograd graph of the
     real ops keeps (exact for the blocks: tests/test_plan_exact.py measures one block's saved arrays).
 
-    Per block and token, in elements; ``s`` is tp under sequence parallelism, else 1; "float32" below is the
-    activations' own dtype unless they are 16-bit (``fp32_op`` computes those ops in float32):
-    - ``F.layer_norm`` (an fp32 op), each of the two: its normalized input ``xhat`` (d / s, float32) and the
-      reciprocal standard deviations (1 / s, float32); the residual adds keep nothing;
-    - ``F.linear`` keeps its input: the two column-parallel ones (qkv, fc1) read the norms' outputs, the whole
-      sequence under sequence parallelism (the gathered copy), d each in the activations' dtype; attention's
-      projection reads the attention output (d / tp), fc2 GELU's output (ffn / tp);
-    - ``F.multi_head_attention`` (an fp32 op) keeps its qkv (3 d / tp) and its output (d / tp) in float32: under
-      16-bit activations the projection's input is a second, 16-bit copy of that output, else the same array;
-      and the probabilities (``attention_probs_bytes``), which selective recompute drops;
-    - ``F.gelu`` keeps its input and its half-tanh ``s`` (2 ffn / tp).
-    Under 16-bit parameters (or FSDP's 16-bit gathers) the norms' weights and biases are cast to float32 copies
-    the graph keeps: 2 (1 + bias) d per block and micro-batch, independent of the tokens.
+    Per block and token; ``s`` is tp under sequence parallelism, else 1; ``e`` the activations' itemsize and
+    ``e32`` that of the ops computing in float32 under 16-bit activations (else ``e``):
+    - ``F.layer_norm``, each of the two: its input as given (d / s, ``e``) and two statistics per row, mean and
+      reciprocal standard deviation (2 / s, ``e32``); it forms the normalized input again in backward. The
+      residual adds keep nothing;
+    - the column-parallel linears (qkv, fc1) keep the norms' outputs, d / s each (under sequence parallelism
+      this rank's shard, gathered again in backward); attention's projection keeps the attention output (d /
+      tp), fc2 GELU's output (ffn / tp);
+    - ``F.multi_head_attention`` keeps its qkv (3 d / tp) and its output (d / tp) in ``e32``; under 16-bit
+      activations the projection's input is a second, 16-bit copy of that output, else the same array; and the
+      probabilities (``attention_probs_bytes``), which selective recompute drops;
+    - ``F.gelu`` keeps its input (ffn / tp) and forms its half-tanh again in backward.
     Full recompute keeps only each block's input (d / s). The embedding's and the head's terms are still
-    estimates (the graph keeps the token indices, the head norm's xhat and statistics, the loss's arrays).
+    estimates (the graph keeps the token indices, the head norm's input and statistics, the loss's arrays).
     """
     dt = dtypes(shape, layout)
     b, t, d, f, tp = layout.micro_batch, shape.seq, shape.hidden, shape.ffn_size, layout.tp
     e = dt.act.itemsize
     low = is_low_precision(dt.act)
-    e32 = 4 if low else e   # the fp32 ops' (layer_norm, multi_head_attention) dtype
+    e32 = 4 if low else e
     s = tp if layout.sequence_parallel else 1
     blocks = sum(layer.startswith("blocks.") for layer in layers)
-    per_token = (2 * (d + 1) / s * e32            # layer_norm: xhat and rstd, twice
-                 + 2 * d * e                      # qkv's and fc1's inputs (whole sequence)
-                 + (3 * d + d) / tp * e32         # attention: qkv and its output
-                 + (d / tp * e if low else 0)     # the projection's 16-bit copy of attention's output
-                 + 3 * f / tp * e)                # gelu's input and s, fc2's input
-    norm_params = 2 * (1 + shape.bias) * d * 4 if is_low_precision(dt.gather) else 0
+    per_token = (2 * (d * e + 2 * e32) / s           # layer_norm: its input and two statistics, twice
+                 + 2 * d / s * e                     # qkv's and fc1's inputs (this rank's shard under sp)
+                 + (3 * d + d) / tp * e32            # attention: qkv and its output
+                 + (d / tp * e if low else 0)        # the projection's 16-bit copy of attention's output
+                 + 2 * f / tp * e)                   # gelu's input, fc2's input
     if layout.recompute == "full":
         stored = blocks * b * t * d / s * e
     else:
-        stored = blocks * (b * t * per_token + norm_params)
+        stored = blocks * b * t * per_token
         if layout.recompute != "selective":
             stored += attention_probs_bytes(shape, layout, layers)
     if "embed" in layers:
