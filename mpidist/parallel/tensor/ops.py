@@ -57,10 +57,8 @@ def _allgather_axis(a, comm, axis):
 
 
 def _start_allgather_axis(a, comm, axis):
-    """Start ``_allgather_axis`` (every rank's ``a`` has one shape); return a function that waits for its result."""
-    moved = _to_front(a, axis)
-    out = get_array_module(a).empty((comm.Get_size() * moved.shape[0],) + moved.shape[1:], dtype=moved.dtype)
-    handle = collectives.iallgather(moved, comm, out=out)
+    """Start ``_allgather_axis``; return a function that waits for its result."""
+    handle = collectives.iallgather(_to_front(a, axis), comm)
     return lambda: _from_front(handle.wait(), axis)
 
 
