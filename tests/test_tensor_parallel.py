@@ -560,7 +560,7 @@ def test_parallel_never_imports_models():
 
 
 # -- sequence parallelism keeps the column-parallel inputs' shards (Korthikanti et al. 2022, 4.2.2) ------------
-LOW = {"bfloat16": bfloat16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
+DTYPES = {"bfloat16": bfloat16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
 
 
 def _computed(array):
@@ -579,12 +579,12 @@ def _unfused_column_linear(module):
 
 @pytest.mark.world_sizes(2, 4)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("dtype", list(LOW))
+@pytest.mark.parametrize("dtype", list(DTYPES))
 def test_gather_sequence_linear_equals_gather_then_linear_and_keeps_the_shard(comm, dtype, bias):
     """Output, input, weight and bias gradients EQUAL (bit for bit) those of ``F.linear(gather_sequence(x))``
     and, within rounding, numpy on every rank's shards; the graph keeps the shard, not the gathered input."""
     n, r = comm.Get_size(), comm.Get_rank()
-    dt = np.dtype(LOW[dtype])
+    dt = np.dtype(DTYPES[dtype])
     b, t, f, out_features = 2, 3, 8, 5
     xs = [a.astype(dt) for a in per_rank(70, n, (b, t, f))]
     w = np.random.default_rng(80 + r).standard_normal((out_features, f)).astype(dt)   # this rank's rows
@@ -633,10 +633,13 @@ def test_sequence_parallel_column_layers_keep_the_input_shard_not_the_sequence(c
         assert kept[False] - kept[True] == B * (S - S // n) * W * np.dtype(dtype).itemsize, (name, dtype)
 
 
+GPT_BATCH, GPT_T, GPT_D = 2, 8, 16
+
+
 def _gpt_step(comm, fused, precision, recompute, bias, dropout):
     """One forward and backward of a 1-block sequence-parallel GPT: (loss, logits, {name: grad}, saved bytes)."""
-    model = GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=1, n_head=4, n_embd=16, dropout=dropout, bias=bias,
-                          dtype=precision[0]), rng=np.random.default_rng(0))
+    model = GPT(GPTConfig(vocab_size=37, block_size=GPT_T, n_layer=1, n_head=4, n_embd=GPT_D, dropout=dropout,
+                          bias=bias, dtype=precision[0]), rng=np.random.default_rng(0))
     tensor_parallel(model, comm, sequence_parallel=True)
     if not fused:
         for m in model.modules():
@@ -646,18 +649,13 @@ def _gpt_step(comm, fused, precision, recompute, bias, dropout):
         model.checkpoint_blocks(mode=recompute)
     if precision[1:]:
         apply_policy(model, Policy(*precision[1:]))
-    seed_dropout(model, comm)
-    x = np.random.default_rng(1).integers(0, 37, (2, 8))
+    nn.manual_seed(1000 + comm.Get_rank())   # the same dropout masks in both runs (each TP rank its own stream)
+    x = np.random.default_rng(1).integers(0, 37, (GPT_BATCH, GPT_T))
     logits = model(x)
     loss = model.loss(logits, x)
     kept = saved_bytes(loss)
     loss.backward()
     return loss.data, logits.data, {k: p.grad for k, p in model.named_parameters()}, kept
-
-
-def seed_dropout(model, comm):
-    """Draw the same dropout masks in both runs (each TP rank its own stream: its heads and shards)."""
-    nn.manual_seed(1000 + comm.Get_rank())
 
 
 GPT_CASES = [   # (model dtype[, Policy param dtype, compute dtype]), recompute, bias, dropout
@@ -679,18 +677,22 @@ def test_sequence_parallel_gpt_equals_the_unfused_gather_bit_for_bit(comm, preci
     logits and every gradient of the unfused ``F.linear(gather_sequence(x))`` bit for bit, under precision
     policies and recompute; it keeps (2 per kept block + the head) b * (t - t / tp) * d * itemsize bytes less."""
     n = comm.Get_size()
-    fused = _gpt_step(comm, True, precision, recompute, bias, dropout)
-    unfused = _gpt_step(comm, False, precision, recompute, bias, dropout)
+    state = nn.get_rng_state()   # each run seeds this rank's own dropout stream; later tests see it untouched
+    try:
+        fused = _gpt_step(comm, True, precision, recompute, bias, dropout)
+        unfused = _gpt_step(comm, False, precision, recompute, bias, dropout)
+    finally:
+        nn.set_rng_state(state)
     np.testing.assert_array_equal(fused[0], unfused[0], err_msg="loss")
     np.testing.assert_array_equal(fused[1], unfused[1], err_msg="logits")
     assert list(fused[2]) == list(unfused[2])
     for name in fused[2]:
         assert fused[2][name].dtype == unfused[2][name].dtype, name
         np.testing.assert_array_equal(fused[2][name], unfused[2][name], err_msg=name)
-    itemsize = np.dtype(LOW[precision[2] if len(precision) > 2 else precision[1] if precision[1:]
-                            else precision[0]]).itemsize
+    activations = precision[-1]   # the Policy's compute dtype (default: its param dtype), else the model's
+    itemsize = np.dtype(DTYPES[activations]).itemsize
     kept_blocks = 0 if recompute == "full" else 1
-    assert unfused[3] - fused[3] == (2 * kept_blocks + 1) * 2 * (8 - 8 // n) * 16 * itemsize
+    assert unfused[3] - fused[3] == (2 * kept_blocks + 1) * GPT_BATCH * (GPT_T - GPT_T // n) * GPT_D * itemsize
 
 
 @pytest.mark.world_sizes(2, 4)
