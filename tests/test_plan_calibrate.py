@@ -278,3 +278,43 @@ def test_fit_oversubscribed_recovers_the_ring_allreduce():
     assert fitted[1] == pytest.approx(bandwidth, rel=1e-6)
     with pytest.raises(ValueError, match=r"fit_oversubscribed: needs 2 ranks or more \(got 1\)"):
         fit_oversubscribed(points, 1)
+
+
+
+def _two_node_profile(**knobs):
+    """The local profile with a slow inter tier (a node's 2 ranks share its link) and 1 core per node: ranks
+    outnumber cores at 2 per node, so a data-parallel step exposes its whole reduction (nothing overlaps)."""
+    data = load_profile("local").to_dict()
+    data["tiers"]["inter"] = {"latency_s": 2e-5, "bandwidth": 2.5e7, "efficiency": 1.0, "ranks_per_link": 2}
+    return Profile.from_dict(dict(data, cores_per_node=1, **knobs))
+
+
+def test_halving_doubling_allreduce_crosses_the_link_with_a_ring_among_nodes():
+    """Recursive halving then doubling, dp=4 on 2 nodes x 2 ranks: per DDP bucket of S bytes the halving's first
+    step inside the node (S / 2 each way: 2 alpha_intra + S / bw_intra with the doubling's last) and its second
+    across (both ranks of a node send S / 4 over the one link: 2 alpha + S / bw with the doubling's first); a ring
+    over the 4 ranks moves 1.5 S over it (6 alpha + 1.5 S / bw). A group with one rank per node (dp=2 x tp=2) is
+    timed alike either way."""
+    from mpidist.plan.volumes import calls_per_rank
+    layout = Layout(4, 1, 1, micro_batch=4)
+    ring_profile, halving = _two_node_profile(), _two_node_profile(halving_doubling_allreduce=True)
+    intra, (alpha, bw) = ring_profile.tiers["intra"], (2e-5, 2.5e7)
+    buckets = [c.nbytes for c in calls_per_rank(SHAPE, layout, 0, 2) if c.group == "dp" for _ in range(c.count)]
+    assert len(buckets) >= 1
+    halved = sum(2 * intra.latency_s + s / intra.effective_bandwidth + 2 * alpha + s / bw for s in buckets)
+    ring = sum(6 * alpha + 1.5 * s / bw for s in buckets)
+    assert estimate(SHAPE, layout, halving, 2).time["dp"] == pytest.approx(halved, rel=1e-9)
+    assert estimate(SHAPE, layout, ring_profile, 2).time["dp"] == pytest.approx(ring, rel=1e-9)
+    one_per_node = Layout(2, 2, 1, micro_batch=8)
+    assert estimate(SHAPE, one_per_node, halving, 2).time == estimate(SHAPE, one_per_node, ring_profile, 2).time
+    assert Profile.from_dict(halving.to_dict()).halving_doubling_allreduce is True
+    with pytest.raises(ValueError, match=r"halving_doubling_allreduce must be true or false \(got 'yes'\)"):
+        _two_node_profile(halving_doubling_allreduce="yes")
+
+
+def test_halving_doubling_allreduce_is_mpichs_unless_another_algorithm_is_chosen():
+    from mpidist.plan.calibrate import halving_doubling_allreduce
+    assert halving_doubling_allreduce("MPICH Version:      5.0.2\nMPICH Release date: ...", env={})
+    assert not halving_doubling_allreduce("Open MPI v5.0.8, package: Open MPI ...", env={})
+    assert not halving_doubling_allreduce("MPICH Version: 5.0.2", env={"MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "ring"})
+    assert halving_doubling_allreduce("MPICH Version: 5.0.2", env={"MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "auto"})

@@ -25,7 +25,7 @@ import numpy as np
 __all__ = ["measure_matmul_curve", "measure_memory_bandwidth", "measure_link", "measure_pingpong", "fit_alpha_beta",
            "calibrate", "calibrate_inter", "with_inter_tier", "fit_knobs", "machine_busy_seconds", "quiet_median",
            "fit_microbatch_cost", "microbatch_curve", "measure_oversubscribed", "fit_oversubscribed",
-           "interleaved_medians"]
+           "interleaved_medians", "halving_doubling_allreduce"]
 
 
 def _best(fn, repeat, budget_s=0.3):
@@ -358,9 +358,20 @@ def with_inter_tier(base: dict, points, ranks_per_link: int = 1, hosts=(), name=
     return data
 
 
+def halving_doubling_allreduce(library_version: str, env=None) -> bool:
+    """Return whether an MPI library of ``library_version`` (``MPI.Get_library_version()``) reduces large arrays by
+    recursive halving then doubling (``Profile.halving_doubling_allreduce``): MPICH does, unless the environment
+    ``env`` (this process's by default) names another algorithm (``MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM``)."""
+    env = os.environ if env is None else env
+    chosen = env.get("MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM", "auto").strip().lower()
+    return "MPICH" in library_version and chosen in ("", "auto", "reduce_scatter_allgather")
+
+
 def calibrate_inter(base: dict, comm, ranks_per_link: int = 1, name=None, host=None) -> dict:
     """Return ``base`` with its inter tier measured by a ping-pong between ranks 0 and 1 of ``comm``, on every
-    rank (collective); the two must run on different hosts (``host``: this rank's, the host name by default)."""
+    rank (collective); the two must run on different hosts (``host``: this rank's, the host name by default).
+    It also records whether this MPI library's allreduce is recursive halving then doubling
+    (``halving_doubling_allreduce``)."""
     hosts = comm.allgather(host or socket.gethostname())
     # every rank sees the same host list, so every rank raises the same error (no rank is left waiting)
     if len(hosts) < 2:
@@ -368,8 +379,11 @@ def calibrate_inter(base: dict, comm, ranks_per_link: int = 1, name=None, host=N
     if hosts[0] == hosts[1]:
         raise ValueError(f"plan calibrate --inter: ranks 0 and 1 are both on host {hosts[0]!r}: start them on two "
                          f"nodes (e.g. mpiexec -n 2 -hosts a,b)")
+    from mpi4py import MPI
     points = measure_pingpong(comm, (0, 1))
-    return with_inter_tier(base, points, ranks_per_link, hosts[:2], name)
+    data = with_inter_tier(base, points, ranks_per_link, hosts[:2], name)
+    data["halving_doubling_allreduce"] = halving_doubling_allreduce(MPI.Get_library_version())
+    return data
 
 
 def _inter_main(argv):

@@ -24,6 +24,11 @@ Glossary:
   allreduces of several sizes between equal work, with ``2 x cores`` ranks): a transfer moves only while both
   partners hold a core, and a waiting rank busy-polls (MPICH) on its own share; used for the groups inside a node
   when ranks outnumber cores (absent: the intra tier).
+- ``halving_doubling_allreduce``: the MPI library's allreduce is recursive halving (reduce-scatter) then
+  recursive doubling (allgather), as MPICH's is above 2 KiB: over a group with several ranks on each of several
+  nodes (block placement) the steps between nodes come last in the halving, at the smallest pieces, so a node's
+  link carries what a ring among one rank per node would (``calibrate --inter`` records whether the library is
+  MPICH); false: one ring over all the group's ranks (NCCL's), 1.5 times those bytes at 2 ranks on each of 2 nodes.
 """
 from __future__ import annotations
 
@@ -82,6 +87,7 @@ class Profile:
     validated: dict = field(default_factory=dict)   # the range compared with measurements (see out_of_range)
     microbatch_cost: Tuple[Tuple[float, float], ...] = ()   # [[block activation bytes, factor]], measured
     oversubscribed_tier: Optional[Tier] = None   # measured: the intra link when ranks outnumber cores
+    halving_doubling_allreduce: bool = False   # allreduce: recursive halving then doubling (MPICH), not a ring
 
     def efficiency(self, gemm_flops: float) -> float:
         """Return the share of peak a GEMM of ``gemm_flops`` FLOPs reaches (log-linear interpolation)."""
@@ -108,7 +114,8 @@ class Profile:
                 "microbatch_cost": [list(p) for p in self.microbatch_cost],
                 "oversubscribed_tier": None if self.oversubscribed_tier is None else {
                     "latency_s": self.oversubscribed_tier.latency_s,
-                    "bandwidth": self.oversubscribed_tier.bandwidth}}
+                    "bandwidth": self.oversubscribed_tier.bandwidth},
+                "halving_doubling_allreduce": self.halving_doubling_allreduce}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "profile") -> "Profile":
@@ -138,15 +145,19 @@ class Profile:
                                int(t.get("ranks_per_link", 1)))
         known = set(required) | {"elementwise_factor", "cores_per_node", "compute_scale", "layer_overhead_s",
                                  "source", "fit", "validated", "description", "microbatch_cost",
-                                 "oversubscribed_tier"}
+                                 "oversubscribed_tier", "halving_doubling_allreduce"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
+        halving = data.get("halving_doubling_allreduce", False)
+        if not isinstance(halving, bool):
+            raise ValueError(f"{where}: halving_doubling_allreduce must be true or false (got {halving!r})")
         return cls(data["name"], {k: float(v) for k, v in data["peak_flops"].items()}, curve,
                    float(data["memory_bytes"]), float(data["memory_bandwidth"]), tiers,
                    float(data.get("elementwise_factor", 3.0)), data.get("cores_per_node"),
                    float(data.get("compute_scale", 1.0)), data.get("source", ""), dict(data.get("fit", {})),
-                   float(data.get("layer_overhead_s", 0.0)), dict(data.get("validated", {})), mb_cost, over)
+                   float(data.get("layer_overhead_s", 0.0)), dict(data.get("validated", {})), mb_cost, over,
+                   halving)
 
     def out_of_range(self, ranks: int, parameters: int, layout) -> List[str]:
         """Return why a plan of ``layout`` (a ``Layout``) on ``ranks`` ranks of a ``parameters``-parameter model is
