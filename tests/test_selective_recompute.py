@@ -16,6 +16,7 @@ from mpidist import nn
 from mpidist.models import GPT, GPTConfig, lm_loss, tensor_parallel
 from mpidist.nn import functional as F
 from mpidist.nn.placement import placement_of
+from mpidist.nn.precision import bfloat16
 from mpidist.parallel import DDP, FSDP
 from test_autograd import saved_bytes
 from test_gpt import (STEPS, assert_history_matches, assert_stages_match, assert_state_matches, count_block_forwards,
@@ -58,20 +59,22 @@ def test_selective_gradients_equal_keeping_the_probabilities_and_hold_fewer_byte
     assert held0 - held1 == probs_bytes(model, 3, 8, dropout)
 
 
-@pytest.mark.parametrize("case", ["causal-chunks", "mask", "dropout", "float32"])
+@pytest.mark.parametrize("case", ["causal-chunks", "mask", "dropout", "float32", "bfloat16-causal-chunks",
+                                  "float16-mask", "bfloat16-dropout"])
 def test_multi_head_attention_recompute_probs_is_bitwise_the_kept_one(case):
     """The op itself: sequence slices (6 sequences of 4 per slice at h 8, t 64: _SCORES_CHUNK), an additive mask,
-    dropout from an own generator, float32."""
-    b, t, h, d = (6, 64, 8, 32) if case == "causal-chunks" else (3, 8, 2, 8)
-    dtype = np.float32 if case == "float32" else np.float64
+    dropout from an own generator, float32; and 16-bit, whose kept probabilities are rounded to 16 bits (the
+    recompute rounds the same float32 softmax the same way)."""
+    b, t, h, d = (6, 64, 8, 32) if case.endswith("causal-chunks") else (3, 8, 2, 8)
+    dtype = {"float32": np.float32, "bfloat16": bfloat16, "float16": np.float16}.get(case.split("-")[0], np.float64)
     rng = np.random.default_rng(3)
     qkv, g = rng.standard_normal((b, t, 3 * d)).astype(dtype), rng.standard_normal((b, t, d)).astype(dtype)
-    kw = {"is_causal": case != "mask"}
-    if case == "mask":
+    kw = {"is_causal": not case.endswith("mask")}
+    if case.endswith("mask"):
         kw["attn_mask"] = rng.standard_normal((t, t)).astype(dtype)
     results = []
     for recompute in (False, True):
-        if case == "dropout":
+        if case.endswith("dropout"):
             kw.update(dropout_p=0.3, generator=np.random.default_rng(5))
         x = nn.Tensor(qkv.copy(), requires_grad=True)
         y = F.multi_head_attention(x, h, recompute_probs=recompute, **kw)

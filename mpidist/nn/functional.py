@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from mpidist.nn.autograd import Tensor, make_result, make_results, unbroadcast
-from mpidist.nn.precision import fp32_op, grads_as, input_dtypes, upcast
+from mpidist.nn.precision import float32, fp32_op, grads_as, input_dtypes, is_low_precision, upcast
 from mpidist.nn.random import generator_for_draw
 from mpidist.xp import get_array_module, scatter_add
 
@@ -833,7 +833,17 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale
     return make_result("Attention", out, (q, k, v), backward)
 
 
-@fp32_op
+def _round_probs_(p, dtype, store=None):
+    """Round float32 probabilities ``p`` to 16-bit ``dtype`` in place (``store``: a 16-bit array to write them to
+    as well): forward's product with V, the kept array and a recompute then all read the same rounded values."""
+    if store is None:
+        p[...] = p.astype(dtype)
+    else:
+        store[...] = p
+        p[...] = store
+
+
+@fp32_op(casts_inside=True)
 def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0,
                          training=True, generator=None, recompute_probs=False):
     """Return multi-head self-attention of packed projections: (batch, seq, 3 dim) -> (batch, seq, dim).
@@ -845,10 +855,18 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
     views, write the output and the three input gradients straight into their (batch, seq, ...) arrays, and
     backward takes each row's sum_j dp_ij p_ij as dO . O from the output (which the next layer keeps anyway).
 
-    ``recompute_probs``: selective activation recompute (Korthikanti et al., arXiv 2205.05198): keep only q, k, v
-    (``qkv``) and the output, not the (batch, heads, seq, seq) probabilities nor the dropout mask; backward
-    recomputes them from q and k by the same operations (the mask from the generator's state before the
-    forward's draw), so the gradients are bitwise those of the kept ones, at the cost of the scores' product.
+    16-bit ``qkv`` (what Megatron-LM keeps, Korthikanti et al., arXiv 2205.05198, section 4.1): backward keeps
+    ``qkv`` itself (no float32 copy), the 16-bit output (no float32 one: its row terms dO . O read the rounded
+    output upcast, as FlashAttention's do) and the probabilities in ``qkv``'s dtype. Scores and softmax are
+    float32 slice by slice; the probabilities are rounded to 16 bits once, and forward's product with V,
+    backward and a recompute all read those rounded values, so the gradients are those of the function forward
+    computed. Products accumulate in float32 on float32 copies of each slice; the output and the input gradient
+    are rounded to 16 bits once.
+
+    ``recompute_probs``: selective activation recompute (Korthikanti et al.): keep only q, k, v (``qkv``) and
+    the output, not the (batch, heads, seq, seq) probabilities nor the dropout mask; backward recomputes them
+    from q and k by the same operations (the mask from the generator's state before the forward's draw), so the
+    gradients are bitwise those of the kept ones, at the cost of the scores' product.
     """
     X = _d(qkv)
     xp = get_array_module(X)
@@ -858,12 +876,15 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
     b, t, d = X.shape[0], X.shape[1], X.shape[2] // 3
     h, hd = num_heads, d // num_heads
     s = 1.0 / math.sqrt(hd) if scale is None else scale
+    low, kept_dtype = is_low_precision(X.dtype), X.dtype   # 16-bit: what the op keeps and returns
+    cd = float32 if low else X.dtype   # what scores, softmax and products compute in
+    if attn_mask is not None and is_low_precision(_d(attn_mask).dtype):
+        attn_mask = _d(attn_mask).astype(float32)
 
-    def heads(a):  # (b, t, 3 d) -> q, k, v as (b, h, t, hd) views
-        parts = a.reshape(b, t, 3, h, hd)
+    def heads(a):  # (n, t, 3 d) -> q, k, v as (n, h, t, hd) views
+        parts = a.reshape(a.shape[0], t, 3, h, hd)
         return tuple(parts[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
 
-    Q, K, V = heads(X)
     # Without a mask or dropout, sequence by sequence (as many as fill _SCORES_CHUNK scores): the scores' passes (scale,
     # causal bias, shift, exp, sum, division) and the product with V then read a slice that is still in L2.
     by_sequence = xp is np and attn_mask is None and not (dropout_p and training) and t
@@ -874,76 +895,133 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
     per = builtins.max(1, _SCORES_CHUNK // (h * t * t)) if by_sequence else b
 
     def causal_bias():
-        return xp.triu(xp.full((t, t), -np.inf, dtype=X.dtype), k=1) if is_causal else None
+        return xp.triu(xp.full((t, t), -np.inf, dtype=cd), k=1) if is_causal else None
 
-    def sequence_probs(Q, K, lo, p, bias, V=None, out4=None):
-        """Write the probabilities of sequences [lo, lo + len(p)) into ``p`` (the same products and passes in
-        forward and in a recompute: the same bits); with ``V``, each row block's product with V into ``out4``."""
-        i = slice(lo, lo + p.shape[0])
+    def sequence_heads(A, lo, n):
+        """Return q, k, v of sequences [lo, lo + n) of ``A`` (qkv's array) as (n, h, t, hd) views (of a float32
+        copy if 16-bit)."""
+        i = slice(lo, lo + n)
+        return heads(A[i].astype(cd)) if low else tuple(a[i] for a in heads(A))
+
+    def sequence_probs(Qi, Ki, p, bias, store=None, Vi=None, oi=None):
+        """Write the probabilities of a slice's sequences (q ``Qi``, k ``Ki``) into ``p`` (the same products and
+        passes in forward and in a recompute: the same bits), rounded to 16 bits when ``qkv`` is (``store``: the
+        16-bit array kept for backward); with ``Vi``, each row block's product with V into ``oi``."""
         for r0, r1 in blocks:
             pr = p[:, :, r0:r1, :r1]
-            _matmul_into(Q[i, :, r0:r1], K[i, :, :r1].swapaxes(-1, -2), pr)
+            _matmul_into(Qi[:, :, r0:r1], Ki[:, :, :r1].swapaxes(-1, -2), pr)
             _softmax_scores_(pr, s, None if bias is None else bias[r0:r1, :r1])
-            if V is not None:
-                _matmul_into(pr, V[i, :, :r1], out4[i, :, r0:r1])
+            if low:
+                _round_probs_(pr, kept_dtype, None if store is None else store[:, :, r0:r1, :r1])
+            if Vi is not None:
+                _matmul_into(pr, Vi[:, :, :r1], oi[:, :, r0:r1])
         return p
 
     start = None   # recompute with dropout: the generator and its state before the mask's draw
     if by_sequence:
-        # A recompute keeps no probabilities: one slice's worth of scratch, reused slice by slice.
-        probs, drop = xp.empty((builtins.min(per, b) if recompute_probs else b, h, t, t), dtype=X.dtype), None
+        # A recompute keeps no probabilities, and 16-bit ones are computed in float32: one slice's worth of
+        # scratch, reused slice by slice.
+        m = builtins.min(per, b)
+        scratch = xp.empty((m, h, t, t), dtype=cd) if recompute_probs or low else None
+        probs, drop = (None if recompute_probs else xp.empty((b, h, t, t), dtype=X.dtype)), None
         out = xp.empty((b, t, h, hd), dtype=X.dtype)
         out4 = out.transpose(0, 2, 1, 3)
+        out_slice = xp.empty((m, t, h, hd), dtype=cd) if low else None   # float32, rounded into ``out``
         bias = causal_bias()
         for lo in range(0, b, per):
             n = builtins.min(per, b - lo)
-            sequence_probs(Q, K, lo, probs[:n] if recompute_probs else probs[lo:lo + n], bias, V, out4)
-        del bias
+            Qi, Ki, Vi = sequence_heads(X, lo, n)
+            kept = None if recompute_probs else probs[lo:lo + n]
+            p = scratch[:n] if scratch is not None else kept
+            oi = out_slice[:n].transpose(0, 2, 1, 3) if low else out4[lo:lo + n]
+            sequence_probs(Qi, Ki, p, bias, kept if low else None, Vi, oi)
+            if low:
+                out[lo:lo + n] = out_slice[:n]
+        del bias, scratch, out_slice
     else:
+        Qc, Kc, Vc = heads(X.astype(cd) if low else X)
         if recompute_probs and dropout_p and training:
             gen = generator_for_draw(generator)
             start = (gen, gen.bit_generator.state)
-        probs, drop = _attention_probs(Q, K, s, is_causal, attn_mask, dropout_p, training, generator)
-        out = xp.empty((b, t, h, hd), dtype=np.result_type(probs.dtype, V.dtype))
+        probs, drop = _attention_probs(Qc, Kc, s, is_causal, attn_mask, dropout_p, training, generator)
+        if low:
+            _round_probs_(probs, kept_dtype)
+        outc = xp.empty((b, t, h, hd), dtype=np.result_type(probs.dtype, Vc.dtype))
+        _matmul_into(probs * drop if drop is not None else probs, Vc, outc.transpose(0, 2, 1, 3))
+        out = outc.astype(kept_dtype) if low else outc
         out4 = out.transpose(0, 2, 1, 3)
-        _matmul_into(probs * drop if drop is not None else probs, V, out4)
+        probs = probs.astype(kept_dtype) if low and not recompute_probs else probs
+        del Qc, Kc, Vc, outc
     if recompute_probs:
         probs = drop = None   # the backward closure holds neither
 
     def backward(g, n):
-        Q, K, V = heads(_d(qkv))
+        X = _d(qkv)
         G = g.reshape(b, t, h, hd).transpose(0, 2, 1, 3)
-        grad = xp.empty((b, t, 3, h, hd), dtype=np.result_type(g.dtype, X.dtype))
-        gq, gk, gv = (grad[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        if low:
+            grad = xp.empty((b, t, 3, h, hd), dtype=X.dtype)
+        else:
+            grad = xp.empty((b, t, 3, h, hd), dtype=np.result_type(g.dtype, X.dtype))
         if by_sequence:
-            dp = xp.empty((builtins.min(per, b), h, t, t), dtype=np.result_type(G.dtype, V.dtype))
-            scratch = xp.empty((builtins.min(per, b), h, t, t), dtype=X.dtype) if recompute_probs else None
+            m = builtins.min(per, b)
+            dp = xp.empty((m, h, t, t), dtype=cd if low else np.result_type(G.dtype, X.dtype))
+            scratch = xp.empty((m, h, t, t), dtype=cd) if recompute_probs or low else None
             bias = causal_bias() if recompute_probs else None
+            grad_slice = xp.empty((m, t, 3, h, hd), dtype=cd) if low else None   # float32, rounded into ``grad``
             for lo in range(0, b, per):
                 i, k = slice(lo, lo + per), builtins.min(per, b - lo)
-                p = sequence_probs(Q, K, lo, scratch[:k], bias) if recompute_probs else probs[i]
-                Gi, ds = G[i], dp[:k]
-                row_dot = _row_dot(Gi, out4[i])
+                Qi, Ki, Vi = sequence_heads(X, lo, k)
+                if recompute_probs:
+                    p = sequence_probs(Qi, Ki, scratch[:k], bias)
+                elif low:
+                    p = scratch[:k]
+                    for r0, r1 in blocks:   # the regions forward wrote, upcast (exact)
+                        p[:, :, r0:r1, :r1] = probs[i, :, r0:r1, :r1]
+                else:
+                    p = probs[i]
+                if low:
+                    Gi, Oi = G[i].astype(cd), out4[i].astype(cd)
+                    gqi, gki, gvi = (grad_slice[:k, :, j].transpose(0, 2, 1, 3) for j in range(3))
+                else:
+                    Gi, Oi = G[i], out4[i]
+                    gqi, gki, gvi = (grad[i, :, j].transpose(0, 2, 1, 3) for j in range(3))
+                ds = dp[:k]
+                row_dot = _row_dot(Gi, Oi)
                 for r0, r1 in blocks:  # the scores' gradient, row block by row block, on the forward's regions
                     dsr = ds[:, :, r0:r1, :r1]
-                    _matmul_into(Gi[:, :, r0:r1], V[i, :, :r1].swapaxes(-1, -2), dsr)
+                    _matmul_into(Gi[:, :, r0:r1], Vi[:, :, :r1].swapaxes(-1, -2), dsr)
                     _attention_scores_grad(dsr, p[:, :, r0:r1, :r1], row_dot[:, :, r0:r1], s)
-                    _matmul_into(dsr, K[i, :, :r1], gq[i, :, r0:r1])
+                    _matmul_into(dsr, Ki[:, :, :r1], gqi[:, :, r0:r1])
                 # Keys [c0, c1) are seen by the rows from c0 on: the column block of the same regions.
                 for c0, c1 in blocks:
-                    _matmul_into(p[:, :, c0:, c0:c1].swapaxes(-1, -2), Gi[:, :, c0:], gv[i, :, c0:c1])
-                    _matmul_into(ds[:, :, c0:, c0:c1].swapaxes(-1, -2), Q[i, :, c0:], gk[i, :, c0:c1])
+                    _matmul_into(p[:, :, c0:, c0:c1].swapaxes(-1, -2), Gi[:, :, c0:], gvi[:, :, c0:c1])
+                    _matmul_into(ds[:, :, c0:, c0:c1].swapaxes(-1, -2), Qi[:, :, c0:], gki[:, :, c0:c1])
+                if low:
+                    grad[i] = grad_slice[:k]
             return (grad.reshape(b, t, 3 * d),)
+        Qc, Kc, Vc = heads(X.astype(cd) if low else X)
         P, D = probs, drop
         if recompute_probs:
-            P, D = _recomputed_probs(Q, K, s, is_causal, attn_mask, dropout_p, training, generator, start)
+            P, D = _recomputed_probs(Qc, Kc, s, is_causal, attn_mask, dropout_p, training, generator, start)
+            if low:
+                _round_probs_(P, kept_dtype)
+        elif low:
+            P = P.astype(cd)
+        if low:
+            G, O4 = G.astype(cd), out4.astype(cd)
+            grad_c = xp.empty((b, t, 3, h, hd), dtype=cd)
+        else:
+            O4, grad_c = out4, grad
+        gq, gk, gv = (grad_c[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
         _matmul_into((P * D if D is not None else P).swapaxes(-1, -2), G, gv)
-        dp = G @ V.swapaxes(-1, -2)
+        dp = G @ Vc.swapaxes(-1, -2)
         if D is not None:
             dp *= D
-        ds = _attention_scores_grad(dp, P, _row_dot(G, out4), s)
-        _matmul_into(ds, K, gq)
-        _matmul_into(ds.swapaxes(-1, -2), Q, gk)
+        ds = _attention_scores_grad(dp, P, _row_dot(G, O4), s)
+        _matmul_into(ds, Kc, gq)
+        _matmul_into(ds.swapaxes(-1, -2), Qc, gk)
+        if low:
+            grad[...] = grad_c
         return (grad.reshape(b, t, 3 * d),)
     return make_result("MultiHeadAttention", out.reshape(b, t, d), (qkv,), backward)
 
