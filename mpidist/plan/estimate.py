@@ -173,12 +173,12 @@ def attention_probs_bytes(shape: ModelShape, layout: Layout, layers: List[str]) 
     """Return the bytes of the attention probabilities one micro-batch's blocks in ``layers`` keep for backward:
     what selective recompute does not keep (exact: tests/test_plan_exact.py walks the real graph).
 
-    ``F.multi_head_attention`` keeps one (batch, heads / tp, seq, seq) array per block (the scores become the
-    probabilities in place), computed in float32 under 16-bit activations (an fp32 op), else in theirs; every
-    key counted (causal row blocks leave the unseen part unwritten, not unallocated). Dropout would add its mask
-    of the same size: a ``ModelShape`` has no dropout."""
+    ``F.multi_head_attention`` keeps one (batch, heads / tp, seq, seq) array per block in the activations'
+    dtype (computed in float32 under 16-bit activations, rounded once, as Megatron-LM keeps its 16-bit softmax
+    output); every key counted (causal row blocks leave the unseen part unwritten, not unallocated). Dropout
+    would add its mask of the same size: a ``ModelShape`` has no dropout."""
     blocks = sum(layer.startswith("blocks.") for layer in layers)
-    itemsize = max(4, dtypes(shape, layout).act.itemsize)
+    itemsize = dtypes(shape, layout).act.itemsize
     return blocks * layout.micro_batch * (shape.heads // layout.tp) * shape.seq ** 2 * itemsize
 
 
@@ -202,9 +202,9 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
     - the column-parallel linears (qkv, fc1) keep the norms' outputs, d / s each (under sequence parallelism
       this rank's shard, gathered again in backward); attention's projection keeps the attention output (d /
       tp), fc2 GELU's output (ffn / tp);
-    - ``F.multi_head_attention`` keeps its qkv (3 d / tp) and its output (d / tp) in ``e32``; under 16-bit
-      activations the projection's input is a second, 16-bit copy of that output, else the same array; and the
-      probabilities (``attention_probs_bytes``), which selective recompute drops;
+    - ``F.multi_head_attention`` keeps its qkv as given (3 d / tp, ``e``) and reads its output from the array
+      the projection keeps (d / tp, ``e``), and the probabilities rounded to ``e`` (``attention_probs_bytes``),
+      which selective recompute drops;
     - ``F.gelu`` keeps its input (ffn / tp) and forms its half-tanh again in backward.
     Full recompute keeps only each block's input (d / s). The embedding's and the head's terms are still
     estimates (the graph keeps the token indices, the head norm's input and statistics, the loss's arrays).
@@ -218,8 +218,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
     blocks = sum(layer.startswith("blocks.") for layer in layers)
     per_token = (2 * (d * e + 2 * e32) / s           # layer_norm: its input and two statistics, twice
                  + 2 * d / s * e                     # qkv's and fc1's inputs (this rank's shard under sp)
-                 + (3 * d + d) / tp * e32            # attention: qkv and its output
-                 + (d / tp * e if low else 0)        # the projection's 16-bit copy of attention's output
+                 + (3 * d + d) / tp * e              # attention: qkv and its output (the projection's input)
                  + 2 * f / tp * e)                   # gelu's input, fc2's input
     if layout.recompute == "full":
         stored = blocks * b * t * d / s * e
