@@ -14,7 +14,7 @@ import pytest
 
 from mpidist.parallel import DDP, FSDP
 from mpidist.plan import Layout, ModelShape, Profile, Tier, calls_per_rank, estimate, memory_per_rank
-from mpidist.plan.estimate import activation_bytes, attention_probs_bytes, transient_bytes
+from mpidist.plan.estimate import activation_bytes, attention_probs_bytes, gradient_bytes, transient_bytes
 from mpidist.plan.execute import LayoutRun, traced_calls
 from mpidist.plan.model import parameters
 from mpidist.plan.volumes import bucket_params
@@ -82,7 +82,8 @@ def check_layout(comm, layout, ranks_per_node=0, node_rank=0):
     want = planned(layout, position, ranks_per_node, node_rank)
     assert measured == want, (f"{layout.name()} rank {comm.Get_rank()}: measured only {sorted((measured - want).items())}"
                               f", planned only {sorted((want - measured).items())}")
-    memory = memory_per_rank(SHAPE, layout, position)
+    # the gradients the optimizer is handed after backward (at the step's peak some are not allocated yet)
+    memory = dict(memory_per_rank(SHAPE, layout, position), grads=gradient_bytes(SHAPE, layout, position))
     stats = run.interface.memory_stats(run.opt)
     if isinstance(run.wrapper, FSDP):
         got = {"params": stats["param_shard_bytes"], "grads": stats["grad_shard_bytes"],
@@ -456,6 +457,32 @@ def test_activation_bytes_equal_one_blocks_saved_arrays(tp, sequence_parallel):
                                 sequence_parallel=sequence_parallel, **precision)
                 s = replace(shape, dtype=dtype)
                 assert block_graph_bytes(s, layout) == activation_bytes(s, layout, ["blocks.0"]), (layout.name(), dtype)
+
+
+@pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, False), (2, True), (4, True)], ids=lambda v: str(v))
+def test_one_16_bit_blocks_saved_bytes_are_korthikantis_formula_terms(tp, sequence_parallel):
+    """Under 16-bit activations one block keeps what Korthikanti et al. (arXiv 2205.05198, Section 4.1) count
+    for Megatron-LM, less dropout's masks: 2 bytes per element of the two norms' inputs and the two linear inputs
+    they feed (8sbh, split under sequence parallelism), of q, k, v, the projection's input, GELU's input and fc2's
+    input (24sbh / t), the probabilities (2as^2b / t, which selective recompute drops), plus the norms' two float32
+    statistics per token (16sb, split under sequence parallelism); full recompute keeps the block's input (2sbh,
+    split under sequence parallelism). The paper's formula, not the planner's."""
+    seq, h, a = 8, 16, 4
+    shape = ModelShape(layers=1, hidden=h, heads=a, vocab=37, seq=seq)
+    split = tp if sequence_parallel else 1
+    for param_dtype in ("bfloat16", "float16"):
+        for recompute in ("none", "selective", "full"):
+            for b in (1, 2):
+                layout = Layout(1, tp, 1, micro_batch=b, recompute=recompute, sequence_parallel=sequence_parallel,
+                                param_dtype=param_dtype)
+                sbh = seq * b * h
+                if recompute == "full":
+                    formula = 2 * sbh / split
+                else:
+                    formula = 8 * sbh / split + 24 * sbh / tp + 16 * seq * b / split
+                    if recompute == "none":
+                        formula += 2 * a * seq * seq * b / tp
+                assert block_graph_bytes(shape, layout) == formula, (layout.name(), param_dtype)
 
 
 @pytest.mark.parametrize("gather_dtype", ["bfloat16", "float16"])
