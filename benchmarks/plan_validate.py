@@ -11,6 +11,10 @@ Run from the repo root, one part per call (each under a few minutes, so each fit
     .venv/bin/python benchmarks/plan_validate.py --merge docs/plan_validate_2.json docs/plan_validate_4.json \
         docs/plan_validate_vcluster.json --json docs/plan_validate.json
 
+Peak memory alone (deterministic: ``tracemalloc`` counts bytes, not time; no quiet machine needed), every one-node
+layout at 2 and 4 ranks against the planner: ``.venv/bin/python benchmarks/plan_validate.py --memory-only --json
+docs/plan_validate_memory.json``.
+
 Each layout is built for real (``mpidist.plan.execute.LayoutRun``: a GPT, the mesh, tensor parallel,
 DDP/FSDP/Pipeline, AdamW), all of a part at once, and stepped interleaved: one warm-up step each, then
 ``--rounds`` rounds in which every layout in turn takes one untimed and ``--steps`` timed steps (the slowest
@@ -120,6 +124,58 @@ def _peak_bytes(layout, comm):
     tracemalloc.stop()
     del run
     return tuple(comm.allreduce(x, op=MPI.MAX) for x in (held, peak, persistent))
+
+
+def memory_worker(part):
+    """Measure every layout of ``part``'s peak memory (``_peak_bytes``, no timing) and print the rows."""
+    from mpi4py import MPI
+    from mpidist.plan.execute import LayoutRun
+    comm = MPI.COMM_WORLD
+    for layout in LAYOUTS[part]:   # untraced: what the first run imports and caches is not any layout's memory
+        LayoutRun(SHAPE, layout, comm).step()
+    rows = []
+    for layout in LAYOUTS[part]:
+        held, peak, persistent = _peak_bytes(layout, comm)
+        rows.append({"layout": layout.to_dict(), "name": layout.name(), "peak_bytes": peak, "held_bytes": held,
+                     "persistent_bytes": persistent})
+    if comm.Get_rank() == 0:
+        print("RESULT " + json.dumps(rows))
+
+
+def predict_memory(rows, ranks_per_node):
+    """Add the planner's per-rank memory and its error to ``rows``; return the median and largest |error|."""
+    for row in rows:
+        est = estimate(SHAPE, Layout(**row["layout"]), load_profile("local"), ranks_per_node)
+        row["predicted_peak_bytes"] = est.memory["total"]
+        row["predicted_memory"] = est.memory
+        row["memory_error"] = est.memory["total"] / row["peak_bytes"] - 1
+    errors = [abs(r["memory_error"]) for r in rows]
+    return {"median_abs_memory_error": statistics.median(errors), "max_abs_memory_error": max(errors)}
+
+
+def memory_only(args):
+    """Measure and predict every one-node layout's peak memory (``--ranks``, else 2 and 4 ranks): deterministic
+    (``tracemalloc`` counts bytes, not time), so it needs no quiet machine."""
+    import platform
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "mpidist"],
+                                capture_output=True, text=True, cwd=REPO).stdout.strip())
+    report = {"model": SHAPE.__dict__, "global_batch": BATCH, "commit": commit + ("+" if dirty else ""),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
+              "runs": {}}
+    for part in [args.ranks] if args.ranks else ["2", "4"]:
+        rows = launch(part, args, memory_only=True)
+        summary = predict_memory(rows, int(part))
+        report["runs"][part] = {"ranks": int(part), "rows": rows, "summary": summary}
+        print(f"-- {part} ranks (peak memory only; commit {report['commit']}, {report['date']})")
+        print(f"{'layout':<36} {'meas MiB':>9} {'pred MiB':>9} {'err':>7}")
+        for r in rows:
+            print(f"{r['name']:<36} {r['peak_bytes'] / 2**20:>9.3f} {r['predicted_peak_bytes'] / 2**20:>9.3f} "
+                  f"{r['memory_error']:>+7.1%}")
+        print(f"median |memory error| {summary['median_abs_memory_error']:.1%}; largest "
+              f"{summary['max_abs_memory_error']:.1%}")
+    return report
 
 
 def worker(part, steps, tries, max_foreign, rounds):
@@ -245,10 +301,11 @@ def print_part(name, part):
           f"error| {u['median_abs_step_error']:.0%}; chosen {u['chosen']} ({u['chosen_vs_best']:+.0%})")
 
 
-def launch(part, args, cluster=None):
+def launch(part, args, cluster=None, memory_only=False):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", part, "--steps", str(args.steps),
            "--rounds", str(args.rounds),
-           "--tries", str(args.tries), "--max-foreign", str(args.max_foreign)]
+           "--tries", str(args.tries), "--max-foreign", str(args.max_foreign)] + (["--memory-only"] if memory_only
+                                                                                  else [])
     if cluster is None:
         mpiexec = os.environ.get("MPIDIST_MPIEXEC") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
         argv = [mpiexec, "-n", part] + cmd
@@ -353,10 +410,22 @@ def main():
     parser.add_argument("--vcluster-profile", default="vcluster-2x2", help="--merge: the virtual cluster's profile")
     parser.add_argument("--calibrate", nargs=2, metavar=("BASE", "OUT"), help="with --vcluster: write BASE's "
                         "profile with the inter tier measured on the virtual cluster's shaped link to OUT")
+    parser.add_argument("--memory-only", action="store_true", help="peak memory only, no timing (--ranks, else "
+                        "2 and 4 ranks): measured per layout and compared with the planner")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        if args.memory_only:
+            return memory_worker(args.worker)
         return worker(args.worker, args.steps, args.tries, args.max_foreign, args.rounds)
+    if args.memory_only:
+        if args.vcluster or args.merge or args.calibrate:
+            parser.error("--memory-only measures one node: give --ranks or nothing")
+        report = memory_only(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        return
     if args.calibrate:
         if not args.vcluster:
             parser.error("--calibrate needs --vcluster RATE")

@@ -13,6 +13,7 @@ from mpidist.parallel.pipeline import schedules
 from mpidist.plan import Layout, ModelShape, Profile, estimate, load_profile, plan, profile_names
 from mpidist.plan.estimate import _compute_seconds, _pipeline, collective_seconds
 from mpidist.plan.model import layer_names, parameters, stage_layers
+from mpidist.plan.report import MEMORY_PARTS
 
 CONFIGS = [GPTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=4, n_embd=8),
            GPTConfig(vocab_size=13, block_size=4, n_layer=3, n_head=4, n_embd=8, mlp_ratio=2, bias=False,
@@ -77,8 +78,7 @@ def test_plan_ranks_feasible_layouts_and_says_why_others_drop():
     assert "pp=4 stages for 2 layers" in reasons
     for e in feasible:
         m = e.memory
-        assert m["total"] == sum(m[k] for k in ("params", "grads", "optimizer", "activations", "transient",
-                                                 "comm_buffers"))
+        assert m["total"] == sum(m[k] for k in MEMORY_PARTS)
         assert e.time["step"] > 0 and e.layout.dp * e.layout.micro_batch * e.layout.num_micro == 8
 
 

@@ -138,13 +138,13 @@ def with_memory(name, gib):
 
 CASES = {   # id: (shape, global batch, ranks, ranks per node, (profile, GiB per rank), keep, precision, choices)
     "4 ranks, every kind": (ModelShape(layers=4, hidden=32, heads=4, vocab=32, seq=8), 16, 4, 4,
-                            ("local", 0.00037), 10, None, {}),
+                            ("local", 0.00061), 10, None, {}),
     "8 ranks on 2 nodes, bfloat16 policy, fp16 hook": (
         ModelShape(layers=4, hidden=64, heads=4, vocab=64, seq=16, dtype="float16"), 16, 8, 4,
-        ("a100-80gb-ib", 0.00078), 8, {"param_dtype": "bfloat16", "comm_hook": "fp16"},
+        ("a100-80gb-ib", 0.00103), 8, {"param_dtype": "bfloat16", "comm_hook": "fp16"},
         {"schedules": ("1f1b", "interleaved", "zb_h1"), "max_micro_batch": 2}),
     "6 ranks, m > 4p": (ModelShape(layers=6, hidden=32, heads=2, vocab=32, seq=8, tie_weights=False), 48, 6, 2,
-                        ("h100-ib", 0.00025), 3, None,
+                        ("h100-ib", 0.00052), 3, None,
                         {"shardings": ("ddp",), "recompute": ("full",), "max_micro_batch": 1}),
 }
 

@@ -20,6 +20,10 @@ import functools
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional
 
+import numpy as np
+
+from mpidist import optim
+from mpidist.nn import functional as F
 from mpidist.nn.precision import is_low_precision
 
 from .layouts import Layout, enumerate_layouts
@@ -29,7 +33,8 @@ from .schedule import build_schedule, in_flight as _in_flight, pipeline as _pipe
 from .volumes import Call, calls_per_rank, ddp_buckets, dtypes, fsdp_units, summarize
 
 __all__ = ["Estimate", "estimate", "plan", "lower_bound", "memory_per_rank", "collective_seconds", "build_schedule", "activation_bytes", "touched_bytes",
-           "attention_probs_bytes", "transient_bytes"]
+           "attention_probs_bytes", "transient_bytes", "optimizer_work_bytes", "backward_working_bytes",
+           "gradient_bytes"]
 
 @dataclass
 class Estimate:
@@ -278,12 +283,97 @@ def transient_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> flo
     return layout.micro_batch * shape.seq * (shape.vocab / layout.tp) * itemsize
 
 
-def memory_per_rank(shape: ModelShape, layout: Layout, position: int = 0, in_flight: int = 1) -> Dict[str, float]:
-    """Return the bytes a rank at pipeline ``position`` holds, by component (see the module notes).
+def optimizer_work_bytes(sizes: List[int], dtype, masters: bool) -> float:
+    """Return the bytes of AdamW's persistent work arrays (``_Pack.scratch`` in ``mpidist/optim.py``) for a rank
+    whose optimizer updates parameters of ``sizes`` elements (in the optimizer's order) in ``dtype``.
 
-    Parameters and gradients in the parameters' dtype (FSDP: shards); AdamW's state per parameter as
-    ``Dtypes.optimizer_bytes`` says (16-bit parameters: float32 master, exp_avg and exp_avg_sq); FSDP's
-    gathered units in its gather dtype and unsharded gradients in its reduce dtype."""
+    One pack per step phase and dtype (all parameters of a float32 model), or one per 16-bit parameter updated
+    through its float32 master (``masters``). Each pack keeps ``work``, ``denom`` and ``step``, of ``min(_BLOCK,
+    pack size)`` elements each (AdamW's decoupled decay needs no ``decayed``), and when its blocks gather two or
+    more small consecutive parameters (each under ``_BLOCK`` elements, a run spanning at most ``_BLOCK``: as
+    ``_Pack.blocks`` walks them) a ``gathered grad`` and a ``gathered data`` of the same size. Parameters are
+    separate arrays (no flat view over all of them): true of a model's own, a tensor-parallel slice's, a stage's
+    and FSDP's shards."""
+    if masters:   # a pack per parameter: no run of two, float32 scratch
+        return sum(3 * min(optim._BLOCK, n) * 4 for n in sizes)
+    total = sum(sizes)
+    if not total:
+        return 0.0
+    block, itemsize = min(optim._BLOCK, total), np.dtype(dtype).itemsize
+    run, start, at, gathered = 0, 0, 0, False
+    for n in sizes:
+        if n < optim._BLOCK:
+            if run and at + n - start > optim._BLOCK:
+                gathered, run = gathered or run > 1, 0
+            if not run:
+                start = at
+            run += 1
+        else:
+            gathered, run = gathered or run > 1, 0
+        at += n
+    gathered = gathered or run > 1
+    return (3 + 2 * gathered) * block * itemsize
+
+
+def backward_working_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> Dict[str, float]:
+    """Return, per moment of the first backward through ``layers`` (one micro-batch), what it holds beyond the
+    stored activations less what it freed by then (negative: freed more): the head's norm, and the last block's
+    GELU and second norm; where the block backward's working set is largest (attention's is not counted).
+
+    ``F.layer_norm``'s backward holds its incoming gradient and forms xhat, a scratch and its gradient again (four
+    arrays of its rows: the whole sequence, this rank's shard under sequence parallelism, computed in float32
+    under 16-bit activations); ``F.gelu``'s the incoming gradient (fc2's input gradient), its gradient and two
+    scratch rows of at most ``F._CHUNK`` elements. Freed by the head's norm: the loss's two logits-sized arrays;
+    by the block's GELU: the head's stored arrays and fc2's input (GELU's output); by its second norm: GELU's
+    input and fc1's (the norm's output) too. The residual stream's gradient (one of its arrays) waits meanwhile."""
+    dt = dtypes(shape, layout)
+    b, t, d, f, tp = layout.micro_batch, shape.seq, shape.hidden, shape.ffn_size, layout.tp
+    e = dt.act.itemsize
+    e32 = 4 if is_low_precision(dt.act) else e
+    s = tp if layout.sequence_parallel else 1
+    rows = b * t // s * d                   # a residual-stream array on this rank
+    n_f = b * t * f // tp                   # an MLP activation on this rank
+    out = {}
+    head = "head" in layers
+    if head:
+        out["head_norm"] = 4 * rows * e32 - 2 * transient_bytes(shape, layout, layers)
+    if any(layer.startswith("blocks.") for layer in layers):
+        freed = activation_bytes(shape, layout, ["head"]) if head else 0.0
+        out["gelu"] = (n_f + 2 * min(n_f, F._CHUNK)) * e + rows * e - freed
+        out["block_norm"] = 4 * rows * e32 + rows * e - (2 * n_f + rows) * e - freed
+    return out
+
+
+def gradient_bytes(shape: ModelShape, layout: Layout, position: int = 0) -> float:
+    """Return the gradient bytes a rank at pipeline ``position`` hands its optimizer after a step's backward: DDP's
+    buckets, FSDP's shard gradients (parameters' dtype), else its parameters' gradients."""
+    dt = dtypes(shape, layout)
+    pp, v = layout.pp, layout.chunks
+    stages = stage_layers(shape, pp * v)
+    chunks = [[p for layer in stages[s] for p in parameters(
+        shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1)] for s in range(position, pp * v, pp)]
+    if layout.fsdp and layout.dp > 1:
+        return sum(u["shard_numel"] for u in fsdp_units(shape, layout.tp, layout.shard_group)) * dt.param.itemsize
+    if layout.dp > 1:
+        return sum(sum(ddp_buckets(c, dt.param, layout.dp, layout.comm_hook)) for c in chunks)
+    return sum(p.numel for c in chunks for p in c) * dt.param.itemsize
+
+
+def memory_per_rank(shape: ModelShape, layout: Layout, position: int = 0, in_flight: int = 1) -> Dict[str, float]:
+    """Return the bytes a rank at pipeline ``position`` holds at its peak, by component (see the module notes).
+
+    Held throughout: parameters (FSDP: shards) in their dtype, AdamW's state per parameter as
+    ``Dtypes.optimizer_bytes`` says (16-bit parameters: float32 master, exp_avg and exp_avg_sq) and its work arrays
+    (``optimizer_work_bytes``). The rest is counted at each moment a step can peak, and the largest is the rank's
+    peak: the loss, once ``in_flight`` micro-batches' activations are stored (the logits' working array:
+    ``transient_bytes``), and the first backward's head norm, last block's GELU and second norm
+    (``backward_working_bytes``; under recompute with the recomputed block's arrays). Gradients at those moments:
+    DDP's buckets always; without them, every parameter's once a backward has run before (more micro-batches than
+    ``in_flight``), else none at the loss and, in the first backward, the head's (the tied embedding's weight's
+    too) and fc2's. FSDP: no shard gradient (the step's ``zero_grad`` dropped them, the reduce-scatters make them
+    after the peak); its units' unsharded gradients (reduce dtype) under ``no_sync`` (several micro-batches), else
+    the block computing and the head reducing; its gathered units (gather dtype): the head (and the tied
+    embedding) at the loss, the block computing and the one prefetched in backward."""
     dt = dtypes(shape, layout)
     e = dt.param.itemsize
     pp, v = layout.pp, layout.chunks
@@ -293,37 +383,59 @@ def memory_per_rank(shape: ModelShape, layout: Layout, position: int = 0, in_fli
     local = [p for s in mine for layer in stages[s]
              for p in parameters(shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1)]
     numel = sum(p.numel for p in local)
+    head, blocks = "head" in layers, [layer for layer in layers if layer.startswith("blocks.")]
+    first_backward = in_flight >= layout.num_micro * v   # no backward ran before the peak: no gradients yet
+    sizes = [p.numel for p in local]
     buffers = 0.0
+    loss_grads = bwd_grads = 0.0
+    loss_buffers = bwd_buffers = 0.0
     if layout.fsdp and layout.dp > 1:
         units = fsdp_units(shape, layout.tp, layout.shard_group)
-        numel = sum(u["shard_numel"] for u in units)
-        grad_bytes = numel * e
-        padded = sorted((u["shard_numel"] * layout.shard_group for u in units), reverse=True)
-        # gathered: the unit computing, the next one prefetched (and the embedding under a tied head);
-        # unsharded grads: the unit reducing and the one computing
-        tied = padded[0] if shape.tie_weights else 0
-        buffers = (sum(padded[:2]) + tied) * dt.gather.itemsize + sum(padded[:2]) * dt.reduce.itemsize
-    elif layout.dp > 1:
-        chunks = [[p for layer in stages[s] for p in parameters(
-            shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1)] for s in mine]
-        grad_bytes = sum(sum(ddp_buckets(c, dt.param, layout.dp, layout.comm_hook)) for c in chunks)
-        if layout.comm_hook == "powersgd":   # its error feedback: a float32 copy of every bucket
-            buffers += sum(p.numel for c in chunks for p in c) * 4
+        sizes = [u["shard_numel"] for u in units]
+        numel = sum(sizes)
+        padded = {u["label"]: u["shard_numel"] * layout.shard_group for u in units}
+        order = [u["label"] for u in units]
+        last = order[-2]   # the block backward starts with (units: embed, blocks..., head)
+        if layout.num_micro > 1:   # no_sync: every unit's unsharded gradient, from the first micro-batch on
+            loss_grads = bwd_grads = sum(padded.values()) * dt.reduce.itemsize
+        else:
+            bwd_grads = (padded[last] + padded["head"]) * dt.reduce.itemsize
+            if shape.tie_weights:   # the head's gradient of the tied weight, until the embedding's unit is final
+                bwd_grads += shape.vocab // layout.tp * shape.hidden * e
+        loss_buffers = (padded["head"] + (padded["embed"] if shape.tie_weights else 0)) * dt.gather.itemsize
+        bwd_buffers = (padded[last] + padded[order[-3]]) * dt.gather.itemsize
+    elif layout.dp > 1 or not first_backward:
+        loss_grads = bwd_grads = gradient_bytes(shape, layout, position)
+        if layout.dp > 1 and layout.comm_hook == "powersgd":   # its error feedback: a float32 copy of every bucket
+            buffers += numel * 4
     else:
-        grad_bytes = numel * e
+        firsts = [p for p in local if p.name.startswith("head.")
+                  or (blocks and p.name.startswith(blocks[-1] + ".mlp.proj."))
+                  or (shape.tie_weights and head and p.name == "embed.wte.weight")]
+        bwd_grads = sum(p.numel for p in firsts) * e
     param_bytes = numel * e
     optimizer = numel * dt.optimizer_bytes
+    work = optimizer_work_bytes(sizes, dt.param, dt.masters)
     per_mb = activation_bytes(shape, layout, layers) / max(1, len(mine))
-    acts = per_mb * in_flight
+    stored = per_mb * in_flight
+    recomputed = 0.0
     if layout.recompute == "full":   # one block's full activations while it is recomputed
-        acts += activation_bytes(shape, Layout(**{**layout.to_dict(), "recompute": "none"}), ["blocks.0"])
+        recomputed = activation_bytes(shape, Layout(**{**layout.to_dict(), "recompute": "none"}), ["blocks.0"])
     elif layout.recompute == "selective":   # one block's probabilities while recomputed (at most: by slices)
-        acts += attention_probs_bytes(shape, layout, ["blocks.0"])
+        recomputed = attention_probs_bytes(shape, layout, ["blocks.0"])
     if pp > 1:   # a received activation or gradient per neighbour
         buffers += 2 * layout.micro_batch * shape.seq * shape.hidden * dt.act.itemsize / (
             layout.tp if layout.sequence_parallel else 1)
-    out = {"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer, "activations": acts,
-           "transient": transient_bytes(shape, layout, layers), "comm_buffers": buffers}
+    moments = [{"grads": bwd_grads, "activations": stored, "transient": 0.0, "comm_buffers": buffers + bwd_buffers}]
+    if head:
+        moments.append({"grads": loss_grads, "activations": stored,
+                        "transient": transient_bytes(shape, layout, layers), "comm_buffers": buffers + loss_buffers})
+    for extra in backward_working_bytes(shape, layout, layers).values():
+        moments.append({"grads": bwd_grads, "activations": stored + recomputed, "transient": extra,
+                        "comm_buffers": buffers + bwd_buffers})
+    peak = max(moments, key=lambda m: sum(m.values()))
+    out = {"params": param_bytes, "grads": peak["grads"], "optimizer": optimizer, "optimizer_work": work,
+           "activations": peak["activations"], "transient": peak["transient"], "comm_buffers": peak["comm_buffers"]}
     out["total"] = sum(out.values())
     return out
 

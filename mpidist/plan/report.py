@@ -9,8 +9,8 @@ from .estimate import Estimate
 __all__ = ["format_table", "to_json", "plot", "TIME_PARTS", "MEMORY_PARTS"]
 
 TIME_PARTS = ("compute", "tp", "pp", "bubble", "dp", "optimizer")      # they add up to the step
-MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "transient", "comm_buffers")   # they add up to the total
-_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
+MEMORY_PARTS = ("params", "grads", "optimizer", "optimizer_work", "activations", "transient", "comm_buffers")   # they add up to the total
+_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3")
 
 
 def _gib(n):
