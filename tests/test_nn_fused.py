@@ -397,13 +397,31 @@ def test_rms_norm_outputs_and_gradients_are_the_old_ones_bitwise(dtype, param_dt
     _bitwise_same_as_old(F.rms_norm, reference_ops.rms_norm, [x, w][:len(needs)], dy, needs)
 
 
-@pytest.mark.parametrize("dtype,shape", [(np.float64, (5, 33)), (np.float32, (5, 33)), (np.float16, (5, 33)),
-                                         (BF16, (5, 33)), (np.float32, (2 * F._CHUNK + 7,)),   # three slices
-                                         (BF16, (F._CHUNK + 3,))])
+@pytest.mark.parametrize("dtype,shape", [(np.float64, (5, 33)), (np.float32, (5, 33)),
+                                         (np.float32, (2 * F._CHUNK + 7,))])   # three slices
 def test_gelu_output_and_gradient_are_the_old_ones_bitwise(dtype, shape):
     rng = np.random.default_rng(21)
     x = rng.uniform(-6, 6, shape).astype(dtype)
     _bitwise_same_as_old(F.gelu, reference_ops.gelu, [x], rng.standard_normal(shape).astype(dtype), (True,))
+
+
+@pytest.mark.parametrize("dtype,shape", [(np.float16, (5, 33)), (BF16, (5, 33)), (BF16, (2 * F._CHUNK + 3,))],
+                         ids=["float16", "bfloat16", "bfloat16-three-slices"])
+def test_16_bit_gelu_is_the_float32_gelu_rounded_once(dtype, shape):
+    """A 16-bit GELU computes in float32 and rounds once, output and gradient, as a GPU's fused kernel does:
+    the old float32 op on the upcast input and gradient, rounded to the input's dtype, to the bit."""
+    rng = np.random.default_rng(23)
+    x = rng.uniform(-6, 6, shape).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    t = nn.Tensor(x, requires_grad=True)
+    out = F.gelu(t)
+    out.backward(dy)
+    t32 = nn.Tensor(x.astype(np.float32), requires_grad=True)
+    ref = reference_ops.gelu(t32)
+    ref.backward(dy.astype(np.float32))
+    assert out.data.dtype == dtype and t.grad.dtype == dtype
+    _assert_bits_equal(out.data, ref.data.astype(dtype))
+    _assert_bits_equal(t.grad, t32.grad.astype(dtype))
 
 
 def _activation(shape, dtype):
