@@ -323,9 +323,10 @@ def backward_working_bytes(shape: ModelShape, layout: Layout, layers: List[str])
     ``F.layer_norm``'s backward holds its incoming gradient and forms xhat, a scratch and its gradient again (four
     arrays of its rows: the whole sequence, this rank's shard under sequence parallelism, computed in float32
     under 16-bit activations); ``F.gelu``'s the incoming gradient (fc2's input gradient), its gradient and two
-    scratch rows of at most ``F._CHUNK`` elements. Freed by the head's norm: the loss's two logits-sized arrays;
-    by the block's GELU: the head's stored arrays and fc2's input (GELU's output); by its second norm: GELU's
-    input and fc1's (the norm's output) too. The residual stream's gradient (one of its arrays) waits meanwhile."""
+    scratch rows of at most ``F._CHUNK`` elements (five float32 ones for a 16-bit input). Freed by the head's
+    norm: the loss's two logits-sized arrays; by the block's GELU: the head's stored arrays and fc2's input (GELU's output); by its second norm: GELU's
+    input and fc1's (the norm's output) too. The residual stream's gradient (one of its arrays) waits meanwhile.
+    Under sequence parallelism also the head's projection and fc1 (``gather_sequence_linear``'s backward)."""
     dt = dtypes(shape, layout)
     b, t, d, f, tp = layout.micro_batch, shape.seq, shape.hidden, shape.ffn_size, layout.tp
     e = dt.act.itemsize
@@ -333,14 +334,24 @@ def backward_working_bytes(shape: ModelShape, layout: Layout, layers: List[str])
     s = tp if layout.sequence_parallel else 1
     rows = b * t // s * d                   # a residual-stream array on this rank
     n_f = b * t * f // tp                   # an MLP activation on this rank
+    # Under sequence parallelism a column-parallel linear's backward (``gather_sequence_linear``) holds the shard
+    # and the whole sequence gathered again, the input's gradient (whole sequence), its copy sent to the
+    # reduce-scatter and the shard that comes back
+    gathered = (2 * rows + 3 * b * t * d) * e if s > 1 else None
     out = {}
     head = "head" in layers
+    logits = transient_bytes(shape, layout, layers)
     if head:
-        out["head_norm"] = 4 * rows * e32 - 2 * transient_bytes(shape, layout, layers)
+        out["head_norm"] = 4 * rows * e32 - 2 * logits
+        if gathered is not None:   # the head's projection, the logits' gradient coming in
+            out["head_linear"] = gathered + logits - 2 * logits
     if any(layer.startswith("blocks.") for layer in layers):
         freed = activation_bytes(shape, layout, ["head"]) if head else 0.0
-        out["gelu"] = (n_f + 2 * min(n_f, F._CHUNK)) * e + rows * e - freed
+        scratch = min(n_f, F._CHUNK) * (5 * 4 if is_low_precision(dt.act) else 2 * e)   # float32 rows if 16-bit
+        out["gelu"] = n_f * e + scratch + rows * e - freed
         out["block_norm"] = 4 * rows * e32 + rows * e - (2 * n_f + rows) * e - freed
+        if gathered is not None:   # fc1, GELU's gradient coming in, GELU's and fc2's inputs freed
+            out["block_linear"] = gathered + n_f * e + rows * e - 2 * n_f * e - freed
     return out
 
 
@@ -419,8 +430,15 @@ def memory_per_rank(shape: ModelShape, layout: Layout, position: int = 0, in_fli
     per_mb = activation_bytes(shape, layout, layers) / max(1, len(mine))
     stored = per_mb * in_flight
     recomputed = 0.0
-    if layout.recompute == "full":   # one block's full activations while it is recomputed
+    if layout.recompute == "full":
+        # one block's full activations while it is recomputed, and what ``F.recompute``'s backward holds until the
+        # block's backward ends: the recomputed output and the parameter gradients ``autograd.grad`` returned so
+        # far (at GELU: fc2's)
         recomputed = activation_bytes(shape, Layout(**{**layout.to_dict(), "recompute": "none"}), ["blocks.0"])
+        recomputed += layout.micro_batch * shape.seq * shape.hidden / (
+            layout.tp if layout.sequence_parallel else 1) * dt.act.itemsize
+        recomputed += sum(p.numel for p in parameters(shape, "blocks.0", layout.tp)
+                          if p.name.startswith("blocks.0.mlp.proj.")) * e
     elif layout.recompute == "selective":   # one block's probabilities while recomputed (at most: by slices)
         recomputed = attention_probs_bytes(shape, layout, ["blocks.0"])
     if pp > 1:   # a received activation or gradient per neighbour
