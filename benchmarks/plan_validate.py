@@ -11,8 +11,8 @@ Run from the repo root, one part per call (each under a few minutes, so each fit
     .venv/bin/python benchmarks/plan_validate.py --merge docs/plan_validate_2.json docs/plan_validate_4.json \
         docs/plan_validate_vcluster.json --json docs/plan_validate.json
 
-Peak memory alone (deterministic: ``tracemalloc`` counts bytes, not time; no quiet machine needed), every one-node
-layout at 2 and 4 ranks against the planner: ``.venv/bin/python benchmarks/plan_validate.py --memory-only --json
+Peak memory alone (deterministic: ``tracemalloc`` counts bytes, not time; no quiet machine needed), every layout
+at 2 and 4 ranks and the virtual cluster's (as 4 ranks of one node) against the planner: ``.venv/bin/python benchmarks/plan_validate.py --memory-only --json
 docs/plan_validate_memory.json``.
 
 Each layout is built for real (``mpidist.plan.execute.LayoutRun``: a GPT, the mesh, tensor parallel,
@@ -154,8 +154,9 @@ def predict_memory(rows, ranks_per_node):
 
 
 def memory_only(args):
-    """Measure and predict every one-node layout's peak memory (``--ranks``, else 2 and 4 ranks): deterministic
-    (``tracemalloc`` counts bytes, not time), so it needs no quiet machine."""
+    """Measure and predict every layout's peak memory (``--ranks``, else 2 and 4 ranks and the virtual cluster's
+    2x2 layouts run as 4 ranks of this node): deterministic (``tracemalloc`` counts bytes, not time), so it needs
+    no quiet machine."""
     import platform
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()
@@ -164,11 +165,13 @@ def memory_only(args):
     report = {"model": SHAPE.__dict__, "global_batch": BATCH, "commit": commit + ("+" if dirty else ""),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version(),
               "runs": {}}
-    for part in [args.ranks] if args.ranks else ["2", "4"]:
+    # the virtual cluster's layouts too, on 4 ranks of this node: memory does not depend on where ranks run
+    for part in [args.ranks] if args.ranks else ["2", "4", "2x2"]:
         rows = launch(part, args, memory_only=True)
-        summary = predict_memory(rows, int(part))
-        report["runs"][part] = {"ranks": int(part), "rows": rows, "summary": summary}
-        print(f"-- {part} ranks (peak memory only; commit {report['commit']}, {report['date']})")
+        summary = predict_memory(rows, 2 if part == "2x2" else int(part))
+        report["runs"][part] = {"ranks": 4 if part == "2x2" else int(part), "rows": rows, "summary": summary}
+        print(f"-- {'2x2 layouts, 4' if part == '2x2' else part} ranks (peak memory only; commit {report['commit']}, "
+              f"{report['date']})")
         print(f"{'layout':<36} {'meas MiB':>9} {'pred MiB':>9} {'err':>7}")
         for r in rows:
             print(f"{r['name']:<36} {r['peak_bytes'] / 2**20:>9.3f} {r['predicted_peak_bytes'] / 2**20:>9.3f} "
@@ -308,7 +311,7 @@ def launch(part, args, cluster=None, memory_only=False):
                                                                                   else [])
     if cluster is None:
         mpiexec = os.environ.get("MPIDIST_MPIEXEC") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        argv = [mpiexec, "-n", part] + cmd
+        argv = [mpiexec, "-n", "4" if part == "2x2" else part] + cmd   # 2x2 on one node: memory only
     else:
         argv = cluster.mpiexec(cmd, ppn=2)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=REPO)
