@@ -361,12 +361,14 @@ def traced_peak(layout, make_comm):
     Layout(1, 1, 1, micro_batch=8), Layout(2, 1, 1, micro_batch=4, num_micro=2), Layout(2, 1, 1, "fsdp", micro_batch=8),
     Layout(4, 1, 1, "fsdp", micro_batch=4), Layout(1, 2, 1, micro_batch=8), Layout(1, 2, 1, micro_batch=8,
                                                                                 sequence_parallel=True),
-    Layout(2, 1, 1, micro_batch=8, recompute="full")], ids=lambda v: v.name().replace(" ", "-"))
+    Layout(2, 1, 1, micro_batch=8, recompute="full"), Layout(2, 1, 1, micro_batch=8, param_dtype="bfloat16")],
+    ids=lambda v: v.name().replace(" ", "-"))
 def test_memory_per_rank_is_the_traced_peak_of_one_rank(layout):
     """One rank of the real layout (``OneRankOfMany``: every rank holds what it holds; the last TP rank): the
     most its second step holds (``tracemalloc``) is the planner's per-rank total within 3%. The old planner missed
     AdamW's work arrays and the backward's working set, and counted FSDP's shard gradients, its tied embedding
-    gathered and a second unsharded gradient at the peak: -15% to +6% on these (two within 3%, errors cancelling)."""
+    gathered and a second unsharded gradient at the peak: -15% to +6% on these (two within 3%, errors cancelling);
+    under bfloat16 fc2's input gradient is float32 (numpy's bfloat16 matmul), -3.5% when counted in bfloat16."""
     from mpidist.plan.estimate import memory_per_rank
     from test_plan_exact import OneRankOfMany
     peak, _ = traced_peak(layout, lambda: OneRankOfMany(layout.ranks, rank=layout.tp - 1,

@@ -24,7 +24,7 @@ import numpy as np
 
 from mpidist import optim
 from mpidist.nn import functional as F
-from mpidist.nn.precision import is_low_precision
+from mpidist.nn.precision import bfloat16, is_low_precision
 
 from .layouts import Layout, enumerate_layouts
 from .model import ModelShape, parameters, stage_layers
@@ -348,7 +348,8 @@ def backward_working_bytes(shape: ModelShape, layout: Layout, layers: List[str])
     if any(layer.startswith("blocks.") for layer in layers):
         freed = activation_bytes(shape, layout, ["head"]) if head else 0.0
         scratch = min(n_f, F._CHUNK) * (5 * 4 if is_low_precision(dt.act) else 2 * e)   # float32 rows if 16-bit
-        out["gelu"] = n_f * e + scratch + rows * e - freed
+        product = 4 if dt.act == bfloat16 else e   # fc2's input gradient: numpy's bfloat16 matmul gives float32
+        out["gelu"] = n_f * product + scratch + rows * e - freed
         out["block_norm"] = 4 * rows * e32 + rows * e - (2 * n_f + rows) * e - freed
         if gathered is not None:   # fc1, GELU's gradient coming in, GELU's and fc2's inputs freed
             out["block_linear"] = gathered + n_f * e + rows * e - 2 * n_f * e - freed
