@@ -465,8 +465,9 @@ def test_one_16_bit_blocks_saved_bytes_are_korthikantis_formula_terms(tp, sequen
     for Megatron-LM, less dropout's masks: 2 bytes per element of the two norms' inputs and the two linear inputs
     they feed (8sbh, split under sequence parallelism), of q, k, v, the projection's input, GELU's input and fc2's
     input (24sbh / t), the probabilities (2as^2b / t, which selective recompute drops), plus the norms' two float32
-    statistics per token (16sb, split under sequence parallelism); full recompute keeps the block's input (2sbh,
-    split under sequence parallelism). The paper's formula, not the planner's."""
+    statistics per token (16sb, split under sequence parallelism) and under sequence parallelism the two norms'
+    16-bit weights (2h x 2 bytes, not per token); full recompute keeps the block's input (2sbh, split under
+    sequence parallelism). The paper's formula, not the planner's."""
     seq, h, a = 8, 16, 4
     shape = ModelShape(layers=1, hidden=h, heads=a, vocab=37, seq=seq)
     split = tp if sequence_parallel else 1
@@ -480,6 +481,8 @@ def test_one_16_bit_blocks_saved_bytes_are_korthikantis_formula_terms(tp, sequen
                     formula = 2 * sbh / split
                 else:
                     formula = 8 * sbh / split + 24 * sbh / tp + 16 * seq * b / split
+                    if sequence_parallel:   # the norms' weights, read as copies (2 d per block, not per token)
+                        formula += 2 * h * 2
                     if recompute == "none":
                         formula += 2 * a * seq * seq * b / tp
                 assert block_graph_bytes(shape, layout) == formula, (layout.name(), param_dtype)

@@ -718,3 +718,42 @@ def test_gather_sequence_linear_defers_its_weight_gradient_and_gathers_then(comm
         grads.append((gx, weight.grad, bias.grad))
     for got, want in zip(*grads):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("policy", [None, "bf16"], ids=["float32", "bf16"])
+def test_fsdp_units_are_freed_after_forward_under_sequence_parallelism(monkeypatch, policy):
+    """FSDP over tensor- and sequence-parallel blocks frees each unit's gathered parameters after its forward: no
+    op keeps a view of them for backward. The norms read their replicated weights through copy_to_tp; a view of
+    the gathered flat array kept by a norm kept the whole unit alive (float32 always; bfloat16 since the norms
+    keep their 16-bit weights instead of float32 copies)."""
+    import gc
+    import weakref
+    from mpidist.parallel.fsdp import lifecycle
+    gathered = []
+    start_gather = lifecycle.Unit.start_gather
+
+    def recording_start_gather(unit):
+        before = unit.gathered
+        start_gather(unit)
+        if unit.gathered is not None and unit.gathered is not before:
+            gathered.append((unit.label, weakref.ref(unit.gathered)))
+    monkeypatch.setattr(lifecycle.Unit, "start_gather", recording_start_gather)
+
+    def run(comm):
+        grid = mesh(comm, dp=2, tp=2)
+        model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=16, dropout=0.0,
+                              dtype="float32"), rng=np.random.default_rng(0))
+        tensor_parallel(model, grid.tp_comm, sequence_parallel=True)
+        if policy:
+            apply_policy(model, Policy(policy))
+        fsdp = FSDP(model, grid.dp_comm, units=model.fsdp_units())
+        tokens = np.random.default_rng(1).integers(0, 64, (2, 9))
+        loss = model.loss(fsdp(tokens[:, :-1]), tokens[:, 1:])
+        comm.Barrier()
+        gc.collect()
+        alive = sorted({label for label, ref in gathered if ref() is not None and label.startswith("blocks")})
+        comm.Barrier()
+        loss.backward()
+        grid.free()
+        return alive
+    assert simulate(4, run) == [[]] * 4

@@ -412,9 +412,13 @@ _GELU_K = 0.044715
 _CHUNK = 1 << 17
 
 
-def _slices(n, xp):
-    """Yield slices covering ``range(n)`` in ``_CHUNK`` pieces (one piece on a GPU, where each pass is one kernel)."""
-    step = _CHUNK if xp is np else builtins.max(n, 1)
+_DEVICE_CHUNK = 1 << 24   # elements per slice on a GPU where a pass needs float32 scratch (a 16-bit input)
+
+
+def _slices(n, xp, device_step=None):
+    """Yield slices covering ``range(n)`` in ``_CHUNK`` pieces (on a GPU, where each pass is one kernel, one piece,
+    or ``device_step`` pieces where each slice needs float32 scratch of its size)."""
+    step = _CHUNK if xp is np else builtins.max(device_step or n, 1)
     return (slice(lo, lo + step) for lo in range(0, n, step))
 
 
@@ -448,10 +452,12 @@ def gelu(a):
     shape = x.shape
     xf = x.reshape(-1)
     out = xp.empty_like(xf)
-    width = builtins.min(xf.size, _CHUNK) if xp is np else xf.size
+    # A 16-bit input's float32 scratch is a slice's, on a GPU too (not five float32 copies of the input).
+    device_step = _DEVICE_CHUNK if low else None
+    width = builtins.min(xf.size, _CHUNK if xp is np else (device_step or xf.size))
     # float32 working rows for a 16-bit input (its slice upcast, the result), none otherwise: in place.
     work = xp.empty((2, width), dtype=float32) if low else None
-    for i in _slices(xf.size, xp):
+    for i in _slices(xf.size, xp, device_step):
         xs, outs = xf[i], out[i]
         if low:
             xs, outs = _upcast_into(xs, work[0]), work[1, :xs.size]
@@ -465,7 +471,7 @@ def gelu(a):
         xf, gf = _d(a).reshape(-1), g.reshape(-1)
         grad = xp.empty_like(xf)
         scratch = xp.empty((5 if low else 2, width), dtype=dt)
-        for i in _slices(xf.size, xp):
+        for i in _slices(xf.size, xp, device_step):
             xs, d, gs = xf[i], grad[i], gf[i]
             ss, q = scratch[0, :xs.size], scratch[1, :xs.size]
             if low:

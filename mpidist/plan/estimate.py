@@ -206,7 +206,8 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
       residual adds keep nothing;
     - the column-parallel linears (qkv, fc1) keep the norms' outputs, d / s each (under sequence parallelism
       this rank's shard, gathered again in backward); attention's projection keeps the attention output (d /
-      tp), fc2 GELU's output (ffn / tp);
+      tp), fc2 GELU's output (ffn / tp); under sequence parallelism the norms keep their weights' copies (2 d per
+      block and micro-batch, not per token: ``read_replicated``);
     - ``F.multi_head_attention`` keeps its qkv as given (3 d / tp, ``e``) and reads its output from the array
       the projection keeps (d / tp, ``e``), and the probabilities rounded to ``e`` (``attention_probs_bytes``),
       which selective recompute drops;
@@ -225,10 +226,13 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
                  + 2 * d / s * e                     # qkv's and fc1's inputs (this rank's shard under sp)
                  + (3 * d + d) / tp * e              # attention: qkv and its output (the projection's input)
                  + 2 * f / tp * e)                   # gelu's input, fc2's input
+    # Under sequence parallelism the norms read their (replicated) weights through copy_to_tp as copies, which
+    # they keep: 2 d per block, in the gathered parameters' dtype.
+    norm_weights = 2 * d * dt.gather.itemsize if layout.sequence_parallel and tp > 1 else 0
     if layout.recompute == "full":
         stored = blocks * b * t * d / s * e
     else:
-        stored = blocks * b * t * per_token
+        stored = blocks * (b * t * per_token + norm_weights)
         if layout.recompute != "selective":
             stored += attention_probs_bytes(shape, layout, layers)
     if "embed" in layers:

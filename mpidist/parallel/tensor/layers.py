@@ -112,9 +112,13 @@ class TensorParallelModule(Module):
 
     def read_replicated(self, param):
         """Return a replicated parameter as read on this rank: under sequence parallelism its gradient is partial."""
-        if param is None:
-            return None
-        return copy_to_tp(param, self.comm) if self.sequence_parallel else param
+        if param is None or not self.sequence_parallel:
+            return param
+        read = copy_to_tp(param, self.comm)
+        # Its own array, not a view of the parameter's: an op keeping it for backward (a norm's weight) would
+        # otherwise keep FSDP's whole gathered unit alive after FSDP frees it (O(d) here, O(unit) there).
+        read.data = read.data.copy()
+        return read
 
 
 class ColumnParallelLinear(TensorParallelModule):
