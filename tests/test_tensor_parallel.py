@@ -757,3 +757,21 @@ def test_fsdp_units_are_freed_after_forward_under_sequence_parallelism(monkeypat
         grid.free()
         return alive
     assert simulate(4, run) == [[]] * 4
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "tp"])
+def test_column_input_is_still_the_full_activation_a_column_layer_reads(comm, sequence_parallel):
+    """``TensorParallelModule.column_input`` (what blocks written before ``column_linear`` call): under sequence
+    parallelism every rank's shards concatenated along the sequence, else this rank's input; its gradient is
+    summed over the ranks (numpy on all ranks' inputs)."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    xs = per_rank(71, n, (2, 3, 4))
+    layer = ColumnParallelLinear(nn.Linear(4, 2 * n, rng=np.random.default_rng(0)), comm, sequence_parallel)
+    x = nn.Tensor(xs[r].copy(), requires_grad=True)
+    full = layer.column_input(x)
+    want = np.concatenate(xs, axis=1) if sequence_parallel else xs[r]
+    np.testing.assert_array_equal(full.data, want)
+    g = np.ones_like(full.data)
+    full.backward(g)
+    np.testing.assert_array_equal(x.grad, np.full(xs[r].shape, float(n)))

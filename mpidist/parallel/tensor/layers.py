@@ -33,7 +33,7 @@ from mpidist.nn.placement import Replicate, Shard, set_placement
 from mpidist.nn.precision import fp32_op
 from mpidist.xp import get_array_module
 
-from .ops import copy_to_tp, gather_sequence_linear, reduce_from_tp, scatter_sequence
+from .ops import copy_to_tp, gather_sequence, gather_sequence_linear, reduce_from_tp, scatter_sequence
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelAttention", "ParallelMLP", "VocabParallelEmbedding",
            "ParallelLayerNorm", "vocab_parallel_cross_entropy", "padded_split", "padded_rows", "sharded_parameter",
@@ -105,6 +105,13 @@ class TensorParallelModule(Module):
         if self.sequence_parallel:
             return gather_sequence_linear(x, weight, bias, self.comm)
         return F.linear(copy_to_tp(x, self.comm), weight, bias)
+
+    def column_input(self, x):
+        """Return the full activation a column-parallel layer reads (gathered along the sequence under SP).
+
+        Kept for blocks written against it; ``column_linear`` is the one to use: an op reading this keeps the
+        gathered copy for backward, where ``column_linear`` keeps only this rank's shard."""
+        return gather_sequence(x, self.comm) if self.sequence_parallel else copy_to_tp(x, self.comm)
 
     def row_output(self, partial):
         """Return the sum of the row-parallel partial results (sequence parallel: this rank's sequence shard of it)."""
