@@ -450,15 +450,12 @@ def memory_rows():
             probs = attention_probs_bytes(shape, layout, ["blocks.0"]) if recompute == "none" else 0.0
             formula = formula_terms(s, b, h, a, t, recompute, sp)
             paper_probs = 2 * a * s * s * b / t if recompute == "none" else 0.0
-            # the planner's probabilities at the activations' 2 bytes instead of float32's 4
-            same_dtype = planner - probs / 2
             rows.append({"model": name, "s": s, "b": b, "h": h, "a": a, "t": t, "recompute": recompute,
                          "sequence_parallel": sp, "table2_bytes": table2_bytes(s, b, h, a, t, recompute, sp),
                          "formula_bytes": formula, "planner_bytes": planner, "error": planner / formula - 1,
                          "formula_hidden_bytes": formula - paper_probs, "planner_hidden_bytes": planner - probs,
                          "hidden_error": (planner - probs) / (formula - paper_probs) - 1,
-                         "formula_probs_bytes": paper_probs, "planner_probs_bytes": probs,
-                         "error_probs_16bit": same_dtype / formula - 1})
+                         "formula_probs_bytes": paper_probs, "planner_probs_bytes": probs})
     return rows
 
 
@@ -467,14 +464,13 @@ def run_memory(path=None):
     rows = memory_rows()
     mib = 2 ** 20
     print(f"{'model':<5} {'t':>2} {'recompute':<9} {'sp':<3} {'Table 2':>9} {'formula':>9} {'planner':>9} "
-          f"{'error':>7} {'hidden':>7} {'probs16':>7}   (MiB per layer and rank; errors vs formula terms)")
+          f"{'error':>7} {'hidden':>7}   (MiB per layer and rank; errors vs formula terms)")
     for r in rows:
         print(f"{r['model']:<5} {r['t']:>2} {r['recompute']:<9} {'sp' if r['sequence_parallel'] else '-':<3} "
               f"{r['table2_bytes'] / mib:>9.1f} {r['formula_bytes'] / mib:>9.1f} {r['planner_bytes'] / mib:>9.1f} "
-              f"{r['error']:>+7.1%} {r['hidden_error']:>+7.1%} {r['error_probs_16bit']:>+7.1%}")
+              f"{r['error']:>+7.2%} {r['hidden_error']:>+7.2%}")
     summary = {"max_abs_error": max(abs(r["error"]) for r in rows),
                "mean_abs_error": statistics.mean(abs(r["error"]) for r in rows),
-               "max_abs_error_probs_16bit": max(abs(r["error_probs_16bit"]) for r in rows),
                "rows_within_10pct": sum(abs(r["error"]) <= 0.10 for r in rows), "rows": len(rows)}
     for k, v in summary.items():
         print(f"{k}: {v:.1%}" if isinstance(v, float) else f"{k}: {v}")
