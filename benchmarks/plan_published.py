@@ -5,6 +5,7 @@ Run (two phases, in this order; the first writes the fitted profile, committed b
     .venv/bin/python benchmarks/plan_published.py --json docs/plan_published.json   # every row, priors and fitted
     .venv/bin/python benchmarks/plan_published.py --studies --json docs/plan_studies.json   # layout studies
     .venv/bin/python benchmarks/plan_published.py --memory --json docs/plan_memory.json     # activation formulas
+    .venv/bin/python benchmarks/plan_published.py --h100 --json docs/plan_h100.json         # H100, held out
 
 Rows:
 - Korthikanti et al. 2022 (arXiv 2205.05198): the four "full recompute" iteration times (22B, 175B, 530B, 1T GPT
@@ -25,6 +26,9 @@ Studies (``--studies``, the frozen fitted profile, never refitted on them): wher
 (Figures 12-16: tensor vs pipeline, pipeline vs data, tensor vs data, micro-batch size, interleaved vs 1F1B), the
 planner's order of the same layouts against the best layout (and order) the TEXT states, and Table 2 (PTD-P vs
 ZeRO-3, numbers in the text) with signed errors; see ``STUDIES`` for the sources and what is assumed.
+
+H100 (``--h100``, the frozen and never fitted ``h100-ib`` profile, every row held out): MosaicML's MPT throughputs
+on H100 80GB in BF16 (FSDP), tokens/s/GPU; see ``MPT_H100`` for the source and the declared selection.
 
 Calibration (at most two knobs of the A100 profile; ``--fit``): ``matmul_efficiency_max`` (the matmul
 efficiency curve scaled to this ceiling) and ``network_efficiency`` (both tiers), fitted on the DECLARED subset
@@ -485,6 +489,124 @@ def run_memory(path=None):
             f.write("\n")
 
 
+# -- H100 (``--h100``): the frozen ``h100-ib`` profile against MosaicML's published MPT throughputs ---------------
+# Source: mosaicml/llm-foundry, scripts/train/benchmarking/README.md ("MPT Training Benchmarks"), the tables
+# "H100 80GB BF16" (added in commit b2a43a1, 2023-10-19) and "H100 80GB BF16 (Large Scale, >= 128 GPUs)" (commit
+# 5e85bd6, 2024-01-06), unchanged since (read at 8c8dd48, 2025-07-21). MPT models are dense GPT-2-style decoders
+# with multi-head attention: the pretrain yamls (scripts/train/yamls/pretrain/mpt-*.yaml) give d_model, n_heads,
+# n_layers, expansion_ratio 4, vocabulary 50368; biases, learned positions and tied embeddings are MPTConfig's
+# defaults, and the table's NumParams column equals ModelShape's parameter count exactly (tests/test_plan.py).
+# Declared before any row was planned: every BF16 row at sequence 2048 (the A100 comparisons' length; the longer
+# ones rely on FlashAttention's memory, which the planner does not model) with FULL_SHARD (FSDP); the 6
+# SHARD_GRAD_OP rows are left out (the planner has no ZeRO-2 sharding). The profile has no fitted knobs ("fit":
+# not fitted), so the prior is the only column and nothing is fitted on these rows: all are held out.
+# (model, GPUs, micro-batch, gradient accumulation, global batch, activation checkpointing, tokens/s/GPU,
+#  the table's NumParams)
+MPT_SHAPES = {"760m": (24, 1536, 12), "1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32),
+              "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}   # (layers, d_model, heads)
+MPT_VOCAB, MPT_SEQ = 50368, 2048
+MPT_H100 = [("70b", 64, 8, 4, 2048, True, 1039, 64862437376),
+            ("70b", 32, 2, 16, 1024, True, 882, 64862437376),
+            ("30b", 32, 14, 3, 1344, True, 2308, 29975214080),
+            ("30b", 16, 10, 3, 480, True, 2263, 29975214080),
+            ("30b", 8, 3, 21, 504, True, 2002, 29975214080),
+            ("13b", 64, 2, 1, 128, False, 4800, 12853954560),
+            ("13b", 32, 2, 1, 64, False, 4811, 12853954560),
+            ("13b", 16, 2, 1, 32, False, 4767, 12853954560),
+            ("13b", 8, 2, 1, 16, False, 4792, 12853954560),
+            ("7b", 8, 6, 1, 48, False, 10643, 6658859008),
+            ("3b", 64, 6, 3, 1152, False, 22525, 2651837440),
+            ("3b", 32, 6, 3, 576, False, 23021, 2651837440),
+            ("3b", 16, 10, 3, 480, False, 24142, 2651837440),
+            ("1b", 64, 20, 1, 1280, False, 44402, 1315950592),
+            ("1b", 32, 20, 1, 640, False, 45130, 1315950592),
+            ("1b", 16, 20, 1, 320, False, 46037, 1315950592),
+            ("1b", 8, 14, 1, 112, False, 45455, 1315950592),
+            ("760m", 32, 24, 1, 768, False, 67971, 760470528),
+            ("760m", 16, 24, 1, 384, False, 68551, 760470528),
+            ("760m", 8, 24, 2, 384, False, 63147, 760470528)]
+MPT_H100_LARGE = [("70b", 512, 8, 1, 4096, True, 1007, 64862437376),
+                  ("70b", 256, 8, 1, 2048, True, 1035, 64862437376),
+                  ("70b", 128, 8, 1, 1024, True, 1058, 64862437376),
+                  ("30b", 512, 8, 1, 4096, True, 2115, 29975214080),
+                  ("30b", 256, 8, 1, 2048, True, 2148, 29975214080),
+                  ("30b", 128, 8, 1, 1024, True, 2199, 29975214080),
+                  ("13b", 512, 16, 1, 8192, True, 4952, 12853954560),
+                  ("13b", 256, 16, 1, 4096, True, 4989, 12853954560),
+                  ("13b", 128, 16, 1, 2048, True, 5080, 12853954560),
+                  ("7b", 512, 6, 1, 3072, False, 9670, 6658859008),
+                  ("7b", 256, 6, 1, 1536, False, 10119, 6658859008),
+                  ("7b", 128, 6, 1, 768, False, 10475, 6658859008)]
+H100 = "h100-ib"
+
+
+def mpt_shape(model):
+    """Return the ModelShape of an MPT model: fp32 parameters (Composer keeps FSDP's shards in float32)."""
+    layers, hidden, heads = MPT_SHAPES[model]
+    return ModelShape(layers=layers, hidden=hidden, heads=heads, vocab=MPT_VOCAB, seq=MPT_SEQ, dtype="float32")
+
+
+def mpt_layout(row):
+    """Return the published layout of an MPT row: FSDP FULL_SHARD over every GPU, Composer's amp_bf16 with FSDP's
+    DEFAULT mixed precision (float32 shards, units gathered and computed in bfloat16, gradients reduce-scattered in
+    float32), gradient accumulation as micro-batches, activation checkpointing as full recompute."""
+    _, gpus, mb, accum, batch, checkpointing, _, _ = row
+    if gpus * mb * accum != batch:
+        raise ValueError(f"plan_published: MPT row {row[0]} x{gpus}: {gpus} x {mb} x {accum} != batch {batch}")
+    return Layout(gpus, 1, 1, "fsdp", mb, accum, "none", 1, "full" if checkpointing else "none",
+                  compute_dtype="bfloat16", gather_dtype="bfloat16", reduce_dtype="float32")
+
+
+def h100_rows(profile):
+    """Plan every MPT row with ``profile``: predicted tokens/s/GPU = batch x sequence / (step time x GPUs)."""
+    out = []
+    for table, rows in (("H100 80GB BF16", MPT_H100), ("H100 80GB BF16 (Large Scale)", MPT_H100_LARGE)):
+        for row in rows:
+            model, gpus, _, _, batch, _, published, _ = row
+            layout = mpt_layout(row)
+            est = estimate(mpt_shape(model), layout, profile, ranks_per_node=8)
+            # MosaicML ran this layout; the planner's memory (no FlashAttention) is reported, not a reason to skip.
+            if not est.feasible and not est.reason.startswith("needs "):
+                raise RuntimeError(f"plan_published: MPT {model} {layout.name()} does not plan: {est.reason}")
+            predicted = batch * MPT_SEQ / (est.time["step"] * gpus)
+            out.append({"source": "mosaicml/llm-foundry benchmarking README", "table": table, "model": model,
+                        "layout": layout.name(), "gpus": gpus, "published": published, "unit": "tokens/s/GPU",
+                        "predicted": predicted, "error": predicted / published - 1, "set": "held out",
+                        "time": est.time, "memory_gib": est.memory["total"] / 2**30, "fits_in_mpidist": est.feasible,
+                        "reason": est.reason})
+    return out
+
+
+def run_h100(path=None):
+    """Print (and with ``path`` write) the H100 comparison: the frozen, unfitted ``h100-ib`` profile."""
+    profile = load_profile(H100)
+    rows = h100_rows(profile)
+    print(f"{'model':<5} {'GPUs':>4} {'layout':<50} {'published':>9} {'predicted':>9} {'error':>7}  (tokens/s/GPU)")
+    for r in rows:
+        print(f"{r['model']:<5} {r['gpus']:>4} {r['layout']:<50} {r['published']:>9} {r['predicted']:>9.0f} "
+              f"{r['error']:>+7.1%}" + ("" if r["fits_in_mpidist"] else f"  ({r['reason']})"))
+    errors = [r["error"] for r in rows]
+    summary = {"mean_abs_error": statistics.mean(abs(e) for e in errors), "mean_signed_error": statistics.mean(errors),
+               "max_abs_error": max(abs(e) for e in errors), "rows": len(rows),
+               "rows_within_15pct": sum(abs(e) <= 0.15 for e in errors)}
+    for label, table in (("small", "H100 80GB BF16"), ("large_scale", "H100 80GB BF16 (Large Scale)")):
+        summary[f"{label}_mean_abs_error"] = statistics.mean(abs(r["error"]) for r in rows if r["table"] == table)
+    for k, v in summary.items():
+        print(f"{k}: {v:.1%}" if isinstance(v, float) else f"{k}: {v}")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"profile": H100, "fit": profile.to_dict().get("fit"),
+                       "source": "mosaicml/llm-foundry scripts/train/benchmarking/README.md, tables 'H100 80GB BF16' "
+                                 "(commit b2a43a1, 2023-10-19) and 'H100 80GB BF16 (Large Scale, >= 128 GPUs)' "
+                                 "(commit 5e85bd6, 2024-01-06); shapes from scripts/train/yamls/pretrain/mpt-*.yaml",
+                       "selection": "every BF16 FULL_SHARD row at sequence 2048 (SHARD_GRAD_OP rows left out)",
+                       "planning": "FSDP over all GPUs, float32 shards gathered and computed in bfloat16, float32 "
+                                   "reduce-scatter, gradient accumulation as micro-batches, activation "
+                                   "checkpointing as full recompute, 8 ranks per node",
+                       "rows": rows, "summary": summary}, f, indent=1, default=str)
+            f.write("\n")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="fit the two knobs on the calibration rows only")
@@ -493,7 +615,12 @@ def main():
                         help="the layout studies of arXiv 2104.04473 (Figures 12-16, Table 2) instead of the rows")
     parser.add_argument("--memory", action="store_true",
                         help="per-layer activation bytes against arXiv 2205.05198's formulas instead of the rows")
+    parser.add_argument("--h100", action="store_true",
+                        help="the frozen h100-ib profile against MosaicML's H100 BF16 MPT throughputs instead")
     args = parser.parse_args()
+    if args.h100:
+        run_h100(args.json)
+        return
     if args.memory:
         run_memory(args.json)
         return

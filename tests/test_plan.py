@@ -393,3 +393,43 @@ def test_memory_per_rank_is_each_pipeline_ranks_traced_peak(world):
         planned = memory_per_rank(PEAK_SHAPE, layout, position, _peaks(layout)[position])["total"]
         assert planned == pytest.approx(peak, rel=0.03), (position, planned, peak)
     world.run(check)
+
+
+def _load_plan_published():
+    """Import benchmarks/plan_published.py (it imports plan_validate from its own folder)."""
+    import importlib.util
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        spec = importlib.util.spec_from_file_location("plan_published", os.path.join(bench, "plan_published.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(bench)
+    return module
+
+
+def test_published_h100_rows_are_mosaicmls_models_and_layouts():
+    """The ``--h100`` rows (MosaicML's MPT on H100): each shape has the parameter count MosaicML's table publishes
+    (GPT-2 layout: 12 l h^2 + 13 l h + (V + s) h + 2h, biases, learned positions, tied embeddings), each layout is
+    FSDP over all the row's GPUs with its global batch, checkpointing as full recompute, and the predicted
+    tokens/s/GPU is batch x 2048 / (step x GPUs) of a layout built here by hand."""
+    published = _load_plan_published()
+    rows = published.MPT_H100 + published.MPT_H100_LARGE
+    assert len(rows) == 32
+    for row in rows:
+        model, gpus, mb, accum, batch, checkpointing, _, num_params = row
+        layers, h, _ = published.MPT_SHAPES[model]
+        by_hand = 12 * layers * h * h + 13 * layers * h + (50368 + 2048) * h + 2 * h
+        assert published.mpt_shape(model).num_parameters() == num_params == by_hand, model
+        layout = published.mpt_layout(row)
+        assert (layout.ranks, layout.sharding, layout.dp * layout.micro_batch * layout.num_micro) == (gpus, "fsdp", batch)
+        assert layout.recompute == ("full" if checkpointing else "none")
+    by_hand = Layout(64, 1, 1, "fsdp", 8, 4, "none", 1, "full", compute_dtype="bfloat16", gather_dtype="bfloat16",
+                     reduce_dtype="float32")
+    profile = load_profile("h100-ib")
+    step = estimate(ModelShape(80, 8192, 64, 50368, 2048), by_hand, profile, ranks_per_node=8).time["step"]
+    first = published.h100_rows(profile)[0]
+    assert (first["model"], first["gpus"], first["published"]) == ("70b", 64, 1039)
+    assert first["predicted"] == pytest.approx(2048 * 2048 / (step * 64), rel=1e-12)
