@@ -775,3 +775,16 @@ def test_column_input_is_still_the_full_activation_a_column_layer_reads(comm, se
     g = np.ones_like(full.data)
     full.backward(g)
     np.testing.assert_array_equal(x.grad, np.full(xs[r].shape, float(n)))
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_gather_sequence_linear_of_uneven_shards_raises_in_forward_on_every_rank(comm):
+    """Shards whose gathered length does not split over the ranks: forward raises on every rank, naming the length
+    (backward could not reduce-scatter the input gradient), before backward posts any collective."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    x = nn.Tensor(np.ones((1, 2 if r == 0 else 1, 3)), requires_grad=True)   # gathered length n + 1
+    weight = nn.Tensor(np.ones((2, 3)), requires_grad=True)
+    with pytest.raises(ValueError, match=rf"gather_sequence_linear: axis 1 of length {n + 1} does not split evenly "
+                                         rf"over {n} tensor-parallel ranks"):
+        gather_sequence_linear(x, weight, None, comm)
+    assert collectives.allreduce(np.array([1.0]), comm)[0] == n   # the ranks still talk

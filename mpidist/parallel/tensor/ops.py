@@ -125,7 +125,12 @@ def gather_sequence_linear(x, weight, bias, comm, axis=1):
     the weight gradient's product (as Megatron-LM does). Outputs and gradients equal those of the unfused pair
     bit for bit: the gather is a copy, and the products and the reduce-scatter are the same.
     """
-    out = F.linear(_allgather_axis(_data(x), comm, axis), _data(weight), None if bias is None else _data(bias))
+    full = _allgather_axis(_data(x), comm, axis)
+    # Backward reduce-scatters an input gradient of the gathered length: say now, on every rank (they all see the
+    # gathered length), that it cannot split, before backward posts its allgather.
+    _check_splits(full, comm, axis, "gather_sequence_linear")
+    out = F.linear(full, _data(weight), None if bias is None else _data(bias))
+    del full
 
     def backward(g, n):
         # The weight is read now, not at forward: FSDP may have freed and gathered it again (autograd's glossary).
