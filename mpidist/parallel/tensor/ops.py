@@ -74,13 +74,6 @@ def _reduce_scatter_axis(a, comm, axis, what):
     return _from_front(collectives.reduce_scatter(_to_front(a, axis), comm), axis)
 
 
-def _start_reduce_scatter_axis(a, comm, axis, what):
-    """Start ``_reduce_scatter_axis``; return a function that waits for its result."""
-    _check_splits(a, comm, axis, what)
-    handle = collectives.ireduce_scatter(_to_front(a, axis), comm)
-    return lambda: _from_front(handle.wait(), axis)
-
-
 def _local_slice(a, comm, axis):
     n = a.shape[axis] // comm.Get_size()
     index = [slice(None)] * a.ndim
@@ -121,9 +114,11 @@ def gather_sequence_linear(x, weight, bias, comm, axis=1):
     """Return ``F.linear(gather_sequence(x, comm, axis), weight, bias)``, keeping only the shard ``x`` for backward.
 
     The gathered input is let go after the product; backward gathers ``x`` again for the weight's gradient,
-    overlapping that allgather with the input gradient's product and the input gradient's reduce-scatter with
-    the weight gradient's product (as Megatron-LM does). Outputs and gradients equal those of the unfused pair
-    bit for bit: the gather is a copy, and the products and the reduce-scatter are the same.
+    overlapping that allgather with the input gradient's product (as Megatron-LM does). The input gradient's
+    reduce-scatter is the blocking one ``gather_sequence``'s backward calls: a nonblocking reduce-scatter may add
+    the ranks' parts in another order (Open MPI's do), and then the gradients would not be the unfused pair's.
+    Outputs and gradients equal those of the unfused pair bit for bit under any MPI: the gather is a copy, and the
+    products and the reduce-scatter are the same.
     """
     full = _allgather_axis(_data(x), comm, axis)
     # Backward reduce-scatters an input gradient of the gathered length: say now, on every rank (they all see the
@@ -135,10 +130,9 @@ def gather_sequence_linear(x, weight, bias, comm, axis=1):
     def backward(g, n):
         # The weight is read now, not at forward: FSDP may have freed and gathered it again (autograd's glossary).
         gathered = _start_allgather_axis(_data(x), comm, axis) if n[1] else None
-        scattered = None
+        gx = None
         if n[0]:
-            scattered = _start_reduce_scatter_axis(linear_input_grad(g, _data(weight)), comm, axis,
-                                                   "gather_sequence_linear backward")
+            gx = _reduce_scatter_axis(linear_input_grad(g, _data(weight)), comm, axis, "gather_sequence_linear backward")
         gw, gb = linear_param_grads(g, gathered() if gathered else None, bias is not None and n[2])
-        return (scattered() if scattered else None), gw, gb
+        return gx, gw, gb
     return make_result("GatherSequenceLinear", out.data, (x, weight, bias), backward)
