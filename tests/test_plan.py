@@ -285,16 +285,7 @@ def test_a_pipeline_steps_compute_is_its_busiest_stages(num_micro):
 def test_published_memory_compares_with_korthikantis_formula_by_hand():
     """The ``--memory`` row of Korthikanti's 22B (s 2048, b 4, h 6144, a 64, t 8) with sequence parallelism and
     no recompute: the formula terms are Table 2's sbh/t (34 + 5as/h) less dropout's masks, by hand."""
-    import importlib.util
-    import sys
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-    sys.path.insert(0, bench)
-    try:
-        spec = importlib.util.spec_from_file_location("plan_published", os.path.join(bench, "plan_published.py"))
-        published = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(published)
-    finally:
-        sys.path.remove(bench)
+    published = _load_plan_published()
     s, b, h, a, t = 2048, 4, 6144, 64, 8
     table2 = s * b * h / t * 34 + 5 * a * s * s * b / t              # 884,998,144 bytes
     masks = a * s * s * b / t + 2 * s * b * h / t                    # the probabilities' mask, two residual masks
