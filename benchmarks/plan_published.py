@@ -537,6 +537,25 @@ MPT_H100_LARGE = [("70b", 512, 8, 1, 4096, True, 1007, 64862437376),
                   ("7b", 512, 6, 1, 3072, False, 9670, 6658859008),
                   ("7b", 256, 6, 1, 1536, False, 10119, 6658859008),
                   ("7b", 128, 6, 1, 768, False, 10475, 6658859008)]
+# A100 80GB, from the same README: the table "A100 80GB with 1600 Gbps node-node interconnect (RoCE)" (its only
+# A100 80GB table; no large-scale one, and the title names no precision). Titled so in commit ef350d9e6
+# (2023-07-05, formerly "A100 80GB"); its present rows were written by commit b2a43a1 (2023-10-19), unchanged since
+# (read at 8c8dd48, 2025-07-21). The README's only word on the A100 network is that title: "1600 Gbps node-node
+# interconnect (RoCE)"; it gives no GPUs per node or intra-node link. Declared before any row was planned, the
+# H100 rule: every BF16 row at sequence 2048 with FULL_SHARD (the table has no SHARD_GRAD_OP row); all held out.
+# Every row here has GPUs x micro-batch x accumulation == global batch. Caveat: the two 70b rows are older runs
+# (unchanged since commit 300cc5c, 2023-05-03) with Precision "bf16" and MP Mode "PURE" (bfloat16 parameters and
+# reductions), not the "amp_bf16"/"DEFAULT" of the other rows and of ``mpt_layout``. Left out: the 2048 rows of
+# 350m (8 GPUs, 32 x 2, 512, 58782 tokens/s/GPU, 355985408) and of 125m (8 GPUs, 40 x 2, 640, 142830, and
+# 32 x 2, 512, 141737; 125311488), whose models are not in MPT_SHAPES.
+MPT_A100 = [("70b", 64, 8, 4, 2048, True, 410, 64862437376),
+            ("70b", 32, 2, 16, 1024, True, 373, 64862437376),
+            ("30b", 8, 3, 21, 504, True, 916, 29975214080),
+            ("13b", 8, 2, 3, 48, False, 2262, 12853954560),
+            ("7b", 8, 6, 2, 96, False, 4641, 6658859008),
+            ("3b", 8, 10, 2, 160, False, 10811, 2651837440),
+            ("1b", 8, 14, 4, 448, False, 20513, 1315950592),
+            ("760m", 8, 24, 2, 384, False, 32434, 760470528)]
 H100 = "h100-ib"
 
 

@@ -407,8 +407,8 @@ def test_published_h100_rows_are_mosaicmls_models_and_layouts():
     FSDP over all the row's GPUs with its global batch, checkpointing as full recompute, and the predicted
     tokens/s/GPU is batch x 2048 / (step x GPUs) of a layout built here by hand."""
     published = _load_plan_published()
-    rows = published.MPT_H100 + published.MPT_H100_LARGE
-    assert len(rows) == 32
+    rows = published.MPT_H100 + published.MPT_H100_LARGE + published.MPT_A100   # A100: declared, not planned here
+    assert len(rows) == 32 + 8
     for row in rows:
         model, gpus, mb, accum, batch, checkpointing, _, num_params = row
         layers, h, _ = published.MPT_SHAPES[model]
