@@ -565,24 +565,32 @@ def mpt_shape(model):
     return ModelShape(layers=layers, hidden=hidden, heads=heads, vocab=MPT_VOCAB, seq=MPT_SEQ, dtype="float32")
 
 
-def mpt_layout(row):
+def mpt_layout(row, pure=False):
     """Return the published layout of an MPT row: FSDP FULL_SHARD over every GPU, Composer's amp_bf16 with FSDP's
     DEFAULT mixed precision (float32 shards, units gathered and computed in bfloat16, gradients reduce-scattered in
-    float32), gradient accumulation as micro-batches, activation checkpointing as full recompute."""
+    float32), gradient accumulation as micro-batches, activation checkpointing as full recompute. ``pure``: FSDP's
+    PURE mode (gradients reduce-scattered in bfloat16 too)."""
     _, gpus, mb, accum, batch, checkpointing, _, _ = row
     if gpus * mb * accum != batch:
         raise ValueError(f"plan_published: MPT row {row[0]} x{gpus}: {gpus} x {mb} x {accum} != batch {batch}")
     return Layout(gpus, 1, 1, "fsdp", mb, accum, "none", 1, "full" if checkpointing else "none",
-                  compute_dtype="bfloat16", gather_dtype="bfloat16", reduce_dtype="float32")
+                  compute_dtype="bfloat16", gather_dtype="bfloat16", reduce_dtype="bfloat16" if pure else "float32")
 
 
-def h100_rows(profile):
-    """Plan every MPT row with ``profile``: predicted tokens/s/GPU = batch x sequence / (step time x GPUs)."""
+# The A100 rows run in FSDP's PURE mode (see MPT_A100's caveat): (model, GPUs)
+MPT_A100_PURE = {("70b", 64), ("70b", 32)}
+MPT_TABLES = {"h100": [("H100 80GB BF16", MPT_H100), ("H100 80GB BF16 (Large Scale)", MPT_H100_LARGE)],
+              "a100": [("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", MPT_A100)]}
+
+
+def mpt_rows(profile, tables):
+    """Plan every MPT row of ``tables`` with ``profile``: predicted tokens/s/GPU = batch x sequence / (step time x
+    GPUs)."""
     out = []
-    for table, rows in (("H100 80GB BF16", MPT_H100), ("H100 80GB BF16 (Large Scale)", MPT_H100_LARGE)):
+    for table, rows in tables:
         for row in rows:
             model, gpus, _, _, batch, _, published, _ = row
-            layout = mpt_layout(row)
+            layout = mpt_layout(row, pure=rows is MPT_A100 and (model, gpus) in MPT_A100_PURE)
             est = estimate(mpt_shape(model), layout, profile, ranks_per_node=8)
             # MosaicML ran this layout; the planner's memory (no FlashAttention) is reported, not a reason to skip.
             if not est.feasible and not est.reason.startswith("needs "):
@@ -596,18 +604,55 @@ def h100_rows(profile):
     return out
 
 
-def run_h100(path=None):
-    """Print (and with ``path`` write) the H100 comparison: the frozen, unfitted ``h100-ib`` profile."""
-    profile = load_profile(H100)
-    rows = h100_rows(profile)
+def h100_rows(profile):
+    """Plan every H100 MPT row with ``profile``."""
+    return mpt_rows(profile, MPT_TABLES["h100"])
+
+
+def _mpt_summary(rows):
+    errors = [r["error"] for r in rows]
+    return {"mean_abs_error": statistics.mean(abs(e) for e in errors), "mean_signed_error": statistics.mean(errors),
+            "max_abs_error": max(abs(e) for e in errors), "rows": len(rows),
+            "rows_within_15pct": sum(abs(e) <= 0.15 for e in errors),
+            "multi_node_mean_abs_error": statistics.mean(abs(r["error"]) for r in rows if r["gpus"] > 8)}
+
+
+def _print_mpt(rows):
     print(f"{'model':<5} {'GPUs':>4} {'layout':<50} {'published':>9} {'predicted':>9} {'error':>7}  (tokens/s/GPU)")
     for r in rows:
         print(f"{r['model']:<5} {r['gpus']:>4} {r['layout']:<50} {r['published']:>9} {r['predicted']:>9.0f} "
               f"{r['error']:>+7.1%}" + ("" if r["fits_in_mpidist"] else f"  ({r['reason']})"))
-    errors = [r["error"] for r in rows]
-    summary = {"mean_abs_error": statistics.mean(abs(e) for e in errors), "mean_signed_error": statistics.mean(errors),
-               "max_abs_error": max(abs(e) for e in errors), "rows": len(rows),
-               "rows_within_15pct": sum(abs(e) <= 0.15 for e in errors)}
+
+
+def run_a100(path=None):
+    """Print (and with ``path`` write) MosaicML's A100 rows against the frozen A100 profiles, prior and fitted."""
+    out, summary = {}, {}
+    for label, name in (("prior", PRIOR), ("fitted", FITTED)):
+        out[label] = mpt_rows(load_profile(name), MPT_TABLES["a100"])
+        print(f"-- {label} ({name})")
+        _print_mpt(out[label])
+        summary[label] = _mpt_summary(out[label])
+        for k, v in summary[label].items():
+            print(f"{k}: {v:.1%}" if isinstance(v, float) else f"{k}: {v}")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"profiles": {"prior": PRIOR, "fitted": FITTED},
+                       "source": "mosaicml/llm-foundry scripts/train/benchmarking/README.md, table 'A100 80GB with "
+                                 "1600 Gbps node-node interconnect (RoCE)' (rows of commit b2a43a1, 2023-10-19; the "
+                                 "70b rows of 300cc5c, 2023-05-03)",
+                       "selection": "every BF16 FULL_SHARD row at sequence 2048 of a model in MPT_SHAPES, declared "
+                                    "in commit 8156ccc before any row was planned",
+                       "planning": "as --h100; the two 70b rows in FSDP's PURE mode (bfloat16 reduce-scatter)",
+                       "rows": out, "summary": summary}, f, indent=1, default=str)
+            f.write("\n")
+
+
+def run_h100(path=None):
+    """Print (and with ``path`` write) the H100 comparison: the frozen, unfitted ``h100-ib`` profile."""
+    profile = load_profile(H100)
+    rows = h100_rows(profile)
+    _print_mpt(rows)
+    summary = _mpt_summary(rows)
     for label, table in (("small", "H100 80GB BF16"), ("large_scale", "H100 80GB BF16 (Large Scale)")):
         summary[f"{label}_mean_abs_error"] = statistics.mean(abs(r["error"]) for r in rows if r["table"] == table)
     for k, v in summary.items():
@@ -636,7 +681,12 @@ def main():
                         help="per-layer activation bytes against arXiv 2205.05198's formulas instead of the rows")
     parser.add_argument("--h100", action="store_true",
                         help="the frozen h100-ib profile against MosaicML's H100 BF16 MPT throughputs instead")
+    parser.add_argument("--a100", action="store_true",
+                        help="the frozen A100 profiles against MosaicML's A100 80GB BF16 MPT throughputs instead")
     args = parser.parse_args()
+    if args.a100:
+        run_a100(args.json)
+        return
     if args.h100:
         run_h100(args.json)
         return

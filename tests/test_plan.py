@@ -153,6 +153,40 @@ def test_nodes_sharing_one_link_slow_the_groups_crossing_it():
     assert calls[1]["tp"] == calls[8]["tp"]   # inside a node: NVLink, no NIC
 
 
+def test_multi_rail_groups_cross_a_node_on_all_their_ranks_links():
+    """Under ``multi_rail`` (NCCL: a ring channel per NIC) a data-parallel group with m ranks on each of 2 nodes of
+    8 crosses at m NICs' bandwidth, up to NVLink's: the ring formula at that bandwidth; without it, at one NIC's.
+    Pipeline sends stay on one NIC."""
+    from mpidist.plan.estimate import _calls_seconds
+    from mpidist.plan.volumes import calls_per_rank
+
+    def dp_seconds(layout, profile):   # the calls' time, before any overlap with backward
+        return _calls_seconds(calls_per_rank(shape, layout, 0, 8), profile, layout, 8, {"dp"})
+    shape = ModelShape(layers=4, hidden=64, heads=8, vocab=64, seq=16)
+    base = load_profile("a100-80gb-ib").to_dict()
+    base["tiers"] = {k: dict(v, latency_s=0.0, efficiency=1.0) for k, v in base["tiers"].items()}
+    nic, nvlink = base["tiers"]["inter"]["bandwidth"], base["tiers"]["intra"]["bandwidth"]
+    one_rail, rails = (Profile.from_dict(dict(base, multi_rail=flag)) for flag in (False, True))
+    for layout, on_node in ((Layout(16, 1, 1, micro_batch=1), 8), (Layout(8, 2, 1, micro_batch=2), 4),
+                            (Layout(4, 4, 1, micro_batch=4), 2), (Layout(2, 8, 1, micro_batch=8), 1)):
+        buckets = [c.nbytes for c in calls_per_rank(shape, layout, 0, 8) if c.group == "dp" for _ in range(c.count)]
+        n = layout.dp
+        assert buckets
+        ring = sum(2 * (n - 1) / n * s for s in buckets)
+        assert dp_seconds(layout, one_rail) == pytest.approx(ring / nic, rel=1e-9)
+        assert dp_seconds(layout, rails) == pytest.approx(ring / (on_node * nic), rel=1e-9)
+    fast_nics = dict(base, multi_rail=True, tiers=dict(base["tiers"], inter=dict(base["tiers"]["inter"],
+                                                                               bandwidth=nvlink / 4)))
+    layout = Layout(16, 1, 1, micro_batch=1)
+    capped = dp_seconds(layout, Profile.from_dict(fast_nics))
+    assert capped == pytest.approx(dp_seconds(layout, rails) * nic * 8 / nvlink, rel=1e-9)
+    pipeline = Layout(1, 8, 2, micro_batch=1, num_micro=4, schedule="1f1b")
+    assert estimate(shape, pipeline, rails, 8).time["pp"] == estimate(shape, pipeline, one_rail, 8).time["pp"] > 0
+    assert Profile.from_dict(rails.to_dict()).multi_rail is True
+    with pytest.raises(ValueError, match=r"multi_rail must be true or false \(got 'yes'\)"):
+        Profile.from_dict(dict(base, multi_rail="yes"))
+
+
 def test_branch_and_bound_keeps_the_best_layouts_of_the_full_search():
     """Pruning by the lower bound drops only layouts slower than the ``keep`` best: the top is unchanged."""
     from mpidist.plan import estimate

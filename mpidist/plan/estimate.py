@@ -75,10 +75,12 @@ def _inner_span(layout: Layout, group: str) -> int:
             "dp_replicate": layout.ranks, "dp_node": layout.pp * layout.tp, "dp_leaders": layout.ranks}[group]
 
 
-def _link(profile: Profile, layout: Layout, group: str, ranks_per_node: int):
+def _link(profile: Profile, layout: Layout, group: str, ranks_per_node: int, rails: bool = False):
     """Return (tier, bandwidth share) of ``group``: inside a node when its ranks fit one, else the inter tier,
     whose link ``ranks_per_link`` ranks of a node share (1: a NIC per rank, as DGX nodes have) among the groups
-    crossing the node at once (one per group, the node's ranks of a group taking turns on a ring)."""
+    crossing the node at once (one per group, the node's ranks of a group taking turns on a ring). ``rails``
+    (a collective under ``Profile.multi_rail``): the group crosses on all its ranks' links at once, so its share
+    is its ranks on the node over ``ranks_per_link``, possibly above 1, up to the intra tier's bandwidth."""
     span = _inner_span(layout, group)
     if span <= ranks_per_node:
         return profile.tiers["intra"], 1.0
@@ -87,7 +89,12 @@ def _link(profile: Profile, layout: Layout, group: str, ranks_per_node: int):
     stride = (layout.tp if group in ("pp", "tied") else layout.pp * layout.tp if group == "dp_leaders"
               else span // _group_size(layout, group))
     members_per_node = max(1, ranks_per_node // max(1, stride))
-    concurrent = max(1, min(tier.ranks_per_link, ranks_per_node) // members_per_node)
+    links = min(tier.ranks_per_link, ranks_per_node)
+    if rails:
+        intra = profile.tiers["intra"].effective_bandwidth
+        on_node = 1 if group in ("pp", "tied") else members_per_node   # a pair split over two nodes: one each
+        return tier, min(on_node / links, intra / tier.effective_bandwidth)
+    concurrent = max(1, links // members_per_node)
     return tier, 1.0 / concurrent
 
 
@@ -112,7 +119,8 @@ def _calls_seconds(calls, profile, layout, ranks_per_node, groups) -> float:
     total = 0.0
     for c in calls:
         if c.group in groups:
-            tier, share = _link(profile, layout, c.group, ranks_per_node)
+            tier, share = _link(profile, layout, c.group, ranks_per_node,
+                                rails=profile.multi_rail and c.op in ("allreduce", "allgather", "reduce_scatter"))
             n = _group_size(layout, c.group)
             per_node = _members_per_node(layout, c.group, ranks_per_node)
             if c.op == "allreduce" and profile.halving_doubling_allreduce and tier is profile.tiers["inter"] \

@@ -29,6 +29,10 @@ Glossary:
   nodes (block placement) the steps between nodes come last in the halving, at the smallest pieces, so a node's
   link carries what a ring among one rank per node would (``calibrate --inter`` records whether the library is
   MPICH); false: one ring over all the group's ranks (NCCL's), 1.5 times those bytes at 2 ranks on each of 2 nodes.
+- ``multi_rail``: the collective library spreads a group's ring over the links of all its ranks on a node (NCCL
+  builds several rings, channels, and routes each one's node crossing through another GPU's NIC), so a group with
+  ``m`` ranks on a node crosses it at ``m / ranks_per_link`` links' bandwidth (at most the intra tier's); false:
+  the group's ring crosses each node once, on one link (a ring among MPI processes).
 """
 from __future__ import annotations
 
@@ -88,6 +92,7 @@ class Profile:
     microbatch_cost: Tuple[Tuple[float, float], ...] = ()   # [[block activation bytes, factor]], measured
     oversubscribed_tier: Optional[Tier] = None   # measured: the intra link when ranks outnumber cores
     halving_doubling_allreduce: bool = False   # allreduce: recursive halving then doubling (MPICH), not a ring
+    multi_rail: bool = False   # a group's collectives cross a node on all its ranks' links at once (NCCL)
 
     def efficiency(self, gemm_flops: float) -> float:
         """Return the share of peak a GEMM of ``gemm_flops`` FLOPs reaches (log-linear interpolation)."""
@@ -115,7 +120,7 @@ class Profile:
                 "oversubscribed_tier": None if self.oversubscribed_tier is None else {
                     "latency_s": self.oversubscribed_tier.latency_s,
                     "bandwidth": self.oversubscribed_tier.bandwidth},
-                "halving_doubling_allreduce": self.halving_doubling_allreduce}
+                "halving_doubling_allreduce": self.halving_doubling_allreduce, "multi_rail": self.multi_rail}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "profile") -> "Profile":
@@ -145,19 +150,20 @@ class Profile:
                                int(t.get("ranks_per_link", 1)))
         known = set(required) | {"elementwise_factor", "cores_per_node", "compute_scale", "layer_overhead_s",
                                  "source", "fit", "validated", "description", "microbatch_cost",
-                                 "oversubscribed_tier", "halving_doubling_allreduce"}
+                                 "oversubscribed_tier", "halving_doubling_allreduce", "multi_rail"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
-        halving = data.get("halving_doubling_allreduce", False)
-        if not isinstance(halving, bool):
-            raise ValueError(f"{where}: halving_doubling_allreduce must be true or false (got {halving!r})")
+        halving, rails = data.get("halving_doubling_allreduce", False), data.get("multi_rail", False)
+        for key, value in (("halving_doubling_allreduce", halving), ("multi_rail", rails)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: {key} must be true or false (got {value!r})")
         return cls(data["name"], {k: float(v) for k, v in data["peak_flops"].items()}, curve,
                    float(data["memory_bytes"]), float(data["memory_bandwidth"]), tiers,
                    float(data.get("elementwise_factor", 3.0)), data.get("cores_per_node"),
                    float(data.get("compute_scale", 1.0)), data.get("source", ""), dict(data.get("fit", {})),
                    float(data.get("layer_overhead_s", 0.0)), dict(data.get("validated", {})), mb_cost, over,
-                   halving)
+                   halving, rails)
 
     def out_of_range(self, ranks: int, parameters: int, layout) -> List[str]:
         """Return why a plan of ``layout`` (a ``Layout``) on ``ranks`` ranks of a ``parameters``-parameter model is
