@@ -214,6 +214,11 @@ def test_out_of_the_validated_range_is_said_not_silent(capsys):
     far = estimate(shape, Layout(4, 2, 1, "fsdp"), profile, 8).warnings   # 8 ranks, tp 2 inside, fsdp not seen
     assert far == ["ranks 8 outside the validated 2..4", "sharding 'fsdp' never validated (validated: ddp)",
                    "validated on: here"]
+    by_kind = Profile.from_dict(dict(base, validated=dict(validated, sharding=["ddp", "fsdp"],
+                                                          ranks_by_sharding={"fsdp": [2, 2]})))
+    assert estimate(shape, Layout(4, 1, 1, "fsdp"), by_kind, 8).warnings == [
+        "ranks 4 outside the validated 2..2 for fsdp", "validated on: here"]
+    assert estimate(shape, Layout(4, 1, 1), by_kind, 8).warnings == []
     unvalidated = Profile.from_dict(dict(base, validated={}))
     assert "never compared" in estimate(shape, Layout(2, 1, 1), unvalidated, 8).warnings[0]
     args = ["plan", "--layers", "2", "--hidden", "16", "--heads", "2", "--vocab", "32", "--seq", "8",

@@ -168,7 +168,8 @@ class Profile:
     def out_of_range(self, ranks: int, parameters: int, layout) -> List[str]:
         """Return why a plan of ``layout`` (a ``Layout``) on ``ranks`` ranks of a ``parameters``-parameter model is
         outside what this profile was compared with (``validated``: ``[low, high]`` for ``ranks``, ``parameters``,
-        ``tp``, ``pp``; the lists ``sharding``, ``recompute``, ``schedule`` of kinds seen; ``source``); empty
+        ``tp``, ``pp``; the lists ``sharding``, ``recompute``, ``schedule`` of kinds seen; ``ranks_by_sharding``:
+        ``{kind: [low, high]}`` where a kind was compared on fewer ranks than the whole; ``source``); empty
         when inside. A profile without a range is unvalidated everywhere."""
         v = self.validated
         if not v:
@@ -180,6 +181,9 @@ class Profile:
         for key in ("sharding", "recompute", "schedule"):
             if key in v and getattr(layout, key) not in v[key]:
                 out.append(f"{key} {getattr(layout, key)!r} never validated (validated: {', '.join(v[key])})")
+        low_high = v.get("ranks_by_sharding", {}).get(layout.sharding)   # a kind compared on fewer ranks only
+        if low_high and not low_high[0] <= ranks <= low_high[1]:
+            out.append(f"ranks {ranks} outside the validated {low_high[0]}..{low_high[1]} for {layout.sharding}")
         if out and v.get("source"):
             out.append(f"validated on: {v['source']}")
         return out
