@@ -138,6 +138,9 @@ def test_calibrate_inter_pingpongs_between_ranks_0_and_1(comm):
     assert data["tiers"]["inter"] == {"latency_s": alpha, "bandwidth": bandwidth, "efficiency": 1.0,
                                       "ranks_per_link": 2}
     assert comm.allgather(data["tiers"]["inter"]) == [data["tiers"]["inter"]] * comm.Get_size()
+    assert data["multi_rail"] is False
+    told = calibrate_inter(base, comm, ranks_per_link=1, host=f"node{comm.Get_rank()}", multi_rail=True)
+    assert Profile.from_dict(told).multi_rail is True
 
 
 def test_calibrate_inter_refuses_ranks_0_and_1_on_one_host(comm):

@@ -367,11 +367,12 @@ def halving_doubling_allreduce(library_version: str, env=None) -> bool:
     return "MPICH" in library_version and chosen in ("", "auto", "reduce_scatter_allgather")
 
 
-def calibrate_inter(base: dict, comm, ranks_per_link: int = 1, name=None, host=None) -> dict:
+def calibrate_inter(base: dict, comm, ranks_per_link: int = 1, name=None, host=None, multi_rail=False) -> dict:
     """Return ``base`` with its inter tier measured by a ping-pong between ranks 0 and 1 of ``comm``, on every
     rank (collective); the two must run on different hosts (``host``: this rank's, the host name by default).
     It also records whether this MPI library's allreduce is recursive halving then doubling
-    (``halving_doubling_allreduce``)."""
+    (``halving_doubling_allreduce``) and ``multi_rail`` as told (the collectives the job will run, NCCL's on GPUs,
+    cross a node on every NIC of a group's ranks: a ping-pong between two ranks cannot see that)."""
     hosts = comm.allgather(host or socket.gethostname())
     # every rank sees the same host list, so every rank raises the same error (no rank is left waiting)
     if len(hosts) < 2:
@@ -383,6 +384,7 @@ def calibrate_inter(base: dict, comm, ranks_per_link: int = 1, name=None, host=N
     points = measure_pingpong(comm, (0, 1))
     data = with_inter_tier(base, points, ranks_per_link, hosts[:2], name)
     data["halving_doubling_allreduce"] = halving_doubling_allreduce(MPI.Get_library_version())
+    data["multi_rail"] = bool(multi_rail)
     return data
 
 
@@ -400,10 +402,12 @@ def _inter_main(argv):
     parser.add_argument("out", help="write the profile with the measured inter tier here")
     parser.add_argument("--ranks-per-link", type=int, default=1, help="ranks per node sharing its link")
     parser.add_argument("--name", help="the written profile's name (default: the base's)")
+    parser.add_argument("--multi-rail", action="store_true",
+                        help="the job's collectives cross a node on all its ranks' NICs (NCCL on GPU nodes)")
     args = parser.parse_args(argv)
     with open(args.base) as f:
         base = json.load(f)
-    data = calibrate_inter(base, MPI.COMM_WORLD, args.ranks_per_link, args.name)
+    data = calibrate_inter(base, MPI.COMM_WORLD, args.ranks_per_link, args.name, multi_rail=args.multi_rail)
     if MPI.COMM_WORLD.Get_rank() == 0:
         Profile.from_dict(data, where="calibrate --inter")   # what is written loads
         with open(args.out, "w") as f:
@@ -430,4 +434,4 @@ if __name__ == "__main__":
         _inter_main(sys.argv[2:])
     else:
         sys.exit("usage: mpiexec -n 2 -hosts A,B python -m mpidist.plan.calibrate --inter BASE_PROFILE.json OUT.json "
-                 "[--ranks-per-link K] [--name NAME] (or python -m mpidist plan --calibrate OUT)")
+                 "[--ranks-per-link K] [--name NAME] [--multi-rail] (or python -m mpidist plan --calibrate OUT)")
