@@ -160,8 +160,8 @@ def test_multi_rail_groups_cross_a_node_on_all_their_ranks_links():
     from mpidist.plan.estimate import _calls_seconds
     from mpidist.plan.volumes import calls_per_rank
 
-    def dp_seconds(layout, profile):   # the calls' time, before any overlap with backward
-        return _calls_seconds(calls_per_rank(shape, layout, 0, 8), profile, layout, 8, {"dp"})
+    def dp_seconds(layout, profile, groups=("dp",), position=0):   # the calls' time, before any overlap
+        return _calls_seconds(calls_per_rank(shape, layout, position, 8), profile, layout, 8, set(groups))
     shape = ModelShape(layers=4, hidden=64, heads=8, vocab=64, seq=16)
     base = load_profile("a100-80gb-ib").to_dict()
     base["tiers"] = {k: dict(v, latency_s=0.0, efficiency=1.0) for k, v in base["tiers"].items()}
@@ -180,11 +180,23 @@ def test_multi_rail_groups_cross_a_node_on_all_their_ranks_links():
     layout = Layout(16, 1, 1, micro_batch=1)
     capped = dp_seconds(layout, Profile.from_dict(fast_nics))
     assert capped == pytest.approx(dp_seconds(layout, rails) * nic * 8 / nvlink, rel=1e-9)
-    pipeline = Layout(1, 8, 2, micro_batch=1, num_micro=4, schedule="1f1b")
-    assert estimate(shape, pipeline, rails, 8).time["pp"] == estimate(shape, pipeline, one_rail, 8).time["pp"] > 0
+    # Hybrid FSDP with shard groups of 16 over 2 nodes: 8 ranks of a shard group on each node, 8 NICs.
+    hybrid = Layout(32, 1, 1, "hybrid", micro_batch=1, shard_size=16)
+    shard_one, shard_rails = (dp_seconds(hybrid, p, ("dp_shard",)) for p in (one_rail, rails))
+    assert shard_one > 0 and shard_rails == pytest.approx(shard_one / 8, rel=1e-9)
+    # A pipeline of 16 stages, 8 per node: its sends and the tied embedding's pair (first and last stage) cross
+    # on one rank's link either way.
+    shallow = ModelShape(layers=16, hidden=64, heads=8, vocab=64, seq=16)
+    pipeline = Layout(1, 1, 16, micro_batch=1, num_micro=16, schedule="1f1b")
+    assert estimate(shallow, pipeline, rails, 8).time["pp"] == estimate(shallow, pipeline, one_rail, 8).time["pp"] > 0
+    tied = [_calls_seconds(calls_per_rank(shallow, pipeline, 0, 8), p, pipeline, 8, {"tied"}) for p in (one_rail,
+                                                                                                         rails)]
+    assert tied[0] == tied[1] > 0
     assert Profile.from_dict(rails.to_dict()).multi_rail is True
     with pytest.raises(ValueError, match=r"multi_rail must be true or false \(got 'yes'\)"):
         Profile.from_dict(dict(base, multi_rail="yes"))
+    with pytest.raises(ValueError, match=r"halving_doubling_allreduce .* and multi_rail .* describe two libraries"):
+        Profile.from_dict(dict(base, multi_rail=True, halving_doubling_allreduce=True))
 
 
 def test_branch_and_bound_keeps_the_best_layouts_of_the_full_search():
@@ -219,6 +231,9 @@ def test_out_of_the_validated_range_is_said_not_silent(capsys):
     assert estimate(shape, Layout(4, 1, 1, "fsdp"), by_kind, 8).warnings == [
         "ranks 4 outside the validated 2..2 for fsdp", "validated on: here"]
     assert estimate(shape, Layout(4, 1, 1), by_kind, 8).warnings == []
+    assert estimate(shape, Layout(2, 1, 1, "fsdp"), by_kind, 8).warnings == []   # at the bound: inside
+    with pytest.raises(ValueError, match=r"ranks_by_sharding must be \{sharding: \[low, high\]\} .*\[8\]"):
+        Profile.from_dict(dict(base, validated=dict(validated, ranks_by_sharding={"fsdp": [8]})))
     unvalidated = Profile.from_dict(dict(base, validated={}))
     assert "never compared" in estimate(shape, Layout(2, 1, 1), unvalidated, 8).warnings[0]
     args = ["plan", "--layers", "2", "--hidden", "16", "--heads", "2", "--vocab", "32", "--seq", "8",

@@ -138,9 +138,12 @@ def test_calibrate_inter_pingpongs_between_ranks_0_and_1(comm):
     assert data["tiers"]["inter"] == {"latency_s": alpha, "bandwidth": bandwidth, "efficiency": 1.0,
                                       "ranks_per_link": 2}
     assert comm.allgather(data["tiers"]["inter"]) == [data["tiers"]["inter"]] * comm.Get_size()
-    assert data["multi_rail"] is False
+    assert data["multi_rail"] is False   # the base's
     told = calibrate_inter(base, comm, ranks_per_link=1, host=f"node{comm.Get_rank()}", multi_rail=True)
     assert Profile.from_dict(told).multi_rail is True
+    assert told["halving_doubling_allreduce"] is False   # the job's allreduce is NCCL's, not this MPI's
+    kept = calibrate_inter(load_profile("h100-ib").to_dict(), comm, host=f"node{comm.Get_rank()}")
+    assert kept["multi_rail"] is True
 
 
 def test_calibrate_inter_refuses_ranks_0_and_1_on_one_host(comm):

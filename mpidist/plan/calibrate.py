@@ -367,12 +367,13 @@ def halving_doubling_allreduce(library_version: str, env=None) -> bool:
     return "MPICH" in library_version and chosen in ("", "auto", "reduce_scatter_allgather")
 
 
-def calibrate_inter(base: dict, comm, ranks_per_link: int = 1, name=None, host=None, multi_rail=False) -> dict:
+def calibrate_inter(base: dict, comm, ranks_per_link: int = 1, name=None, host=None, multi_rail=None) -> dict:
     """Return ``base`` with its inter tier measured by a ping-pong between ranks 0 and 1 of ``comm``, on every
     rank (collective); the two must run on different hosts (``host``: this rank's, the host name by default).
     It also records whether this MPI library's allreduce is recursive halving then doubling
     (``halving_doubling_allreduce``) and ``multi_rail`` as told (the collectives the job will run, NCCL's on GPUs,
-    cross a node on every NIC of a group's ranks: a ping-pong between two ranks cannot see that)."""
+    cross a node on every NIC of a group's ranks: a ping-pong between two ranks cannot see that; None keeps the
+    base's). A multi-rail job's allreduce is NCCL's, not this MPI library's: then no halving-doubling."""
     hosts = comm.allgather(host or socket.gethostname())
     # every rank sees the same host list, so every rank raises the same error (no rank is left waiting)
     if len(hosts) < 2:
@@ -383,8 +384,9 @@ def calibrate_inter(base: dict, comm, ranks_per_link: int = 1, name=None, host=N
     from mpi4py import MPI
     points = measure_pingpong(comm, (0, 1))
     data = with_inter_tier(base, points, ranks_per_link, hosts[:2], name)
-    data["halving_doubling_allreduce"] = halving_doubling_allreduce(MPI.Get_library_version())
-    data["multi_rail"] = bool(multi_rail)
+    rails = bool(base.get("multi_rail", False)) if multi_rail is None else bool(multi_rail)
+    data["multi_rail"] = rails
+    data["halving_doubling_allreduce"] = not rails and halving_doubling_allreduce(MPI.Get_library_version())
     return data
 
 
@@ -402,8 +404,9 @@ def _inter_main(argv):
     parser.add_argument("out", help="write the profile with the measured inter tier here")
     parser.add_argument("--ranks-per-link", type=int, default=1, help="ranks per node sharing its link")
     parser.add_argument("--name", help="the written profile's name (default: the base's)")
-    parser.add_argument("--multi-rail", action="store_true",
-                        help="the job's collectives cross a node on all its ranks' NICs (NCCL on GPU nodes)")
+    parser.add_argument("--multi-rail", action="store_true", default=None,
+                        help="the job's collectives cross a node on all its ranks' NICs (NCCL on GPU nodes; "
+                             "default: as in the base profile)")
     args = parser.parse_args(argv)
     with open(args.base) as f:
         base = json.load(f)

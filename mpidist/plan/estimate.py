@@ -92,8 +92,7 @@ def _link(profile: Profile, layout: Layout, group: str, ranks_per_node: int, rai
     links = min(tier.ranks_per_link, ranks_per_node)
     if rails:
         intra = profile.tiers["intra"].effective_bandwidth
-        on_node = 1 if group in ("pp", "tied") else members_per_node   # a pair split over two nodes: one each
-        return tier, min(on_node / links, intra / tier.effective_bandwidth)
+        return tier, min(members_per_node / links, intra / tier.effective_bandwidth)
     concurrent = max(1, links // members_per_node)
     return tier, 1.0 / concurrent
 
@@ -119,8 +118,11 @@ def _calls_seconds(calls, profile, layout, ranks_per_node, groups) -> float:
     total = 0.0
     for c in calls:
         if c.group in groups:
-            tier, share = _link(profile, layout, c.group, ranks_per_node,
-                                rails=profile.multi_rail and c.op in ("allreduce", "allgather", "reduce_scatter"))
+            # multi-rail: a group's collective rings; the tied embedding's pair and the pipeline's and the
+            # node-aware hooks' point-to-point messages cross on the sending rank's link
+            rails = (profile.multi_rail and c.group != "tied"
+                     and c.op in ("allreduce", "allgather", "reduce_scatter"))
+            tier, share = _link(profile, layout, c.group, ranks_per_node, rails=rails)
             n = _group_size(layout, c.group)
             per_node = _members_per_node(layout, c.group, ranks_per_node)
             if c.op == "allreduce" and profile.halving_doubling_allreduce and tier is profile.tiers["inter"] \

@@ -158,6 +158,14 @@ class Profile:
         for key, value in (("halving_doubling_allreduce", halving), ("multi_rail", rails)):
             if not isinstance(value, bool):
                 raise ValueError(f"{where}: {key} must be true or false (got {value!r})")
+        if halving and rails:
+            raise ValueError(f"{where}: halving_doubling_allreduce (MPICH's allreduce) and multi_rail (NCCL's rings) "
+                             f"describe two libraries: set one")
+        by_sharding = dict(data.get("validated") or {}).get("ranks_by_sharding", {})
+        if not isinstance(by_sharding, dict) or not all(
+                isinstance(v, (list, tuple)) and len(v) == 2 and 1 <= v[0] <= v[1] for v in by_sharding.values()):
+            raise ValueError(f"{where}: validated.ranks_by_sharding must be {{sharding: [low, high]}} with "
+                             f"1 <= low <= high (got {by_sharding!r})")
         return cls(data["name"], {k: float(v) for k, v in data["peak_flops"].items()}, curve,
                    float(data["memory_bytes"]), float(data["memory_bandwidth"]), tiers,
                    float(data.get("elementwise_factor", 3.0)), data.get("cores_per_node"),
