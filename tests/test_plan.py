@@ -16,6 +16,7 @@ from mpidist.plan.model import layer_names, parameters, stage_layers
 from mpidist.plan.report import MEMORY_PARTS
 
 CONFIGS = [GPTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=4, n_embd=8),
+           GPTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=8, n_embd=16, n_kv_head=4),   # grouped-query
            GPTConfig(vocab_size=13, block_size=4, n_layer=3, n_head=4, n_embd=8, mlp_ratio=2, bias=False,
                      tie_weights=False)]
 
@@ -123,6 +124,15 @@ def test_cli_plan_prints_a_table_and_json(capsys):
     assert "hidden 15 is not divisible by heads 2" in capsys.readouterr().err
     assert main(["plan", "--layers", "2"]) == 2
     assert "missing --hidden, --heads, --batch, --ranks" in capsys.readouterr().err
+    # Grouped-query attention: 4 heads sharing 2 k/v heads; tp=4 would split the k/v heads unevenly
+    gqa = ["plan", "--layers", "2", "--hidden", "16", "--heads", "4", "--kv-heads", "2", "--vocab", "32", "--seq",
+           "8", "--batch", "4", "--ranks", "4", "--profile", "local", "--json", "--top", "100"]
+    assert main(gqa) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"]["kv_heads"] == 2 and all(e["layout"]["tp"] in (1, 2) for e in data["feasible"])
+    assert any("2 k/v heads do not split over tp=4" in e["reason"] for e in data["infeasible"])
+    assert main(gqa[:8] + ["3"] + gqa[9:]) == 2
+    assert "kv_heads must be None or an int >= 1 dividing heads 4 (got 3)" in capsys.readouterr().err
 
 
 def test_compute_scale_multiplies_compute_and_optimizer_only():

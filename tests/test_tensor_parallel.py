@@ -348,6 +348,15 @@ def test_mesh_of_2_trains_like_one_process(comm, layout):
     train_on_mesh(comm, *layout)
 
 
+@pytest.mark.world_sizes(2, 4)
+def test_grouped_query_attention_trains_like_one_process(comm):
+    """2 k/v heads for 4 heads: each TP rank holds its q heads' k/v group (sequence parallel at 2 ranks; with a
+    pipeline and with data parallelism at 4)."""
+    layouts = [(1, 2, 1, True)] if comm.Get_size() == 2 else [(2, 2, 1, False), (1, 2, 2, True)]
+    for dp, tp, pp, sequence_parallel in layouts:
+        train_on_mesh(comm, dp, tp, pp, sequence_parallel, n_kv_head=2)
+
+
 @pytest.mark.world_sizes(4)
 @pytest.mark.parametrize("layout", LAYOUTS_4, ids=_layout_id)
 def test_mesh_of_4_trains_like_one_process(comm, layout):

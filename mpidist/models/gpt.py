@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -46,6 +47,12 @@ class GPTConfig:
     bias: bool = True
     tie_weights: bool = True   # the LM head reads the token embedding's weight (GPT-2 does)
     dtype: str = "float32"
+    n_kv_head: Optional[int] = None   # grouped-query attention: k/v heads, each serving n_head / n_kv_head q heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Return the k/v heads (``n_kv_head``, or ``n_head`` when None: multi-head attention)."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     def __post_init__(self):
         problems = []
@@ -55,6 +62,10 @@ class GPTConfig:
                 problems.append(f"{name} must be an int >= 1 (got {value!r})")
         if not problems and self.n_embd % self.n_head:
             problems.append(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+        kv = self.n_kv_head
+        if kv is not None and (not isinstance(kv, (int, np.integer)) or isinstance(kv, bool) or kv < 1
+                               or (isinstance(self.n_head, (int, np.integer)) and self.n_head % kv)):
+            problems.append(f"n_kv_head must be None or an int >= 1 dividing n_head {self.n_head} (got {kv!r})")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout must be in [0, 1) (got {self.dropout!r})")
         try:
@@ -151,7 +162,8 @@ class GPT(Module):
         dtype = np.dtype(config.dtype)
         self.embed = GPTEmbedding(config, rng)
         self.blocks = ModuleList([TransformerBlock(config.n_embd, config.n_head, mlp_ratio=config.mlp_ratio,
-                                                   causal=True, dropout=config.dropout, rng=rng, dtype=dtype)
+                                                   causal=True, dropout=config.dropout, rng=rng, dtype=dtype,
+                                                   num_kv_heads=config.n_kv_head)
                                   for _ in range(config.n_layer)])
         if not config.bias:  # TransformerBlock always builds biases; bias=False means none anywhere in the model
             for block in self.blocks:
@@ -194,13 +206,15 @@ class GPT(Module):
 
         Per layer and token the forward does 2 * 12 d^2 in the four weight matmuls (qkv 3d^2, output d^2,
         MLP 2 * ratio * d^2) and 2 * 2 * t * d in attention (scores and the weighted sum, every key counted:
-        the causal mask does not skip work here); the head adds 2 * vocab * d. Embedding look-ups, norms and
-        elementwise work are not counted, as in the usual MFU convention.
+        the causal mask does not skip work here); the head adds 2 * vocab * d. With grouped-query attention the
+        qkv product is d (d + 2 kv_heads head_dim). Embedding look-ups, norms and elementwise work are not
+        counted, as in the usual MFU convention.
         """
         c = self.config
         t = c.block_size if seq_len is None else seq_len
         d = c.n_embd
-        per_layer = 2 * (4 + 2 * c.mlp_ratio) * d * d + 4 * t * d
+        qkv = d * (d + 2 * c.kv_heads * (d // c.n_head))
+        per_layer = 2 * (qkv + (1 + 2 * c.mlp_ratio) * d * d) + 4 * t * d
         return 3 * (c.n_layer * per_layer + 2 * c.vocab_size * d)
 
     # -- how the wrappers cut the model ---------------------------------------------------------------------

@@ -60,8 +60,16 @@ _SHAPE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp
 _DEFAULT_EPS = LayerNorm(1).eps
 
 
+def _gpt2_shaped(config: GPTConfig) -> None:
+    """Raise ValueError when a GPT of ``config`` has no GPT-2 equivalent (grouped-query attention)."""
+    if config.kv_heads != config.n_head:
+        raise ValueError(f"hf_gpt2: GPT-2 has multi-head attention only; this model has grouped-query attention "
+                         f"(n_kv_head={config.n_kv_head}, n_head={config.n_head})")
+
+
 def _name_table(config: GPTConfig) -> List[Tuple[str, str, bool, Tuple[int, ...]]]:
     """Return (our name, HF name, transposed, our shape) for every tensor of a GPT-2 of this shape, in HF's order."""
+    _gpt2_shaped(config)
     d, hidden = config.n_embd, config.mlp_ratio * config.n_embd
     shapes = {"ln1": (d,), "ln2": (d,), "attn.qkv": (3 * d, d), "attn.proj": (d, d), "mlp.fc": (hidden, d),
               "mlp.proj": (d, hidden)}
@@ -92,6 +100,7 @@ def hf_gpt2_config(gpt: GPT) -> dict:
 
 
 def _hf_config(c: GPTConfig, layer_norm_eps: float) -> dict:
+    _gpt2_shaped(c)
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": c.vocab_size, "n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer,

@@ -20,7 +20,7 @@ from mpidist.xp import get_array_module, scatter_add
 __all__ = ["add", "sub", "mul", "div", "neg", "pow", "matmul", "linear", "reshape", "transpose", "permute",
            "swapaxes", "getitem", "cat", "split", "stack", "sum", "mean", "max", "exp", "log", "sqrt", "tanh",
            "sigmoid", "relu", "gelu", "softmax", "log_softmax", "layer_norm", "rms_norm", "embedding",
-           "dropout", "cross_entropy", "mse_loss", "scaled_dot_product_attention", "multi_head_attention", "where", "var", "conv2d",
+           "dropout", "cross_entropy", "mse_loss", "scaled_dot_product_attention", "multi_head_attention", "repeat_kv", "where", "var", "conv2d",
            "max_pool2d", "avg_pool2d", "batch_norm"]
 
 
@@ -1052,6 +1052,42 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
             grad[...] = grad_c
         return (grad.reshape(b, t, 3 * d),)
     return make_result("MultiHeadAttention", out.reshape(b, t, d), (qkv,), backward)
+
+
+def repeat_kv(qkv, num_heads, num_kv_heads):
+    """Return grouped-query projections as multi-head ones: (batch, seq, (h + 2 kv) hd) -> (batch, seq, 3 h hd).
+
+    ``qkv``'s last axis is q (``num_heads`` heads), k and v (``num_kv_heads`` heads each) of head_dim hd; k and v
+    head j serve the ``num_heads / num_kv_heads`` q heads from j times that on (grouped-query attention, Ainslie et
+    al. 2023, the grouping of Megatron-LM and Llama). The output is the packed [q | k | v] ``multi_head_attention``
+    reads, each k and v head repeated for its group. Nothing is kept for backward, which sums each group's
+    gradients (in float32 for 16-bit arrays, rounded once)."""
+    X = _d(qkv)
+    h, kv = num_heads, num_kv_heads
+    if not (isinstance(h, (int, np.integer)) and isinstance(kv, (int, np.integer)) and 1 <= kv <= h
+            and h % kv == 0):
+        raise ValueError(f"repeat_kv: num_heads must be a multiple of num_kv_heads >= 1 (num_heads={h}, "
+                         f"num_kv_heads={kv})")
+    if X.ndim != 3 or X.shape[-1] % (h + 2 * kv):
+        raise ValueError(f"repeat_kv: expected (batch, seq, (num_heads + 2 * num_kv_heads) * head_dim) with "
+                         f"num_heads={h}, num_kv_heads={kv} (qkv: {X.shape})")
+    xp = get_array_module(X)
+    b, t, hd, group = X.shape[0], X.shape[1], X.shape[2] // (h + 2 * kv), h // kv
+    parts = X.reshape(b, t, h + 2 * kv, hd)
+    out = xp.empty((b, t, 3, h, hd), dtype=X.dtype)
+    out[:, :, 0] = parts[:, :, :h]
+    out.reshape(b, t, 3, kv, group, hd)[:, :, 1:] = parts[:, :, h:].reshape(b, t, 2, kv, 1, hd)   # a view
+
+    def backward(g, n):
+        G = g.reshape(b, t, 3, h, hd)
+        grad = xp.empty((b, t, h + 2 * kv, hd), dtype=G.dtype)
+        grad[:, :, :h] = G[:, :, 0]
+        grouped = G[:, :, 1:].reshape(b, t, 2, kv, group, hd)
+        low = is_low_precision(G.dtype)
+        sums = grouped.astype(float32).sum(axis=4) if low else grouped.sum(axis=4)
+        grad[:, :, h:] = sums.reshape(b, t, 2 * kv, hd)   # rounded once to 16 bits here
+        return (grad.reshape(b, t, (h + 2 * kv) * hd),)
+    return make_result("RepeatKV", out.reshape(b, t, 3 * h * hd), (qkv,), backward)
 
 
 def _recomputed_probs(Q, K, scale, is_causal, attn_mask, dropout_p, training, generator, start):

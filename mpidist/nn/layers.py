@@ -172,28 +172,42 @@ class MultiheadAttention(Module):
     ``recompute_probs``: selective activation recompute: backward recomputes the attention probabilities (and
     dropout mask) from q and k instead of keeping them (``F.multi_head_attention``); ``GPT.checkpoint_blocks(
     mode="selective")`` sets it on every block.
+
+    ``num_kv_heads`` (grouped-query attention; None: ``num_heads``): k and v have that many heads, each serving
+    ``num_heads / num_kv_heads`` q heads; the projection is (dim, dim + 2 num_kv_heads head_dim), its k and v
+    heads repeated for their groups (``F.repeat_kv``) before the fused attention.
     """
 
     def __init__(self, embed_dim, num_heads, *, causal=False, dropout=0.0, bias=True, rng=None,
-                 dtype=np.float32, recompute_probs=False):
+                 dtype=np.float32, recompute_probs=False, num_kv_heads=None):
         super().__init__()
         if embed_dim % num_heads:
             raise ValueError(f"MultiheadAttention: embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+        kv = num_heads if num_kv_heads is None else num_kv_heads
+        if not (isinstance(kv, (int, np.integer)) and 1 <= kv <= num_heads and num_heads % kv == 0):
+            raise ValueError(f"MultiheadAttention: num_heads {num_heads} is not a multiple of num_kv_heads "
+                             f"{num_kv_heads!r} (a positive divisor of it)")
         self.embed_dim, self.num_heads, self.causal, self.dropout = embed_dim, num_heads, causal, dropout
+        self.num_kv_heads = int(kv)
         self.recompute_probs = bool(recompute_probs)
-        self.qkv = Linear(embed_dim, 3 * embed_dim, bias=bias, rng=rng, dtype=dtype)
+        width = embed_dim + 2 * self.num_kv_heads * (embed_dim // num_heads)
+        self.qkv = Linear(embed_dim, width, bias=bias, rng=rng, dtype=dtype)
         self.proj = Linear(embed_dim, embed_dim, bias=bias, rng=rng, dtype=dtype)
 
     def forward(self, x, attn_mask=None):
         """Return the attention output for ``x`` of shape (batch, seq, dim); ``attn_mask`` is additive."""
         # One fused op from the packed projections to the heads side by side: no split, permute or copy.
-        y = F.multi_head_attention(self.qkv(x), self.num_heads, attn_mask=attn_mask, is_causal=self.causal,
+        qkv = self.qkv(x)
+        if self.num_kv_heads != self.num_heads:
+            qkv = F.repeat_kv(qkv, self.num_heads, self.num_kv_heads)
+        y = F.multi_head_attention(qkv, self.num_heads, attn_mask=attn_mask, is_causal=self.causal,
                                    dropout_p=self.dropout, training=self.training,
                                    recompute_probs=self.recompute_probs)
         return self.proj(y)
 
     def extra_repr(self):
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, causal={self.causal}"
+        kv = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, causal={self.causal}"
 
 
 class MLP(Module):
@@ -212,10 +226,12 @@ class MLP(Module):
 class TransformerBlock(Module):
     """Pre-norm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
 
-    def __init__(self, dim, num_heads, *, mlp_ratio=4, causal=True, dropout=0.0, rng=None, dtype=np.float32):
+    def __init__(self, dim, num_heads, *, mlp_ratio=4, causal=True, dropout=0.0, rng=None, dtype=np.float32,
+                 num_kv_heads=None):
         super().__init__()
         self.ln1 = LayerNorm(dim, dtype=dtype)
-        self.attn = MultiheadAttention(dim, num_heads, causal=causal, dropout=dropout, rng=rng, dtype=dtype)
+        self.attn = MultiheadAttention(dim, num_heads, causal=causal, dropout=dropout, rng=rng, dtype=dtype,
+                                       num_kv_heads=num_kv_heads)
         self.drop = Dropout(dropout)
         self.ln2 = LayerNorm(dim, dtype=dtype)
         self.mlp = MLP(dim, mlp_ratio * dim, dropout=dropout, rng=rng, dtype=dtype)

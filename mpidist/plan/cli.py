@@ -45,6 +45,8 @@ def add_parser(sub):
     p.add_argument("--layers", type=int, help="transformer blocks")
     p.add_argument("--hidden", type=int, help="model width")
     p.add_argument("--heads", type=int, help="attention heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention: k/v heads, a divisor of "
+                   "--heads (default: --heads, multi-head attention)")
     p.add_argument("--ffn", type=int, default=None, help="MLP hidden units (default 4 * hidden)")
     p.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
@@ -90,7 +92,7 @@ def run(args) -> int:
         return 2
     try:
         shape = ModelShape(args.layers, args.hidden, args.heads, args.vocab, args.seq, args.ffn,
-                           tie_weights=not args.untied, dtype=args.dtype)
+                           tie_weights=not args.untied, dtype=args.dtype, kv_heads=args.kv_heads)
         profile = load_profile(args.profile)
         estimates = plan(shape, args.batch, args.ranks, args.ranks_per_node or args.ranks, profile,
                          max_micro_batch=args.max_micro_batch, schedules=args.schedules, shardings=args.sharding,

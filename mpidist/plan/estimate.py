@@ -218,7 +218,8 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
       this rank's shard, gathered again in backward); attention's projection keeps the attention output (d /
       tp), fc2 GELU's output (ffn / tp); under sequence parallelism the norms keep their weights' copies (2 d per
       block and micro-batch, not per token: ``read_replicated``);
-    - ``F.multi_head_attention`` keeps its qkv as given (3 d / tp, ``e``) and reads its output from the array
+    - ``F.multi_head_attention`` keeps its qkv as given (3 d / tp, ``e``; with grouped-query attention the
+      k/v heads repeated by ``F.repeat_kv``, which keeps nothing) and reads its output from the array
       the projection keeps (d / tp, ``e``), and the probabilities rounded to ``e`` (``attention_probs_bytes``),
       which selective recompute drops;
     - ``F.gelu`` keeps its input (ffn / tp) and forms its half-tanh again in backward.
@@ -268,11 +269,13 @@ def touched_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float
     e32 = 4 if low else e   # the float32 ops' dtype under 16-bit activations
     s = tp if layout.sequence_parallel else 1
     blocks = sum(layer.startswith("blocks.") for layer in layers)
+    grouped_qkv = shape.qkv_size if shape.num_kv_heads != shape.heads else 0
     per_token = (2 * (d + 1) / s * e32            # layer_norm: xhat and rstd, twice
                  + 2 * d * e                      # qkv's and fc1's inputs (whole sequence)
                  + (3 * d + d) / tp * e32         # attention: qkv and its output
                  + (d / tp * e if low else 0)     # the 16-bit copy of attention's output
-                 + 3 * f / tp * e)                # gelu's input, s and output
+                 + 3 * f / tp * e                 # gelu's input, s and output
+                 + grouped_qkv / tp * e)          # GQA: the projection's qkv, before F.repeat_kv
     norm_params = 2 * (1 + shape.bias) * d * 4 if is_low_precision(dt.gather) else 0
     formed = blocks * (b * t * per_token + norm_params) + _formed_probs_bytes(shape, layout, layers)
     if "embed" in layers:
@@ -478,7 +481,7 @@ def _compute_seconds(shape, layout, layers, profile, ranks_per_node):
     """Return (forward, backward) seconds of one micro-batch through ``layers`` on one rank."""
     b, t, d, f, tp = layout.micro_batch, shape.seq, shape.hidden, shape.ffn_size, layout.tp
     blocks = sum(layer.startswith("blocks.") for layer in layers)
-    per_block = b * t * (2 * (4 * d * d + 2 * f * d) + 4 * t * d) / tp
+    per_block = b * t * (2 * (shape.qkv_size * d + d * d + 2 * f * d) + 4 * t * d) / tp
     fwd = blocks * per_block + (2 * b * t * shape.vocab * d / tp if "head" in layers else 0.0)
     gemm = 2 * b * t * d * f / tp   # the MLP's first GEMM: the typical size
     rate = profile.flops(dtypes(shape, layout).act.name) * profile.efficiency(gemm)
@@ -695,7 +698,8 @@ def plan(shape: ModelShape, global_batch: int, ranks: int, ranks_per_node: int, 
         raise ValueError(f"plan: {ranks} ranks do not fill nodes of {ranks_per_node}")
     ranks_per_node = min(ranks_per_node, ranks)
     out, candidates = [], []
-    for layout, why in enumerate_layouts(ranks, global_batch, ranks_per_node, shape.layers, shape.heads,
+    for layout, why in enumerate_layouts(ranks, global_batch, ranks_per_node, shape.layers,
+                                         (shape.heads, shape.num_kv_heads),
                                          max_micro_batch=max_micro_batch, **choices):
         layout = _with_precision(layout, precision or {})
         if why:

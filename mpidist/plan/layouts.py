@@ -99,17 +99,21 @@ def divisors(n: int) -> List[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def enumerate_layouts(ranks: int, global_batch: int, ranks_per_node: int, layers: int, heads: int,
+def enumerate_layouts(ranks: int, global_batch: int, ranks_per_node: int, layers: int, heads,
                       schedules=SCHEDULES, shardings=SHARDINGS, recompute=RECOMPUTE,
                       max_micro_batch=None, chunk_options=(2,)) -> Iterator[Tuple[Layout, str]]:
     """Yield (layout, reason) for every layout of ``ranks`` ranks and ``global_batch`` samples; reason is "" when
-    the layout is structurally possible, else why not (checked here: divisibility only; memory comes later)."""
+    the layout is structurally possible, else why not (checked here: divisibility only; memory comes later).
+    ``heads``: the attention heads, or (heads, k/v heads) under grouped-query attention: tp must split both."""
+    heads, kv_heads = heads if isinstance(heads, tuple) else (heads, heads)
     for tp in divisors(ranks):
         for pp in divisors(ranks // tp):
             dp = ranks // (tp * pp)
             why_grid = ""
             if heads % tp:
                 why_grid = f"{heads} heads do not split over tp={tp}"
+            elif kv_heads % tp:
+                why_grid = f"{kv_heads} k/v heads do not split over tp={tp}"
             elif pp > layers:
                 why_grid = f"pp={pp} stages for {layers} layers"
             elif global_batch % dp:

@@ -39,6 +39,7 @@ class ModelShape:
     tie_weights: bool = True
     bias: bool = True
     dtype: str = "float32"
+    kv_heads: Optional[int] = None   # grouped-query attention's k/v heads (None: heads, multi-head attention)
 
     def __post_init__(self):
         problems = [f"{name} must be an int >= 1 (got {getattr(self, name)!r})"
@@ -48,6 +49,10 @@ class ModelShape:
             problems.append(f"ffn must be an int >= 1 (got {self.ffn!r})")
         if not problems and self.hidden % self.heads:
             problems.append(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.kv_heads is not None and not (_positive_int(self.kv_heads) and _positive_int(self.heads)
+                                              and self.heads % self.kv_heads == 0):
+            problems.append(f"kv_heads must be None or an int >= 1 dividing heads {self.heads} "
+                            f"(got {self.kv_heads!r})")
         if problems:
             raise ValueError("ModelShape: " + "; ".join(problems))
 
@@ -55,11 +60,22 @@ class ModelShape:
     def from_config(cls, config: GPTConfig) -> "ModelShape":
         """Return the shape of ``GPT(config)``."""
         return cls(config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.block_size,
-                   config.mlp_ratio * config.n_embd, config.tie_weights, config.bias, config.dtype)
+                   config.mlp_ratio * config.n_embd, config.tie_weights, config.bias, config.dtype,
+                   config.n_kv_head)
 
     @property
     def ffn_size(self) -> int:
         return 4 * self.hidden if self.ffn is None else self.ffn
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Return the k/v heads (``kv_heads``, or ``heads`` for multi-head attention)."""
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def qkv_size(self) -> int:
+        """Return the fused q/k/v projection's outputs: hidden + 2 k/v heads x head dim (3 hidden without GQA)."""
+        return self.hidden + 2 * self.num_kv_heads * (self.hidden // self.heads)
 
     @property
     def itemsize(self) -> int:
@@ -75,7 +91,7 @@ class ModelShape:
     def flops_per_token(self) -> float:
         """Training matmul FLOPs per token (forward + backward), as ``GPT.flops_per_token``."""
         d, t = self.hidden, self.seq
-        per_layer = 2 * (4 * d * d + 2 * self.ffn_size * d) + 4 * t * d
+        per_layer = 2 * (self.qkv_size * d + d * d + 2 * self.ffn_size * d) + 4 * t * d
         return 3.0 * (self.layers * per_layer + 2 * self.vocab * d)
 
 
@@ -128,13 +144,14 @@ def _parameters(shape: ModelShape, layer: str, tp: int, own_head_weight: bool) -
             add("", [("weight", (vocab_local, d), tp == 1)])
         add("ln_f.", norm)
     elif layer.startswith("blocks."):
-        if tp > 1 and s.heads % tp:
-            raise ValueError(f"plan: {s.heads} heads do not split over {tp} tensor-parallel ranks")
-        width = d // tp
+        if tp > 1 and (s.heads % tp or s.num_kv_heads % tp):
+            raise ValueError(f"plan: {s.heads} heads, {s.num_kv_heads} of them k/v heads, do not split over {tp} "
+                             f"tensor-parallel ranks")
+        width, qkv = d // tp, s.qkv_size // tp
         ffn = padded_split(s.ffn_size, tp, "plan (ffn)") if tp > 1 else s.ffn_size
         rep = tp == 1
         add("ln1.", norm)
-        add("attn.qkv.", [("weight", (3 * width, d), rep)] + ([("bias", (3 * width,), rep)] if s.bias else []))
+        add("attn.qkv.", [("weight", (qkv, d), rep)] + ([("bias", (qkv,), rep)] if s.bias else []))
         add("attn.proj.", [("weight", (d, width), rep)] + ([("bias", (d,), True)] if s.bias else []))
         add("ln2.", norm)
         add("mlp.fc.", [("weight", (ffn, d), rep)] + ([("bias", (ffn,), rep)] if s.bias else []))

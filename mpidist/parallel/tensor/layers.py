@@ -191,16 +191,19 @@ class ParallelAttention(TensorParallelModule):
     def __init__(self, attn, comm, sequence_parallel=False):
         super().__init__(comm, sequence_parallel)
         d, h, size, rank = attn.embed_dim, attn.num_heads, comm.Get_size(), comm.Get_rank()
-        if h % size:
-            raise ValueError(f"ParallelAttention: {h} heads do not split over {size} tensor-parallel ranks; "
-                             f"use a number of heads divisible by the TP size (or a TP size dividing {h})")
+        kv = getattr(attn, "num_kv_heads", h)
+        if h % size or kv % size:
+            raise ValueError(f"ParallelAttention: {h} heads, {kv} of them k/v heads, do not split over {size} "
+                             f"tensor-parallel ranks; use numbers of heads divisible by the TP size")
         self.embed_dim, self.num_heads, self.causal, self.dropout = d, h, attn.causal, attn.dropout
         self.recompute_probs = getattr(attn, "recompute_probs", False)   # selective recompute (nn.MultiheadAttention)
-        self.local_heads, self.head_dim = h // size, d // h
-        width = self.local_heads * self.head_dim
+        self.local_heads, self.head_dim, self.local_kv_heads = h // size, d // h, kv // size
+        width, kv_width = self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim
         start = rank * width
-        # The fused projection's rows are [q heads | k heads | v heads]: this rank takes its heads' rows of each.
-        pieces = tuple((which * d + start, which * width, width) for which in range(3))
+        # The fused projection's rows are [q heads | k heads | v heads] (k and v of kv heads each): this rank takes
+        # its heads' rows of each, its q heads' k/v groups with them (grouped-query attention).
+        pieces = ((start, 0, width), (d + rank * kv_width, width, kv_width),
+                  (d + kv * self.head_dim + rank * kv_width, width + kv_width, kv_width))
         w, b = attn.qkv.weight, attn.qkv.bias
         take = np.concatenate([np.arange(g, g + n) for g, _, n in pieces])
         self.qkv = _Projection(comm, sequence_parallel)
@@ -212,6 +215,8 @@ class ParallelAttention(TensorParallelModule):
         # The local projection is [q | k | v] of this rank's heads: the packed layout multi_head_attention reads
         # in place (no split, permute or copy), the heads side by side as the row-parallel projection wants.
         qkv = self.qkv(x)
+        if self.local_kv_heads != self.local_heads:
+            qkv = F.repeat_kv(qkv, self.local_heads, self.local_kv_heads)
         y = F.multi_head_attention(qkv, self.local_heads, is_causal=self.causal, dropout_p=self.dropout,
                                    training=self.training, recompute_probs=self.recompute_probs)
         return self.proj(y)
