@@ -130,6 +130,7 @@ def test_cli_plan_prints_a_table_and_json(capsys):
     assert main(gqa) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["model"]["kv_heads"] == 2 and all(e["layout"]["tp"] in (1, 2) for e in data["feasible"])
+    assert "one link" in data["network"]   # the local profile's MPI ring
     assert any("2 k/v heads do not split over tp=4" in e["reason"] for e in data["infeasible"])
     assert main(gqa[:8] + ["3"] + gqa[9:]) == 2
     assert "kv_heads must be None or an int >= 1 dividing heads 4 (got 3)" in capsys.readouterr().err
@@ -250,6 +251,9 @@ def test_out_of_the_validated_range_is_said_not_silent(capsys):
             "--batch", "4", "--ranks", "2", "--profile", "h100-ib"]
     assert main(args) == 0
     assert "WARNING: out of the profile's validated range" in capsys.readouterr().out
+    assert main(args[:-5] + ["16", "--ranks", "16", "--ranks-per-node", "8", "--profile", "h100-ib"]) == 0
+    assert ("between nodes: 50 GB/s per link x efficiency 0.8, 5 us, 1 rank(s) per link; a group's collectives "
+            "cross a node on all its ranks' links (multi_rail" in capsys.readouterr().out)
     assert main(args + ["--json"]) == 0
     assert all(e["out_of_range"] for e in json.loads(capsys.readouterr().out)["feasible"])
 

@@ -76,6 +76,17 @@ def add_parser(sub):
     return p
 
 
+def network_assumptions(profile) -> str:
+    """Return one line saying how ``profile`` crosses nodes (what a multi-node plan rests on)."""
+    inter = profile.tiers["inter"]
+    how = ("a group's collectives cross a node on all its ranks' links (multi_rail: NCCL's rings)"
+           if profile.multi_rail else "a group's ring crosses each node once, on one link")
+    if profile.halving_doubling_allreduce:
+        how += "; allreduce by recursive halving and doubling (MPICH)"
+    return (f"between nodes: {inter.bandwidth / 1e9:.3g} GB/s per link x efficiency {inter.efficiency:.2g}, "
+            f"{inter.latency_s * 1e6:.3g} us, {inter.ranks_per_link} rank(s) per link; {how}")
+
+
 def run(args) -> int:
     """Run ``mpidist plan``; return the exit status (2 on bad arguments)."""
     if args.calibrate:
@@ -102,12 +113,15 @@ def run(args) -> int:
         return 2
     if args.json:
         out = to_json(estimates, args.top)
-        out.update({"model": shape.__dict__, "profile": profile.name, "ranks": args.ranks,
+        out.update({"model": shape.__dict__, "profile": profile.name, "network": network_assumptions(profile),
+                    "ranks": args.ranks,
                     "ranks_per_node": args.ranks_per_node or args.ranks, "global_batch": args.batch})
         print(json.dumps(out, indent=1))
     else:
         print(f"{shape.num_parameters() / 1e6:.1f}M parameters, {args.ranks} ranks "
               f"({args.ranks_per_node or args.ranks} per node), global batch {args.batch}, profile {profile.name}")
+        if args.ranks > (args.ranks_per_node or args.ranks):
+            print(network_assumptions(profile))
         print(format_table(estimates, args.top))
     if args.plot:
         try:
