@@ -820,6 +820,32 @@ def test_policy_on_fake_cupy_trains_as_on_numpy(fake_cupy, param, compute):
     assert_same_bits(results[1][1], results[0][1])
 
 
+@pytest.mark.mpi_skip
+def test_grouped_query_attention_on_fake_cupy_equals_numpy(fake_cupy):
+    """Grouped-query attention (F.repeat_kv before the fused attention) on CuPy arrays: the output, the input's and
+    every parameter's gradient equal numpy's bitwise; and F.repeat_kv's 16-bit group sums on the device too."""
+    results = []
+    for on_device in (False, True):
+        attn = nn.MultiheadAttention(8, 4, causal=True, rng=np.random.default_rng(0), num_kv_heads=2)
+        if on_device:
+            attn = to_fake_cupy(attn)
+        x = np.random.default_rng(1).standard_normal((2, 5, 8)).astype(np.float32)
+        x = nn.Tensor(FakeCupyArray(x) if on_device else x, requires_grad=True)
+        y = attn(x)
+        y.backward(nn.Tensor(mpidist.xp.asarray_like(np.ones(y.data.shape, np.float32), y.data)))
+        assert mpidist.xp.is_device_array(y.data) == on_device
+        results.append([mpidist.xp.to_numpy(a) for a in [y.data, x.grad] + [p.grad for p in attn.parameters()]])
+    assert_same_bits(results[1], results[0])
+    qkv = np.random.default_rng(2).standard_normal((1, 3, 32)).astype(bfloat16)   # 4 heads, 2 k/v heads of 4
+    grads = []
+    for on_device in (False, True):
+        t = nn.Tensor(FakeCupyArray(qkv) if on_device else qkv, requires_grad=True)
+        out = nn.functional.repeat_kv(t, 4, 2)
+        out.backward(nn.Tensor(out.data * 3))
+        grads.append([mpidist.xp.to_numpy(out.data), mpidist.xp.to_numpy(t.grad)])
+    assert_same_bits(grads[1], grads[0])
+
+
 DDP_16_BIT = ["fp16_compress_hook", "bf16_compress_hook", "bf16_params"]
 
 
