@@ -717,6 +717,22 @@ def saved_bytes(out):
     return sum(b.nbytes for i, b in bases.items() if i not in params)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dropout_keeps_its_mask_as_one_byte_per_element(dtype):
+    """Backward keeps the mask as booleans (as Megatron-LM does): the graph holds x.size bytes; forward and the
+    gradient are x and g times the mask's 0 or 1 / (1 - p), drawn from the generator's next uniform draw."""
+    x = np.random.default_rng(0).standard_normal((6, 10)).astype(dtype)
+    g = np.random.default_rng(1).standard_normal((6, 10)).astype(dtype)
+    xt = nn.Tensor(x, requires_grad=True)
+    out = F.dropout(xt, 0.25, generator=np.random.default_rng(7))
+    assert saved_bytes(out) == x.size
+    keep = np.random.default_rng(7).random(x.shape, dtype=np.float32) >= 0.25
+    multiplier = keep.astype(dtype) * dtype(1 / 0.75)
+    np.testing.assert_array_equal(out.data, x * multiplier)
+    out.backward(g)
+    np.testing.assert_array_equal(xt.grad, g * multiplier)
+
+
 def test_checkpoint_with_dropout_same_gradients_and_fewer_saved_bytes(capsys):
     def make():
         rng = np.random.default_rng(0)

@@ -32,10 +32,10 @@ def tiny(dropout=0.0, dtype="float64", n_layer=2, mode=None):
 
 
 def probs_bytes(model, batch, t, dropout):
-    """Bytes of one model's attention probabilities (and dropout masks) for ``batch`` sequences of ``t``: the
-    arrays selective recompute does not keep."""
+    """Bytes of one model's attention probabilities (and dropout masks, one byte per element: booleans, as
+    Megatron-LM keeps them) for ``batch`` sequences of ``t``: the arrays selective recompute does not keep."""
     c = model.config
-    return c.n_layer * batch * c.n_head * t * t * np.dtype(c.dtype).itemsize * (2 if dropout else 1)
+    return c.n_layer * batch * c.n_head * t * t * (np.dtype(c.dtype).itemsize + (1 if dropout else 0))
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["nodrop", "dropout"])

@@ -9,6 +9,7 @@ need (a normalized input, a softmax) as arrays.
 
 import builtins
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -670,10 +671,11 @@ def dropout(x, p=0.5, training=True, generator=None):
     dx = _d(x)
     xp = get_array_module(dx)
     gen = generator_for_draw(generator)
-    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
-    keep = gen.random(dx.shape, dtype=np.float32) >= p
-    mask = xp.asarray(keep.astype(dx.dtype) * dx.dtype.type(scale))
-    return make_result("Dropout", dx * mask, (x,), lambda g, n: (g * mask,))
+    scale = dx.dtype.type(0.0 if p == 1.0 else 1.0 / (1.0 - p))
+    # Backward keeps the mask as booleans, 1 byte per element (as Megatron-LM does), not as multipliers
+    keep = xp.asarray(gen.random(dx.shape, dtype=np.float32) >= p)
+    return make_result("Dropout", dx * (keep.astype(dx.dtype) * scale), (x,),
+                       lambda g, n: (g * (keep.astype(dx.dtype) * scale),))
 
 
 @fp32_op(loss=True)
@@ -783,9 +785,21 @@ def _attention_probs(Q, K, scale, is_causal, attn_mask, dropout_p, training, gen
     drop = None
     if dropout_p and training:
         gen = generator_for_draw(generator)
-        keep = gen.random(probs.shape, dtype=np.float32) >= dropout_p
-        drop = xp.asarray(keep.astype(probs.dtype) / probs.dtype.type(1 - dropout_p))
+        drop = _DropoutMask(xp.asarray(gen.random(probs.shape, dtype=np.float32) >= dropout_p), probs.dtype,
+                            dropout_p)
     return probs, drop
+
+
+class _DropoutMask(NamedTuple):
+    """Attention probabilities' dropout mask kept as booleans, 1 byte per element (as Megatron-LM keeps it);
+    ``values()`` forms the multiplier, 0 or 1 / (1 - p) in the probabilities' dtype, when it is used."""
+
+    keep: object   # boolean array: True where the probability is kept
+    dtype: object
+    p: float
+
+    def values(self):
+        return self.keep.astype(self.dtype) / self.dtype.type(1 - self.p)
 
 
 def _softmax_scores_(scores, scale, bias):
@@ -842,18 +856,18 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale
                          f"v: {V.shape})")
     s = 1.0 / math.sqrt(Q.shape[-1]) if scale is None else scale
     probs, drop = _attention_probs(Q, K, s, is_causal, attn_mask, dropout_p, training, generator)
-    out = (probs * drop if drop is not None else probs) @ V
+    out = (probs * drop.values() if drop is not None else probs) @ V
 
     def backward(g, n):
         Q, K, V = _d(q), _d(k), _d(v)
-        p = probs * drop if drop is not None else probs
+        p = probs * drop.values() if drop is not None else probs
         gv = unbroadcast(p.swapaxes(-1, -2) @ g, V.shape) if n[2] else None
         del p
         gq = gk = None
         if n[0] or n[1]:
             dp = g @ V.swapaxes(-1, -2)
             if drop is not None:
-                dp *= drop
+                dp *= drop.values()
             ds = _attention_scores_grad(dp, probs, _row_dot(dp, probs), s)
             gq = unbroadcast(ds @ K, Q.shape) if n[0] else None
             gk = unbroadcast(ds.swapaxes(-1, -2) @ Q, K.shape) if n[1] else None
@@ -975,7 +989,7 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
         if low:
             _round_probs_(probs, kept_dtype)
         outc = xp.empty((b, t, h, hd), dtype=np.result_type(probs.dtype, Vc.dtype))
-        _matmul_into(probs * drop if drop is not None else probs, Vc, outc.transpose(0, 2, 1, 3))
+        _matmul_into(probs * drop.values() if drop is not None else probs, Vc, outc.transpose(0, 2, 1, 3))
         out = outc.astype(kept_dtype) if low else outc
         out4 = out.transpose(0, 2, 1, 3)
         probs = probs.astype(kept_dtype) if low and not recompute_probs else probs
@@ -1041,10 +1055,10 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
         else:
             O4, grad_c = out4, grad
         gq, gk, gv = (grad_c[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
-        _matmul_into((P * D if D is not None else P).swapaxes(-1, -2), G, gv)
+        _matmul_into((P * D.values() if D is not None else P).swapaxes(-1, -2), G, gv)
         dp = G @ Vc.swapaxes(-1, -2)
         if D is not None:
-            dp *= D
+            dp *= D.values()
         ds = _attention_scores_grad(dp, P, _row_dot(G, O4), s)
         _matmul_into(ds, Kc, gq)
         _matmul_into(ds.swapaxes(-1, -2), Qc, gk)

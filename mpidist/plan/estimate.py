@@ -191,7 +191,7 @@ def attention_probs_bytes(shape: ModelShape, layout: Layout, layers: List[str]) 
     ``F.multi_head_attention`` keeps one (batch, heads / tp, seq, seq) array per block in the activations'
     dtype (computed in float32 under 16-bit activations, rounded once, as Megatron-LM keeps its 16-bit softmax
     output); every key counted (causal row blocks leave the unseen part unwritten, not unallocated). Dropout
-    would add its mask of the same size: a ``ModelShape`` has no dropout."""
+    would add its mask of the same shape, as booleans (1 byte per element): a ``ModelShape`` has no dropout."""
     blocks = sum(layer.startswith("blocks.") for layer in layers)
     itemsize = dtypes(shape, layout).act.itemsize
     return blocks * layout.micro_batch * (shape.heads // layout.tp) * shape.seq ** 2 * itemsize
