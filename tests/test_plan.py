@@ -131,8 +131,8 @@ def test_cli_plan_prints_a_table_and_json(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["model"]["kv_heads"] == 2 and all(e["layout"]["tp"] in (1, 2) for e in data["feasible"])
     assert "one link" in data["network"]   # the local profile's MPI ring
-    assert main(gqa + ["--no-bias"]) == 0
-    unbiased = ModelShape(layers=2, hidden=16, heads=4, vocab=32, seq=8, kv_heads=2, bias=False)
+    assert main(gqa + ["--no-bias", "--dropout", "0.1"]) == 0
+    unbiased = ModelShape(layers=2, hidden=16, heads=4, vocab=32, seq=8, kv_heads=2, bias=False, dropout=0.1)
     assert json.loads(capsys.readouterr().out)["model"] == unbiased.__dict__
     assert any("2 k/v heads do not split over tp=4" in e["reason"] for e in data["infeasible"])
     assert main(gqa[:8] + ["3"] + gqa[9:]) == 2

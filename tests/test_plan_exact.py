@@ -443,15 +443,15 @@ def block_graph_bytes(shape, layout):
     return kept[0] - kept[1]
 
 
-@pytest.mark.parametrize("tp,sequence_parallel,kv_heads", [(1, False, None), (2, False, None), (2, True, None),
-                                                            (4, False, None), (4, True, None), (1, False, 2),
-                                                            (2, True, 2)], ids=lambda v: str(v))
-def test_activation_bytes_equal_one_blocks_saved_arrays(tp, sequence_parallel, kv_heads):
+@pytest.mark.parametrize("tp,sequence_parallel,kv_heads,dropout", [
+    (1, False, None, 0.0), (2, False, None, 0.0), (2, True, None, 0.0), (4, False, None, 0.0), (4, True, None, 0.0),
+    (1, False, 2, 0.0), (2, True, 2, 0.0), (1, False, None, 0.1), (2, True, None, 0.1)], ids=lambda v: str(v))
+def test_activation_bytes_equal_one_blocks_saved_arrays(tp, sequence_parallel, kv_heads, dropout):
     """For every precision, recompute mode and micro-batch size: the bytes one block's real ops keep for backward
     (norms' xhat and statistics, linears' inputs, attention's qkv, output and probabilities, GELU's input and
     half-tanh; float32 copies of 16-bit norm weights) EQUAL ``activation_bytes(shape, layout, ["blocks.0"])``;
-    with grouped-query attention too (2 k/v heads for 4 heads)."""
-    shape = ModelShape(layers=1, hidden=16, heads=4, vocab=37, seq=8, kv_heads=kv_heads)
+    with grouped-query attention too (2 k/v heads for 4 heads), and with dropout (its masks, 1 byte each)."""
+    shape = ModelShape(layers=1, hidden=16, heads=4, vocab=37, seq=8, kv_heads=kv_heads, dropout=dropout)
     for dtype, precision in PRECISIONS:
         for recompute in ("none", "selective", "full"):
             for micro_batch in (1, 2):

@@ -673,9 +673,8 @@ def dropout(x, p=0.5, training=True, generator=None):
     gen = generator_for_draw(generator)
     scale = dx.dtype.type(0.0 if p == 1.0 else 1.0 / (1.0 - p))
     # Backward keeps the mask as booleans, 1 byte per element (as Megatron-LM does), not as multipliers
-    keep = xp.asarray(gen.random(dx.shape, dtype=np.float32) >= p)
-    return make_result("Dropout", dx * (keep.astype(dx.dtype) * scale), (x,),
-                       lambda g, n: (g * (keep.astype(dx.dtype) * scale),))
+    keep, dtype = xp.asarray(gen.random(dx.shape, dtype=np.float32) >= p), dx.dtype
+    return make_result("Dropout", dx * (keep.astype(dtype) * scale), (x,), lambda g, n: (g * (keep.astype(dtype) * scale),))
 
 
 @fp32_op(loss=True)

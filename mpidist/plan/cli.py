@@ -52,6 +52,7 @@ def add_parser(sub):
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
     p.add_argument("--untied", action="store_true", help="the LM head has its own weight (default: tied)")
     p.add_argument("--no-bias", action="store_true", help="no biases in the linears and norms (GPTConfig(bias=False))")
+    p.add_argument("--dropout", type=float, default=0.0, help="GPTConfig.dropout: its masks are kept (default 0)")
     p.add_argument("--dtype", default="float32", help="parameter and activation dtype (default float32)")
     p.add_argument("--batch", type=int, help="global batch in samples")
     p.add_argument("--ranks", type=int, help="number of ranks")
@@ -105,7 +106,7 @@ def run(args) -> int:
     try:
         shape = ModelShape(args.layers, args.hidden, args.heads, args.vocab, args.seq, args.ffn,
                            tie_weights=not args.untied, bias=not args.no_bias, dtype=args.dtype,
-                           kv_heads=args.kv_heads)
+                           kv_heads=args.kv_heads, dropout=args.dropout)
         profile = load_profile(args.profile)
         estimates = plan(shape, args.batch, args.ranks, args.ranks_per_node or args.ranks, profile,
                          max_micro_batch=args.max_micro_batch, schedules=args.schedules, shardings=args.sharding,

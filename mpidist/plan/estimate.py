@@ -190,10 +190,10 @@ def attention_probs_bytes(shape: ModelShape, layout: Layout, layers: List[str]) 
 
     ``F.multi_head_attention`` keeps one (batch, heads / tp, seq, seq) array per block in the activations'
     dtype (computed in float32 under 16-bit activations, rounded once, as Megatron-LM keeps its 16-bit softmax
-    output); every key counted (causal row blocks leave the unseen part unwritten, not unallocated). Dropout
-    would add its mask of the same shape, as booleans (1 byte per element): a ``ModelShape`` has no dropout."""
+    output); every key counted (causal row blocks leave the unseen part unwritten, not unallocated). With
+    dropout, its mask of the same shape too, as booleans (1 byte per element)."""
     blocks = sum(layer.startswith("blocks.") for layer in layers)
-    itemsize = dtypes(shape, layout).act.itemsize
+    itemsize = dtypes(shape, layout).act.itemsize + (1 if shape.dropout else 0)
     return blocks * layout.micro_batch * (shape.heads // layout.tp) * shape.seq ** 2 * itemsize
 
 
@@ -202,6 +202,8 @@ def _formed_probs_bytes(shape: ModelShape, layout: Layout, layers: List[str]) ->
     activations: the softmax's dtype), whether kept or not: the compute model's traffic for them."""
     blocks = sum(layer.startswith("blocks.") for layer in layers)
     itemsize = max(4, dtypes(shape, layout).act.itemsize)
+    if shape.dropout:   # the mask (bool) and the dropped probabilities
+        itemsize += 1 + dtypes(shape, layout).act.itemsize
     return blocks * layout.micro_batch * (shape.heads // layout.tp) * shape.seq ** 2 * itemsize
 
 
@@ -222,7 +224,9 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
       k/v heads repeated by ``F.repeat_kv``, which keeps nothing) and reads its output from the array
       the projection keeps (d / tp, ``e``), and the probabilities rounded to ``e`` (``attention_probs_bytes``),
       which selective recompute drops;
-    - ``F.gelu`` keeps its input (ffn / tp) and forms its half-tanh again in backward.
+    - ``F.gelu`` keeps its input (ffn / tp) and forms its half-tanh again in backward;
+    - with dropout, the two dropout layers on the residual stream keep their masks as booleans (d / s each, 1
+      byte), and attention its probabilities' mask (``attention_probs_bytes``).
     Full recompute keeps only each block's input (d / s). The embedding's and the head's terms are still
     estimates (the graph keeps the token indices, the head norm's input and statistics, the loss's arrays).
     """
@@ -236,7 +240,8 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
     per_token = (2 * (d * e + 2 * e32) / s           # layer_norm: its input and two statistics, twice
                  + 2 * d / s * e                     # qkv's and fc1's inputs (this rank's shard under sp)
                  + (3 * d + d) / tp * e              # attention: qkv and its output (the projection's input)
-                 + 2 * f / tp * e)                   # gelu's input, fc2's input
+                 + 2 * f / tp * e                    # gelu's input, fc2's input
+                 + (2 * d / s if shape.dropout else 0))   # the residual stream's two dropout masks (bool)
     # Under sequence parallelism the norms read their (replicated) weights through copy_to_tp as copies, which
     # they keep: 2 d per block, in the gathered parameters' dtype.
     norm_weights = 2 * d * dt.gather.itemsize if layout.sequence_parallel and tp > 1 else 0
@@ -247,7 +252,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
         if layout.recompute != "selective":
             stored += attention_probs_bytes(shape, layout, layers)
     if "embed" in layers:
-        stored += b * t * d * e
+        stored += b * t * d * e + (b * t * d / s if shape.dropout else 0)   # (its dropout's mask)
     if "head" in layers:
         stored += b * t * d * e + 2 * b * t * (shape.vocab / tp) * e   # norm input, logits, their softmax
     return stored
@@ -275,7 +280,8 @@ def touched_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float
                  + (3 * d + d) / tp * e32         # attention: qkv and its output
                  + (d / tp * e if low else 0)     # the 16-bit copy of attention's output
                  + 3 * f / tp * e                 # gelu's input, s and output
-                 + grouped_qkv / tp * e)          # GQA: the projection's qkv, before F.repeat_kv
+                 + grouped_qkv / tp * e           # GQA: the projection's qkv, before F.repeat_kv
+                 + (2 * d / s * (1 + e) if shape.dropout else 0))   # two dropouts' masks and outputs
     norm_params = 2 * (1 + shape.bias) * d * 4 if is_low_precision(dt.gather) else 0
     formed = blocks * (b * t * per_token + norm_params) + _formed_probs_bytes(shape, layout, layers)
     if "embed" in layers:

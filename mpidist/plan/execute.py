@@ -42,7 +42,7 @@ class LayoutRun:
         config = GPTConfig(vocab_size=shape.vocab, block_size=shape.seq, n_layer=shape.layers, n_head=shape.heads,
                            n_embd=shape.hidden, mlp_ratio=shape.ffn_size // shape.hidden,
                            tie_weights=shape.tie_weights, bias=shape.bias, dtype=shape.dtype,
-                           n_kv_head=shape.kv_heads)
+                           n_kv_head=shape.kv_heads, dropout=shape.dropout)
         if config.mlp_ratio * shape.hidden != shape.ffn_size:
             raise ValueError(f"LayoutRun: ffn {shape.ffn_size} is not a multiple of hidden {shape.hidden}")
         model = GPT(config, rng=np.random.default_rng(seed))

@@ -40,6 +40,7 @@ class ModelShape:
     bias: bool = True
     dtype: str = "float32"
     kv_heads: Optional[int] = None   # grouped-query attention's k/v heads (None: heads, multi-head attention)
+    dropout: float = 0.0             # GPTConfig.dropout: its masks are kept for backward, 1 byte per element
 
     def __post_init__(self):
         problems = [f"{name} must be an int >= 1 (got {getattr(self, name)!r})"
@@ -53,6 +54,9 @@ class ModelShape:
                                               and self.heads % self.kv_heads == 0):
             problems.append(f"kv_heads must be None or an int >= 1 dividing heads {self.heads} "
                             f"(got {self.kv_heads!r})")
+        if not (isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)
+                and 0.0 <= self.dropout < 1.0):
+            problems.append(f"dropout must be in [0, 1) (got {self.dropout!r})")
         if problems:
             raise ValueError("ModelShape: " + "; ".join(problems))
 
@@ -61,7 +65,7 @@ class ModelShape:
         """Return the shape of ``GPT(config)``."""
         return cls(config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.block_size,
                    config.mlp_ratio * config.n_embd, config.tie_weights, config.bias, config.dtype,
-                   config.n_kv_head)
+                   config.n_kv_head, float(config.dropout))
 
     @property
     def ffn_size(self) -> int:
