@@ -412,7 +412,7 @@ def run_studies(path=None):
 # projection's input 2sbh; its dropout mask sbh), MLP 19sbh (input 2sbh; GeLU input 8sbh; second linear's input
 # 8sbh; dropout mask sbh), two LayerNorms' inputs 4sbh: 34sbh + 5as^2b. Under tensor parallelism 10sbh stay whole
 # (LayerNorm inputs 4, the two linear inputs they feed 4, the two residual dropout masks 2) and 24sbh + 5as^2b are
-# split; sequence parallelism splits the 10 too. A ``ModelShape`` has no dropout: without it the masks (as^2b and
+# split; sequence parallelism splits the 10 too. These rows are planned without dropout: without it the masks (as^2b and
 # 2sbh) go, and the softmax output IS the input of the product with V (2as^2b once, not twice), so the "formula
 # terms" the planner is compared with are 32sbh + 2as^2b (8 whole, 24 split, 2as^2b split).
 MEMORY_CASES = [("none", False), ("none", True), ("selective", False), ("selective", True), ("full", False),

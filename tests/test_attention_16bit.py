@@ -90,7 +90,8 @@ def _previous_multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=Fal
             gen = generator_for_draw(generator)
             start = (gen, gen.bit_generator.state)
         probs, drop = _attention_probs(Q, K, s, is_causal, attn_mask, dropout_p, training, generator)
-        drop = None if drop is None else drop.values()   # the previous op held the multiplier, not booleans
+        # the previous op held the multiplier, formed so (the helper now returns the booleans)
+        drop = None if drop is None else drop.keep.astype(probs.dtype) / probs.dtype.type(1 - dropout_p)
         out = xp.empty((b, t, h, hd), dtype=np.result_type(probs.dtype, V.dtype))
         out4 = out.transpose(0, 2, 1, 3)
         _matmul_into(probs * drop if drop is not None else probs, V, out4)
@@ -124,7 +125,7 @@ def _previous_multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=Fal
         P, D = probs, drop
         if recompute_probs:
             P, D = _recomputed_probs(Q, K, s, is_causal, attn_mask, dropout_p, training, generator, start)
-            D = None if D is None else D.values()
+            D = None if D is None else D.keep.astype(P.dtype) / P.dtype.type(1 - dropout_p)
         _matmul_into((P * D if D is not None else P).swapaxes(-1, -2), G, gv)
         dp = G @ V.swapaxes(-1, -2)
         if D is not None:

@@ -107,6 +107,9 @@ def test_grouped_query_attention_bad_settings_raise_with_the_values():
               rng=np.random.default_rng(0))
     with pytest.raises(ValueError, match=r"GPT-2 has multi-head attention only.*n_kv_head=2, n_head=4"):
         to_hf_gpt2(gqa)
+    from mpidist.models.hf_gpt2 import save_hf_gpt2
+    with pytest.raises(ValueError, match=r"GPT-2 has multi-head attention only"):
+        save_hf_gpt2(gqa, "/nonexistent/never-written")
 
 
 @pytest.mark.world_sizes(2, 4)

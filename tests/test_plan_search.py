@@ -110,7 +110,8 @@ def exhaustive_plan(shape, global_batch, ranks, ranks_per_node, profile, keep=50
     """``plan`` before the fast search: every candidate under the bound gets the full estimate."""
     ranks_per_node = min(ranks_per_node, ranks)
     out, candidates = [], []
-    for layout, why in enumerate_layouts(ranks, global_batch, ranks_per_node, shape.layers, shape.heads, **choices):
+    for layout, why in enumerate_layouts(ranks, global_batch, ranks_per_node, shape.layers,
+                                         (shape.heads, shape.num_kv_heads), **choices):
         layout = est_module._with_precision(layout, precision or {})
         why = why or est_module.estimate_structure(shape, layout, ranks_per_node)
         if why:

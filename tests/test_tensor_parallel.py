@@ -351,10 +351,11 @@ def test_mesh_of_2_trains_like_one_process(comm, layout):
 @pytest.mark.world_sizes(2, 4)
 def test_grouped_query_attention_trains_like_one_process(comm):
     """2 k/v heads for 4 heads: each TP rank holds its q heads' k/v group (sequence parallel at 2 ranks; with a
-    pipeline and with data parallelism at 4)."""
+    pipeline and with data parallelism at 4); 4 k/v heads for 8, several per rank at tp 2, one at tp 4."""
     layouts = [(1, 2, 1, True)] if comm.Get_size() == 2 else [(2, 2, 1, False), (1, 2, 2, True)]
     for dp, tp, pp, sequence_parallel in layouts:
         train_on_mesh(comm, dp, tp, pp, sequence_parallel, n_kv_head=2)
+    train_on_mesh(comm, 1, comm.Get_size(), 1, True, n_head=8, n_kv_head=4)
 
 
 @pytest.mark.world_sizes(4)

@@ -193,10 +193,12 @@ def _hf_tensors(state, config: GPTConfig, context) -> Dict[str, np.ndarray]:
 def _config_of(model, config, context) -> GPTConfig:
     """Return the GPTConfig of ``model``: its own for a GPT, else ``config`` (a wrapper does not know it)."""
     if config is None and isinstance(model, GPT):
+        _gpt2_shaped(model.config)
         return model.config
     if not isinstance(config, GPTConfig):
         raise TypeError(f"{context}: pass config=, the GPTConfig of the model, with a {type(model).__name__} "
                         f"(only a GPT itself knows its config; got config={config!r})")
+    _gpt2_shaped(config)   # before any collective: every rank refuses alike
     if isinstance(model, GPT) and dataclasses.asdict(model.config) != dataclasses.asdict(config):
         raise ValueError(f"{context}: config= {config} is not the GPT's own config {model.config}")
     return config

@@ -674,7 +674,8 @@ def dropout(x, p=0.5, training=True, generator=None):
     scale = dx.dtype.type(0.0 if p == 1.0 else 1.0 / (1.0 - p))
     # Backward keeps the mask as booleans, 1 byte per element (as Megatron-LM does), not as multipliers
     keep, dtype = xp.asarray(gen.random(dx.shape, dtype=np.float32) >= p), dx.dtype
-    return make_result("Dropout", dx * (keep.astype(dtype) * scale), (x,), lambda g, n: (g * (keep.astype(dtype) * scale),))
+    return make_result("Dropout", dx * (keep.astype(dtype) * scale), (x,),
+                       lambda g, n: (g * (keep.astype(dtype) * scale),))
 
 
 @fp32_op(loss=True)
@@ -800,6 +801,14 @@ class _DropoutMask(NamedTuple):
     def values(self):
         return self.keep.astype(self.dtype) / self.dtype.type(1 - self.p)
 
+    def apply(self, a, out=None):
+        """Return ``a * values()`` (into ``out``) without forming ``values()``: ``a`` times 1 or 0, then times
+        1 / (1 - p) in the mask's dtype, the same bits as the product with the multiplier."""
+        xp = get_array_module(a)
+        r = xp.multiply(a, self.keep, out=out)
+        r *= self.dtype.type(1) / self.dtype.type(1 - self.p)
+        return r
+
 
 def _softmax_scores_(scores, scale, bias):
     """Turn ``scores`` into ``softmax(scores * scale + bias)`` over the last axis, in place (``bias``: the causal
@@ -855,18 +864,18 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale
                          f"v: {V.shape})")
     s = 1.0 / math.sqrt(Q.shape[-1]) if scale is None else scale
     probs, drop = _attention_probs(Q, K, s, is_causal, attn_mask, dropout_p, training, generator)
-    out = (probs * drop.values() if drop is not None else probs) @ V
+    out = (drop.apply(probs) if drop is not None else probs) @ V
 
     def backward(g, n):
         Q, K, V = _d(q), _d(k), _d(v)
-        p = probs * drop.values() if drop is not None else probs
+        p = drop.apply(probs) if drop is not None else probs
         gv = unbroadcast(p.swapaxes(-1, -2) @ g, V.shape) if n[2] else None
         del p
         gq = gk = None
         if n[0] or n[1]:
             dp = g @ V.swapaxes(-1, -2)
             if drop is not None:
-                dp *= drop.values()
+                drop.apply(dp, out=dp)
             ds = _attention_scores_grad(dp, probs, _row_dot(dp, probs), s)
             gq = unbroadcast(ds @ K, Q.shape) if n[0] else None
             gk = unbroadcast(ds.swapaxes(-1, -2) @ Q, K.shape) if n[1] else None
@@ -988,7 +997,7 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
         if low:
             _round_probs_(probs, kept_dtype)
         outc = xp.empty((b, t, h, hd), dtype=np.result_type(probs.dtype, Vc.dtype))
-        _matmul_into(probs * drop.values() if drop is not None else probs, Vc, outc.transpose(0, 2, 1, 3))
+        _matmul_into(drop.apply(probs) if drop is not None else probs, Vc, outc.transpose(0, 2, 1, 3))
         out = outc.astype(kept_dtype) if low else outc
         out4 = out.transpose(0, 2, 1, 3)
         probs = probs.astype(kept_dtype) if low and not recompute_probs else probs
@@ -1054,10 +1063,10 @@ def multi_head_attention(qkv, num_heads, attn_mask=None, is_causal=False, scale=
         else:
             O4, grad_c = out4, grad
         gq, gk, gv = (grad_c[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
-        _matmul_into((P * D.values() if D is not None else P).swapaxes(-1, -2), G, gv)
+        _matmul_into((D.apply(P) if D is not None else P).swapaxes(-1, -2), G, gv)
         dp = G @ Vc.swapaxes(-1, -2)
         if D is not None:
-            dp *= D.values()
+            D.apply(dp, out=dp)
         ds = _attention_scores_grad(dp, P, _row_dot(G, O4), s)
         _matmul_into(ds, Kc, gq)
         _matmul_into(ds.swapaxes(-1, -2), Qc, gk)

@@ -202,8 +202,8 @@ def _formed_probs_bytes(shape: ModelShape, layout: Layout, layers: List[str]) ->
     activations: the softmax's dtype), whether kept or not: the compute model's traffic for them."""
     blocks = sum(layer.startswith("blocks.") for layer in layers)
     itemsize = max(4, dtypes(shape, layout).act.itemsize)
-    if shape.dropout:   # the mask (bool) and the dropped probabilities
-        itemsize += 1 + dtypes(shape, layout).act.itemsize
+    if shape.dropout:   # the mask (bool) and the dropped probabilities (in the softmax's dtype)
+        itemsize += 1 + itemsize
     return blocks * layout.micro_batch * (shape.heads // layout.tp) * shape.seq ** 2 * itemsize
 
 
@@ -285,7 +285,7 @@ def touched_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float
     norm_params = 2 * (1 + shape.bias) * d * 4 if is_low_precision(dt.gather) else 0
     formed = blocks * (b * t * per_token + norm_params) + _formed_probs_bytes(shape, layout, layers)
     if "embed" in layers:
-        formed += b * t * d * e
+        formed += b * t * d * e + (b * t * d / s * (1 + e) if shape.dropout else 0)   # (its dropout)
     if "head" in layers:
         formed += b * t * d * e + 2 * b * t * (shape.vocab / tp) * e   # norm input, logits, their softmax
     return formed
@@ -740,6 +740,10 @@ def estimate_structure(shape: ModelShape, layout: Layout, ranks_per_node: int) -
     """Return why ``layout`` cannot run on this model and node size ("" if it can), before any estimate."""
     if layout.sequence_parallel and shape.seq % layout.tp:
         return f"sequence parallel: seq {shape.seq} does not split over tp={layout.tp}"
+    if shape.heads % layout.tp:
+        return f"{shape.heads} heads do not split over tp={layout.tp}"
+    if shape.num_kv_heads % layout.tp:
+        return f"{shape.num_kv_heads} k/v heads do not split over tp={layout.tp}"
     if layout.tp > ranks_per_node:
         return f"tp={layout.tp} spans nodes ({ranks_per_node} ranks per node)"
     return ""

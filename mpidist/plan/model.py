@@ -148,9 +148,10 @@ def _parameters(shape: ModelShape, layer: str, tp: int, own_head_weight: bool) -
             add("", [("weight", (vocab_local, d), tp == 1)])
         add("ln_f.", norm)
     elif layer.startswith("blocks."):
-        if tp > 1 and (s.heads % tp or s.num_kv_heads % tp):
-            raise ValueError(f"plan: {s.heads} heads, {s.num_kv_heads} of them k/v heads, do not split over {tp} "
-                             f"tensor-parallel ranks")
+        if tp > 1 and s.heads % tp:
+            raise ValueError(f"plan: {s.heads} heads do not split over {tp} tensor-parallel ranks")
+        if tp > 1 and s.num_kv_heads % tp:
+            raise ValueError(f"plan: {s.num_kv_heads} k/v heads do not split over {tp} tensor-parallel ranks")
         width, qkv = d // tp, s.qkv_size // tp
         ffn = padded_split(s.ffn_size, tp, "plan (ffn)") if tp > 1 else s.ffn_size
         rep = tp == 1

@@ -192,9 +192,12 @@ class ParallelAttention(TensorParallelModule):
         super().__init__(comm, sequence_parallel)
         d, h, size, rank = attn.embed_dim, attn.num_heads, comm.Get_size(), comm.Get_rank()
         kv = getattr(attn, "num_kv_heads", h)
-        if h % size or kv % size:
-            raise ValueError(f"ParallelAttention: {h} heads, {kv} of them k/v heads, do not split over {size} "
-                             f"tensor-parallel ranks; use numbers of heads divisible by the TP size")
+        if h % size:
+            raise ValueError(f"ParallelAttention: {h} heads do not split over {size} tensor-parallel ranks; "
+                             f"use a number of heads divisible by the TP size (or a TP size dividing {h})")
+        if kv % size:
+            raise ValueError(f"ParallelAttention: {kv} k/v heads do not split over {size} tensor-parallel ranks; "
+                             f"use a number of k/v heads divisible by the TP size")
         self.embed_dim, self.num_heads, self.causal, self.dropout = d, h, attn.causal, attn.dropout
         self.recompute_probs = getattr(attn, "recompute_probs", False)   # selective recompute (nn.MultiheadAttention)
         self.local_heads, self.head_dim, self.local_kv_heads = h // size, d // h, kv // size
