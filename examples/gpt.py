@@ -43,7 +43,7 @@ DEFAULT_BATCH = 32  # global batch (samples); --batch defaults to this divided b
 def build_model(args):
     """The same GPT on every rank (and in the reference): one seed, one config."""
     config = GPTConfig(block_size=args.context, n_layer=args.layers, n_head=args.heads, n_embd=args.width,
-                       dropout=0.0, dtype=args.dtype)
+                       dropout=0.0, dtype=args.dtype, n_kv_head=args.kv_heads)
     return GPT(config, rng=np.random.default_rng(args.seed))
 
 
@@ -271,6 +271,8 @@ def parse_args(argv, size):
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention: k/v heads dividing "
+                        "--heads (default: --heads)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--min-lr-ratio", type=float, default=0.1)
