@@ -729,6 +729,54 @@ def run_h100(path=None):
             f.write("\n")
 
 
+def fresh_rows(profile):
+    """Plan FRESH_A100 by Table 1's rule (stated before these rows were declared): full recompute where the source
+    does not say, 1F1B, the fastest feasible micro-batch of (1, 2, 4, 8) where it gives none, 16-bit parameters
+    with float32 masters; predicted seconds per iteration against the published ones."""
+    out = []
+    for row in FRESH_A100:
+        shape = ModelShape(layers=row["layers"], hidden=row["hidden"], heads=row["heads"], vocab=row["vocab"],
+                           seq=row["seq"], dtype="float32")
+        dp, tp, pp, batch = row["dp"], row["tp"], row["pp"], row["global_batch"]
+        param = "bfloat16" if row["precision"] == "bf16" else "float16"
+        best = None
+        for mb in (row["micro_batch"],) if row["micro_batch"] else MICRO_BATCHES:
+            if batch % (dp * mb):
+                continue
+            layout = Layout(dp, tp, pp, row["sharding"], mb, batch // (dp * mb), "none" if pp == 1 else "1f1b", 1,
+                            row["recompute"] or "full", param_dtype=param)
+            est = estimate(shape, layout, profile, ranks_per_node=8)
+            if est.feasible and (best is None or est.time["step"] < best.time["step"]):
+                best = est
+        if best is None:
+            raise RuntimeError(f"plan_published: no micro-batch of {row['model']} x{row['gpus']} fits {profile.name}")
+        out.append({"model": row["model"], "gpus": row["gpus"], "layout": best.layout.name(),
+                    "published": row["published"], "unit": row["unit"], "predicted": best.time["step"],
+                    "error": best.time["step"] / row["published"] - 1, "set": "held out (declared 938688a)",
+                    "time": best.time, "memory_gib": best.memory["total"] / 2**30, "warnings": best.warnings})
+    return out
+
+
+def run_fresh(path=None):
+    """Print (and with ``path`` write) FRESH_A100 planned with the frozen A100 profiles, prior and fitted."""
+    out, summary = {}, {}
+    for label, name in (("prior", PRIOR), ("fitted", FITTED)):
+        out[label] = fresh_rows(load_profile(name))
+        summary[f"{label}_mean_abs_error"] = statistics.mean(abs(r["error"]) for r in out[label])
+    print(f"{'model':<12} {'GPUs':>5} {'layout (fitted)':<44} {'published':>9} {'prior':>7} {'err':>7} {'fitted':>7} "
+          f"{'err':>7}  (s/iteration)")
+    for p, f in zip(out["prior"], out["fitted"]):
+        print(f"{p['model']:<12} {p['gpus']:>5} {f['layout']:<44} {p['published']:>9.1f} {p['predicted']:>7.1f} "
+              f"{p['error']:>+7.1%} {f['predicted']:>7.1f} {f['error']:>+7.1%}")
+    for k, v in summary.items():
+        print(f"{k}: {v:.1%}")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"profiles": {"prior": PRIOR, "fitted": FITTED}, "rows": out, "summary": summary,
+                       "declared": [dict(r) for r in FRESH_A100]}, f, indent=1, default=str)
+            f.write("\n")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="fit the two knobs on the calibration rows only")
@@ -741,7 +789,12 @@ def main():
                         help="the frozen h100-ib profile against MosaicML's H100 BF16 MPT throughputs instead")
     parser.add_argument("--a100", action="store_true",
                         help="the frozen A100 profiles against MosaicML's A100 80GB BF16 MPT throughputs instead")
+    parser.add_argument("--fresh", action="store_true",
+                        help="the frozen A100 profiles against FRESH_A100 (declared before planning) instead")
     args = parser.parse_args()
+    if args.fresh:
+        run_fresh(args.json)
+        return
     if args.a100:
         run_a100(args.json)
         return
