@@ -111,18 +111,25 @@ def plan_table1(row, profile):
     name, heads, hidden, layers, t, p, gpus, batch, _ = row
     shape = ModelShape(layers=layers, hidden=hidden, heads=heads, vocab=VOCAB, seq=SEQ, dtype="float32")
     dp = gpus // (t * p)
+    best = fastest_micro_batch(shape, profile, MICRO_BATCHES, batch, name, lambda mb: Layout(
+        dp, t, p, "ddp", mb, batch // (dp * mb), "none" if p == 1 else "1f1b", 1, "full", param_dtype="float16"))
+    return best, table1_flops(row) / (best.time["step"] * gpus) / 1e12
+
+
+def fastest_micro_batch(shape, profile, micro_batches, batch, name, layout_of):
+    """Return the estimate of ``layout_of(mb)`` (8 ranks per node) fastest among the ``micro_batches`` that split
+    ``batch`` over its data-parallel replicas and fit ``profile``; raise if none does."""
     best = None
-    for mb in MICRO_BATCHES:
-        if batch % (dp * mb):
+    for mb in micro_batches:
+        layout = layout_of(mb)
+        if batch % (layout.dp * mb):
             continue
-        layout = Layout(dp, t, p, "ddp", mb, batch // (dp * mb), "none" if p == 1 else "1f1b", 1, "full",
-                        param_dtype="float16")
         est = estimate(shape, layout, profile, ranks_per_node=8)
         if est.feasible and (best is None or est.time["step"] < best.time["step"]):
             best = est
     if best is None:
         raise RuntimeError(f"plan_published: no micro-batch of {name} fits the profile {profile.name}")
-    return best, table1_flops(row) / (best.time["step"] * gpus) / 1e12
+    return best
 
 
 def _calibration_rows():
@@ -594,26 +601,15 @@ _MTNLG_WHERE = ("cli99/llm-analysis examples/megatron-turing-nlg/README.md @ d84
                 "layout quote: search index file 69433185650; network/precision: index file 66616090784")
 _MTNLG_NOTES = ("paper text not read in this session; GPU memory: 80GB per (d) and Microsoft's blog, 40GB per (a); "
                 "vocab 50272 from llm-analysis' config; ZeRO-1 optimizer sharding per a DeepSpeed summary, unverified")
-FRESH_A100 = [
-    {"source": _MTNLG_SRC, "where": _MTNLG_WHERE, "model": "MT-NLG 530B", "layers": 105, "hidden": 20480,
-     "heads": 128, "vocab": 50272, "seq": 2048, "gpus": 2240, "tp": 8, "pp": 35, "dp": 8, "sharding": "ddp",
-     "global_batch": 1920, "micro_batch": None, "precision": "bf16", "recompute": None, "published": 60.1,
-     "unit": "s/iteration", "flop_formula": None,
-     "network": "Selene, 280 DGX A100 nodes, HDR InfiniBand 200 Gb/s fat tree (NICs per node not stated in text read)",
-     "notes": "paper: 126 TFLOP/s per GPU; " + _MTNLG_NOTES},
-    {"source": _MTNLG_SRC, "where": _MTNLG_WHERE, "model": "MT-NLG 530B", "layers": 105, "hidden": 20480,
-     "heads": 128, "vocab": 50272, "seq": 2048, "gpus": 2800, "tp": 8, "pp": 35, "dp": 10, "sharding": "ddp",
-     "global_batch": 1920, "micro_batch": None, "precision": "bf16", "recompute": None, "published": 50.2,
-     "unit": "s/iteration", "flop_formula": None,
-     "network": "Selene, 350 DGX A100 nodes, HDR InfiniBand 200 Gb/s fat tree (NICs per node not stated in text read)",
-     "notes": "paper: 121 TFLOP/s per GPU; " + _MTNLG_NOTES},
-    {"source": _MTNLG_SRC, "where": _MTNLG_WHERE, "model": "MT-NLG 530B", "layers": 105, "hidden": 20480,
-     "heads": 128, "vocab": 50272, "seq": 2048, "gpus": 3360, "tp": 8, "pp": 35, "dp": 12, "sharding": "ddp",
-     "global_batch": 1920, "micro_batch": None, "precision": "bf16", "recompute": None, "published": 44.4,
-     "unit": "s/iteration", "flop_formula": None,
-     "network": "Selene, 420 DGX A100 nodes, HDR InfiniBand 200 Gb/s fat tree (NICs per node not stated in text read)",
-     "notes": "paper: 113 TFLOP/s per GPU; " + _MTNLG_NOTES},
-]
+_MTNLG_ROW = {"source": _MTNLG_SRC, "where": _MTNLG_WHERE, "model": "MT-NLG 530B", "layers": 105, "hidden": 20480,
+              "heads": 128, "vocab": 50272, "seq": 2048, "tp": 8, "pp": 35, "sharding": "ddp", "global_batch": 1920,
+              "micro_batch": None, "precision": "bf16", "recompute": None, "unit": "s/iteration", "flop_formula": None}
+# (GPUs, data-parallel size, s/iteration, the paper's teraFLOP/s per GPU) at 280, 350 and 420 servers
+FRESH_A100 = [dict(_MTNLG_ROW, gpus=gpus, dp=dp, published=seconds,
+                   network=f"Selene, {gpus // 8} DGX A100 nodes, HDR InfiniBand 200 Gb/s fat tree (NICs per node not "
+                           f"stated in text read)",
+                   notes=f"paper: {tflops} TFLOP/s per GPU; " + _MTNLG_NOTES)
+              for gpus, dp, seconds, tflops in ((2240, 8, 60.1, 126), (2800, 10, 50.2, 121), (3360, 12, 44.4, 113))]
 H100 = "h100-ib"
 
 
@@ -739,17 +735,11 @@ def fresh_rows(profile):
                            seq=row["seq"], dtype="float32")
         dp, tp, pp, batch = row["dp"], row["tp"], row["pp"], row["global_batch"]
         param = "bfloat16" if row["precision"] == "bf16" else "float16"
-        best = None
-        for mb in (row["micro_batch"],) if row["micro_batch"] else MICRO_BATCHES:
-            if batch % (dp * mb):
-                continue
-            layout = Layout(dp, tp, pp, row["sharding"], mb, batch // (dp * mb), "none" if pp == 1 else "1f1b", 1,
-                            row["recompute"] or "full", param_dtype=param)
-            est = estimate(shape, layout, profile, ranks_per_node=8)
-            if est.feasible and (best is None or est.time["step"] < best.time["step"]):
-                best = est
-        if best is None:
-            raise RuntimeError(f"plan_published: no micro-batch of {row['model']} x{row['gpus']} fits {profile.name}")
+        best = fastest_micro_batch(
+            shape, profile, (row["micro_batch"],) if row["micro_batch"] else MICRO_BATCHES, batch,
+            f"{row['model']} x{row['gpus']}",
+            lambda mb: Layout(dp, tp, pp, row["sharding"], mb, batch // (dp * mb), "none" if pp == 1 else "1f1b", 1,
+                              row["recompute"] or "full", param_dtype=param))
         out.append({"model": row["model"], "gpus": row["gpus"], "layout": best.layout.name(),
                     "published": row["published"], "unit": row["unit"], "predicted": best.time["step"],
                     "error": best.time["step"] / row["published"] - 1, "set": "held out (declared 938688a)",
