@@ -631,20 +631,20 @@ def mpt_layout(row, pure=False):
                   compute_dtype="bfloat16", gather_dtype="bfloat16", reduce_dtype="bfloat16" if pure else "float32")
 
 
-# The A100 rows run in FSDP's PURE mode (see MPT_A100's caveat): (model, GPUs)
-MPT_A100_PURE = {("70b", 64), ("70b", 32)}
-MPT_TABLES = {"h100": [("H100 80GB BF16", MPT_H100), ("H100 80GB BF16 (Large Scale)", MPT_H100_LARGE)],
-              "a100": [("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", MPT_A100)]}
+# (table title, rows, the rows run in FSDP's PURE mode as (model, GPUs): the A100 70b ones, see MPT_A100's caveat)
+MPT_TABLES = {"h100": [("H100 80GB BF16", MPT_H100, set()), ("H100 80GB BF16 (Large Scale)", MPT_H100_LARGE, set())],
+              "a100": [("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", MPT_A100,
+                        {("70b", 64), ("70b", 32)})]}
 
 
 def mpt_rows(profile, tables):
     """Plan every MPT row of ``tables`` with ``profile``: predicted tokens/s/GPU = batch x sequence / (step time x
     GPUs)."""
     out = []
-    for table, rows in tables:
+    for table, rows, pure in tables:
         for row in rows:
             model, gpus, _, _, batch, _, published, _ = row
-            layout = mpt_layout(row, pure=rows is MPT_A100 and (model, gpus) in MPT_A100_PURE)
+            layout = mpt_layout(row, pure=(model, gpus) in pure)
             est = estimate(mpt_shape(model), layout, profile, ranks_per_node=8)
             # MosaicML ran this layout; the planner's memory (no FlashAttention) is reported, not a reason to skip.
             if not est.feasible and not est.reason.startswith("needs "):
