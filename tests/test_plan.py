@@ -432,7 +432,7 @@ def test_memory_per_rank_is_the_traced_peak_of_one_rank(layout):
     gathered and a second unsharded gradient at the peak: -15% to +6% on these (two within 3%, errors cancelling);
     under bfloat16 fc2's input gradient is float32 (numpy's bfloat16 matmul), -3.5% when counted in bfloat16."""
     from mpidist.plan.estimate import memory_per_rank
-    from test_plan_exact import OneRankOfMany
+    from mpidist.plan.execute import OneRankOfMany
     peak, _ = traced_peak(layout, lambda: OneRankOfMany(layout.ranks, rank=layout.tp - 1,
                                                         splits=[layout.dp, layout.pp, layout.tp]))
     assert memory_per_rank(PEAK_SHAPE, layout)["total"] == pytest.approx(peak, rel=0.03), layout.name()

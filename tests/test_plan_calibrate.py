@@ -8,8 +8,9 @@ import pytest
 
 import mpidist
 from mpidist.plan import Layout, ModelShape, Profile, estimate, load_profile
-from mpidist.plan.calibrate import (PINGPONG_SIZES, calibrate_inter, fit_alpha_beta, fit_knobs, fit_microbatch_cost,
-                                    fit_oversubscribed, with_inter_tier)
+from mpidist.plan.calibrate import (PINGPONG_SIZES, TP_RANK_RUNS, calibrate_inter, fit_alpha_beta, fit_knobs,
+                                    fit_microbatch_cost, fit_oversubscribed, fit_tp_replicated, tp_replicated,
+                                    with_inter_tier)
 from mpidist.plan.estimate import collective_seconds, touched_bytes
 
 SHAPE = ModelShape(layers=3, hidden=32, heads=4, vocab=64, seq=8)
@@ -82,6 +83,66 @@ def test_fit_knobs_refuses_too_few_or_bad_runs():
         fit_knobs([0.01], [4], [0.02])
     with pytest.raises(ValueError, match=r"fit_knobs: needs >= 2 runs with positive times"):
         fit_knobs([0.01, 0.02], [4, 4], [0.02, 0.0])
+
+
+@pytest.mark.parametrize("layout,ranks_per_node,cores,passes", [
+    (Layout(1, 2, 1, micro_batch=4), 2, 2, 1.0),
+    (Layout(1, 4, 1, micro_batch=2, num_micro=3), 4, 4, 1.0),
+    (Layout(2, 2, 1, micro_batch=2, recompute="full"), 4, 4, 4 / 3),   # the blocks' forward again
+    (Layout(1, 4, 1, micro_batch=2), 4, 2, 1.0)])                       # 4 ranks on 2 cores: twice the time
+def test_tp_replicated_charges_each_blocks_unsharded_elements(layout, ranks_per_node, cores, passes):
+    """compute(c) - compute(0) = num_micro x layers x b x seq x hidden x (1 - 1/tp) x c x passes x max(1, ranks /
+    cores): what a tensor-parallel rank runs on every token beyond its 1/tp share; nothing else moves."""
+    c = 3e-8
+    base = estimate(SHAPE, layout, _profile(cores_per_node=cores), ranks_per_node).time
+    more = estimate(SHAPE, layout, _profile(cores_per_node=cores, tp_replicated_s=c), ranks_per_node).time
+    elements = layout.num_micro * SHAPE.layers * layout.micro_batch * SHAPE.seq * SHAPE.hidden * (1 - 1 / layout.tp)
+    share = max(1.0, ranks_per_node / cores)
+    assert more["compute"] - base["compute"] == pytest.approx(elements * c * passes * share, rel=1e-9)
+    for part in ("tp", "optimizer", "bubble"):
+        assert more[part] == base[part]
+
+
+@pytest.mark.parametrize("layout", [Layout(2, 1, 1, micro_batch=4), Layout(1, 2, 1, micro_batch=4,
+                                                                          sequence_parallel=True)])
+def test_tp_replicated_is_nothing_without_replicated_work(layout):
+    """No tensor parallelism, or sequence parallelism (the norms and residuals split over the group too): the
+    term adds nothing."""
+    base = estimate(SHAPE, layout, _profile(), layout.ranks).time
+    assert estimate(SHAPE, layout, _profile(tp_replicated_s=1e-6), layout.ranks).time == base
+
+
+def test_fit_tp_replicated_recovers_the_seconds():
+    """Times made as modelled + c x elements give back c; runs the model already over-prices give 0 (no negative
+    cost); bad runs are refused with the values."""
+    modelled, elements = np.array([0.01, 0.02, 0.012]), np.array([6.5e4, 1.3e5, 1e5])
+    assert fit_tp_replicated(modelled, elements, modelled + 2e-8 * elements) == pytest.approx(2e-8, rel=1e-9)
+    assert fit_tp_replicated(modelled, elements, modelled * 0.9) == 0.0
+    with pytest.raises(ValueError, match=r"fit_tp_replicated: needs >= 1 run with positive times and elements "
+                                         r"\(elements=\[0.0\], measured=\[0.01\]\)"):
+        fit_tp_replicated([0.01], [0.0], [0.01])
+
+
+def test_tp_replicated_fit_is_the_estimates_own_term():
+    """Times made by the estimate with a known c on the declared tensor-parallel runs (one rank alone, its
+    collectives local: compute and optimizer only) give back that c through ``tp_replicated``."""
+    data = _profile(cores_per_node=2, layer_overhead_s=4e-4).to_dict()
+    truth = Profile.from_dict(dict(data, tp_replicated_s=2.2e-8, cores_per_node=None))
+    measured = []
+    for dims, tp, batch in TP_RANK_RUNS:
+        timing = estimate(ModelShape(**dims), Layout(1, tp, 1, micro_batch=batch), truth, tp).time
+        measured.append(timing["compute"] + timing["optimizer"])
+    seconds, record = tp_replicated(data, measured)
+    assert seconds == pytest.approx(2.2e-8, rel=1e-9)
+    assert max(abs(e) for e in record["fit_errors"]) < 1e-9 and record["runs"][0]["tp"] == TP_RANK_RUNS[0][1]
+
+
+def test_profile_keeps_tp_replicated_and_refuses_a_negative_one():
+    profile = _profile(tp_replicated_s=1.5e-8)
+    assert Profile.from_dict(profile.to_dict()).tp_replicated_s == 1.5e-8
+    assert "tp_replicated_s" not in _profile().to_dict()   # profiles from specifications: absent, 0
+    with pytest.raises(ValueError, match=r"tp_replicated_s must be >= 0 seconds \(got -1e-08\)"):
+        _profile(tp_replicated_s=-1e-8)
 
 
 def test_oversubscribed_data_parallel_reduction_is_not_hidden():

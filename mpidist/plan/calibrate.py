@@ -5,7 +5,9 @@ timed by a ping-pong between two ranks started with ``mpiexec -n 2`` (this modul
 time = alpha + bytes / bandwidth over message sizes. Two knobs are then fitted on one-rank training steps of
 declared shapes (``CALIBRATION_RUNS``): ``compute_scale`` and ``layer_overhead_s`` (``fit_knobs``); then one-rank
 steps of one shape over micro-batch sizes (``MICROBATCH_SWEEP``) give the micro-batch cost curve
-(``fit_microbatch_cost``), and ``2 x cores`` ranks timing a loop of work with and without allreduces of several
+(``fit_microbatch_cost``), one tensor-parallel rank of declared shapes stepping alone beside them
+(``TP_RANK_RUNS``, its group's collectives local) gives ``tp_replicated_s`` (``fit_tp_replicated``), and
+``2 x cores`` ranks timing a loop of work with and without allreduces of several
 sizes give the intra link as oversubscribed ranks see it (``measure_oversubscribed``). The
 inter-node tier is the intra one until measured: run across two nodes, e.g.
 ``mpiexec -n 2 -hosts a,b python -m mpidist.plan.calibrate --inter BASE.json OUT.json``, the same ping-pong
@@ -25,7 +27,7 @@ import numpy as np
 __all__ = ["measure_matmul_curve", "measure_memory_bandwidth", "measure_link", "measure_pingpong", "fit_alpha_beta",
            "calibrate", "calibrate_inter", "with_inter_tier", "fit_knobs", "machine_busy_seconds", "quiet_median",
            "fit_microbatch_cost", "microbatch_curve", "measure_oversubscribed", "fit_oversubscribed",
-           "interleaved_medians", "halving_doubling_allreduce"]
+           "interleaved_medians", "halving_doubling_allreduce", "fit_tp_replicated", "tp_replicated", "TP_RANK_RUNS"]
 
 
 def _best(fn, repeat, budget_s=0.3):
@@ -172,6 +174,8 @@ def calibrate(name="local", memory_bytes=None, inter=None, cores=None) -> dict:
     data["fit"]["compute"]["foreign_cpu_share"] = [foreign for _, foreign in steps["runs"]]
     data["microbatch_cost"], data["fit"]["microbatch"] = microbatch_curve(data, [t for t, _ in steps["sweep"]])
     data["fit"]["microbatch"]["foreign_cpu_share"] = [foreign for _, foreign in steps["sweep"]]
+    data["tp_replicated_s"], data["fit"]["tp_replicated"] = tp_replicated(data, [t for t, _ in steps["tp_rank"]])
+    data["fit"]["tp_replicated"]["foreign_cpu_share"] = [foreign for _, foreign in steps["tp_rank"]]
     if data["cores_per_node"] and data["cores_per_node"] > 1:
         mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
         ranks = 2 * data["cores_per_node"]
@@ -197,6 +201,12 @@ CALIBRATION_RUNS = [({"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq"
 MICROBATCH_SWEEP = ({"layers": 2, "hidden": 128, "heads": 4, "vocab": 256, "seq": 64}, (1, 2, 4, 8, 16))
 
 
+# One rank of a tensor-parallel group stepping alone (``OneRankOfMany``: the group's collectives are local), timed
+# with the runs above: (shape, tp, micro-batch). The validated layouts run 4 layers; these run 2.
+TP_RANK_RUNS = [(MICROBATCH_SWEEP[0], 2, 8), (MICROBATCH_SWEEP[0], 2, 16),
+                (MICROBATCH_SWEEP[0], 4, 8), (MICROBATCH_SWEEP[0], 4, 16)]
+
+
 def interleaved_medians(steps, rounds=6, per_round=3):
     """Return [[median seconds, largest foreign share], ...] of each callable in ``steps``, timed interleaved:
     ``rounds`` rounds in which each in turn takes one untimed and ``per_round`` timed calls (``quiet_median``),
@@ -220,11 +230,15 @@ def _steps():
     from .execute import LayoutRun
     from .layouts import Layout
     from .model import ModelShape
+    from .execute import OneRankOfMany
     dims, batches = MICROBATCH_SWEEP
     shapes = list(CALIBRATION_RUNS) + [(dims, b) for b in batches]
     runs = [LayoutRun(ModelShape(**d), Layout(1, 1, 1, micro_batch=b), MPI.COMM_SELF) for d, b in shapes]
+    runs += [LayoutRun(ModelShape(**d), Layout(1, tp, 1, micro_batch=b),
+                       OneRankOfMany(tp, rank=tp - 1, splits=[1, 1, tp])) for d, tp, b in TP_RANK_RUNS]
     measured = interleaved_medians([run.step for run in runs])
-    print(json.dumps({"runs": measured[:len(CALIBRATION_RUNS)], "sweep": measured[len(CALIBRATION_RUNS):]}))
+    n, m = len(CALIBRATION_RUNS), len(batches)
+    print(json.dumps({"runs": measured[:n], "sweep": measured[n:n + m], "tp_rank": measured[n + m:]}))
 
 
 def fit_knobs(modelled, layer_passes, measured):
@@ -260,6 +274,38 @@ def fit_compute(profile_data, measured):
                              "runs": [dict(d, batch=b) for d, b in CALIBRATION_RUNS], "measured_s": measured,
                              "modelled_neutral_s": modelled, "layer_passes": passes,
                              "fit_errors": [f / y - 1 for f, y in zip(fitted, measured)]}
+
+
+def fit_tp_replicated(modelled, elements, measured):
+    """Return the seconds per element ``c >= 0`` minimizing the squared relative error of
+    ``modelled + c * elements`` against ``measured``: ``modelled``, each tensor-parallel rank's step as the model
+    gives it without the term; ``elements``, its replicated (tokens x hidden x (1 - 1/tp)) elements summed over
+    blocks and micro-batches."""
+    m, u, y = (np.asarray(v, float) for v in (modelled, elements, measured))
+    if not (len(m) == len(u) == len(y) >= 1) or (y <= 0).any() or (u <= 0).any():
+        raise ValueError(f"fit_tp_replicated: needs >= 1 run with positive times and elements "
+                         f"(elements={u.tolist()}, measured={y.tolist()})")
+    return max(0.0, float(np.sum(u / y * (y - m) / y) / np.sum((u / y) ** 2)))
+
+
+def tp_replicated(profile_data, measured):
+    """Return (tp_replicated_s, fit record) of ``TP_RANK_RUNS`` measured in ``measured`` against ``profile_data``
+    (its fitted knobs and micro-batch curve; one rank alone: no oversubscription)."""
+    from .estimate import estimate
+    from .layouts import Layout
+    from .model import ModelShape
+    from .profile import Profile
+    profile = Profile.from_dict(dict(profile_data, tp_replicated_s=0.0, cores_per_node=None))
+    modelled, elements = [], []
+    for dims, tp, batch in TP_RANK_RUNS:
+        shape, layout = ModelShape(**dims), Layout(1, tp, 1, micro_batch=batch)
+        timing = estimate(shape, layout, profile, tp).time
+        modelled.append(timing["compute"] + timing["optimizer"])   # the collectives are local: no transport
+        elements.append(shape.layers * layout.num_micro * batch * shape.seq * shape.hidden * (1 - 1 / tp))
+    seconds = fit_tp_replicated(modelled, elements, measured)
+    return seconds, {"tp_replicated_s": seconds, "runs": [dict(d, tp=tp, batch=b) for d, tp, b in TP_RANK_RUNS],
+                     "measured_s": measured, "modelled_without_s": modelled, "elements": elements,
+                     "fit_errors": [(m + seconds * u) / y - 1 for m, u, y in zip(modelled, elements, measured)]}
 
 
 def fit_microbatch_cost(block_bytes, arithmetic, rest, measured, floor=0.05):

@@ -505,10 +505,15 @@ def _compute_seconds(shape, layout, layers, profile, ranks_per_node):
     per_layer = profile.layer_overhead_s
     if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
         per_layer *= ranks_per_node / profile.cores_per_node
-    forward = fwd / rate + memory_bound / 3 + len(layers) * per_layer / 3
-    backward = 2 * fwd / rate + 2 * memory_bound / 3 + 2 * len(layers) * per_layer / 3
+    # A tensor-parallel rank's replicated work per block (profile notes): not sharded unless sequence parallel.
+    s = tp if layout.sequence_parallel else 1
+    replicated = blocks * b * t * d * (1 / s - 1 / tp) * profile.tp_replicated_s
+    if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
+        replicated *= ranks_per_node / profile.cores_per_node
+    forward = fwd / rate + memory_bound / 3 + len(layers) * per_layer / 3 + replicated / 3
+    backward = 2 * fwd / rate + 2 * memory_bound / 3 + 2 * len(layers) * per_layer / 3 + 2 * replicated / 3
     if layout.recompute == "full":
-        backward += blocks * per_block / rate + memory_bound / 3 + blocks * per_layer / 3
+        backward += blocks * per_block / rate + memory_bound / 3 + blocks * per_layer / 3 + replicated / 3
     elif layout.recompute == "selective" and blocks:   # each block's scores product and softmax again (not x V)
         probs = _formed_probs_bytes(shape, plain, layers)
         backward += blocks * 2 * b * t * t * d / tp / rate + memory_bound / 3 * probs / touched_bytes(

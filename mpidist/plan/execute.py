@@ -25,7 +25,7 @@ from mpidist.parallel.interface import as_wrapper
 from .layouts import Layout
 from .model import ModelShape
 
-__all__ = ["LayoutRun", "traced_calls"]
+__all__ = ["LayoutRun", "OneRankOfMany", "traced_calls"]
 
 _OPS = {"iallreduce": "allreduce", "iallgather": "allgather", "ireduce_scatter": "reduce_scatter",
         "isend": "send", "irecv": "recv"}
@@ -135,3 +135,106 @@ def traced_calls(run: LayoutRun, comm) -> Counter:
         op = _OPS.get(e["name"], e["name"])
         counts[(op, int(e["args"]["bytes"]))] += 1
     return counts
+
+
+def _array(buf):
+    """The numpy array inside an mpi4py buffer spec ([array, type] or array)."""
+    return buf[0] if isinstance(buf, (list, tuple)) else buf
+
+
+class OneRankOfMany:
+    """Rank ``rank`` of a ``size``-rank world in which every rank holds what this one holds (mpi4py's methods):
+    one rank of a large layout, stepped in one process without its peers (the exactness tests count its calls,
+    ``--calibrate`` times a tensor-parallel rank's work without its transport).
+
+    A reduction returns what ``size`` equal contributions give (SUM: size x), a gather ``size`` copies, a
+    reduce-scatter this rank's block of that sum, so agreement checks pass as in a well-behaved run.
+
+    ``splits``: the group sizes of the ``Split`` calls to come, in order, as the test declares them from the
+    mesh's documented order (``mesh(dp, pp, tp)``: one Split per dimension, dp first; hybrid FSDP: replicate,
+    then shard): one rank cannot see the other ranks' colors, so the world's shape is declared, not inferred.
+    A Split returns rank ``key`` of a world of the next declared size. The node (``Split_type``) is the whole
+    world.
+    """
+
+    def __init__(self, size, rank=0, splits=(), shared=None):
+        from mpi4py import MPI
+        self.size, self.rank, self._mpi = size, rank, MPI
+        self._shared = shared if shared is not None else {"splits": list(splits)}
+
+    def Get_size(self):
+        return self.size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Dup(self):
+        return OneRankOfMany(self.size, self.rank, shared=self._shared)
+
+    def Split(self, color=0, key=0):
+        if not self._shared["splits"]:
+            raise ValueError(f"OneRankOfMany: an undeclared Split (color={color}, key={key}) of {self.size} ranks")
+        size = self._shared["splits"].pop(0)
+        if not (0 <= key < size and self.size % size == 0):
+            raise ValueError(f"OneRankOfMany: Split into groups of {size} (declared) with key {key} does not fit "
+                             f"a world of {self.size} ranks")
+        return OneRankOfMany(size, key, shared=self._shared)
+
+    def Split_type(self, split_type, key=0, info=None):
+        return self.Dup()
+
+    def Free(self):
+        pass
+
+    def Barrier(self):
+        pass
+
+    def Mprobe(self, *args, **kwargs):
+        raise NotImplementedError("OneRankOfMany: no point-to-point")
+
+    Isend = Mprobe
+
+    def _reduced(self, buf, op):
+        return buf * self.size if op in (self._mpi.SUM, None) else buf
+
+    def Allreduce(self, sendbuf, recvbuf, op=None):
+        send = recvbuf if sendbuf is self._mpi.IN_PLACE else sendbuf
+        _array(recvbuf)[...] = self._reduced(_array(send).copy(), op)
+
+    def Iallreduce(self, sendbuf, recvbuf, op=None):
+        self.Allreduce(sendbuf, recvbuf, op)
+        return self._mpi.REQUEST_NULL
+
+    def Allgather(self, sendbuf, recvbuf):
+        send, recv = _array(sendbuf), _array(recvbuf)
+        recv.reshape(self.size, -1)[...] = send.reshape(1, -1)
+
+    def Iallgather(self, sendbuf, recvbuf):
+        self.Allgather(sendbuf, recvbuf)
+        return self._mpi.REQUEST_NULL
+
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op=None):
+        send, recv = _array(sendbuf), _array(recvbuf)
+        recv.reshape(-1)[...] = self._reduced(send.reshape(self.size, -1)[self.rank], op)
+
+    def Ireduce_scatter_block(self, sendbuf, recvbuf, op=None):
+        self.Reduce_scatter_block(sendbuf, recvbuf, op)
+        return self._mpi.REQUEST_NULL
+
+    def Bcast(self, buf, root=0):
+        pass
+
+    def Ibcast(self, buf, root=0):
+        return self._mpi.REQUEST_NULL
+
+    def allgather(self, obj):
+        return [obj] * self.size
+
+    def allreduce(self, obj, op=None):
+        return obj * self.size if op in (self._mpi.SUM, None) else obj
+
+    def bcast(self, obj, root=0):
+        return obj
+
+    def Get_processor_name(self):
+        return "node0"
