@@ -252,8 +252,9 @@ def repeat_tau(rows, key):
 def predict(rows, profile, ranks_per_node, ranks, cores):
     """Add the planner's prediction and the errors to ``rows``; return the part's summary (with the same
     scores for the profile's knobs left neutral, ``compute_scale`` 1, no per-layer overhead and no tensor-parallel
-    replicated term: uncalibrated)."""
-    neutral = Profile.from_dict(dict(profile.to_dict(), compute_scale=1.0, layer_overhead_s=0.0, tp_replicated_s=0.0))
+    replicated terms: uncalibrated)."""
+    neutral = Profile.from_dict(dict(profile.to_dict(), compute_scale=1.0, layer_overhead_s=0.0,
+                                     tp_replicated_s=0.0, sp_replicated_s=0.0))
     for row in rows:
         row["uncalibrated_step_s"] = estimate(SHAPE, Layout(**row["layout"]), neutral, ranks_per_node).time["step"]
         est = estimate(SHAPE, Layout(**row["layout"]), profile, ranks_per_node)
@@ -276,7 +277,8 @@ def predict(rows, profile, ranks_per_node, ranks, cores):
             "repeat_tau_rounds": repeat_tau(rows, "rounds_step_s"), "repeat_tau_runs": repeat_tau(rows, "runs_step_s"),
             "without": {term: _scores(rows, [estimate(SHAPE, Layout(**r["layout"]), Profile.from_dict(
                 dict(profile.to_dict(), **{term: off})), ranks_per_node).time["step"] for r in rows])
-                for term, off in (("microbatch_cost", []), ("oversubscribed_tier", None), ("tp_replicated_s", 0.0))}}
+                for term, off in (("microbatch_cost", []), ("oversubscribed_tier", None), ("tp_replicated_s", 0.0),
+                                  ("sp_replicated_s", 0.0))}}
 
 
 def print_part(name, part):
@@ -301,7 +303,7 @@ def print_part(name, part):
         print(f"without {term}: Kendall tau {w['kendall_tau']:.2f}; median |step error| "
               f"{w['median_abs_step_error']:.0%}; chosen {w['chosen']} ({w['chosen_vs_best']:+.0%})")
     u = s["uncalibrated"]
-    print(f"uncalibrated (compute_scale 1, no layer overhead or tp_replicated_s): Kendall tau "
+    print(f"uncalibrated (compute_scale 1, no layer overhead or tp/sp_replicated_s): Kendall tau "
           f"{u['kendall_tau']:.2f}; median |step "
           f"error| {u['median_abs_step_error']:.0%}; chosen {u['chosen']} ({u['chosen_vs_best']:+.0%})")
 

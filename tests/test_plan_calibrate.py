@@ -88,28 +88,30 @@ def test_fit_knobs_refuses_too_few_or_bad_runs():
 @pytest.mark.parametrize("layout,ranks_per_node,cores,passes", [
     (Layout(1, 2, 1, micro_batch=4), 2, 2, 1.0),
     (Layout(1, 4, 1, micro_batch=2, num_micro=3), 4, 4, 1.0),
+    (Layout(1, 4, 1, micro_batch=2, num_micro=3, sequence_parallel=True), 4, 4, 1.0),
     (Layout(2, 2, 1, micro_batch=2, recompute="full"), 4, 4, 4 / 3),   # the blocks' forward again
     (Layout(1, 4, 1, micro_batch=2), 4, 2, 1.0)])                       # 4 ranks on 2 cores: twice the time
-def test_tp_replicated_charges_each_blocks_unsharded_elements(layout, ranks_per_node, cores, passes):
+def test_tp_replicated_charges_each_blocks_whole_sequence_elements(layout, ranks_per_node, cores, passes):
     """compute(c) - compute(0) = num_micro x layers x b x seq x hidden x (1 - 1/tp) x c x passes x max(1, ranks /
-    cores): what a tensor-parallel rank runs on every token beyond its 1/tp share; nothing else moves."""
+    cores), c the profile's number for the layout's mode (``sp_replicated_s`` under sequence parallelism, else
+    ``tp_replicated_s``; the other one changes nothing); nothing else moves."""
+    mine, other = ("sp_replicated_s", "tp_replicated_s") if layout.sequence_parallel else (
+        "tp_replicated_s", "sp_replicated_s")
     c = 3e-8
-    base = estimate(SHAPE, layout, _profile(cores_per_node=cores), ranks_per_node).time
-    more = estimate(SHAPE, layout, _profile(cores_per_node=cores, tp_replicated_s=c), ranks_per_node).time
+    base = estimate(SHAPE, layout, _profile(cores_per_node=cores, **{other: 1e-6}), ranks_per_node).time
+    more = estimate(SHAPE, layout, _profile(cores_per_node=cores, **{mine: c, other: 1e-6}), ranks_per_node).time
     elements = layout.num_micro * SHAPE.layers * layout.micro_batch * SHAPE.seq * SHAPE.hidden * (1 - 1 / layout.tp)
     share = max(1.0, ranks_per_node / cores)
     assert more["compute"] - base["compute"] == pytest.approx(elements * c * passes * share, rel=1e-9)
     for part in ("tp", "optimizer", "bubble"):
         assert more[part] == base[part]
+    assert base == estimate(SHAPE, layout, _profile(cores_per_node=cores), ranks_per_node).time
 
 
-@pytest.mark.parametrize("layout", [Layout(2, 1, 1, micro_batch=4), Layout(1, 2, 1, micro_batch=4,
-                                                                          sequence_parallel=True)])
-def test_tp_replicated_is_nothing_without_replicated_work(layout):
-    """No tensor parallelism, or sequence parallelism (the norms and residuals split over the group too): the
-    term adds nothing."""
+def test_tp_replicated_is_nothing_without_tensor_parallelism():
+    layout = Layout(2, 1, 1, micro_batch=4)
     base = estimate(SHAPE, layout, _profile(), layout.ranks).time
-    assert estimate(SHAPE, layout, _profile(tp_replicated_s=1e-6), layout.ranks).time == base
+    assert estimate(SHAPE, layout, _profile(tp_replicated_s=1e-6, sp_replicated_s=1e-6), layout.ranks).time == base
 
 
 def test_fit_tp_replicated_recovers_the_seconds():
@@ -124,25 +126,29 @@ def test_fit_tp_replicated_recovers_the_seconds():
 
 
 def test_tp_replicated_fit_is_the_estimates_own_term():
-    """Times made by the estimate with a known c on the declared tensor-parallel runs (one rank alone, its
-    collectives local: compute and optimizer only) give back that c through ``tp_replicated``."""
+    """Times made by the estimate with known numbers on the declared tensor-parallel runs (one rank alone, its
+    collectives local: compute and optimizer only) give back each number through ``tp_replicated``, from its own
+    runs (without, with sequence parallelism)."""
     data = _profile(cores_per_node=2, layer_overhead_s=4e-4).to_dict()
-    truth = Profile.from_dict(dict(data, tp_replicated_s=2.2e-8, cores_per_node=None))
+    truth = Profile.from_dict(dict(data, tp_replicated_s=2.2e-8, sp_replicated_s=3.1e-8, cores_per_node=None))
     measured = []
-    for dims, tp, batch in TP_RANK_RUNS:
-        timing = estimate(ModelShape(**dims), Layout(1, tp, 1, micro_batch=batch), truth, tp).time
+    for dims, tp, batch, sp in TP_RANK_RUNS:
+        timing = estimate(ModelShape(**dims), Layout(1, tp, 1, micro_batch=batch, sequence_parallel=sp), truth, tp).time
         measured.append(timing["compute"] + timing["optimizer"])
-    seconds, record = tp_replicated(data, measured)
-    assert seconds == pytest.approx(2.2e-8, rel=1e-9)
-    assert max(abs(e) for e in record["fit_errors"]) < 1e-9 and record["runs"][0]["tp"] == TP_RANK_RUNS[0][1]
+    fitted, record = tp_replicated(data, measured)
+    assert fitted == pytest.approx({"tp_replicated_s": 2.2e-8, "sp_replicated_s": 3.1e-8}, rel=1e-9)
+    assert max(abs(e) for e in record["fit_errors"]) < 1e-9
+    assert {(r["tp"], r["sequence_parallel"]) for r in record["runs"]} == {(2, False), (4, False), (2, True), (4, True)}
 
 
 def test_profile_keeps_tp_replicated_and_refuses_a_negative_one():
-    profile = _profile(tp_replicated_s=1.5e-8)
-    assert Profile.from_dict(profile.to_dict()).tp_replicated_s == 1.5e-8
-    assert "tp_replicated_s" not in _profile().to_dict()   # profiles from specifications: absent, 0
-    with pytest.raises(ValueError, match=r"tp_replicated_s must be >= 0 seconds \(got -1e-08\)"):
-        _profile(tp_replicated_s=-1e-8)
+    profile = _profile(tp_replicated_s=1.5e-8, sp_replicated_s=2.5e-8)
+    again = Profile.from_dict(profile.to_dict())
+    assert (again.tp_replicated_s, again.sp_replicated_s) == (1.5e-8, 2.5e-8)
+    assert not {"tp_replicated_s", "sp_replicated_s"} & set(_profile().to_dict())   # from specifications: absent, 0
+    for key in ("tp_replicated_s", "sp_replicated_s"):
+        with pytest.raises(ValueError, match=rf"{key} must be >= 0 seconds \(got -1e-08\)"):
+            _profile(**{key: -1e-8})
 
 
 def test_oversubscribed_data_parallel_reduction_is_not_hidden():

@@ -6,7 +6,8 @@ time = alpha + bytes / bandwidth over message sizes. Two knobs are then fitted o
 declared shapes (``CALIBRATION_RUNS``): ``compute_scale`` and ``layer_overhead_s`` (``fit_knobs``); then one-rank
 steps of one shape over micro-batch sizes (``MICROBATCH_SWEEP``) give the micro-batch cost curve
 (``fit_microbatch_cost``), one tensor-parallel rank of declared shapes stepping alone beside them
-(``TP_RANK_RUNS``, its group's collectives local) gives ``tp_replicated_s`` (``fit_tp_replicated``), and
+(``TP_RANK_RUNS``, its group's collectives local) gives ``tp_replicated_s`` and ``sp_replicated_s``
+(``fit_tp_replicated``), and
 ``2 x cores`` ranks timing a loop of work with and without allreduces of several
 sizes give the intra link as oversubscribed ranks see it (``measure_oversubscribed``). The
 inter-node tier is the intra one until measured: run across two nodes, e.g.
@@ -174,7 +175,8 @@ def calibrate(name="local", memory_bytes=None, inter=None, cores=None) -> dict:
     data["fit"]["compute"]["foreign_cpu_share"] = [foreign for _, foreign in steps["runs"]]
     data["microbatch_cost"], data["fit"]["microbatch"] = microbatch_curve(data, [t for t, _ in steps["sweep"]])
     data["fit"]["microbatch"]["foreign_cpu_share"] = [foreign for _, foreign in steps["sweep"]]
-    data["tp_replicated_s"], data["fit"]["tp_replicated"] = tp_replicated(data, [t for t, _ in steps["tp_rank"]])
+    replicated, data["fit"]["tp_replicated"] = tp_replicated(data, [t for t, _ in steps["tp_rank"]])
+    data.update(replicated)
     data["fit"]["tp_replicated"]["foreign_cpu_share"] = [foreign for _, foreign in steps["tp_rank"]]
     if data["cores_per_node"] and data["cores_per_node"] > 1:
         mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -202,9 +204,8 @@ MICROBATCH_SWEEP = ({"layers": 2, "hidden": 128, "heads": 4, "vocab": 256, "seq"
 
 
 # One rank of a tensor-parallel group stepping alone (``OneRankOfMany``: the group's collectives are local), timed
-# with the runs above: (shape, tp, micro-batch). The validated layouts run 4 layers; these run 2.
-TP_RANK_RUNS = [(MICROBATCH_SWEEP[0], 2, 8), (MICROBATCH_SWEEP[0], 2, 16),
-                (MICROBATCH_SWEEP[0], 4, 8), (MICROBATCH_SWEEP[0], 4, 16)]
+# with the runs above: (shape, tp, micro-batch, sequence parallel). The validated layouts run 4 layers; these run 2.
+TP_RANK_RUNS = [(MICROBATCH_SWEEP[0], tp, batch, sp) for sp in (False, True) for tp in (2, 4) for batch in (8, 16)]
 
 
 def interleaved_medians(steps, rounds=6, per_round=3):
@@ -234,8 +235,8 @@ def _steps():
     dims, batches = MICROBATCH_SWEEP
     shapes = list(CALIBRATION_RUNS) + [(dims, b) for b in batches]
     runs = [LayoutRun(ModelShape(**d), Layout(1, 1, 1, micro_batch=b), MPI.COMM_SELF) for d, b in shapes]
-    runs += [LayoutRun(ModelShape(**d), Layout(1, tp, 1, micro_batch=b),
-                       OneRankOfMany(tp, rank=tp - 1, splits=[1, 1, tp])) for d, tp, b in TP_RANK_RUNS]
+    runs += [LayoutRun(ModelShape(**d), Layout(1, tp, 1, micro_batch=b, sequence_parallel=sp),
+                       OneRankOfMany(tp, rank=tp - 1, splits=[1, 1, tp])) for d, tp, b, sp in TP_RANK_RUNS]
     measured = interleaved_medians([run.step for run in runs])
     n, m = len(CALIBRATION_RUNS), len(batches)
     print(json.dumps({"runs": measured[:n], "sweep": measured[n:n + m], "tp_rank": measured[n + m:]}))
@@ -289,23 +290,28 @@ def fit_tp_replicated(modelled, elements, measured):
 
 
 def tp_replicated(profile_data, measured):
-    """Return (tp_replicated_s, fit record) of ``TP_RANK_RUNS`` measured in ``measured`` against ``profile_data``
-    (its fitted knobs and micro-batch curve; one rank alone: no oversubscription)."""
+    """Return ({"tp_replicated_s": ..., "sp_replicated_s": ...}, fit record) of ``TP_RANK_RUNS`` measured in
+    ``measured`` against ``profile_data`` (its fitted knobs and micro-batch curve; one rank alone: no
+    oversubscription), each fitted on its runs (without, with sequence parallelism)."""
     from .estimate import estimate
     from .layouts import Layout
     from .model import ModelShape
     from .profile import Profile
-    profile = Profile.from_dict(dict(profile_data, tp_replicated_s=0.0, cores_per_node=None))
+    profile = Profile.from_dict(dict(profile_data, tp_replicated_s=0.0, sp_replicated_s=0.0, cores_per_node=None))
     modelled, elements = [], []
-    for dims, tp, batch in TP_RANK_RUNS:
-        shape, layout = ModelShape(**dims), Layout(1, tp, 1, micro_batch=batch)
+    for dims, tp, batch, sp in TP_RANK_RUNS:
+        shape, layout = ModelShape(**dims), Layout(1, tp, 1, micro_batch=batch, sequence_parallel=sp)
         timing = estimate(shape, layout, profile, tp).time
         modelled.append(timing["compute"] + timing["optimizer"])   # the collectives are local: no transport
         elements.append(shape.layers * layout.num_micro * batch * shape.seq * shape.hidden * (1 - 1 / tp))
-    seconds = fit_tp_replicated(modelled, elements, measured)
-    return seconds, {"tp_replicated_s": seconds, "runs": [dict(d, tp=tp, batch=b) for d, tp, b in TP_RANK_RUNS],
-                     "measured_s": measured, "modelled_without_s": modelled, "elements": elements,
-                     "fit_errors": [(m + seconds * u) / y - 1 for m, u, y in zip(modelled, elements, measured)]}
+    fitted, errors = {}, [0.0] * len(TP_RANK_RUNS)
+    for key, sp in (("tp_replicated_s", False), ("sp_replicated_s", True)):
+        mine = [k for k, run in enumerate(TP_RANK_RUNS) if run[3] == sp]
+        fitted[key] = fit_tp_replicated(*([v[k] for k in mine] for v in (modelled, elements, measured)))
+        for k in mine:
+            errors[k] = (modelled[k] + fitted[key] * elements[k]) / measured[k] - 1
+    return fitted, dict(fitted, runs=[dict(d, tp=tp, batch=b, sequence_parallel=sp) for d, tp, b, sp in TP_RANK_RUNS],
+                        measured_s=measured, modelled_without_s=modelled, elements=elements, fit_errors=errors)
 
 
 def fit_microbatch_cost(block_bytes, arithmetic, rest, measured, floor=0.05):

@@ -505,9 +505,9 @@ def _compute_seconds(shape, layout, layers, profile, ranks_per_node):
     per_layer = profile.layer_overhead_s
     if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
         per_layer *= ranks_per_node / profile.cores_per_node
-    # A tensor-parallel rank's replicated work per block (profile notes): not sharded unless sequence parallel.
-    s = tp if layout.sequence_parallel else 1
-    replicated = blocks * b * t * d * (1 / s - 1 / tp) * profile.tp_replicated_s
+    # A tensor-parallel rank's work on whole-sequence arrays beyond its 1/tp share (profile notes).
+    per_element = profile.sp_replicated_s if layout.sequence_parallel else profile.tp_replicated_s
+    replicated = blocks * b * t * d * (1 - 1 / tp) * per_element
     if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
         replicated *= ranks_per_node / profile.cores_per_node
     forward = fwd / rate + memory_bound / 3 + len(layers) * per_layer / 3 + replicated / 3

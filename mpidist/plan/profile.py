@@ -20,14 +20,15 @@ Glossary:
   activation bytes one block of that micro-batch stores on a rank (interpolated in log size, clamped at the ends;
   empty: 1). On a CPU a sample costs more once a micro-batch's activations outgrow the caches, which the matmul
   curve (larger is cheaper) does not say.
-- ``tp_replicated_s`` (measured by ``--calibrate``; 0 in profiles built from specifications): seconds per element
-  of (tokens x hidden) per block, forward and backward, that a tensor-parallel rank spends beyond the 1/tp share
-  of a one-rank step the compute model gives it: without sequence parallelism every rank of the group runs the
-  block's LayerNorms, residual adds and dropouts on every token, copies each allreduce's input, and walks more
-  autograd nodes (the f/g ops), none of which shrinks with tp. ``--calibrate`` times one rank of tp = 2 and 4
-  stepping alone (``OneRankOfMany``: its group's collectives local) beside its one-rank runs and fits this one
-  number to their excess over the model; the planner charges it per block on ``tokens x hidden x (1/s - 1/tp)``
-  elements (s = tp with sequence parallelism: nothing replicated is left to charge).
+- ``tp_replicated_s`` and ``sp_replicated_s`` (measured by ``--calibrate``; 0 in profiles built from
+  specifications): seconds per element of (tokens x hidden) per block, forward and backward, that a
+  tensor-parallel rank spends beyond what the compute model gives it (its one-rank fit divided by tp), without
+  and with sequence parallelism. Without it every rank of the group runs the block's LayerNorms, residual adds
+  and dropouts on every token, copies each allreduce's input, and walks more autograd nodes (the f/g ops); with
+  it those are split, but each gather and reduce-scatter forms and copies whole-sequence arrays (and backward
+  gathers again): on a CPU about as much. ``--calibrate`` times one rank of tp = 2 and 4 stepping alone
+  (``OneRankOfMany``: its group's collectives local) beside its one-rank runs and fits each number to its runs'
+  excess over the model; the planner charges it per block on ``tokens x hidden x (1 - 1/tp)`` elements.
 - ``oversubscribed_tier``: the intra-node link as twice as many ranks as cores see it (``--calibrate`` times
   allreduces of several sizes between equal work, with ``2 x cores`` ranks): a transfer moves only while both
   partners hold a core, and a waiting rank busy-polls (MPICH) on its own share; used for the groups inside a node
@@ -102,6 +103,7 @@ class Profile:
     halving_doubling_allreduce: bool = False   # allreduce: recursive halving then doubling (MPICH), not a ring
     multi_rail: bool = False   # a group's collectives cross a node on all its ranks' links at once (NCCL)
     tp_replicated_s: float = 0.0   # measured: a TP rank's replicated work, seconds per token x hidden per block
+    sp_replicated_s: float = 0.0   # measured: the same under sequence parallelism (its gathers' whole arrays)
 
     def efficiency(self, gemm_flops: float) -> float:
         """Return the share of peak a GEMM of ``gemm_flops`` FLOPs reaches (log-linear interpolation)."""
@@ -130,7 +132,7 @@ class Profile:
                     "latency_s": self.oversubscribed_tier.latency_s,
                     "bandwidth": self.oversubscribed_tier.bandwidth},
                 "halving_doubling_allreduce": self.halving_doubling_allreduce, "multi_rail": self.multi_rail,
-                **({"tp_replicated_s": self.tp_replicated_s} if self.tp_replicated_s else {})}
+                **{k: getattr(self, k) for k in ("tp_replicated_s", "sp_replicated_s") if getattr(self, k)}}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "profile") -> "Profile":
@@ -160,7 +162,8 @@ class Profile:
                                int(t.get("ranks_per_link", 1)))
         known = set(required) | {"elementwise_factor", "cores_per_node", "compute_scale", "layer_overhead_s",
                                  "source", "fit", "validated", "description", "microbatch_cost",
-                                 "oversubscribed_tier", "halving_doubling_allreduce", "multi_rail", "tp_replicated_s"}
+                                 "oversubscribed_tier", "halving_doubling_allreduce", "multi_rail", "tp_replicated_s",
+                                 "sp_replicated_s"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
@@ -171,9 +174,10 @@ class Profile:
         if halving and rails:
             raise ValueError(f"{where}: halving_doubling_allreduce (MPICH's allreduce) and multi_rail (NCCL's rings) "
                              f"describe two libraries: set one")
-        tp_replicated = float(data.get("tp_replicated_s", 0.0))
-        if not tp_replicated >= 0:
-            raise ValueError(f"{where}: tp_replicated_s must be >= 0 seconds (got {data['tp_replicated_s']!r})")
+        replicated = [float(data.get(key, 0.0)) for key in ("tp_replicated_s", "sp_replicated_s")]
+        for key, value in zip(("tp_replicated_s", "sp_replicated_s"), replicated):
+            if not value >= 0:
+                raise ValueError(f"{where}: {key} must be >= 0 seconds (got {data[key]!r})")
         by_sharding = dict(data.get("validated") or {}).get("ranks_by_sharding", {})
         if not isinstance(by_sharding, dict) or not all(
                 isinstance(v, (list, tuple)) and len(v) == 2 and 1 <= v[0] <= v[1] for v in by_sharding.values()):
@@ -184,7 +188,7 @@ class Profile:
                    float(data.get("elementwise_factor", 3.0)), data.get("cores_per_node"),
                    float(data.get("compute_scale", 1.0)), data.get("source", ""), dict(data.get("fit", {})),
                    float(data.get("layer_overhead_s", 0.0)), dict(data.get("validated", {})), mb_cost, over,
-                   halving, rails, tp_replicated)
+                   halving, rails, *replicated)
 
     def out_of_range(self, ranks: int, parameters: int, layout) -> List[str]:
         """Return why a plan of ``layout`` (a ``Layout``) on ``ranks`` ranks of a ``parameters``-parameter model is
