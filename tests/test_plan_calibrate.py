@@ -1,7 +1,10 @@
 """The planner's fitted knobs: the per-layer overhead term of the estimate and the fit ``plan --calibrate`` makes
 (no measurement here: the fit is checked on times made by a formula); the inter-node link calibration."""
 import ast
+import json
 import pathlib
+import re
+import time
 
 import numpy as np
 import pytest
@@ -9,7 +12,7 @@ import pytest
 import mpidist
 from mpidist.plan import Layout, ModelShape, Profile, estimate, load_profile
 from mpidist.plan.calibrate import (PINGPONG_SIZES, TP_RANK_RUNS, calibrate_inter, fit_alpha_beta, fit_knobs,
-                                    fit_microbatch_cost, fit_oversubscribed, fit_tp_replicated, tp_replicated,
+                                    fit_microbatch_cost, fit_oversubscribed, fit_replicated_terms, fit_tp_replicated,
                                     with_inter_tier)
 from mpidist.plan.estimate import collective_seconds, touched_bytes
 
@@ -103,9 +106,22 @@ def test_tp_replicated_charges_each_blocks_whole_sequence_elements(layout, ranks
     elements = layout.num_micro * SHAPE.layers * layout.micro_batch * SHAPE.seq * SHAPE.hidden * (1 - 1 / layout.tp)
     share = max(1.0, ranks_per_node / cores)
     assert more["compute"] - base["compute"] == pytest.approx(elements * c * passes * share, rel=1e-9)
-    for part in ("tp", "optimizer", "bubble"):
+    for part in ("tp", "optimizer"):
         assert more[part] == base[part]
     assert base == estimate(SHAPE, layout, _profile(cores_per_node=cores), ranks_per_node).time
+
+
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("interleaved", 2)])
+def test_tp_replicated_charges_a_pipeline_stage_its_own_blocks(schedule, chunks):
+    """tp2 x pp2, 4 layers: each stage holds 2 blocks (in 1 or 2 chunks), so a step's compute (its busiest
+    stage's) grows by num_micro x 2 blocks' elements x c, not the whole model's 4."""
+    shape = ModelShape(layers=4, hidden=32, heads=4, vocab=64, seq=8)
+    layout = Layout(1, 2, 2, micro_batch=2, num_micro=4, schedule=schedule, chunks=chunks)
+    c = 3e-8
+    base = estimate(shape, layout, _profile(cores_per_node=4), 4).time
+    more = estimate(shape, layout, _profile(cores_per_node=4, tp_replicated_s=c), 4).time
+    assert more["compute"] - base["compute"] == pytest.approx(4 * 2 * 2 * 8 * 32 * (1 - 1 / 2) * c, rel=1e-9)
+    assert more["step"] > base["step"] and more["tp"] == base["tp"]
 
 
 def test_tp_replicated_is_nothing_without_tensor_parallelism():
@@ -127,7 +143,7 @@ def test_fit_tp_replicated_recovers_the_seconds():
 
 def test_tp_replicated_fit_is_the_estimates_own_term():
     """Times made by the estimate with known numbers on the declared tensor-parallel runs (one rank alone, its
-    collectives local: compute and optimizer only) give back each number through ``tp_replicated``, from its own
+    collectives local: compute and optimizer only) give back each number through ``fit_replicated_terms``, from its own
     runs (without, with sequence parallelism)."""
     data = _profile(cores_per_node=2, layer_overhead_s=4e-4).to_dict()
     truth = Profile.from_dict(dict(data, tp_replicated_s=2.2e-8, sp_replicated_s=3.1e-8, cores_per_node=None))
@@ -135,10 +151,58 @@ def test_tp_replicated_fit_is_the_estimates_own_term():
     for dims, tp, batch, sp in TP_RANK_RUNS:
         timing = estimate(ModelShape(**dims), Layout(1, tp, 1, micro_batch=batch, sequence_parallel=sp), truth, tp).time
         measured.append(timing["compute"] + timing["optimizer"])
-    fitted, record = tp_replicated(data, measured)
+    fitted, record = fit_replicated_terms(data, measured)
     assert fitted == pytest.approx({"tp_replicated_s": 2.2e-8, "sp_replicated_s": 3.1e-8}, rel=1e-9)
     assert max(abs(e) for e in record["fit_errors"]) < 1e-9
     assert {(r["tp"], r["sequence_parallel"]) for r in record["runs"]} == {(2, False), (4, False), (2, True), (4, True)}
+
+
+def test_calibration_steps_report_the_tensor_parallel_runs_in_order(monkeypatch, capsys):
+    """``_steps`` times every declared run once, interleaved, and reports them by part: the one-rank runs, the
+    micro-batch sweep, then ``TP_RANK_RUNS`` in their order (what ``calibrate`` reads)."""
+    from mpidist.plan import calibrate
+    monkeypatch.setattr(calibrate, "interleaved_medians", lambda steps: [[float(k), 0.0] for k in range(len(steps))])
+    calibrate._steps()
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    n, m = len(calibrate.CALIBRATION_RUNS), len(calibrate.MICROBATCH_SWEEP[1])
+    assert [k for k, _ in out["runs"]] == list(range(n))
+    assert [k for k, _ in out["sweep"]] == list(range(n, n + m))
+    assert [k for k, _ in out["tp_rank"]] == list(range(n + m, n + m + len(TP_RANK_RUNS)))
+
+
+def test_tensor_parallel_runs_are_timed_without_the_stand_in_collectives():
+    """A step over ``OneRankOfMany`` counts less the time its stand-in collectives took (a real transport's, which
+    the planner prices by alpha-beta): a step that only runs a stand-in allreduce of 8 MiB takes about nothing."""
+    from mpi4py import MPI
+
+    from mpidist.plan.calibrate import _without_stand_ins
+    from mpidist.plan.execute import OneRankOfMany
+    world = OneRankOfMany(4, rank=1, splits=[2])
+    group = world.Split(0, 1)   # a group split from the world: the same clock
+    data = np.ones(2 << 20, dtype=np.float32)
+
+    class Run:
+        def step(self):
+            began = time.perf_counter()
+            group.Allreduce(MPI.IN_PLACE, data)
+            return time.perf_counter() - began
+
+    whole = Run().step()
+    assert world.local_seconds > 0 and world.local_seconds == group.local_seconds
+    left = _without_stand_ins(Run(), world)()
+    assert -1e-3 < left < 0.1 * whole and data[0] == 4.0   # 2 (group) x 2 (again)
+
+
+def test_one_rank_of_many_refuses_a_split_it_cannot_play():
+    from mpidist.plan.execute import OneRankOfMany
+    with pytest.raises(ValueError, match=r"an undeclared Split \(color=0, key=1\) of 4 ranks"):
+        OneRankOfMany(4).Split(0, 1)
+    with pytest.raises(ValueError, match=r"the declared group size 3 does not divide the 4 ranks being split"):
+        OneRankOfMany(4, splits=[3]).Split(0, 1)
+    world = OneRankOfMany(4, splits=[2])
+    with pytest.raises(ValueError, match=r"Split takes key as the rank in the group: key 3 is not in \[0, 2\)"):
+        world.Split(1, 3)
+    assert world.Split(1, 1).Get_size() == 2   # the refused Split left its declaration in place
 
 
 def test_profile_keeps_tp_replicated_and_refuses_a_negative_one():
@@ -147,8 +211,10 @@ def test_profile_keeps_tp_replicated_and_refuses_a_negative_one():
     assert (again.tp_replicated_s, again.sp_replicated_s) == (1.5e-8, 2.5e-8)
     assert not {"tp_replicated_s", "sp_replicated_s"} & set(_profile().to_dict())   # from specifications: absent, 0
     for key in ("tp_replicated_s", "sp_replicated_s"):
-        with pytest.raises(ValueError, match=rf"{key} must be >= 0 seconds \(got -1e-08\)"):
-            _profile(**{key: -1e-8})
+        for bad in (-1e-8, "2e-8", None):
+            got = re.escape(repr(bad))
+            with pytest.raises(ValueError, match=rf"{key} must be a number of seconds >= 0 \(got {got}\)"):
+                _profile(**{key: bad})
 
 
 def test_oversubscribed_data_parallel_reduction_is_not_hidden():

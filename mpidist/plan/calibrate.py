@@ -28,7 +28,8 @@ import numpy as np
 __all__ = ["measure_matmul_curve", "measure_memory_bandwidth", "measure_link", "measure_pingpong", "fit_alpha_beta",
            "calibrate", "calibrate_inter", "with_inter_tier", "fit_knobs", "machine_busy_seconds", "quiet_median",
            "fit_microbatch_cost", "microbatch_curve", "measure_oversubscribed", "fit_oversubscribed",
-           "interleaved_medians", "halving_doubling_allreduce", "fit_tp_replicated", "tp_replicated", "TP_RANK_RUNS"]
+           "interleaved_medians", "halving_doubling_allreduce", "fit_tp_replicated", "fit_replicated_terms", "CALIBRATION_RUNS",
+           "MICROBATCH_SWEEP", "TP_RANK_RUNS"]
 
 
 def _best(fn, repeat, budget_s=0.3):
@@ -175,7 +176,7 @@ def calibrate(name="local", memory_bytes=None, inter=None, cores=None) -> dict:
     data["fit"]["compute"]["foreign_cpu_share"] = [foreign for _, foreign in steps["runs"]]
     data["microbatch_cost"], data["fit"]["microbatch"] = microbatch_curve(data, [t for t, _ in steps["sweep"]])
     data["fit"]["microbatch"]["foreign_cpu_share"] = [foreign for _, foreign in steps["sweep"]]
-    replicated, data["fit"]["tp_replicated"] = tp_replicated(data, [t for t, _ in steps["tp_rank"]])
+    replicated, data["fit"]["tp_replicated"] = fit_replicated_terms(data, [t for t, _ in steps["tp_rank"]])
     data.update(replicated)
     data["fit"]["tp_replicated"]["foreign_cpu_share"] = [foreign for _, foreign in steps["tp_rank"]]
     if data["cores_per_node"] and data["cores_per_node"] > 1:
@@ -222,22 +223,34 @@ def interleaved_medians(steps, rounds=6, per_round=3):
     return [[float(np.median(t)), max(f)] for t, f in zip(times, foreign)]
 
 
+def _without_stand_ins(run, comm):
+    """Return a callable stepping ``run`` that returns its seconds less what ``comm``'s stand-in collectives
+    (``OneRankOfMany``: copies and sums a real transport does instead, timed by the transport's alpha-beta)
+    spent in the step."""
+    def step():
+        before = comm.local_seconds
+        seconds = run.step()
+        return seconds - (comm.local_seconds - before)
+    return step
+
+
 def _steps():
     """Print {"runs": [[median seconds, foreign share], ...] of ``CALIBRATION_RUNS``, "sweep": the same of
-    ``MICROBATCH_SWEEP``}: one-rank training steps (real LayoutRuns), all timed interleaved
-    (``interleaved_medians``)."""
+    ``MICROBATCH_SWEEP``, "tp_rank": the same of ``TP_RANK_RUNS``, less their stand-in collectives' time}:
+    training steps of real LayoutRuns, all timed interleaved (``interleaved_medians``)."""
     from mpi4py import MPI
 
-    from .execute import LayoutRun
+    from .execute import LayoutRun, OneRankOfMany
     from .layouts import Layout
     from .model import ModelShape
-    from .execute import OneRankOfMany
     dims, batches = MICROBATCH_SWEEP
     shapes = list(CALIBRATION_RUNS) + [(dims, b) for b in batches]
-    runs = [LayoutRun(ModelShape(**d), Layout(1, 1, 1, micro_batch=b), MPI.COMM_SELF) for d, b in shapes]
-    runs += [LayoutRun(ModelShape(**d), Layout(1, tp, 1, micro_batch=b, sequence_parallel=sp),
-                       OneRankOfMany(tp, rank=tp - 1, splits=[1, 1, tp])) for d, tp, b, sp in TP_RANK_RUNS]
-    measured = interleaved_medians([run.step for run in runs])
+    steps = [LayoutRun(ModelShape(**d), Layout(1, 1, 1, micro_batch=b), MPI.COMM_SELF).step for d, b in shapes]
+    for d, tp, b, sp in TP_RANK_RUNS:
+        comm = OneRankOfMany(tp, rank=tp - 1, splits=[1, 1, tp])
+        run = LayoutRun(ModelShape(**d), Layout(1, tp, 1, micro_batch=b, sequence_parallel=sp), comm)
+        steps.append(_without_stand_ins(run, comm))
+    measured = interleaved_medians(steps)
     n, m = len(CALIBRATION_RUNS), len(batches)
     print(json.dumps({"runs": measured[:n], "sweep": measured[n:n + m], "tp_rank": measured[n + m:]}))
 
@@ -289,7 +302,7 @@ def fit_tp_replicated(modelled, elements, measured):
     return max(0.0, float(np.sum(u / y * (y - m) / y) / np.sum((u / y) ** 2)))
 
 
-def tp_replicated(profile_data, measured):
+def fit_replicated_terms(profile_data, measured):
     """Return ({"tp_replicated_s": ..., "sp_replicated_s": ...}, fit record) of ``TP_RANK_RUNS`` measured in
     ``measured`` against ``profile_data`` (its fitted knobs and micro-batch curve; one rank alone: no
     oversubscription), each fitted on its runs (without, with sequence parallelism)."""

@@ -9,6 +9,7 @@ per layer) or a Pipeline of DDP chunks; AdamW; a step is ``num_micro`` micro-bat
 from __future__ import annotations
 
 import contextlib
+import functools
 import tempfile
 import time
 from collections import Counter
@@ -138,8 +139,20 @@ def traced_calls(run: LayoutRun, comm) -> Counter:
 
 
 def _array(buf):
-    """The numpy array inside an mpi4py buffer spec ([array, type] or array)."""
+    """Return the numpy array inside an mpi4py buffer spec ([array, type] or array)."""
     return buf[0] if isinstance(buf, (list, tuple)) else buf
+
+
+def _stand_in(method):
+    """Add the wall time of a stand-in collective to its world's ``local_seconds``."""
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._shared["seconds"] += time.perf_counter() - began
+    return timed
 
 
 class OneRankOfMany:
@@ -148,19 +161,26 @@ class OneRankOfMany:
     ``--calibrate`` times a tensor-parallel rank's work without its transport).
 
     A reduction returns what ``size`` equal contributions give (SUM: size x), a gather ``size`` copies, a
-    reduce-scatter this rank's block of that sum, so agreement checks pass as in a well-behaved run.
+    reduce-scatter this rank's block of that sum, so agreement checks pass as in a well-behaved run. The time
+    these stand-ins spend copying and summing (what a real transport does instead) adds up in
+    ``local_seconds``, shared by the world and the groups split from it.
 
-    ``splits``: the group sizes of the ``Split`` calls to come, in order, as the test declares them from the
+    ``splits``: the group sizes of the ``Split`` calls to come, in order, as the caller declares them from the
     mesh's documented order (``mesh(dp, pp, tp)``: one Split per dimension, dp first; hybrid FSDP: replicate,
     then shard): one rank cannot see the other ranks' colors, so the world's shape is declared, not inferred.
-    A Split returns rank ``key`` of a world of the next declared size. The node (``Split_type``) is the whole
-    world.
+    A Split returns rank ``key`` of a group of the next declared size (so ``key`` must be the rank in the group,
+    which MPI does not require). The node (``Split_type``) is the whole world.
     """
 
     def __init__(self, size, rank=0, splits=(), shared=None):
         from mpi4py import MPI
         self.size, self.rank, self._mpi = size, rank, MPI
-        self._shared = shared if shared is not None else {"splits": list(splits)}
+        self._shared = shared if shared is not None else {"splits": list(splits), "seconds": 0.0}
+
+    @property
+    def local_seconds(self) -> float:
+        """Seconds this world's stand-in collectives have spent so far (all its groups)."""
+        return self._shared["seconds"]
 
     def Get_size(self):
         return self.size
@@ -172,12 +192,17 @@ class OneRankOfMany:
         return OneRankOfMany(self.size, self.rank, shared=self._shared)
 
     def Split(self, color=0, key=0):
-        if not self._shared["splits"]:
+        splits = self._shared["splits"]
+        if not splits:
             raise ValueError(f"OneRankOfMany: an undeclared Split (color={color}, key={key}) of {self.size} ranks")
-        size = self._shared["splits"].pop(0)
-        if not (0 <= key < size and self.size % size == 0):
-            raise ValueError(f"OneRankOfMany: Split into groups of {size} (declared) with key {key} does not fit "
-                             f"a world of {self.size} ranks")
+        size = splits[0]
+        if self.size % size:
+            raise ValueError(f"OneRankOfMany: the declared group size {size} does not divide the {self.size} ranks "
+                             f"being split")
+        if not 0 <= key < size:
+            raise ValueError(f"OneRankOfMany: Split takes key as the rank in the group: key {key} is not in "
+                             f"[0, {size}) (the declared group size)")
+        splits.pop(0)
         return OneRankOfMany(size, key, shared=self._shared)
 
     def Split_type(self, split_type, key=0, info=None):
@@ -197,6 +222,7 @@ class OneRankOfMany:
     def _reduced(self, buf, op):
         return buf * self.size if op in (self._mpi.SUM, None) else buf
 
+    @_stand_in
     def Allreduce(self, sendbuf, recvbuf, op=None):
         send = recvbuf if sendbuf is self._mpi.IN_PLACE else sendbuf
         _array(recvbuf)[...] = self._reduced(_array(send).copy(), op)
@@ -205,6 +231,7 @@ class OneRankOfMany:
         self.Allreduce(sendbuf, recvbuf, op)
         return self._mpi.REQUEST_NULL
 
+    @_stand_in
     def Allgather(self, sendbuf, recvbuf):
         send, recv = _array(sendbuf), _array(recvbuf)
         recv.reshape(self.size, -1)[...] = send.reshape(1, -1)
@@ -213,6 +240,7 @@ class OneRankOfMany:
         self.Allgather(sendbuf, recvbuf)
         return self._mpi.REQUEST_NULL
 
+    @_stand_in
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=None):
         send, recv = _array(sendbuf), _array(recvbuf)
         recv.reshape(-1)[...] = self._reduced(send.reshape(self.size, -1)[self.rank], op)

@@ -22,13 +22,14 @@ Glossary:
   curve (larger is cheaper) does not say.
 - ``tp_replicated_s`` and ``sp_replicated_s`` (measured by ``--calibrate``; 0 in profiles built from
   specifications): seconds per element of (tokens x hidden) per block, forward and backward, that a
-  tensor-parallel rank spends beyond what the compute model gives it (its one-rank fit divided by tp), without
-  and with sequence parallelism. Without it every rank of the group runs the block's LayerNorms, residual adds
-  and dropouts on every token, copies each allreduce's input, and walks more autograd nodes (the f/g ops); with
-  it those are split, but each gather and reduce-scatter forms and copies whole-sequence arrays (and backward
-  gathers again): on a CPU about as much. ``--calibrate`` times one rank of tp = 2 and 4 stepping alone
-  (``OneRankOfMany``: its group's collectives local) beside its one-rank runs and fits each number to its runs'
-  excess over the model; the planner charges it per block on ``tokens x hidden x (1 - 1/tp)`` elements.
+  tensor-parallel rank spends beyond what the compute model gives it, without and with sequence parallelism.
+  The model already counts the norms' and dropouts' bytes whole on every rank, at memory bandwidth; what it
+  misses on a CPU is their real cost there, each allreduce's input copy and the extra autograd nodes (the f/g
+  ops) without sequence parallelism, and with it the whole-sequence arrays each gather and reduce-scatter
+  forms and copies (backward gathers again): about as much. ``--calibrate`` times one rank of tp = 2 and 4
+  stepping alone (``OneRankOfMany``: its group's collectives local, their own copying time taken out) beside
+  its one-rank runs and fits each number to its runs' excess over the model; the planner charges it per block on
+  ``tokens x hidden x (1 - 1/tp)`` elements.
 - ``oversubscribed_tier``: the intra-node link as twice as many ranks as cores see it (``--calibrate`` times
   allreduces of several sizes between equal work, with ``2 x cores`` ranks): a transfer moves only while both
   partners hold a core, and a waiting rank busy-polls (MPICH) on its own share; used for the groups inside a node
@@ -174,10 +175,12 @@ class Profile:
         if halving and rails:
             raise ValueError(f"{where}: halving_doubling_allreduce (MPICH's allreduce) and multi_rail (NCCL's rings) "
                              f"describe two libraries: set one")
-        replicated = [float(data.get(key, 0.0)) for key in ("tp_replicated_s", "sp_replicated_s")]
-        for key, value in zip(("tp_replicated_s", "sp_replicated_s"), replicated):
-            if not value >= 0:
-                raise ValueError(f"{where}: {key} must be >= 0 seconds (got {data[key]!r})")
+        replicated = []
+        for key in ("tp_replicated_s", "sp_replicated_s"):
+            value = data.get(key, 0.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{where}: {key} must be a number of seconds >= 0 (got {value!r})")
+            replicated.append(float(value))
         by_sharding = dict(data.get("validated") or {}).get("ranks_by_sharding", {})
         if not isinstance(by_sharding, dict) or not all(
                 isinstance(v, (list, tuple)) and len(v) == 2 and 1 <= v[0] <= v[1] for v in by_sharding.values()):
