@@ -7,8 +7,7 @@ declared shapes (``CALIBRATION_RUNS``): ``compute_scale`` and ``layer_overhead_s
 steps of one shape over micro-batch sizes (``MICROBATCH_SWEEP``) give the micro-batch cost curve
 (``fit_microbatch_cost``), one tensor-parallel rank of declared shapes stepping alone beside them
 (``TP_RANK_RUNS``, its group's collectives local) gives ``tp_replicated_s`` and ``sp_replicated_s``
-(``fit_tp_replicated``), and
-``2 x cores`` ranks timing a loop of work with and without allreduces of several
+(``fit_replicated_terms``), and ``2 x cores`` ranks timing a loop of work with and without allreduces of several
 sizes give the intra link as oversubscribed ranks see it (``measure_oversubscribed``). The
 inter-node tier is the intra one until measured: run across two nodes, e.g.
 ``mpiexec -n 2 -hosts a,b python -m mpidist.plan.calibrate --inter BASE.json OUT.json``, the same ping-pong
@@ -28,8 +27,8 @@ import numpy as np
 __all__ = ["measure_matmul_curve", "measure_memory_bandwidth", "measure_link", "measure_pingpong", "fit_alpha_beta",
            "calibrate", "calibrate_inter", "with_inter_tier", "fit_knobs", "machine_busy_seconds", "quiet_median",
            "fit_microbatch_cost", "microbatch_curve", "measure_oversubscribed", "fit_oversubscribed",
-           "interleaved_medians", "halving_doubling_allreduce", "fit_tp_replicated", "fit_replicated_terms", "CALIBRATION_RUNS",
-           "MICROBATCH_SWEEP", "TP_RANK_RUNS"]
+           "interleaved_medians", "halving_doubling_allreduce", "fit_tp_replicated", "fit_replicated_terms",
+           "CALIBRATION_RUNS", "MICROBATCH_SWEEP", "TP_RANK_RUNS"]
 
 
 def _best(fn, repeat, budget_s=0.3):

@@ -166,6 +166,12 @@ def _oversubscribed(profile: Profile, ranks_per_node: int) -> bool:
     return bool(profile.cores_per_node) and ranks_per_node > profile.cores_per_node
 
 
+def _core_sharing(profile: Profile, ranks_per_node: int) -> float:
+    """Return how many ranks share a core (ranks / cores when they outnumber the cores, else 1): the factor on a
+    rank's compute, per-op and optimizer time."""
+    return ranks_per_node / profile.cores_per_node if _oversubscribed(profile, ranks_per_node) else 1.0
+
+
 def _sync_waits(calls, groups, profile: Profile, layout: Layout, ranks_per_node: int) -> float:
     """Return what the calls of ``groups`` inside a node add when ranks outnumber cores: their time on the
     profile's ``oversubscribed_tier`` (partners descheduled by the ranks sharing their cores) over that on the
@@ -490,26 +496,19 @@ def _compute_seconds(shape, layout, layers, profile, ranks_per_node):
     per_block = b * t * (2 * (shape.qkv_size * d + d * d + 2 * f * d) + 4 * t * d) / tp
     fwd = blocks * per_block + (2 * b * t * shape.vocab * d / tp if "head" in layers else 0.0)
     gemm = 2 * b * t * d * f / tp   # the MLP's first GEMM: the typical size
-    rate = profile.flops(dtypes(shape, layout).act.name) * profile.efficiency(gemm)
-    if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
-        rate *= profile.cores_per_node / ranks_per_node
+    sharing = _core_sharing(profile, ranks_per_node)
+    rate = profile.flops(dtypes(shape, layout).act.name) * profile.efficiency(gemm) / sharing
     plain = Layout(**{**layout.to_dict(), "recompute": "none"})
-    memory_bound = touched_bytes(shape, plain, layers) * profile.elementwise_factor / profile.memory_bandwidth
-    if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
-        memory_bound *= ranks_per_node / profile.cores_per_node
+    memory_bound = touched_bytes(shape, plain, layers) * profile.elementwise_factor / profile.memory_bandwidth * sharing
     # The measured per-sample cost at this micro-batch's size (caches), relative to the calibration's fit.
     factor = profile.microbatch_factor(touched_bytes(shape, plain, ["blocks.0"]))
     rate /= profile.compute_scale * factor
     memory_bound *= profile.compute_scale * factor
     # The fixed cost of a layer's ops (Python, dispatch), a third in forward: it does not shrink with tp or b.
-    per_layer = profile.layer_overhead_s
-    if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
-        per_layer *= ranks_per_node / profile.cores_per_node
+    per_layer = profile.layer_overhead_s * sharing
     # A tensor-parallel rank's work on whole-sequence arrays beyond its 1/tp share (profile notes).
     per_element = profile.sp_replicated_s if layout.sequence_parallel else profile.tp_replicated_s
-    replicated = blocks * b * t * d * (1 - 1 / tp) * per_element
-    if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
-        replicated *= ranks_per_node / profile.cores_per_node
+    replicated = blocks * b * t * d * (1 - 1 / tp) * per_element * sharing
     forward = fwd / rate + memory_bound / 3 + len(layers) * per_layer / 3 + replicated / 3
     backward = 2 * fwd / rate + 2 * memory_bound / 3 + 2 * len(layers) * per_layer / 3 + 2 * replicated / 3
     if layout.recompute == "full":
@@ -572,9 +571,8 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
         dp_exposed = dp_s
     else:
         dp_exposed = max(dp_s - (b if not layout.fsdp else compute), dp_s / (shape.layers + 2))
-    optimizer = 7 * param_bytes / profile.memory_bandwidth * profile.compute_scale
-    if profile.cores_per_node and ranks_per_node > profile.cores_per_node:
-        optimizer *= ranks_per_node / profile.cores_per_node
+    sharing = _core_sharing(profile, ranks_per_node)
+    optimizer = 7 * param_bytes / profile.memory_bandwidth * profile.compute_scale * sharing
     step = pipeline_time + dp_exposed + optimizer
     est.memory = worst_mem
     est.calls = worst_calls
