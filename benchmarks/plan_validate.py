@@ -276,9 +276,12 @@ def predict(rows, profile, ranks_per_node, ranks, cores):
             "oversubscribed": ranks > cores, "uncalibrated": _scores(rows, [r["uncalibrated_step_s"] for r in rows]),
             "repeat_tau_rounds": repeat_tau(rows, "rounds_step_s"), "repeat_tau_runs": repeat_tau(rows, "runs_step_s"),
             "without": {term: _scores(rows, [estimate(SHAPE, Layout(**r["layout"]), Profile.from_dict(
-                dict(profile.to_dict(), **{term: off})), ranks_per_node).time["step"] for r in rows])
-                for term, off in (("microbatch_cost", []), ("oversubscribed_tier", None), ("tp_replicated_s", 0.0),
-                                  ("sp_replicated_s", 0.0))}}
+                dict(profile.to_dict(), **off)), ranks_per_node).time["step"] for r in rows])
+                for term, off in (("microbatch_cost", {"microbatch_cost": []}),
+                                  ("oversubscribed_tier", {"oversubscribed_tier": None, "oversubscribed_groups": {}}),
+                                  ("oversubscribed_groups", {"oversubscribed_groups": {}}),
+                                  ("tp_replicated_s", {"tp_replicated_s": 0.0}),
+                                  ("sp_replicated_s", {"sp_replicated_s": 0.0}))}}
 
 
 def print_part(name, part):

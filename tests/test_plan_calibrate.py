@@ -11,6 +11,7 @@ import pytest
 
 import mpidist
 from mpidist.plan import Layout, ModelShape, Profile, estimate, load_profile
+from mpidist.plan.profile import Tier
 from mpidist.plan.calibrate import (PINGPONG_SIZES, TP_RANK_RUNS, calibrate_inter, fit_alpha_beta, fit_knobs,
                                     fit_microbatch_cost, fit_oversubscribed, fit_replicated_terms, fit_tp_replicated,
                                     with_inter_tier)
@@ -406,6 +407,75 @@ def test_oversubscribed_pipeline_messages_are_slower():
     base = estimate(SHAPE, layout, _profile(cores_per_node=2), 4).time["step"]
     over = estimate(SHAPE, layout, _profile(cores_per_node=2, oversubscribed_tier=OVER), 4).time["step"]
     assert 6 * extra * (1 - 1e-9) <= over - base <= 2 * 3 * 4 * extra * (1 + 1e-9)
+
+
+PAIR = {"latency_s": 30 * _INTRA.latency_s, "bandwidth": _INTRA.effective_bandwidth / 20}   # pairs: slower still
+
+
+@pytest.mark.parametrize("layout,pair_groups", [
+    (Layout(2, 2, 1, micro_batch=8), {"tp", "dp"}),                           # tp pairs and dp pairs
+    (Layout(1, 4, 1, micro_batch=16), set()),                                # one group of 4: not a pair
+    (Layout(1, 2, 2, micro_batch=4, num_micro=4, schedule="1f1b"), {"tp"})])   # tp pairs (the pipeline's below)
+def test_oversubscribed_calls_take_their_group_sizes_link(layout, pair_groups):
+    """A profile that measured pairs apart (``oversubscribed_groups``): a call over a pair takes the ring time on
+    the pairs' link, a call over 4 ranks the ``oversubscribed_tier`` (no entry for 4); the step moves by exactly
+    what the pairs' link adds over the all-ranks one."""
+    from mpidist.plan.volumes import calls_per_rank
+    calls = calls_per_rank(SHAPE, layout, 0)
+    with_pairs = _profile(cores_per_node=2, oversubscribed_tier=OVER, oversubscribed_groups={"2": PAIR})
+    assert with_pairs.oversubscribed_link(2) == Tier(PAIR["latency_s"], PAIR["bandwidth"])
+    assert with_pairs.oversubscribed_link(4) == Tier(OVER["latency_s"], OVER["bandwidth"])
+    assert _profile(cores_per_node=2).oversubscribed_link(2) is None
+    base = estimate(SHAPE, layout, _profile(cores_per_node=2, oversubscribed_tier=OVER), 4).time
+    paired = estimate(SHAPE, layout, with_pairs, 4).time
+    for group in ("tp", "dp"):
+        expected = (_ring(calls, layout, {group}, PAIR["latency_s"], PAIR["bandwidth"])
+                    - _ring(calls, layout, {group}, OVER["latency_s"], OVER["bandwidth"])) if group in pair_groups else 0
+        if layout.pp == 1:
+            assert paired[group] - base[group] == pytest.approx(expected, abs=1e-15)
+        elif group == "tp":   # a pipeline's tp calls go into its stages' F and B: the step grows by more
+            assert expected > 0 and paired["step"] - base["step"] >= expected * (1 - 1e-9)
+    assert (paired["tp"] > base["tp"]) == ("tp" in pair_groups)
+
+
+def test_oversubscribed_pipeline_messages_take_the_pairs_link():
+    """A point-to-point message between pipeline stages is a pair's: it takes the pairs' measured link."""
+    layout = Layout(1, 1, 4, micro_batch=1, num_micro=4, schedule="1f1b")
+    nbytes = 1 * SHAPE.seq * SHAPE.hidden * 4
+    extra = (collective_seconds("send", nbytes, 2, PAIR["latency_s"], PAIR["bandwidth"])
+             - collective_seconds("send", nbytes, 2, OVER["latency_s"], OVER["bandwidth"]))
+    base = estimate(SHAPE, layout, _profile(cores_per_node=2, oversubscribed_tier=OVER), 4).time["step"]
+    paired = estimate(SHAPE, layout, _profile(cores_per_node=2, oversubscribed_tier=OVER,
+                                              oversubscribed_groups={"2": PAIR}), 4).time["step"]
+    assert extra > 0 and 6 * extra * (1 - 1e-9) <= paired - base <= 2 * 3 * 4 * extra * (1 + 1e-9)
+
+
+def test_profile_keeps_the_oversubscribed_groups_and_refuses_bad_ones():
+    profile = _profile(oversubscribed_tier=OVER, oversubscribed_groups={"2": PAIR})
+    again = Profile.from_dict(profile.to_dict())
+    assert again.oversubscribed_groups == ((2, Tier(PAIR["latency_s"], PAIR["bandwidth"])),)
+    assert "oversubscribed_groups" not in _profile().to_dict()   # profiles without it are written as before
+    for bad, message in (({"1": PAIR}, r"oversubscribed_groups keys are group sizes >= 2 \(got '1'\)"),
+                         ({"pairs": PAIR}, r"keys are group sizes >= 2 \(got 'pairs'\)"),
+                         ({"2": {"latency_s": -1.0, "bandwidth": 1e9}},
+                          r"oversubscribed_groups\[2\] needs latency_s >= 0 and bandwidth > 0 \(got .*-1.0"),
+                         ({"2": {"latency_s": 1e-5}}, r"oversubscribed_groups\[2\] needs latency_s >= 0"),
+                         ([PAIR], r"oversubscribed_groups must be \{group size")):
+        with pytest.raises(ValueError, match=message):
+            _profile(oversubscribed_groups=bad)
+
+
+def test_measure_oversubscribed_times_each_group_size():
+    """On the simulated communicator (4 ranks): one series per group size (pairs and all 4), each of the sizes
+    asked for, seconds >= 0; sizes that do not divide the ranks are skipped."""
+    from mpidist import simulate
+    from mpidist.plan.calibrate import measure_oversubscribed
+    results = simulate(4, lambda comm: measure_oversubscribed(comm, sizes=(8, 4096), iterations=2,
+                                                              segment_flops=1e5, groups=(2, 3, 4), tries=1))
+    for result in results:
+        assert sorted(result) == ["2", "4"]
+        assert all([p[0] for p in points] == [8, 4096] and all(p[1] >= 0 for p in points)
+                   for points in result.values())
 
 
 def test_fit_oversubscribed_recovers_the_ring_allreduce():

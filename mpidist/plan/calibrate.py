@@ -8,7 +8,8 @@ steps of one shape over micro-batch sizes (``MICROBATCH_SWEEP``) give the micro-
 (``fit_microbatch_cost``), one tensor-parallel rank of declared shapes stepping alone beside them
 (``TP_RANK_RUNS``, its group's collectives local) gives ``tp_replicated_s`` and ``sp_replicated_s``
 (``fit_replicated_terms``), and ``2 x cores`` ranks timing a loop of work with and without allreduces of several
-sizes give the intra link as oversubscribed ranks see it (``measure_oversubscribed``). The
+sizes, over pairs and over all of them, give the intra link as oversubscribed groups of those sizes see it
+(``measure_oversubscribed``). The
 inter-node tier is the intra one until measured: run across two nodes, e.g.
 ``mpiexec -n 2 -hosts a,b python -m mpidist.plan.calibrate --inter BASE.json OUT.json``, the same ping-pong
 between ranks 0 and 1 (on different hosts) gives BASE's inter tier, written to OUT (``calibrate_inter``).
@@ -183,8 +184,11 @@ def calibrate(name="local", memory_bytes=None, inter=None, cores=None) -> dict:
         ranks = 2 * data["cores_per_node"]
         points = _run_measurement([mpiexec, "-n", str(ranks), sys.executable, "-m", "mpidist.plan.calibrate",
                                    "--oversubscribed"])
-        alpha, bandwidth = fit_oversubscribed(points, ranks)
+        fitted = {g: fit_oversubscribed(p, int(g)) for g, p in points.items()}
+        alpha, bandwidth = fitted[str(ranks)]
         data["oversubscribed_tier"] = {"latency_s": alpha, "bandwidth": bandwidth}
+        data["oversubscribed_groups"] = {g: {"latency_s": a, "bandwidth": b} for g, (a, b) in fitted.items()
+                                         if g != str(ranks)}
         data["fit"]["oversubscribed"] = {"ranks": ranks, "allreduce_bytes_extra_s": points}
     return data
 
@@ -363,36 +367,62 @@ def microbatch_curve(profile_data, measured):
 OVERSUBSCRIBED_SIZES = (8, 1 << 16, 1 << 18, 1 << 20)
 
 
-def measure_oversubscribed(comm, sizes=OVERSUBSCRIBED_SIZES, iterations=30, segment_flops=4e7):
-    """Return [[bytes, seconds], ...]: what one allreduce of that many bytes adds to a loop of ``segment_flops``
-    of matmul work per rank (about half a millisecond of a core) when ``comm``'s ranks outnumber the cores (run
-    it with twice the cores): the loop's time per iteration with the allreduce minus without it (the same work,
-    one barrier at the end), medians of 3 tries. The same work on every rank: no rank waits for a slower one."""
+def measure_oversubscribed(comm, sizes=OVERSUBSCRIBED_SIZES, iterations=100, segment_flops=4e7, groups=None,
+                           tries=5, stream_bytes=1 << 21):
+    """Return {group size: [[bytes, seconds], ...]}: what one allreduce of that many bytes over groups of that
+    size (consecutive ranks, every group at once, as tensor-parallel groups are laid out) adds to a loop of work
+    per rank when ``comm``'s ranks outnumber the cores (run it with twice the cores): the loop's time per
+    iteration with the allreduce minus without it (the same work, one barrier at the end), medians of ``tries``
+    tries. ``groups``: the sizes (default pairs and the whole of ``comm``). The work between calls is what a
+    training step's is made of: ``segment_flops`` of matmuls (about half a millisecond of a core) and one
+    elementwise pass over ``stream_bytes`` (more than a core's L2), the same on every rank, so no rank waits
+    for a slower one.
+
+    Measured on this machine (2026-11-28, 4 ranks on 2 cores, 100 iterations, medians of 5 tries): a pair's
+    256 KiB allreduce added 0.16-0.50 ms with matmuls alone between the calls and 0.27-0.54 ms with the
+    elementwise pass; 4 ranks' 1 MiB one 0.64-1.9 and 1.2-2.1 ms. Both still move between runs minutes apart.
+    The streaming work brings the loop nearer what a tensor-parallel layout's calls cost in real steps (its
+    step minus the same ranks stepping with local collectives: 13.7-14.1 ms for about 17 calls of 256-512 KiB)
+    (plausibly because an allreduce's copies then run against the other ranks' streaming, not cache-resident matmuls).
+    (25 iterations of 2 ms of matmuls varied by 2x; 30 of half a millisecond, the default until 2026-11-28,
+    by up to 2.7x at 1 MiB.)"""
     from mpi4py import MPI
     a = np.ones((128, 128), dtype=np.float32)
     reps = max(1, round(segment_flops / (2 * 128 ** 3)))
+    streamed = np.ones(max(1, stream_bytes // 4), dtype=np.float32)
+    scratch = np.empty_like(streamed)
+    size = comm.Get_size()
+    groups = sorted({g for g in (groups or (2, size)) if 2 <= g <= size and size % g == 0})
 
     def work():
         for _ in range(reps):
             a @ a
-    def loop(token):
+        np.multiply(streamed, 0.5, out=scratch)   # an elementwise op over activations: evicts the caches
+        np.add(scratch, streamed, out=scratch)
+
+    def loop(group, token):
         comm.Barrier()
         t0 = time.perf_counter()
         for _ in range(iterations):
             work()
             if token is not None:
-                comm.Allreduce(MPI.IN_PLACE, token)
+                group.Allreduce(MPI.IN_PLACE, token)
         comm.Barrier()
         return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / iterations
-    out = []
-    for size in sizes:
-        token = np.ones(max(1, size // 4), dtype=np.float32)
-        loop(token)   # warm-up
-        plain, synced = [], []
-        for _ in range(3):
-            plain.append(loop(None))
-            synced.append(loop(token))
-        out.append([size, max(0.0, float(np.median(synced) - np.median(plain)))])
+    out = {}
+    for g in groups:
+        group = comm.Split(comm.Get_rank() // g, comm.Get_rank())
+        points = []
+        for nbytes in sizes:
+            token = np.ones(max(1, nbytes // 4), dtype=np.float32)
+            loop(group, token)   # warm-up
+            plain, synced = [], []
+            for _ in range(tries):
+                plain.append(loop(group, None))
+                synced.append(loop(group, token))
+            points.append([nbytes, max(0.0, float(np.median(synced) - np.median(plain)))])
+        group.Free()
+        out[str(g)] = points
     return out
 
 

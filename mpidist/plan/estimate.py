@@ -174,15 +174,17 @@ def _core_sharing(profile: Profile, ranks_per_node: int) -> float:
 
 def _sync_waits(calls, groups, profile: Profile, layout: Layout, ranks_per_node: int) -> float:
     """Return what the calls of ``groups`` inside a node add when ranks outnumber cores: their time on the
-    profile's ``oversubscribed_tier`` (partners descheduled by the ranks sharing their cores) over that on the
-    intra tier (0 when not oversubscribed or not measured)."""
-    over = profile.oversubscribed_tier
-    if over is None or not _oversubscribed(profile, ranks_per_node):
+    profile's oversubscribed link for their group's size (``Profile.oversubscribed_link``: partners descheduled
+    by the ranks sharing their cores) over that on the intra tier (0 when not oversubscribed or not measured)."""
+    if not _oversubscribed(profile, ranks_per_node):
         return 0.0
     intra, extra = profile.tiers["intra"], 0.0
     for c in calls:
         if c.group in groups and _inner_span(layout, c.group) <= ranks_per_node:
             n = _group_size(layout, c.group)
+            over = profile.oversubscribed_link(n)
+            if over is None:
+                continue
             extra += c.count * max(0.0, collective_seconds(c.op, c.nbytes, n, over.latency_s, over.bandwidth)
                                    - collective_seconds(c.op, c.nbytes, n, intra.latency_s,
                                                         intra.effective_bandwidth))

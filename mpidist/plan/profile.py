@@ -33,7 +33,12 @@ Glossary:
 - ``oversubscribed_tier``: the intra-node link as twice as many ranks as cores see it (``--calibrate`` times
   allreduces of several sizes between equal work, with ``2 x cores`` ranks): a transfer moves only while both
   partners hold a core, and a waiting rank busy-polls (MPICH) on its own share; used for the groups inside a node
-  when ranks outnumber cores (absent: the intra tier).
+  when ranks outnumber cores (absent: the intra tier). ``oversubscribed_groups`` (``{group size: tier}``, measured
+  the same way on groups of that size, all stepping at once): the link as a group of that size sees it, used
+  for calls over groups of that size in place of ``oversubscribed_tier``. The ring formula fitted at 4 ranks
+  gives a pair a third of the latency steps and two thirds of the bytes; measured on this machine (4 ranks on
+  2 cores, 2026-11-28) a pair's allreduce cost 50-75% of 4 ranks' at 256 KiB and about 75% at 8 bytes, so pairs
+  are measured, not extrapolated.
 - ``halving_doubling_allreduce``: the MPI library's allreduce is recursive halving (reduce-scatter) then
   recursive doubling (allgather), as MPICH's is above 2 KiB: over a group with several ranks on each of several
   nodes (block placement) the steps between nodes come last in the halving, at the smallest pieces, so a node's
@@ -105,6 +110,12 @@ class Profile:
     multi_rail: bool = False   # a group's collectives cross a node on all its ranks' links at once (NCCL)
     tp_replicated_s: float = 0.0   # measured: a TP rank's replicated work, seconds per token x hidden per block
     sp_replicated_s: float = 0.0   # measured: the same under sequence parallelism (its gathers' whole arrays)
+    oversubscribed_groups: Tuple[Tuple[int, Tier], ...] = ()   # measured: ((group size, tier), ...) when oversubscribed
+
+    def oversubscribed_link(self, group_size: int) -> Optional[Tier]:
+        """Return the intra link as an oversubscribed group of ``group_size`` ranks sees it: the tier measured on
+        groups of that size, else ``oversubscribed_tier`` (None when neither was measured)."""
+        return dict(self.oversubscribed_groups).get(group_size, self.oversubscribed_tier)
 
     def efficiency(self, gemm_flops: float) -> float:
         """Return the share of peak a GEMM of ``gemm_flops`` FLOPs reaches (log-linear interpolation)."""
@@ -133,7 +144,10 @@ class Profile:
                     "latency_s": self.oversubscribed_tier.latency_s,
                     "bandwidth": self.oversubscribed_tier.bandwidth},
                 "halving_doubling_allreduce": self.halving_doubling_allreduce, "multi_rail": self.multi_rail,
-                **{k: getattr(self, k) for k in ("tp_replicated_s", "sp_replicated_s") if getattr(self, k)}}
+                **{k: getattr(self, k) for k in ("tp_replicated_s", "sp_replicated_s") if getattr(self, k)},
+                **({"oversubscribed_groups": {str(n): {"latency_s": t.latency_s, "bandwidth": t.bandwidth}
+                                             for n, t in self.oversubscribed_groups}}
+                   if self.oversubscribed_groups else {})}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "profile") -> "Profile":
@@ -151,9 +165,16 @@ class Profile:
                              f"increasing sizes (got {data['microbatch_cost']!r:.200})")
         over = data.get("oversubscribed_tier")
         if over is not None:
-            if not (float(over.get("latency_s", -1)) >= 0 and float(over.get("bandwidth", 0)) > 0):
-                raise ValueError(f"{where}: oversubscribed_tier needs latency_s >= 0 and bandwidth > 0 (got {over})")
-            over = Tier(float(over["latency_s"]), float(over["bandwidth"]))
+            over = _measured_tier(over, f"{where}: oversubscribed_tier")
+        groups = data.get("oversubscribed_groups") or {}
+        if not isinstance(groups, dict):
+            raise ValueError(f"{where}: oversubscribed_groups must be {{group size: {{latency_s, bandwidth}}}} "
+                             f"(got {groups!r:.200})")
+        by_size = []
+        for size, tier in sorted(groups.items(), key=lambda kv: str(kv[0])):
+            if not str(size).isdigit() or int(size) < 2:
+                raise ValueError(f"{where}: oversubscribed_groups keys are group sizes >= 2 (got {size!r})")
+            by_size.append((int(size), _measured_tier(tier, f"{where}: oversubscribed_groups[{size}]")))
         tiers = {}
         for name in ("intra", "inter"):
             t = data["tiers"].get(name)
@@ -164,7 +185,7 @@ class Profile:
         known = set(required) | {"elementwise_factor", "cores_per_node", "compute_scale", "layer_overhead_s",
                                  "source", "fit", "validated", "description", "microbatch_cost",
                                  "oversubscribed_tier", "halving_doubling_allreduce", "multi_rail", "tp_replicated_s",
-                                 "sp_replicated_s"}
+                                 "sp_replicated_s", "oversubscribed_groups"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
@@ -191,7 +212,7 @@ class Profile:
                    float(data.get("elementwise_factor", 3.0)), data.get("cores_per_node"),
                    float(data.get("compute_scale", 1.0)), data.get("source", ""), dict(data.get("fit", {})),
                    float(data.get("layer_overhead_s", 0.0)), dict(data.get("validated", {})), mb_cost, over,
-                   halving, rails, *replicated)
+                   halving, rails, *replicated, oversubscribed_groups=tuple(sorted(by_size)))
 
     def out_of_range(self, ranks: int, parameters: int, layout) -> List[str]:
         """Return why a plan of ``layout`` (a ``Layout``) on ``ranks`` ranks of a ``parameters``-parameter model is
@@ -215,6 +236,17 @@ class Profile:
         if out and v.get("source"):
             out.append(f"validated on: {v['source']}")
         return out
+
+
+def _measured_tier(data, where: str) -> Tier:
+    """Return the ``Tier`` of a measured ``{latency_s, bandwidth}`` (clear error on anything else)."""
+    try:
+        latency, bandwidth = float(data["latency_s"]), float(data["bandwidth"])
+    except (TypeError, KeyError, ValueError):
+        latency = bandwidth = float("nan")
+    if not (latency >= 0 and bandwidth > 0):
+        raise ValueError(f"{where} needs latency_s >= 0 and bandwidth > 0 (got {data!r:.200})")
+    return Tier(latency, bandwidth)
 
 
 def profile_names() -> List[str]:
