@@ -455,27 +455,88 @@ def test_profile_keeps_the_oversubscribed_groups_and_refuses_bad_ones():
     again = Profile.from_dict(profile.to_dict())
     assert again.oversubscribed_groups == ((2, Tier(PAIR["latency_s"], PAIR["bandwidth"])),)
     assert "oversubscribed_groups" not in _profile().to_dict()   # profiles without it are written as before
-    for bad, message in (({"1": PAIR}, r"oversubscribed_groups keys are group sizes >= 2 \(got '1'\)"),
-                         ({"pairs": PAIR}, r"keys are group sizes >= 2 \(got 'pairs'\)"),
+    for bad, message in (({"1": PAIR}, r"oversubscribed_groups keys are group sizes >= 2 written as integers "
+                                        r"\(got '1'\)"),
+                         ({"pairs": PAIR}, r"keys are group sizes >= 2 written as integers \(got 'pairs'\)"),
                          ({"2": {"latency_s": -1.0, "bandwidth": 1e9}},
                           r"oversubscribed_groups\[2\] needs latency_s >= 0 and bandwidth > 0 \(got .*-1.0"),
                          ({"2": {"latency_s": 1e-5}}, r"oversubscribed_groups\[2\] needs latency_s >= 0"),
+                         ({"\u00b2": PAIR}, r"keys are group sizes >= 2 written as integers \(got '\u00b2'\)"),
+                         ({"02": PAIR}, r"keys are group sizes >= 2 written as integers \(got '02'\)"),
+                         ({"2": PAIR, 2: OVER}, r"oversubscribed_groups has group size 2 twice \(keys \['2', '2'\]\)"),
                          ([PAIR], r"oversubscribed_groups must be \{group size")):
         with pytest.raises(ValueError, match=message):
             _profile(oversubscribed_groups=bad)
 
 
+class _SplitSpy:
+    """A communicator that records the members of each communicator its ``Split`` returns (every rank's)."""
+
+    def __init__(self, comm):
+        self._comm, self.groups = comm, []
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def Split(self, color, key=0):
+        group = self._comm.Split(color, key)
+        self.groups.append(group.allgather(self._comm.Get_rank()))
+        return group
+
+
 def test_measure_oversubscribed_times_each_group_size():
-    """On the simulated communicator (4 ranks): one series per group size (pairs and all 4), each of the sizes
-    asked for, seconds >= 0; sizes that do not divide the ranks are skipped."""
+    """On the simulated communicator (4 ranks): one series per group size, pairs of consecutive ranks and all 4
+    (as tensor-parallel groups are laid out), each of the sizes asked for, seconds >= 0."""
     from mpidist import simulate
     from mpidist.plan.calibrate import measure_oversubscribed
-    results = simulate(4, lambda comm: measure_oversubscribed(comm, sizes=(8, 4096), iterations=2,
-                                                              segment_flops=1e5, groups=(2, 3, 4), tries=1))
-    for result in results:
+
+    def run(comm):
+        spy = _SplitSpy(comm)
+        result = measure_oversubscribed(spy, sizes=(8, 4096), iterations=2, segment_flops=1e5, tries=1,
+                                        stream_bytes=1 << 12)
+        return result, spy.groups
+    for rank, (result, groups) in enumerate(simulate(4, run)):
         assert sorted(result) == ["2", "4"]
         assert all([p[0] for p in points] == [8, 4096] and all(p[1] >= 0 for p in points)
                    for points in result.values())
+        assert groups == [[rank // 2 * 2, rank // 2 * 2 + 1], [0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("groups", [(2, 3), (1, 4), (8,), (2.0,)])
+def test_measure_oversubscribed_refuses_group_sizes_it_cannot_form(groups):
+    """Group sizes asked for that do not divide the ranks (or are under 2, over them, not integers): a clear
+    error on every rank, before any timing."""
+    from mpidist import simulate
+    from mpidist.plan.calibrate import measure_oversubscribed
+
+    def run(comm):
+        with pytest.raises(ValueError, match=r"measure_oversubscribed: group sizes must be integers from 2 to the "
+                                             r"4 ranks dividing them \(got \["):
+            measure_oversubscribed(comm, sizes=(8,), iterations=1, segment_flops=1e5, groups=groups, tries=1)
+        return True
+    assert simulate(4, run) == [True] * 4
+
+
+def test_oversubscribed_entries_are_the_all_ranks_tier_and_the_other_sizes():
+    """Times made by the ring formula with one (alpha, bandwidth) for pairs and another for all 4 ranks: the
+    profile entries give back each, the 4-rank one as ``oversubscribed_tier``, and load as a profile."""
+    from mpidist.plan.calibrate import oversubscribed_entries
+    sizes = (8, 1 << 16, 1 << 18, 1 << 20)
+    made = {"2": (3e-5, 2e9), "4": (1e-5, 1e9)}
+    points = {g: [[b, collective_seconds("allreduce", b, int(g), *made[g])] for b in sizes] for g in made}
+    entries, record = oversubscribed_entries(points, 4)
+    assert entries["oversubscribed_tier"] == pytest.approx(dict(zip(("latency_s", "bandwidth"),
+                                                                    fit_oversubscribed(points["4"], 4))))
+    assert list(entries["oversubscribed_groups"]) == ["2"]
+    assert entries["oversubscribed_groups"]["2"]["bandwidth"] == pytest.approx(2e9, rel=1e-6)
+    assert entries["oversubscribed_tier"]["bandwidth"] == pytest.approx(1e9, rel=1e-6)
+    assert record == {"ranks": 4, "allreduce_bytes_extra_s": points}
+    profile = _profile(cores_per_node=2, **entries)
+    assert profile.oversubscribed_link(2).bandwidth == pytest.approx(2e9, rel=1e-6)
+    assert profile.oversubscribed_link(4).bandwidth == pytest.approx(1e9, rel=1e-6)
+    with pytest.raises(ValueError, match=r"oversubscribed_entries: no series over all 4 ranks \(got group sizes "
+                                         r"\['2'\]\)"):
+        oversubscribed_entries({"2": points["2"]}, 4)
 
 
 def test_fit_oversubscribed_recovers_the_ring_allreduce():

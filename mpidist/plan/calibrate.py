@@ -28,6 +28,7 @@ import numpy as np
 __all__ = ["measure_matmul_curve", "measure_memory_bandwidth", "measure_link", "measure_pingpong", "fit_alpha_beta",
            "calibrate", "calibrate_inter", "with_inter_tier", "fit_knobs", "machine_busy_seconds", "quiet_median",
            "fit_microbatch_cost", "microbatch_curve", "measure_oversubscribed", "fit_oversubscribed",
+           "oversubscribed_entries",
            "interleaved_medians", "halving_doubling_allreduce", "fit_tp_replicated", "fit_replicated_terms",
            "CALIBRATION_RUNS", "MICROBATCH_SWEEP", "TP_RANK_RUNS"]
 
@@ -184,12 +185,8 @@ def calibrate(name="local", memory_bytes=None, inter=None, cores=None) -> dict:
         ranks = 2 * data["cores_per_node"]
         points = _run_measurement([mpiexec, "-n", str(ranks), sys.executable, "-m", "mpidist.plan.calibrate",
                                    "--oversubscribed"])
-        fitted = {g: fit_oversubscribed(p, int(g)) for g, p in points.items()}
-        alpha, bandwidth = fitted[str(ranks)]
-        data["oversubscribed_tier"] = {"latency_s": alpha, "bandwidth": bandwidth}
-        data["oversubscribed_groups"] = {g: {"latency_s": a, "bandwidth": b} for g, (a, b) in fitted.items()
-                                         if g != str(ranks)}
-        data["fit"]["oversubscribed"] = {"ranks": ranks, "allreduce_bytes_extra_s": points}
+        entries, data["fit"]["oversubscribed"] = oversubscribed_entries(points, ranks)
+        data.update(entries)
     return data
 
 
@@ -369,35 +366,44 @@ OVERSUBSCRIBED_SIZES = (8, 1 << 16, 1 << 18, 1 << 20)
 
 def measure_oversubscribed(comm, sizes=OVERSUBSCRIBED_SIZES, iterations=100, segment_flops=4e7, groups=None,
                            tries=5, stream_bytes=1 << 21):
-    """Return {group size: [[bytes, seconds], ...]}: what one allreduce of that many bytes over groups of that
-    size (consecutive ranks, every group at once, as tensor-parallel groups are laid out) adds to a loop of work
-    per rank when ``comm``'s ranks outnumber the cores (run it with twice the cores): the loop's time per
-    iteration with the allreduce minus without it (the same work, one barrier at the end), medians of ``tries``
-    tries. ``groups``: the sizes (default pairs and the whole of ``comm``). The work between calls is what a
-    training step's is made of: ``segment_flops`` of matmuls (about half a millisecond of a core) and one
-    elementwise pass over ``stream_bytes`` (more than a core's L2), the same on every rank, so no rank waits
-    for a slower one.
+    """Return {"<group size>": [[bytes, seconds], ...]} (string keys, as JSON writes them): what one allreduce
+    of that many bytes over groups of that size (consecutive ranks, every group at once, as tensor-parallel
+    groups are laid out) adds to a loop of work per rank when ``comm``'s ranks outnumber the cores (run it with
+    twice the cores): the loop's time per iteration with the allreduce minus without it (the same work, one
+    barrier at the end), medians of ``tries`` tries. ``groups``: the sizes (default pairs and the whole of
+    ``comm``, each where it divides the ranks; sizes given that do not are an error). The work between calls is
+    what a training step's is made of: ``segment_flops`` of matmuls (about half a millisecond of a core) and one
+    elementwise pass over ``stream_bytes`` (more than a core's L2), the same on every rank, so no rank waits for
+    a slower one.
 
-    Measured on this machine (2026-11-28, 4 ranks on 2 cores, 100 iterations, medians of 5 tries): a pair's
-    256 KiB allreduce added 0.16-0.50 ms with matmuls alone between the calls and 0.27-0.54 ms with the
-    elementwise pass; 4 ranks' 1 MiB one 0.64-1.9 and 1.2-2.1 ms. Both still move between runs minutes apart.
-    The streaming work brings the loop nearer what a tensor-parallel layout's calls cost in real steps (its
-    step minus the same ranks stepping with local collectives: 13.7-14.1 ms for about 17 calls of 256-512 KiB)
-    (plausibly because an allreduce's copies then run against the other ranks' streaming, not cache-resident matmuls).
-    (25 iterations of 2 ms of matmuls varied by 2x; 30 of half a millisecond, the default until 2026-11-28,
-    by up to 2.7x at 1 MiB.)"""
+    Measured on this machine (2026-11-28, 4 ranks on 2 cores, 100 iterations, medians of 5 tries; the runs are
+    in docs/plan_validate_s14_oversubscribed_loops.json): a pair's 256 KiB allreduce added 0.16-0.50 ms with
+    matmuls alone between the calls and 0.27-0.54 ms with the elementwise pass; 4 ranks' 1 MiB one 0.64-1.93
+    and 1.42-2.10 ms. Both still move between runs minutes apart. With the pass the loop comes nearer what a
+    tensor-parallel layout's calls cost in real steps (its step minus the same ranks stepping with local
+    collectives: 13.7-14.1 ms for 18 calls of 256 KiB, dp2 x tp2, or 512 KiB, tp4, and 2 small ones),
+    plausibly because an allreduce's copies then compete with the other ranks' streaming rather than with
+    cache-resident matmuls. 25 iterations of 2 ms of matmuls varied by 2x; 30 of half a millisecond, the
+    default until 2026-11-28, by up to 2.7x at 1 MiB. The step takes about 20 s with 4 ranks (was about 1 s)."""
     from mpi4py import MPI
     a = np.ones((128, 128), dtype=np.float32)
     reps = max(1, round(segment_flops / (2 * 128 ** 3)))
     streamed = np.ones(max(1, stream_bytes // 4), dtype=np.float32)
     scratch = np.empty_like(streamed)
     size = comm.Get_size()
-    groups = sorted({g for g in (groups or (2, size)) if 2 <= g <= size and size % g == 0})
+    if groups is None:
+        groups = [g for g in sorted({2, size}) if 2 <= g <= size and size % g == 0]
+    else:
+        groups = sorted(set(groups))
+        bad = [g for g in groups if not (isinstance(g, int) and 2 <= g <= size and size % g == 0)]
+        if bad:
+            raise ValueError(f"measure_oversubscribed: group sizes must be integers from 2 to the {size} ranks "
+                             f"dividing them (got {bad} of {groups})")
 
     def work():
         for _ in range(reps):
             a @ a
-        np.multiply(streamed, 0.5, out=scratch)   # an elementwise op over activations: evicts the caches
+        np.multiply(streamed, 0.5, out=scratch)   # an elementwise op over activations: evicts L2
         np.add(scratch, streamed, out=scratch)
 
     def loop(group, token):
@@ -411,7 +417,7 @@ def measure_oversubscribed(comm, sizes=OVERSUBSCRIBED_SIZES, iterations=100, seg
         return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / iterations
     out = {}
     for g in groups:
-        group = comm.Split(comm.Get_rank() // g, comm.Get_rank())
+        group = comm.Split(comm.Get_rank() // g, comm.Get_rank())   # consecutive ranks, as tp groups are
         points = []
         for nbytes in sizes:
             token = np.ones(max(1, nbytes // 4), dtype=np.float32)
@@ -424,6 +430,20 @@ def measure_oversubscribed(comm, sizes=OVERSUBSCRIBED_SIZES, iterations=100, seg
         group.Free()
         out[str(g)] = points
     return out
+
+
+def oversubscribed_entries(points, ranks):
+    """Return (profile entries, fit record) of ``measure_oversubscribed``'s ``points`` over ``ranks`` ranks: the
+    series of all the ranks is ``oversubscribed_tier``, each other group size's an ``oversubscribed_groups`` entry
+    (``fit_oversubscribed`` at that size)."""
+    if str(ranks) not in points:
+        raise ValueError(f"oversubscribed_entries: no series over all {ranks} ranks (got group sizes {sorted(points)})")
+    fitted = {size: fit_oversubscribed(series, int(size)) for size, series in points.items()}
+    alpha, bandwidth = fitted[str(ranks)]
+    entries = {"oversubscribed_tier": {"latency_s": alpha, "bandwidth": bandwidth},
+               "oversubscribed_groups": {size: {"latency_s": a, "bandwidth": b} for size, (a, b) in fitted.items()
+                                         if size != str(ranks)}}
+    return entries, {"ranks": ranks, "allreduce_bytes_extra_s": points}
 
 
 def fit_oversubscribed(points, ranks):

@@ -63,7 +63,8 @@ _DP_GROUPS = {"dp", "dp_shard", "dp_replicate", "tied", "dp_node", "dp_leaders"}
 
 
 def _group_size(layout: Layout, group: str) -> int:
-    # dp_node and dp_leaders (the node-aware 16-bit hooks) carry only point-to-point messages: their size is moot
+    # pp, tied, dp_node and dp_leaders (the node-aware 16-bit hooks) carry point-to-point messages: 2 ranks,
+    # which also picks the oversubscribed link measured on pairs (Profile.oversubscribed_link)
     return {"tp": layout.tp, "pp": 2, "dp": layout.dp, "tied": 2, "dp_shard": layout.shard_group,
             "dp_replicate": layout.dp // max(1, layout.shard_group), "dp_node": 2, "dp_leaders": 2}[group]
 

@@ -35,10 +35,11 @@ Glossary:
   partners hold a core, and a waiting rank busy-polls (MPICH) on its own share; used for the groups inside a node
   when ranks outnumber cores (absent: the intra tier). ``oversubscribed_groups`` (``{group size: tier}``, measured
   the same way on groups of that size, all stepping at once): the link as a group of that size sees it, used
-  for calls over groups of that size in place of ``oversubscribed_tier``. The ring formula fitted at 4 ranks
-  gives a pair a third of the latency steps and two thirds of the bytes; measured on this machine (4 ranks on
-  2 cores, 2026-11-28) a pair's allreduce cost 50-75% of 4 ranks' at 256 KiB and about 75% at 8 bytes, so pairs
-  are measured, not extrapolated.
+  for calls over groups of that size in place of ``oversubscribed_tier``; every 2-rank group takes the pairs'
+  link, the point-to-point ones (pipeline stages, the tied embedding's pair, the node-aware hooks) included. The
+  ring formula fitted at 4 ranks gives a pair a third of the latency steps and two thirds of the bytes; what a
+  pair costs under oversubscription is measured instead (two calibrations on this machine, 2026-11-28: 37% and
+  75% of 4 ranks' at 8 bytes, 38% and 48% at 256 KiB).
 - ``halving_doubling_allreduce``: the MPI library's allreduce is recursive halving (reduce-scatter) then
   recursive doubling (allgather), as MPICH's is above 2 KiB: over a group with several ranks on each of several
   nodes (block placement) the steps between nodes come last in the halving, at the smallest pieces, so a node's
@@ -170,11 +171,16 @@ class Profile:
         if not isinstance(groups, dict):
             raise ValueError(f"{where}: oversubscribed_groups must be {{group size: {{latency_s, bandwidth}}}} "
                              f"(got {groups!r:.200})")
-        by_size = []
-        for size, tier in sorted(groups.items(), key=lambda kv: str(kv[0])):
-            if not str(size).isdigit() or int(size) < 2:
-                raise ValueError(f"{where}: oversubscribed_groups keys are group sizes >= 2 (got {size!r})")
-            by_size.append((int(size), _measured_tier(tier, f"{where}: oversubscribed_groups[{size}]")))
+        by_size = {}
+        for size, tier in groups.items():
+            text = str(size)
+            if not (text.isdecimal() and text == str(int(text)) and int(text) >= 2):
+                raise ValueError(f"{where}: oversubscribed_groups keys are group sizes >= 2 written as integers "
+                                 f"(got {size!r})")
+            if int(text) in by_size:
+                raise ValueError(f"{where}: oversubscribed_groups has group size {int(text)} twice (keys "
+                                 f"{sorted(map(str, groups))})")
+            by_size[int(text)] = _measured_tier(tier, f"{where}: oversubscribed_groups[{size}]")
         tiers = {}
         for name in ("intra", "inter"):
             t = data["tiers"].get(name)
@@ -212,7 +218,7 @@ class Profile:
                    float(data.get("elementwise_factor", 3.0)), data.get("cores_per_node"),
                    float(data.get("compute_scale", 1.0)), data.get("source", ""), dict(data.get("fit", {})),
                    float(data.get("layer_overhead_s", 0.0)), dict(data.get("validated", {})), mb_cost, over,
-                   halving, rails, *replicated, oversubscribed_groups=tuple(sorted(by_size)))
+                   halving, rails, *replicated, oversubscribed_groups=tuple(sorted(by_size.items())))
 
     def out_of_range(self, ranks: int, parameters: int, layout) -> List[str]:
         """Return why a plan of ``layout`` (a ``Layout``) on ``ranks`` ranks of a ``parameters``-parameter model is
