@@ -384,7 +384,7 @@ def measure_oversubscribed(comm, sizes=OVERSUBSCRIBED_SIZES, iterations=100, seg
     collectives: 13.7-14.1 ms for 18 calls of 256 KiB, dp2 x tp2, or 512 KiB, tp4, and 2 small ones),
     plausibly because an allreduce's copies then compete with the other ranks' streaming rather than with
     cache-resident matmuls. 25 iterations of 2 ms of matmuls varied by 2x; 30 of half a millisecond, the
-    default until 2026-11-28, by up to 2.7x at 1 MiB. The step takes about 20 s with 4 ranks (was about 1 s)."""
+    default until 2026-11-28, by up to 2.7x at 1 MiB. The step took 17 s with 4 ranks (was a few seconds)."""
     from mpi4py import MPI
     a = np.ones((128, 128), dtype=np.float32)
     reps = max(1, round(segment_flops / (2 * 128 ** 3)))
