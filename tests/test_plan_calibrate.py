@@ -492,12 +492,12 @@ def test_measure_oversubscribed_times_each_group_size():
 
     def run(comm):
         spy = _SplitSpy(comm)
-        result = measure_oversubscribed(spy, sizes=(8, 4096), iterations=2, segment_flops=1e5, tries=1,
+        result = measure_oversubscribed(spy, sizes=(8,), iterations=1, segment_flops=1e5, tries=1,
                                         stream_bytes=1 << 12)
         return result, spy.groups
     for rank, (result, groups) in enumerate(simulate(4, run)):
         assert sorted(result) == ["2", "4"]
-        assert all([p[0] for p in points] == [8, 4096] and all(p[1] >= 0 for p in points)
+        assert all([p[0] for p in points] == [8] and all(p[1] >= 0 for p in points)
                    for points in result.values())
         assert groups == [[rank // 2 * 2, rank // 2 * 2 + 1], [0, 1, 2, 3]]
 
