@@ -141,13 +141,11 @@ class Profile:
                               "ranks_per_link": t.ranks_per_link}
                           for k, t in self.tiers.items()}, "fit": self.fit, "validated": self.validated,
                 "microbatch_cost": [list(p) for p in self.microbatch_cost],
-                "oversubscribed_tier": None if self.oversubscribed_tier is None else {
-                    "latency_s": self.oversubscribed_tier.latency_s,
-                    "bandwidth": self.oversubscribed_tier.bandwidth},
+                "oversubscribed_tier": None if self.oversubscribed_tier is None else _measured_dict(
+                    self.oversubscribed_tier),
                 "halving_doubling_allreduce": self.halving_doubling_allreduce, "multi_rail": self.multi_rail,
                 **{k: getattr(self, k) for k in ("tp_replicated_s", "sp_replicated_s") if getattr(self, k)},
-                **({"oversubscribed_groups": {str(n): {"latency_s": t.latency_s, "bandwidth": t.bandwidth}
-                                             for n, t in self.oversubscribed_groups}}
+                **({"oversubscribed_groups": {str(n): _measured_dict(t) for n, t in self.oversubscribed_groups}}
                    if self.oversubscribed_groups else {})}
 
     @classmethod
@@ -242,6 +240,11 @@ class Profile:
         if out and v.get("source"):
             out.append(f"validated on: {v['source']}")
         return out
+
+
+def _measured_dict(tier: Tier) -> dict:
+    """Return a measured tier as its profile entry (``_measured_tier`` reads it back)."""
+    return {"latency_s": tier.latency_s, "bandwidth": tier.bandwidth}
 
 
 def _measured_tier(data, where: str) -> Tier:
