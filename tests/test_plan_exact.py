@@ -65,25 +65,25 @@ LAYOUTS_4 = [
 ]
 
 
-def planned(layout, position, ranks_per_node=0, node_rank=0):
+def planned(layout, position, ranks_per_node=0, node_rank=0, shape=SHAPE):
     """The planner's calls as the trace records them: a pipeline receive's size is unknown when it is posted (-1);
     the 16-bit ring's receives are posted into buffers of known size."""
     out = Counter()
-    for c in calls_per_rank(SHAPE, layout, position, ranks_per_node, node_rank):
+    for c in calls_per_rank(shape, layout, position, ranks_per_node, node_rank):
         out[(c.op, -1 if c.op == "recv" and c.group == "pp" else c.nbytes)] += c.count
     return out
 
 
-def check_layout(comm, layout, ranks_per_node=0, node_rank=0):
-    run = LayoutRun(SHAPE, layout, comm)
+def check_layout(comm, layout, ranks_per_node=0, node_rank=0, shape=SHAPE):
+    run = LayoutRun(shape, layout, comm)
     run.step()   # the first step allocates (optimizer state, buckets); the traced one is a steady step
     measured = traced_calls(run, comm)
     position = run.grid.pp_rank
-    want = planned(layout, position, ranks_per_node, node_rank)
+    want = planned(layout, position, ranks_per_node, node_rank, shape)
     assert measured == want, (f"{layout.name()} rank {comm.Get_rank()}: measured only {sorted((measured - want).items())}"
                               f", planned only {sorted((want - measured).items())}")
     # the gradients the optimizer is handed after backward (at the step's peak some are not allocated yet)
-    memory = dict(memory_per_rank(SHAPE, layout, position), grads=gradient_bytes(SHAPE, layout, position))
+    memory = dict(memory_per_rank(shape, layout, position), grads=gradient_bytes(shape, layout, position))
     stats = run.interface.memory_stats(run.opt)
     if isinstance(run.wrapper, FSDP):
         got = {"params": stats["param_shard_bytes"], "grads": stats["grad_shard_bytes"],
@@ -108,6 +108,21 @@ def test_planned_calls_equal_wrappers_2_ranks(comm, layout):
 @pytest.mark.parametrize("layout", LAYOUTS_4, ids=lambda lay: lay.name().replace(" ", "-"))
 def test_planned_calls_equal_wrappers_4_ranks(comm, layout):
     check_layout(comm, layout)
+
+
+# Llama's MLP: SwiGLU of 40 units (not a multiple of the width), no biases, untied head; grouped-query attention
+SWIGLU = replace(SHAPE, mlp="swiglu", ffn=40, bias=False, tie_weights=False, kv_heads=2)
+
+
+@pytest.mark.world_sizes(2)
+@pytest.mark.parametrize("layout", [Layout(2, 1, 1), Layout(2, 1, 1, "fsdp", num_micro=2),
+                                    Layout(1, 2, 1, sequence_parallel=True, param_dtype="bfloat16"),
+                                    Layout(1, 1, 2, num_micro=2, schedule="1f1b")],
+                         ids=lambda lay: lay.name().replace(" ", "-"))
+def test_planned_calls_equal_wrappers_with_a_swiglu_mlp(comm, layout):
+    """A SwiGLU MLP's fused gate and up change DDP's buckets, FSDP's units and the parameter and optimizer bytes:
+    the traced calls and the wrappers' own byte counts EQUAL the plan's."""
+    check_layout(comm, layout, shape=SWIGLU)
 
 
 NODE_AWARE = [   # (layout, ranks per simulated node, whether the 16-bit hooks' "auto" goes node-aware)
@@ -342,15 +357,21 @@ def block_graph_bytes(shape, layout):
     return kept[0] - kept[1]
 
 
-@pytest.mark.parametrize("tp,sequence_parallel,kv_heads,dropout", [
-    (1, False, None, 0.0), (2, False, None, 0.0), (2, True, None, 0.0), (4, False, None, 0.0), (4, True, None, 0.0),
-    (1, False, 2, 0.0), (2, True, 2, 0.0), (1, False, None, 0.1), (2, True, None, 0.1)], ids=lambda v: str(v))
-def test_activation_bytes_equal_one_blocks_saved_arrays(tp, sequence_parallel, kv_heads, dropout):
+@pytest.mark.parametrize("tp,sequence_parallel,kv_heads,dropout,mlp", [
+    (1, False, None, 0.0, "gelu"), (2, False, None, 0.0, "gelu"), (2, True, None, 0.0, "gelu"),
+    (4, False, None, 0.0, "gelu"), (4, True, None, 0.0, "gelu"), (1, False, 2, 0.0, "gelu"), (2, True, 2, 0.0, "gelu"),
+    (1, False, None, 0.1, "gelu"), (2, True, None, 0.1, "gelu"),
+    (1, False, None, 0.0, "swiglu"), (2, True, None, 0.0, "swiglu"), (2, False, 2, 0.1, "swiglu"),
+    (4, True, None, 0.1, "swiglu")],
+    ids=lambda v: str(v))
+def test_activation_bytes_equal_one_blocks_saved_arrays(tp, sequence_parallel, kv_heads, dropout, mlp):
     """For every precision, recompute mode and micro-batch size: the bytes one block's real ops keep for backward
     (norms' xhat and statistics, linears' inputs, attention's qkv, output and probabilities, GELU's input and
     half-tanh; float32 copies of 16-bit norm weights) EQUAL ``activation_bytes(shape, layout, ["blocks.0"])``;
-    with grouped-query attention too (2 k/v heads for 4 heads), and with dropout (its masks, 1 byte each)."""
-    shape = ModelShape(layers=1, hidden=16, heads=4, vocab=37, seq=8, kv_heads=kv_heads, dropout=dropout)
+    with grouped-query attention too (2 k/v heads for 4 heads), with dropout (its masks, 1 byte each) and with a
+    SwiGLU MLP (its fused gate and up, 2 x 24 units: not a multiple of the width)."""
+    shape = ModelShape(layers=1, hidden=16, heads=4, vocab=37, seq=8, kv_heads=kv_heads, dropout=dropout, mlp=mlp,
+                       ffn=24 if mlp == "swiglu" else None)
     for dtype, precision in PRECISIONS:
         for recompute in ("none", "selective", "full"):
             for micro_batch in (1, 2):

@@ -358,6 +358,17 @@ def test_grouped_query_attention_trains_like_one_process(comm):
     train_on_mesh(comm, 1, comm.Get_size(), 1, True, n_head=8, n_kv_head=4)
 
 
+@pytest.mark.world_sizes(2, 4)
+def test_swiglu_mlp_trains_like_one_process(comm):
+    """Llama's MLP (SwiGLU of 40 units, fused gate and up, no biases): each TP rank holds the same units of the
+    gate and of up (sequence parallel at 2 ranks; with data parallelism and with a pipeline at 4, and tp 4)."""
+    kw = dict(mlp="swiglu", ffn_hidden=40, bias=False)
+    layouts = ([(1, 2, 1, True)] if comm.Get_size() == 2 else
+               [(2, 2, 1, False), (1, 2, 2, True), (1, 4, 1, True)])
+    for dp, tp, pp, sequence_parallel in layouts:
+        train_on_mesh(comm, dp, tp, pp, sequence_parallel, **kw)
+
+
 @pytest.mark.world_sizes(4)
 @pytest.mark.parametrize("layout", LAYOUTS_4, ids=_layout_id)
 def test_mesh_of_4_trains_like_one_process(comm, layout):

@@ -25,7 +25,7 @@ from mpidist.nn import functional as F
 from mpidist.nn.autograd import Tensor, no_grad
 from mpidist.nn.deferred import deferred_like, is_deferred, new_parameter, set_initializer
 from mpidist.nn.init import Constant, Normal
-from mpidist.nn.layers import Dropout, Embedding, LayerNorm, TransformerBlock
+from mpidist.nn.layers import MLP, Dropout, Embedding, LayerNorm, TransformerBlock
 from mpidist.nn.module import Module, ModuleList, Parameter, Sequential
 from mpidist.nn.random import default_generator
 from mpidist.xp import asarray_like
@@ -48,11 +48,18 @@ class GPTConfig:
     tie_weights: bool = True   # the LM head reads the token embedding's weight (GPT-2 does)
     dtype: str = "float32"
     n_kv_head: Optional[int] = None   # grouped-query attention: k/v heads, each serving n_head / n_kv_head q heads
+    mlp: str = "gelu"          # the MLP's activation: "gelu" (GPT-2's) or "swiglu" (gated, Llama's: nn.MLP)
+    ffn_hidden: Optional[int] = None   # the MLP's hidden units (None: mlp_ratio * n_embd; Llama-7B: 11008)
 
     @property
     def kv_heads(self) -> int:
         """Return the k/v heads (``n_kv_head``, or ``n_head`` when None: multi-head attention)."""
         return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def ffn_size(self) -> int:
+        """Return the MLP's hidden units (``ffn_hidden``, or ``mlp_ratio * n_embd`` when None)."""
+        return self.mlp_ratio * self.n_embd if self.ffn_hidden is None else self.ffn_hidden
 
     def __post_init__(self):
         problems = []
@@ -68,6 +75,11 @@ class GPTConfig:
             problems.append(f"n_kv_head must be None or an int >= 1 dividing n_head {self.n_head} (got {kv!r})")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout must be in [0, 1) (got {self.dropout!r})")
+        if self.mlp not in MLP.ACTIVATIONS:
+            problems.append(f"mlp must be one of {MLP.ACTIVATIONS} (got {self.mlp!r})")
+        ffn = self.ffn_hidden
+        if ffn is not None and (not isinstance(ffn, (int, np.integer)) or isinstance(ffn, bool) or ffn < 1):
+            problems.append(f"ffn_hidden must be None or an int >= 1 (got {ffn!r})")
         try:
             kind = np.dtype(self.dtype).kind
         except TypeError:
@@ -161,9 +173,9 @@ class GPT(Module):
         rng = default_generator() if rng is None else rng
         dtype = np.dtype(config.dtype)
         self.embed = GPTEmbedding(config, rng)
-        self.blocks = ModuleList([TransformerBlock(config.n_embd, config.n_head, mlp_ratio=config.mlp_ratio,
+        self.blocks = ModuleList([TransformerBlock(config.n_embd, config.n_head, mlp_hidden=config.ffn_size,
                                                    causal=True, dropout=config.dropout, rng=rng, dtype=dtype,
-                                                   num_kv_heads=config.n_kv_head)
+                                                   num_kv_heads=config.n_kv_head, mlp=config.mlp)
                                   for _ in range(config.n_layer)])
         if not config.bias:  # TransformerBlock always builds biases; bias=False means none anywhere in the model
             for block in self.blocks:
@@ -207,14 +219,15 @@ class GPT(Module):
         Per layer and token the forward does 2 * 12 d^2 in the four weight matmuls (qkv 3d^2, output d^2,
         MLP 2 * ratio * d^2) and 2 * 2 * t * d in attention (scores and the weighted sum, every key counted:
         the causal mask does not skip work here); the head adds 2 * vocab * d. With grouped-query attention the
-        qkv product is d (d + 2 kv_heads head_dim). Embedding look-ups, norms and elementwise work are not
+        qkv product is d (d + 2 kv_heads head_dim); a SwiGLU MLP of f units does 3 f d (gate, up, down). Embedding look-ups, norms and elementwise work are not
         counted, as in the usual MFU convention.
         """
         c = self.config
         t = c.block_size if seq_len is None else seq_len
         d = c.n_embd
         qkv = d * (d + 2 * c.kv_heads * (d // c.n_head))
-        per_layer = 2 * (qkv + (1 + 2 * c.mlp_ratio) * d * d) + 4 * t * d
+        mlp = (3 if c.mlp == "swiglu" else 2) * c.ffn_size * d
+        per_layer = 2 * (qkv + d * d + mlp) + 4 * t * d
         return 3 * (c.n_layer * per_layer + 2 * c.vocab_size * d)
 
     # -- how the wrappers cut the model ---------------------------------------------------------------------

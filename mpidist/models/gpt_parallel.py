@@ -138,6 +138,9 @@ def tensor_parallel(model, tp_comm, sequence_parallel=True):
     elif c.kv_heads % size:
         problem = (f"{c.kv_heads} k/v heads (n_kv_head) do not split over {size} tensor-parallel ranks; use a "
                    f"number of k/v heads divisible by the TP size")
+    elif c.mlp == "swiglu" and c.ffn_size % size:
+        problem = (f"a SwiGLU MLP's {c.ffn_size} hidden units (ffn_hidden) do not split over {size} tensor-parallel "
+                   f"ranks; use a number of hidden units divisible by the TP size")
     elif sequence_parallel and c.block_size % size:
         problem = (f"sequence parallelism splits the context over the TP ranks: block_size {c.block_size} is not "
                    f"divisible by {size} (use sequence_parallel=False or another block_size)")

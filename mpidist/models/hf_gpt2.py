@@ -55,22 +55,24 @@ _MASK_BUFFERS = ("attn.bias", "attn.masked_bias")
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 _DROPOUTS = ("embd_pdrop", "attn_pdrop", "resid_pdrop")
 # What a checkpoint loaded into an existing model must match (dropout and dtype are the model's to keep).
-_SHAPE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "bias", "tie_weights")
+_SHAPE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "ffn_size", "bias", "tie_weights")
 # The eps of every LayerNorm a GPT builds (it passes none): what a wrapper's export states.
 _DEFAULT_EPS = LayerNorm(1).eps
 
 
 def _gpt2_shaped(config: GPTConfig) -> None:
-    """Raise ValueError when a GPT of ``config`` has no GPT-2 equivalent (grouped-query attention)."""
+    """Raise ValueError when a GPT of ``config`` has no GPT-2 equivalent (grouped-query attention, a SwiGLU MLP)."""
     if config.kv_heads != config.n_head:
         raise ValueError(f"hf_gpt2: GPT-2 has multi-head attention only; this model has grouped-query attention "
                          f"(n_kv_head={config.n_kv_head}, n_head={config.n_head})")
+    if config.mlp != "gelu":
+        raise ValueError(f"hf_gpt2: GPT-2's MLP is GELU; this model's is {config.mlp!r} (GPTConfig.mlp)")
 
 
 def _name_table(config: GPTConfig) -> List[Tuple[str, str, bool, Tuple[int, ...]]]:
     """Return (our name, HF name, transposed, our shape) for every tensor of a GPT-2 of this shape, in HF's order."""
     _gpt2_shaped(config)
-    d, hidden = config.n_embd, config.mlp_ratio * config.n_embd
+    d, hidden = config.n_embd, config.ffn_size
     shapes = {"ln1": (d,), "ln2": (d,), "attn.qkv": (3 * d, d), "attn.proj": (d, d), "mlp.fc": (hidden, d),
               "mlp.proj": (d, hidden)}
     table = [("embed.wte.weight", "transformer.wte.weight", False, (config.vocab_size, d)),
@@ -104,7 +106,7 @@ def _hf_config(c: GPTConfig, layer_norm_eps: float) -> dict:
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": c.vocab_size, "n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer,
-        "n_head": c.n_head, "n_inner": c.mlp_ratio * c.n_embd, "activation_function": _TANH_GELU[0],
+        "n_head": c.n_head, "n_inner": c.ffn_size, "activation_function": _TANH_GELU[0],
         **{name: c.dropout for name in _DROPOUTS},
         "layer_norm_epsilon": layer_norm_eps,
         "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,

@@ -211,30 +211,46 @@ class MultiheadAttention(Module):
 
 
 class MLP(Module):
-    """Two linear layers with GELU between: dim -> hidden -> dim."""
+    """dim -> hidden -> dim: ``fc``, the activation, ``proj``.
 
-    def __init__(self, dim, hidden, *, dropout=0.0, rng=None, dtype=np.float32):
+    ``activation="gelu"``: GELU (tanh approximation) between two linears, GPT-2's. ``"swiglu"``: the gated MLP of
+    PaLM and Llama, ``proj(silu(gate) * up)``, with the gate and up projections fused in ``fc`` (2 hidden outputs:
+    the gate units, then the up units, as Megatron-LM fuses them), so the block reads its input once."""
+
+    ACTIVATIONS = ("gelu", "swiglu")
+
+    def __init__(self, dim, hidden, *, dropout=0.0, rng=None, dtype=np.float32, activation="gelu"):
         super().__init__()
-        self.fc = Linear(dim, hidden, rng=rng, dtype=dtype)
+        if activation not in self.ACTIVATIONS:
+            raise ValueError(f"MLP: activation must be one of {self.ACTIVATIONS} (got {activation!r})")
+        self.activation = activation
+        self.hidden = hidden
+        self.fc = Linear(dim, 2 * hidden if activation == "swiglu" else hidden, rng=rng, dtype=dtype)
         self.proj = Linear(hidden, dim, rng=rng, dtype=dtype)
         self.drop = Dropout(dropout)
 
     def forward(self, x):
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+        act = F.swiglu if self.activation == "swiglu" else F.gelu
+        return self.drop(self.proj(act(self.fc(x))))
+
+    def extra_repr(self):
+        return f"activation={self.activation!r}"
 
 
 class TransformerBlock(Module):
-    """Pre-norm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+    """Pre-norm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``. The MLP has ``mlp_hidden`` units
+    (default ``mlp_ratio * dim``) and ``mlp`` its activation (``MLP``'s: "gelu" or "swiglu")."""
 
     def __init__(self, dim, num_heads, *, mlp_ratio=4, causal=True, dropout=0.0, rng=None, dtype=np.float32,
-                 num_kv_heads=None):
+                 num_kv_heads=None, mlp_hidden=None, mlp="gelu"):
         super().__init__()
         self.ln1 = LayerNorm(dim, dtype=dtype)
         self.attn = MultiheadAttention(dim, num_heads, causal=causal, dropout=dropout, rng=rng, dtype=dtype,
                                        num_kv_heads=num_kv_heads)
         self.drop = Dropout(dropout)
         self.ln2 = LayerNorm(dim, dtype=dtype)
-        self.mlp = MLP(dim, mlp_ratio * dim, dropout=dropout, rng=rng, dtype=dtype)
+        hidden = mlp_ratio * dim if mlp_hidden is None else mlp_hidden
+        self.mlp = MLP(dim, hidden, dropout=dropout, rng=rng, dtype=dtype, activation=mlp)
 
     def forward(self, x):
         x = x + self.drop(self.attn(self.ln1(x)))

@@ -233,7 +233,8 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
       k/v heads repeated by ``F.repeat_kv``, which keeps nothing) and reads its output from the array
       the projection keeps (d / tp, ``e``), and the probabilities rounded to ``e`` (``attention_probs_bytes``),
       which selective recompute drops;
-    - ``F.gelu`` keeps its input (ffn / tp) and forms its half-tanh again in backward;
+    - ``F.gelu`` keeps its input (ffn / tp) and forms its half-tanh again in backward; ``F.swiglu`` keeps its
+      input, the fused gate and up (2 ffn / tp), and forms the sigmoid again;
     - with dropout, the two dropout layers on the residual stream keep their masks as booleans (d / s each, 1
       byte), and attention its probabilities' mask (``attention_probs_bytes``).
     Full recompute keeps only each block's input (d / s). The embedding's and the head's terms are still
@@ -249,7 +250,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
     per_token = (2 * (d * e + 2 * e32) / s           # layer_norm: its input and two statistics, twice
                  + 2 * d / s * e                     # qkv's and fc1's inputs (this rank's shard under sp)
                  + (3 * d + d) / tp * e              # attention: qkv and its output (the projection's input)
-                 + 2 * f / tp * e                    # gelu's input, fc2's input
+                 + (shape.fc_size + f) / tp * e      # the activation's input (fc's output), fc2's input
                  + (2 * d / s if shape.dropout else 0))   # the residual stream's two dropout masks (bool)
     # Under sequence parallelism the norms read their (replicated) weights through copy_to_tp as copies, which
     # they keep: 2 d per block, in the gathered parameters' dtype.
@@ -288,7 +289,7 @@ def touched_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float
                  + 2 * d * e                      # qkv's and fc1's inputs (whole sequence)
                  + (3 * d + d) / tp * e32         # attention: qkv and its output
                  + (d / tp * e if low else 0)     # the 16-bit copy of attention's output
-                 + 3 * f / tp * e                 # gelu's input, s and output
+                 + 3 * f / tp * e                 # gelu's input, s and output (swiglu: gate and up, output)
                  + grouped_qkv / tp * e           # GQA: the projection's qkv, before F.repeat_kv
                  + (2 * d / s * (1 + e) if shape.dropout else 0))   # two dropouts' masks and outputs
     norm_params = 2 * (1 + shape.bias) * d * 4 if is_low_precision(dt.gather) else 0
@@ -365,7 +366,8 @@ def backward_working_bytes(shape: ModelShape, layout: Layout, layers: List[str])
     e32 = 4 if is_low_precision(dt.act) else e
     s = tp if layout.sequence_parallel else 1
     rows = b * t // s * d                   # a residual-stream array on this rank
-    n_f = b * t * f // tp                   # an MLP activation on this rank
+    n_f = b * t * f // tp                   # an MLP activation on this rank: fc2's input
+    n_fc = b * t * shape.fc_size // tp      # fc's output, the activation's input (2 n_f under SwiGLU)
     # Under sequence parallelism a column-parallel linear's backward (``gather_sequence_linear``) holds the shard
     # and the whole sequence gathered again, the input's gradient (whole sequence), its copy sent to the
     # reduce-scatter and the shard that comes back
@@ -379,13 +381,25 @@ def backward_working_bytes(shape: ModelShape, layout: Layout, layers: List[str])
             out["head_linear"] = gathered + logits - 2 * logits
     if any(layer.startswith("blocks.") for layer in layers):
         freed = activation_bytes(shape, layout, ["head"]) if head else 0.0
-        scratch = min(n_f, F._CHUNK) * (5 * 4 if is_low_precision(dt.act) else 2 * e)   # float32 rows if 16-bit
         product = 4 if dt.act == bfloat16 else e   # fc2's input gradient: numpy's bfloat16 matmul gives float32
-        out["gelu"] = n_f * product + scratch + rows * e - freed
-        out["block_norm"] = 4 * rows * e32 + rows * e - (2 * n_f + rows) * e - freed
-        if gathered is not None:   # fc1, GELU's gradient coming in, GELU's and fc2's inputs freed
-            out["block_linear"] = gathered + n_f * e + rows * e - 2 * n_f * e - freed
+        # the activation's gradient (fc's output's size) made, fc2's input freed
+        out["mlp_activation"] = n_f * product + (n_fc - n_f) * e + _activation_scratch(shape, layout, n_f) + rows * e - freed
+        out["block_norm"] = 4 * rows * e32 + rows * e - (n_fc + n_f + rows) * e - freed
+        if gathered is not None:   # fc1, the activation's gradient coming in, its and fc2's inputs freed
+            out["block_linear"] = gathered + n_fc * e + rows * e - (n_fc + n_f) * e - freed
     return out
+
+
+def _activation_scratch(shape: ModelShape, layout: Layout, n_f: int) -> float:
+    """Return the scratch bytes the MLP activation's backward holds besides its gradient (``F.gelu``: two rows of
+    at most ``F._CHUNK`` elements, five float32 ones for a 16-bit input; ``F.swiglu``: two row blocks of about
+    ``F._CHUNK`` elements, five float32 ones for a 16-bit input); ``n_f``: fc2's input's elements."""
+    dt = dtypes(shape, layout)
+    low = is_low_precision(dt.act)
+    if shape.mlp == "swiglu":
+        rows, f = layout.micro_batch * shape.seq, shape.ffn_size // layout.tp
+        return min(rows, max(1, F._CHUNK // f)) * f * (5 * 4 if low else 2 * dt.act.itemsize)
+    return min(n_f, F._CHUNK) * (5 * 4 if low else 2 * dt.act.itemsize)
 
 
 def gradient_bytes(shape: ModelShape, layout: Layout, position: int = 0) -> float:
@@ -496,9 +510,9 @@ def _compute_seconds(shape, layout, layers, profile, ranks_per_node):
     """Return (forward, backward) seconds of one micro-batch through ``layers`` on one rank."""
     b, t, d, f, tp = layout.micro_batch, shape.seq, shape.hidden, shape.ffn_size, layout.tp
     blocks = sum(layer.startswith("blocks.") for layer in layers)
-    per_block = b * t * (2 * (shape.qkv_size * d + d * d + 2 * f * d) + 4 * t * d) / tp
+    per_block = b * t * (2 * (shape.qkv_size * d + d * d + (shape.fc_size + f) * d) + 4 * t * d) / tp
     fwd = blocks * per_block + (2 * b * t * shape.vocab * d / tp if "head" in layers else 0.0)
-    gemm = 2 * b * t * d * f / tp   # the MLP's first GEMM: the typical size
+    gemm = 2 * b * t * d * shape.fc_size / tp   # the MLP's first GEMM: the typical size
     sharing = _core_sharing(profile, ranks_per_node)
     rate = profile.flops(dtypes(shape, layout).act.name) * profile.efficiency(gemm) / sharing
     plain = Layout(**{**layout.to_dict(), "recompute": "none"})
@@ -750,6 +764,8 @@ def estimate_structure(shape: ModelShape, layout: Layout, ranks_per_node: int) -
         return f"{shape.heads} heads do not split over tp={layout.tp}"
     if shape.num_kv_heads % layout.tp:
         return f"{shape.num_kv_heads} k/v heads do not split over tp={layout.tp}"
+    if shape.mlp == "swiglu" and shape.ffn_size % layout.tp:
+        return f"a SwiGLU MLP's {shape.ffn_size} hidden units do not split over tp={layout.tp}"
     if layout.tp > ranks_per_node:
         return f"tp={layout.tp} spans nodes ({ranks_per_node} ranks per node)"
     return ""

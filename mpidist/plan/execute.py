@@ -41,11 +41,9 @@ class LayoutRun:
                              f"{comm.Get_size()})")
         self.shape, self.layout = shape, layout
         config = GPTConfig(vocab_size=shape.vocab, block_size=shape.seq, n_layer=shape.layers, n_head=shape.heads,
-                           n_embd=shape.hidden, mlp_ratio=shape.ffn_size // shape.hidden,
+                           n_embd=shape.hidden, ffn_hidden=shape.ffn_size,
                            tie_weights=shape.tie_weights, bias=shape.bias, dtype=shape.dtype,
-                           n_kv_head=shape.kv_heads, dropout=shape.dropout)
-        if config.mlp_ratio * shape.hidden != shape.ffn_size:
-            raise ValueError(f"LayoutRun: ffn {shape.ffn_size} is not a multiple of hidden {shape.hidden}")
+                           n_kv_head=shape.kv_heads, dropout=shape.dropout, mlp=shape.mlp)
         model = GPT(config, rng=np.random.default_rng(seed))
         self.grid = mesh(comm, dp=layout.dp, pp=layout.pp, tp=layout.tp)
         if layout.tp > 1:

@@ -21,6 +21,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from mpidist.models.gpt import GPTConfig, split_layers
+from mpidist.nn.layers import MLP
 from mpidist.parallel.tensor.layers import padded_split
 
 __all__ = ["ModelShape", "Param", "parameters", "layer_names", "stage_layers"]
@@ -28,7 +29,8 @@ __all__ = ["ModelShape", "Param", "parameters", "layer_names", "stage_layers"]
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder-only transformer's shape: GPT-2 layout (pre-norm blocks, learned positions, GELU MLP)."""
+    """A decoder-only transformer's shape: GPT-2 layout (pre-norm blocks, learned positions), a GELU or SwiGLU
+    MLP."""
 
     layers: int
     hidden: int
@@ -41,6 +43,7 @@ class ModelShape:
     dtype: str = "float32"
     kv_heads: Optional[int] = None   # grouped-query attention's k/v heads (None: heads, multi-head attention)
     dropout: float = 0.0             # GPTConfig.dropout: its masks are kept for backward, 1 byte per element
+    mlp: str = "gelu"                # GPTConfig.mlp: "gelu", or "swiglu" (fc projects to gate and up: 2 ffn)
 
     def __post_init__(self):
         problems = [f"{name} must be an int >= 1 (got {getattr(self, name)!r})"
@@ -57,6 +60,8 @@ class ModelShape:
         if not (isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)
                 and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout must be in [0, 1) (got {self.dropout!r})")
+        if self.mlp not in MLP.ACTIVATIONS:
+            problems.append(f"mlp must be one of {MLP.ACTIVATIONS} (got {self.mlp!r})")
         if problems:
             raise ValueError("ModelShape: " + "; ".join(problems))
 
@@ -64,12 +69,17 @@ class ModelShape:
     def from_config(cls, config: GPTConfig) -> "ModelShape":
         """Return the shape of ``GPT(config)``."""
         return cls(config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.block_size,
-                   config.mlp_ratio * config.n_embd, config.tie_weights, config.bias, config.dtype,
-                   config.n_kv_head, float(config.dropout))
+                   config.ffn_size, config.tie_weights, config.bias, config.dtype,
+                   config.n_kv_head, float(config.dropout), config.mlp)
 
     @property
     def ffn_size(self) -> int:
         return 4 * self.hidden if self.ffn is None else self.ffn
+
+    @property
+    def fc_size(self) -> int:
+        """Return the MLP's first projection's outputs: ffn, or 2 ffn under SwiGLU (gate and up fused)."""
+        return 2 * self.ffn_size if self.mlp == "swiglu" else self.ffn_size
 
     @property
     def num_kv_heads(self) -> int:
@@ -95,7 +105,7 @@ class ModelShape:
     def flops_per_token(self) -> float:
         """Training matmul FLOPs per token (forward + backward), as ``GPT.flops_per_token``."""
         d, t = self.hidden, self.seq
-        per_layer = 2 * (self.qkv_size * d + d * d + 2 * self.ffn_size * d) + 4 * t * d
+        per_layer = 2 * (self.qkv_size * d + d * d + (self.fc_size + self.ffn_size) * d) + 4 * t * d
         return 3.0 * (self.layers * per_layer + 2 * self.vocab * d)
 
 
@@ -153,13 +163,17 @@ def _parameters(shape: ModelShape, layer: str, tp: int, own_head_weight: bool) -
         if tp > 1 and s.num_kv_heads % tp:
             raise ValueError(f"plan: {s.num_kv_heads} k/v heads do not split over {tp} tensor-parallel ranks")
         width, qkv = d // tp, s.qkv_size // tp
+        if tp > 1 and s.mlp == "swiglu" and s.ffn_size % tp:
+            raise ValueError(f"plan: a SwiGLU MLP's {s.ffn_size} hidden units do not split over {tp} "
+                             f"tensor-parallel ranks")
         ffn = padded_split(s.ffn_size, tp, "plan (ffn)") if tp > 1 else s.ffn_size
+        fc = 2 * ffn if s.mlp == "swiglu" else ffn   # SwiGLU: this rank's gate units, then its up units
         rep = tp == 1
         add("ln1.", norm)
         add("attn.qkv.", [("weight", (qkv, d), rep)] + ([("bias", (qkv,), rep)] if s.bias else []))
         add("attn.proj.", [("weight", (d, width), rep)] + ([("bias", (d,), True)] if s.bias else []))
         add("ln2.", norm)
-        add("mlp.fc.", [("weight", (ffn, d), rep)] + ([("bias", (ffn,), rep)] if s.bias else []))
+        add("mlp.fc.", [("weight", (fc, d), rep)] + ([("bias", (fc,), rep)] if s.bias else []))
         add("mlp.proj.", [("weight", (d, ffn), rep)] + ([("bias", (d,), True)] if s.bias else []))
     else:
         raise ValueError(f"plan: unknown layer {layer!r} (expected 'embed', 'blocks.i' or 'head')")

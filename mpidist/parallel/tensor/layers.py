@@ -226,16 +226,36 @@ class ParallelAttention(TensorParallelModule):
 
 
 class ParallelMLP(TensorParallelModule):
-    """fc (column-parallel, hidden units padded to a multiple of the TP size), GELU, proj (row-parallel)."""
+    """fc (column-parallel), the activation, proj (row-parallel). GELU: the hidden units padded to a multiple of
+    the TP size. SwiGLU: each rank takes the same units of the gate and of up (its fc rows are [its gate units |
+    its up units], the packed layout ``F.swiglu`` reads), so the hidden units must divide by the TP size."""
 
     def __init__(self, mlp, comm, sequence_parallel=False):
         super().__init__(comm, sequence_parallel)
-        self.fc = ColumnParallelLinear(mlp.fc, comm, sequence_parallel)
-        self.proj = RowParallelLinear(mlp.proj, comm, sequence_parallel, local_in=self.fc.local)
+        self.activation = getattr(mlp, "activation", "gelu")
+        if self.activation != "swiglu":
+            self.fc = ColumnParallelLinear(mlp.fc, comm, sequence_parallel)
+            self.proj = RowParallelLinear(mlp.proj, comm, sequence_parallel, local_in=self.fc.local)
+            self.drop = mlp.drop
+            return
+        f, size, rank = mlp.hidden, comm.Get_size(), comm.Get_rank()
+        if f % size:
+            raise ValueError(f"ParallelMLP: a SwiGLU MLP's {f} hidden units do not split over {size} tensor-parallel "
+                             f"ranks; use a number of hidden units (ffn_hidden) divisible by the TP size")
+        local = f // size
+        start = rank * local
+        pieces = ((start, 0, local), (f + start, local, local))   # its gate units, then its up units
+        take = np.concatenate([np.arange(g, g + n) for g, _, n in pieces])
+        w, b = mlp.fc.weight, mlp.fc.bias
+        self.fc = _Projection(comm, sequence_parallel)
+        self.fc.weight = sharded_parameter(w, _rows(w.data, take), comm, 0, start, pieces)
+        self.fc.bias = None if b is None else sharded_parameter(b, _rows(b.data, take), comm, 0, start, pieces)
+        self.proj = RowParallelLinear(mlp.proj, comm, sequence_parallel, local_in=local)
         self.drop = mlp.drop
 
     def forward(self, x):
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+        act = F.swiglu if self.activation == "swiglu" else F.gelu
+        return self.drop(self.proj(act(self.fc(x))))
 
 
 class VocabParallelEmbedding(TensorParallelModule):

@@ -1,0 +1,172 @@
+"""SwiGLU (``F.swiglu``, ``nn.MLP(activation="swiglu")``, ``GPTConfig(mlp="swiglu", ffn_hidden=)``) against
+independent references: numpy's ``gate / (1 + exp(-gate)) * up`` in float64, central finite differences, and a
+count of the weight matmuls' FLOPs; the split model against one process in tests/test_tensor_parallel.py
+(``test_swiglu_mlp_trains_like_one_process``) and below (a tensor-parallel checkpoint loaded into one process);
+the planner's parameters, calls and activations in tests/test_plan.py and tests/test_plan_exact.py."""
+import numpy as np
+import pytest
+
+from mpidist import nn
+from mpidist.models.gpt import GPT, GPTConfig
+from mpidist.models.gpt_parallel import tensor_parallel
+from mpidist.models.hf_gpt2 import to_hf_gpt2
+from mpidist.nn import functional as F
+from mpidist.nn.precision import bfloat16
+from mpidist.plan import ModelShape
+from tests.gradcheck import gradcheck
+
+
+def reference_swiglu(x):
+    """float64 numpy, by the textbook formula: silu(gate) * up of x = [gate | up] along the last axis."""
+    x = np.asarray(x, dtype=np.float64)
+    f = x.shape[-1] // 2
+    gate, up = x[..., :f], x[..., f:]
+    with np.errstate(over="ignore"):   # exp(-gate) overflows to inf for very negative gates: silu -> -0
+        return gate / (1.0 + np.exp(-gate)) * up
+
+
+def reference_swiglu_grad(x, g):
+    x, g = np.asarray(x, dtype=np.float64), np.asarray(g, dtype=np.float64)
+    f = x.shape[-1] // 2
+    gate, up = x[..., :f], x[..., f:]
+    with np.errstate(over="ignore"):
+        s = 1.0 / (1.0 + np.exp(-gate))
+    return np.concatenate([g * up * (s + gate * s * (1 - s)), g * gate * s], axis=-1)
+
+
+@pytest.mark.parametrize("chunk", [None, 24], ids=["one-block", "row-blocks-of-3"])
+@pytest.mark.parametrize("shape", [(2, 5, 16), (7, 2), (3, 1, 4, 10)], ids=str)
+def test_swiglu_equals_silu_gate_times_up(monkeypatch, chunk, shape):
+    """Forward and backward equal the float64 formula, in one row block and in row blocks of 3 rows (the last
+    one shorter), including gates of +-60 where exp overflows."""
+    if chunk:
+        monkeypatch.setattr(F, "_CHUNK", chunk)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape) * 3
+    x.reshape(-1)[:2] = (60.0, -60.0)
+    t = nn.Tensor(x, requires_grad=True)
+    y = F.swiglu(t)
+    assert y.shape == shape[:-1] + (shape[-1] // 2,)
+    np.testing.assert_allclose(y.data, reference_swiglu(x), rtol=1e-13, atol=1e-300)
+    g = rng.standard_normal(y.shape)
+    y.backward(nn.Tensor(g))
+    np.testing.assert_allclose(t.grad, reference_swiglu_grad(x, g), rtol=1e-12, atol=1e-300)
+
+
+def test_swiglu_gradients_are_central_differences(monkeypatch):
+    rng = np.random.default_rng(1)
+    gradcheck(lambda a: F.swiglu(a), rng.standard_normal((3, 4, 12)))
+    monkeypatch.setattr(F, "_CHUNK", 12)   # two rows per block
+    gradcheck(lambda a: F.swiglu(a), rng.standard_normal((5, 12)))
+
+
+@pytest.mark.parametrize("dtype", [bfloat16, np.float16], ids=["bfloat16", "float16"])
+def test_16_bit_swiglu_computes_in_float32_and_rounds_once(monkeypatch, dtype):
+    """A 16-bit input's output and gradient keep its dtype and equal the float64 formula on the same (rounded)
+    inputs within one rounding of the 16-bit type: no error builds up over the passes."""
+    monkeypatch.setattr(F, "_CHUNK", 40)   # several row blocks, the scratch rows reused
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((9, 20)) * 2).astype(dtype)
+    g = rng.standard_normal((9, 10)).astype(dtype)
+    t = nn.Tensor(x, requires_grad=True)
+    y = F.swiglu(t)
+    y.backward(nn.Tensor(g))
+    assert y.data.dtype == dtype and t.grad.dtype == dtype
+    eps = float(np.finfo(np.float32).eps) if dtype is np.float32 else (2.0 ** -8 if dtype is bfloat16 else 2.0 ** -11)
+    want, want_grad = reference_swiglu(x), reference_swiglu_grad(x, g)
+    np.testing.assert_allclose(y.data.astype(np.float64), want, rtol=eps, atol=1e-6)
+    np.testing.assert_allclose(t.grad.astype(np.float64), want_grad, rtol=eps, atol=1e-6)
+
+
+def test_swiglu_mlp_is_proj_of_silu_gate_times_up():
+    """``nn.MLP(activation="swiglu")``: fc holds the gate's rows then up's; the output is
+    ``proj(silu(x Wg^T + bg) * (x Wu^T + bu))`` by numpy, and its gradients central differences."""
+    rng = np.random.default_rng(3)
+    mlp = nn.MLP(8, 6, activation="swiglu", rng=rng, dtype=np.float64)
+    assert mlp.fc.weight.data.shape == (12, 8) and mlp.proj.weight.data.shape == (8, 6)
+    x = rng.standard_normal((2, 3, 8))
+    w, b = mlp.fc.weight.data, mlp.fc.bias.data
+    gate, up = x @ w[:6].T + b[:6], x @ w[6:].T + b[6:]
+    want = (gate / (1 + np.exp(-gate)) * up) @ mlp.proj.weight.data.T + mlp.proj.bias.data
+    np.testing.assert_allclose(mlp(nn.Tensor(x)).data, want, rtol=1e-12, atol=1e-14)
+    gradcheck(lambda a: mlp(a), x, module=mlp)
+
+
+def test_swiglu_gpt_counts_its_weight_matmuls_and_the_planner_agrees():
+    """A Llama-shaped GPT (SwiGLU of ffn_hidden units, not a multiple of the width; grouped-query attention; no
+    biases): 2 FLOPs per weight element per token in the blocks and the head, plus 4 t d in attention, times 3;
+    its parameters are 3 d f per MLP; the planner's shape counts the same."""
+    config = GPTConfig(vocab_size=50, block_size=12, n_layer=3, n_head=8, n_embd=32, n_kv_head=2, mlp="swiglu",
+                       ffn_hidden=88, bias=False)
+    model = GPT(config, rng=np.random.default_rng(0))
+    assert model.blocks[0].mlp.fc.weight.data.shape == (2 * 88, 32)
+    assert model.blocks[0].mlp.proj.weight.data.shape == (32, 88) and model.blocks[0].mlp.fc.bias is None
+    block_weights = sum(p.data.size for n, p in model.named_parameters()
+                        if n.startswith("blocks.") and n.endswith(".weight") and ".ln" not in n)
+    expected = 3 * (2 * block_weights + config.n_layer * 4 * config.block_size * config.n_embd
+                    + 2 * config.vocab_size * config.n_embd)
+    assert model.flops_per_token() == expected
+    shape = ModelShape.from_config(config)
+    assert (shape.mlp, shape.ffn_size, shape.fc_size) == ("swiglu", 88, 176)
+    assert shape.flops_per_token() == expected and shape.num_parameters() == model.num_parameters()
+    y = model(np.zeros((1, 4), dtype=np.int64))
+    assert y.shape == (1, 4, 50)
+
+
+def test_swiglu_bad_settings_raise_with_the_values():
+    with pytest.raises(ValueError, match=r"mlp must be one of \('gelu', 'swiglu'\) \(got 'relu'\)"):
+        GPTConfig(mlp="relu")
+    with pytest.raises(ValueError, match=r"ffn_hidden must be None or an int >= 1 \(got 0\)"):
+        GPTConfig(ffn_hidden=0)
+    with pytest.raises(ValueError, match=r"ffn_hidden must be None or an int >= 1 \(got 2.5\)"):
+        GPTConfig(ffn_hidden=2.5)
+    with pytest.raises(ValueError, match=r"MLP: activation must be one of \('gelu', 'swiglu'\) \(got 'geglu'\)"):
+        nn.MLP(4, 8, activation="geglu")
+    with pytest.raises(ValueError, match=r"swiglu: the last axis holds \[gate \| up\] and must have an even length "
+                                         r"\(got shape \(2, 5\)\)"):
+        F.swiglu(np.zeros((2, 5)))
+    with pytest.raises(ValueError, match=r"ModelShape: mlp must be one of \('gelu', 'swiglu'\) \(got 'GELU'\)"):
+        ModelShape(layers=1, hidden=8, heads=2, vocab=11, seq=4, mlp="GELU")
+    llama = GPT(GPTConfig(vocab_size=11, block_size=4, n_layer=1, n_head=2, n_embd=8, mlp="swiglu"),
+                rng=np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"GPT-2's MLP is GELU; this model's is 'swiglu'"):
+        to_hf_gpt2(llama)
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_swiglu_hidden_units_that_do_not_split_raise_on_every_rank(comm):
+    n = comm.Get_size()
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=4, n_embd=16, mlp="swiglu",
+                          ffn_hidden=2 * n + 1), rng=np.random.default_rng(0))
+    with pytest.raises(ValueError, match=rf"a SwiGLU MLP's {2 * n + 1} hidden units \(ffn_hidden\) do not split "
+                                         rf"over {n} tensor-parallel ranks"):
+        tensor_parallel(model, comm)
+
+
+@pytest.mark.world_sizes(2)
+def test_tensor_parallel_swiglu_checkpoint_loads_into_one_process(comm, tmp_path_factory):
+    """A TP=2 SwiGLU GPT saves each rank's gate and up units where they lie in the fused projection: loaded into
+    a plain GPT on one rank, every parameter equals single-process training of the same step."""
+    from mpidist import checkpoint, optim
+    config = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=4, n_embd=16, mlp="swiglu", ffn_hidden=20,
+                       dtype="float64")
+    tokens = np.random.default_rng(3).integers(0, 32, (2, 9))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def train(model):
+        opt = optim.AdamW(list(model.parameters()), lr=0.01)
+        model.loss(model(x), y).backward()
+        opt.step()
+        return model
+
+    root = comm.bcast(str(tmp_path_factory.getbasetemp() / "tp_swiglu") if comm.Get_rank() == 0 else None, root=0)
+    split = train(tensor_parallel(GPT(config, rng=np.random.default_rng(0)), comm, sequence_parallel=False))
+    checkpoint.save(root, {"model": split}, comm, step=1)
+    plain = GPT(config, rng=np.random.default_rng(1))
+    one = comm.Split(comm.Get_rank(), 0)
+    checkpoint.load(root, {"model": plain}, one, log=lambda *a: None)
+    one.Free()
+    single = train(GPT(config, rng=np.random.default_rng(0)))
+    loaded = dict(plain.named_parameters())
+    for name, p in single.named_parameters():
+        np.testing.assert_allclose(loaded[name].data, p.data, rtol=0, atol=1e-12, err_msg=name)
