@@ -611,6 +611,33 @@ FRESH_A100 = [dict(_MTNLG_ROW, gpus=gpus, dp=dp, published=seconds,
                    notes=f"paper: {tflops} TFLOP/s per GPU; " + _MTNLG_NOTES)
               for gpus, dp, seconds, tflops in ((2240, 8, 60.1, 126), (2800, 10, 50.2, 121), (3360, 12, 44.4, 113))]
 H100 = "h100-ib"
+# -- Llama rows: SwiGLU MLP, grouped-query attention (held out; declared, never planned) -----------------------------
+# Source: pytorch/torchtitan docs/performance.md, read at commit 0413364 (the version titled "Llama 2 (13B and 70B)
+# and Llama 3 (8B and 70B) training on 64 A100 (80GB memory) GPUs"): tokens per second per GPU ("WPS") of FSDP2
+# (1D parallelism) on 64 A100 80GB, local batch size per GPU as stated (global = local x 64). Checked, not a
+# planning step: tokens/s/GPU x (6 N + 12 L d s) / 312 teraFLOP/s gives every row's MFU within 0.1 points (58.2% for 8B), so
+# the unit is tokens/s per GPU. Shapes are the models' published ones (Llama 2: 4096 tokens, 32000 vocabulary;
+# Llama 3: 8192 tokens, 128256 vocabulary; no biases, untied head; GQA with 8 k/v heads except Llama 2 13B).
+# Planning rule, stated before any row was planned: FSDP FULL_SHARD over all 64 ranks (torchtitan's FSDP2 reshards
+# after forward), one micro-batch of the local batch size, 8 ranks per node; bf16 mixed precision as torchtitan's
+# default (float32 shards gathered and computed in bfloat16, gradients reduce-scattered in float32); activation
+# checkpointing "full" -> full recompute; "selective op" and "no" -> selective recompute: torchtitan's attention is
+# SDPA (FlashAttention), which keeps no probabilities and recomputes the scores in backward, what the planner's
+# selective mode models (its memory is the planner's, reported, not a reason to skip a row that ran).
+# Predicted tokens/s/GPU = local batch x sequence / step time. The two "selective layer" rows (every other layer
+# recomputed in full) are left out: the planner has no per-layer recompute. Not modelled: RMSNorm (planned as
+# LayerNorm), rotary positions (planned as a learned table: +0.4% parameters for 8B), the cluster's network (not
+# stated; the A100 profiles' InfiniBand). Profiles: the frozen a100-80gb-ib (prior) and a100-80gb-ib-fitted, not
+# refitted; every row held out.
+# (model, layers, hidden, heads, k/v heads, ffn, vocab, seq, local batch, activation checkpointing, tokens/s/GPU,
+#  the table's MFU)
+LLAMA_A100 = [("Llama 3 8B", 32, 4096, 32, 8, 14336, 128256, 8192, 1, "selective op", 2973, 0.582),
+              ("Llama 3 70B", 80, 8192, 64, 8, 28672, 128256, 8192, 1, "full", 331, 0.517),
+              ("Llama 2 13B", 40, 5120, 40, 40, 13824, 32000, 4096, 2, "no", 2162, 0.611),
+              ("Llama 2 13B", 40, 5120, 40, 40, 13824, 32000, 4096, 2, "selective op", 1904, 0.538),
+              ("Llama 2 70B", 80, 8192, 64, 8, 28672, 32000, 4096, 1, "selective op", 355, 0.508),
+              ("Llama 2 70B", 80, 8192, 64, 8, 28672, 32000, 4096, 2, "full", 353, 0.505)]
+LLAMA_GPUS = 64
 
 
 def mpt_shape(model):
