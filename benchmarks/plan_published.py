@@ -794,6 +794,67 @@ def run_fresh(path=None):
             f.write("\n")
 
 
+def llama_shape(row):
+    """Return the ModelShape of a LLAMA_A100 row: SwiGLU, GQA, no biases, untied head, float32 shards."""
+    model, layers, hidden, heads, kv_heads, ffn, vocab, seq = row[:8]
+    return ModelShape(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq, ffn=ffn, tie_weights=False,
+                      bias=False, dtype="float32", kv_heads=kv_heads, mlp="swiglu")
+
+
+LLAMA_RECOMPUTE = {"full": "full", "selective op": "selective", "no": "selective"}   # the declared rule
+
+
+def llama_rows(profile):
+    """Plan every LLAMA_A100 row by the declared rule with ``profile``."""
+    out = []
+    for row in LLAMA_A100:
+        model, seq, batch, checkpointing, published, mfu = row[0], row[7], row[8], row[9], row[10], row[11]
+        layout = Layout(LLAMA_GPUS, 1, 1, "fsdp", batch, 1, "none", 1, LLAMA_RECOMPUTE[checkpointing],
+                        compute_dtype="bfloat16", gather_dtype="bfloat16", reduce_dtype="float32")
+        est = estimate(llama_shape(row), layout, profile, ranks_per_node=8)
+        if not est.feasible and not est.reason.startswith("needs "):
+            raise RuntimeError(f"plan_published: {model} {layout.name()} does not plan: {est.reason}")
+        predicted = batch * seq / est.time["step"]
+        out.append({"source": "pytorch/torchtitan docs/performance.md @ 0413364", "model": model,
+                    "checkpointing": checkpointing, "layout": layout.name(), "gpus": LLAMA_GPUS,
+                    "published": published, "published_mfu": mfu, "unit": "tokens/s/GPU", "predicted": predicted,
+                    "error": predicted / published - 1, "set": "held out (declared 0a87f01)", "time": est.time,
+                    "memory_gib": est.memory["total"] / 2**30, "fits_in_mpidist": est.feasible,
+                    "reason": est.reason, "warnings": est.warnings})
+    return out
+
+
+def run_llama(path=None):
+    """Print (and with ``path`` write) LLAMA_A100 planned with the frozen A100 profiles, prior and fitted."""
+    out, summary = {}, {}
+    for label, name in (("prior", PRIOR), ("fitted", FITTED)):
+        out[label] = llama_rows(load_profile(name))
+        errors = [r["error"] for r in out[label]]
+        summary[label] = {"mean_abs_error": statistics.mean(abs(e) for e in errors),
+                          "mean_signed_error": statistics.mean(errors), "max_abs_error": max(abs(e) for e in errors),
+                          "rows_within_15pct": sum(abs(e) <= 0.15 for e in errors), "rows": len(errors)}
+    print(f"{'model':<12} {'AC':<13} {'layout':<46} {'published':>9} {'prior':>7} {'err':>7} {'fitted':>7} {'err':>7}"
+          f"  (tokens/s/GPU)")
+    for p, f in zip(out["prior"], out["fitted"]):
+        note = "" if f["fits_in_mpidist"] else f"  ({f['reason']})"
+        print(f"{p['model']:<12} {p['checkpointing']:<13} {f['layout']:<46} {p['published']:>9} "
+              f"{p['predicted']:>7.0f} {p['error']:>+7.1%} {f['predicted']:>7.0f} {f['error']:>+7.1%}{note}")
+    for label, values in summary.items():
+        print(label, ", ".join(f"{k} {v:.1%}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items()))
+    if path:
+        with open(path, "w") as f:
+            json.dump({"profiles": {"prior": PRIOR, "fitted": FITTED},
+                       "source": "pytorch/torchtitan docs/performance.md @ 041336434916 (FSDP2 on 64 A100 80GB)",
+                       "selection": "every row but the two 'selective layer' ones, declared in commit 0a87f01 "
+                                    "before any row was planned",
+                       "planning": "FSDP FULL_SHARD over 64 ranks, 8 per node, one micro-batch of the local batch, "
+                                   "float32 shards gathered and computed in bfloat16, float32 reduce-scatter; "
+                                   "checkpointing full -> full recompute, 'selective op' and 'no' -> selective "
+                                   "(FlashAttention keeps no probabilities)",
+                       "rows": out, "summary": summary}, f, indent=1, default=str)
+            f.write("\n")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="fit the two knobs on the calibration rows only")
@@ -808,7 +869,13 @@ def main():
                         help="the frozen A100 profiles against MosaicML's A100 80GB BF16 MPT throughputs instead")
     parser.add_argument("--fresh", action="store_true",
                         help="the frozen A100 profiles against FRESH_A100 (declared before planning) instead")
+    parser.add_argument("--llama", action="store_true",
+                        help="the frozen A100 profiles against torchtitan's Llama rows (SwiGLU, GQA; declared "
+                             "before planning) instead")
     args = parser.parse_args()
+    if args.llama:
+        run_llama(args.json)
+        return
     if args.fresh:
         run_fresh(args.json)
         return

@@ -514,3 +514,35 @@ def test_published_h100_rows_are_mosaicmls_models_and_layouts():
     first = published.h100_rows(profile)[0]
     assert (first["model"], first["gpus"], first["published"]) == ("70b", 64, 1039)
     assert first["predicted"] == pytest.approx(2048 * 2048 / (step * 64), rel=1e-12)
+
+
+def test_llama_rows_have_the_published_parameter_counts_and_the_declared_layouts():
+    """The ``--llama`` rows (torchtitan's FSDP2 on 64 A100): each shape is the model's published parameter count
+    (Meta's model cards: 8,030,261,248 for Llama 3 8B, 70,553,706,496 for Llama 3 70B, 13,015,864,320 for Llama 2
+    13B, 68,976,648,192 for Llama 2 70B) plus the learned position table the planner's GPT has instead of rotary
+    positions; the table's own MFU follows from its tokens/s (6 N + 12 L d s FLOPs per token, 312 teraFLOP/s);
+    each layout is the declared rule's, and the prediction is local batch x sequence / step of a layout built here."""
+    published = _load_plan_published()
+    counts = {"Llama 3 8B": 8_030_261_248, "Llama 3 70B": 70_553_706_496, "Llama 2 13B": 13_015_864_320,
+              "Llama 2 70B": 68_976_648_192}
+    assert len(published.LLAMA_A100) == 6
+    for row in published.LLAMA_A100:
+        model, layers, hidden, heads, kv, ffn, vocab, seq, batch, checkpointing, tokens, mfu = row
+        shape = published.llama_shape(row)
+        assert (shape.mlp, shape.num_kv_heads, shape.bias, shape.tie_weights) == ("swiglu", kv, False, False)
+        assert shape.num_parameters() == counts[model] + seq * hidden, model
+        flops = 6 * counts[model] + 12 * layers * hidden * seq
+        assert tokens * flops / 312e12 == pytest.approx(mfu, abs=0.001), model
+    profile = load_profile("a100-80gb-ib")
+    planned = published.llama_rows(profile)
+    # Llama 3 8B, local batch 1, "selective op" (selective recompute); Llama 2 70B, local batch 2, full checkpointing
+    for i, shape, batch, recompute in (
+            (0, ModelShape(32, 4096, 32, 128256, 8192, ffn=14336, tie_weights=False, bias=False, kv_heads=8,
+                           mlp="swiglu"), 1, "selective"),
+            (5, ModelShape(80, 8192, 64, 32000, 4096, ffn=28672, tie_weights=False, bias=False, kv_heads=8,
+                           mlp="swiglu"), 2, "full")):
+        by_hand = Layout(64, 1, 1, "fsdp", batch, 1, "none", 1, recompute, compute_dtype="bfloat16",
+                         gather_dtype="bfloat16", reduce_dtype="float32")
+        step = estimate(shape, by_hand, profile, ranks_per_node=8).time["step"]
+        assert planned[i]["layout"] == by_hand.name()
+        assert planned[i]["predicted"] == pytest.approx(batch * shape.seq / step, rel=1e-12)
