@@ -139,6 +139,33 @@ def test_cli_plan_prints_a_table_and_json(capsys):
     assert any("2 k/v heads do not split over tp=4" in e["reason"] for e in data["infeasible"])
     assert main(gqa[:8] + ["3"] + gqa[9:]) == 2
     assert "kv_heads must be None or an int >= 1 dividing heads 4 (got 3)" in capsys.readouterr().err
+    # Llama's MLP: SwiGLU of 10 units, which tp=4 cannot split (its gate and up units go to every rank alike)
+    swiglu = ["plan", "--layers", "2", "--hidden", "16", "--heads", "4", "--mlp", "swiglu", "--ffn", "10", "--vocab",
+              "32", "--seq", "8", "--batch", "4", "--ranks", "4", "--profile", "local", "--json", "--top", "100"]
+    assert main(swiglu) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["model"]["mlp"], data["model"]["ffn"]) == ("swiglu", 10)
+    assert all(e["layout"]["tp"] in (1, 2) for e in data["feasible"])
+    assert any("a SwiGLU MLP's 10 hidden units do not split over tp=4" in e["reason"] for e in data["infeasible"])
+    assert main(swiglu[:8] + ["geglu"] + swiglu[9:]) == 2
+    assert "mlp must be one of ('gelu', 'swiglu') (got 'geglu')" in capsys.readouterr().err
+
+
+def test_cli_interleaved_chunks_are_the_ones_asked_for(capsys):
+    """``--chunks 2,3``: interleaved layouts of 2 and 3 model chunks per rank (3 where the layers allow pp x 3);
+    the default tries 2 only; a count below 2 or not a number is refused with the value."""
+    args = ["plan", "--layers", "6", "--hidden", "16", "--heads", "2", "--vocab", "32", "--seq", "8", "--batch", "8",
+            "--ranks", "2", "--profile", "local", "--schedules", "interleaved", "--json", "--top", "100"]
+    seen = {}
+    for chunks in (None, "3,2"):
+        assert main(args + (["--chunks", chunks] if chunks else [])) == 0
+        data = json.loads(capsys.readouterr().out)
+        seen[chunks] = {e["layout"]["chunks"] for e in data["feasible"] + data["infeasible"]
+                        if e["layout"]["schedule"] == "interleaved"}
+    assert seen == {None: {2}, "3,2": {2, 3}}
+    for bad in ("1", "2,x", ""):
+        assert main(args + ["--chunks", bad]) == 2
+        assert f"expected a comma-separated list of ints >= 2 (got {bad!r})" in capsys.readouterr().err
 
 
 def test_compute_scale_multiplies_compute_and_optimizer_only():

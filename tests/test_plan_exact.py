@@ -110,6 +110,15 @@ def test_planned_calls_equal_wrappers_4_ranks(comm, layout):
     check_layout(comm, layout)
 
 
+@pytest.mark.world_sizes(2)
+@pytest.mark.parametrize("num_micro", [2, 4])
+def test_planned_calls_equal_wrappers_interleaved_over_three_chunks(comm, num_micro):
+    """Interleaved 1F1B with 3 model chunks per rank (``--chunks 3``; 6 blocks over 2 ranks): every traced message
+    and the wrappers' byte counts EQUAL the plan's, as for 2 chunks."""
+    check_layout(comm, Layout(1, 1, 2, num_micro=num_micro, schedule="interleaved", chunks=3),
+                 shape=replace(SHAPE, layers=6))
+
+
 # Llama's MLP: SwiGLU of 40 units (not a multiple of the width), no biases, untied head; grouped-query attention
 SWIGLU = replace(SHAPE, mlp="swiglu", ffn=40, bias=False, tie_weights=False, kv_heads=2)
 

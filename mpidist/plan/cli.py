@@ -28,6 +28,17 @@ def _csv(choices):
     return parse
 
 
+def _chunk_counts(text):
+    """Parse ``--chunks``: a comma-separated list of model chunks per rank for the interleaved schedule, each >= 2."""
+    try:
+        counts = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 2:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints >= 2 (got {text!r})")
+    return tuple(sorted(set(counts)))
+
+
 def _precision(args) -> dict:
     given = {"param_dtype": args.param_dtype, "compute_dtype": args.compute_dtype, "gather_dtype":
              args.fsdp_gather_dtype, "reduce_dtype": args.fsdp_reduce_dtype,
@@ -63,6 +74,8 @@ def add_parser(sub):
                    "or a JSON file (default local)")
     p.add_argument("--schedules", type=_csv(SCHEDULES), default=SCHEDULES, help="pipeline schedules to consider")
     p.add_argument("--sharding", type=_csv(SHARDINGS), default=SHARDINGS, help="data-parallel kinds to consider")
+    p.add_argument("--chunks", type=_chunk_counts, default=(2,), help="model chunks per rank the interleaved "
+                   "schedule may take (Megatron-LM's virtual pipeline size), e.g. 2,3,4 (default 2)")
     p.add_argument("--recompute", type=_csv(RECOMPUTE), default=RECOMPUTE, help="recompute options to consider")
     p.add_argument("--param-dtype", default="", help="mixed precision: parameters stored in this dtype (an "
                    "nn.precision.Policy; 16-bit: AdamW keeps float32 masters); default: --dtype")
@@ -112,6 +125,7 @@ def run(args) -> int:
         profile = load_profile(args.profile)
         estimates = plan(shape, args.batch, args.ranks, args.ranks_per_node or args.ranks, profile,
                          max_micro_batch=args.max_micro_batch, schedules=args.schedules, shardings=args.sharding,
+                         chunk_options=args.chunks,
                          recompute=args.recompute, precision=_precision(args))
     except ValueError as exc:
         print(f"mpidist plan: {exc}", file=sys.stderr)
