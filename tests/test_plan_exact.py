@@ -119,8 +119,9 @@ def test_planned_calls_equal_wrappers_interleaved_over_three_chunks(comm, num_mi
                  shape=replace(SHAPE, layers=6))
 
 
-# Llama's MLP: SwiGLU of 40 units (not a multiple of the width), no biases, untied head; grouped-query attention
-SWIGLU = replace(SHAPE, mlp="swiglu", ffn=40, bias=False, tie_weights=False, kv_heads=2)
+# Llama's blocks: SwiGLU of 40 units (not a multiple of the width), RMSNorm, no biases, untied head, grouped-query
+# attention
+LLAMA = replace(SHAPE, mlp="swiglu", ffn=40, bias=False, tie_weights=False, kv_heads=2, norm="rmsnorm")
 
 
 @pytest.mark.world_sizes(2)
@@ -128,10 +129,10 @@ SWIGLU = replace(SHAPE, mlp="swiglu", ffn=40, bias=False, tie_weights=False, kv_
                                     Layout(1, 2, 1, sequence_parallel=True, param_dtype="bfloat16"),
                                     Layout(1, 1, 2, num_micro=2, schedule="1f1b")],
                          ids=lambda lay: lay.name().replace(" ", "-"))
-def test_planned_calls_equal_wrappers_with_a_swiglu_mlp(comm, layout):
-    """A SwiGLU MLP's fused gate and up change DDP's buckets, FSDP's units and the parameter and optimizer bytes:
-    the traced calls and the wrappers' own byte counts EQUAL the plan's."""
-    check_layout(comm, layout, shape=SWIGLU)
+def test_planned_calls_equal_wrappers_with_llamas_blocks(comm, layout):
+    """A SwiGLU MLP's fused gate and up and RMSNorm's missing biases change DDP's buckets, FSDP's units and the
+    parameter and optimizer bytes: the traced calls and the wrappers' own byte counts EQUAL the plan's."""
+    check_layout(comm, layout, shape=LLAMA)
 
 
 NODE_AWARE = [   # (layout, ranks per simulated node, whether the 16-bit hooks' "auto" goes node-aware)
@@ -366,21 +367,25 @@ def block_graph_bytes(shape, layout):
     return kept[0] - kept[1]
 
 
-@pytest.mark.parametrize("tp,sequence_parallel,kv_heads,dropout,mlp", [
-    (1, False, None, 0.0, "gelu"), (2, False, None, 0.0, "gelu"), (2, True, None, 0.0, "gelu"),
-    (4, False, None, 0.0, "gelu"), (4, True, None, 0.0, "gelu"), (1, False, 2, 0.0, "gelu"), (2, True, 2, 0.0, "gelu"),
-    (1, False, None, 0.1, "gelu"), (2, True, None, 0.1, "gelu"),
-    (1, False, None, 0.0, "swiglu"), (2, True, None, 0.0, "swiglu"), (2, False, 2, 0.1, "swiglu"),
-    (4, True, None, 0.1, "swiglu")],
+@pytest.mark.parametrize("tp,sequence_parallel,kv_heads,dropout,mlp,norm", [
+    (1, False, None, 0.0, "gelu", "layernorm"), (2, False, None, 0.0, "gelu", "layernorm"),
+    (2, True, None, 0.0, "gelu", "layernorm"), (4, False, None, 0.0, "gelu", "layernorm"),
+    (4, True, None, 0.0, "gelu", "layernorm"), (1, False, 2, 0.0, "gelu", "layernorm"),
+    (2, True, 2, 0.0, "gelu", "layernorm"), (1, False, None, 0.1, "gelu", "layernorm"),
+    (2, True, None, 0.1, "gelu", "layernorm"),
+    (1, False, None, 0.0, "swiglu", "layernorm"), (2, True, None, 0.0, "swiglu", "layernorm"),
+    (2, False, 2, 0.1, "swiglu", "rmsnorm"), (4, True, None, 0.1, "swiglu", "rmsnorm"),
+    (1, False, None, 0.0, "gelu", "rmsnorm"), (2, True, 2, 0.0, "swiglu", "rmsnorm")],
     ids=lambda v: str(v))
-def test_activation_bytes_equal_one_blocks_saved_arrays(tp, sequence_parallel, kv_heads, dropout, mlp):
+def test_activation_bytes_equal_one_blocks_saved_arrays(tp, sequence_parallel, kv_heads, dropout, mlp, norm):
     """For every precision, recompute mode and micro-batch size: the bytes one block's real ops keep for backward
     (norms' xhat and statistics, linears' inputs, attention's qkv, output and probabilities, GELU's input and
     half-tanh; float32 copies of 16-bit norm weights) EQUAL ``activation_bytes(shape, layout, ["blocks.0"])``;
-    with grouped-query attention too (2 k/v heads for 4 heads), with dropout (its masks, 1 byte each) and with a
-    SwiGLU MLP (its fused gate and up, 2 x 24 units: not a multiple of the width)."""
+    with grouped-query attention too (2 k/v heads for 4 heads), with dropout (its masks, 1 byte each), with a
+    SwiGLU MLP (its fused gate and up, 2 x 24 units: not a multiple of the width) and with RMSNorm (one statistic
+    per row)."""
     shape = ModelShape(layers=1, hidden=16, heads=4, vocab=37, seq=8, kv_heads=kv_heads, dropout=dropout, mlp=mlp,
-                       ffn=24 if mlp == "swiglu" else None)
+                       ffn=24 if mlp == "swiglu" else None, norm=norm)
     for dtype, precision in PRECISIONS:
         for recompute in ("none", "selective", "full"):
             for micro_batch in (1, 2):

@@ -1,7 +1,8 @@
-"""SwiGLU (``F.swiglu``, ``nn.MLP(activation="swiglu")``, ``GPTConfig(mlp="swiglu", ffn_hidden=)``) against
-independent references: numpy's ``gate / (1 + exp(-gate)) * up`` in float64, central finite differences, and a
-count of the weight matmuls' FLOPs; the split model against one process in tests/test_tensor_parallel.py
-(``test_swiglu_mlp_trains_like_one_process``) and below (a tensor-parallel checkpoint loaded into one process);
+"""Llama's blocks: SwiGLU (``F.swiglu``, ``nn.MLP(activation="swiglu")``, ``GPTConfig(mlp="swiglu",
+ffn_hidden=)``) and RMSNorm (``GPTConfig(norm="rmsnorm")``) against independent references: numpy's
+``gate / (1 + exp(-gate)) * up`` in float64, central finite differences, and a count of the weight matmuls'
+FLOPs; the split model against one process in tests/test_tensor_parallel.py
+(``test_llama_blocks_train_like_one_process``) and below (a tensor-parallel checkpoint loaded into one process);
 the planner's parameters, calls and activations in tests/test_plan.py and tests/test_plan_exact.py."""
 import numpy as np
 import pytest
@@ -113,6 +114,19 @@ def test_swiglu_gpt_counts_its_weight_matmuls_and_the_planner_agrees():
     assert y.shape == (1, 4, 50)
 
 
+def test_a_llama_shaped_gpt_has_rmsnorms_and_its_gradients_are_central_differences():
+    """``GPTConfig(norm="rmsnorm", mlp="swiglu", n_kv_head=, bias=False)``: every norm is an RMSNorm (a weight,
+    no bias) and the whole model's loss gradients, every parameter's, are central differences (float64)."""
+    config = GPTConfig(vocab_size=7, block_size=4, n_layer=1, n_head=4, n_embd=8, n_kv_head=2, mlp="swiglu",
+                       ffn_hidden=6, bias=False, norm="rmsnorm", tie_weights=False, dtype="float64")
+    model = GPT(config, rng=np.random.default_rng(5))
+    norms = [model.blocks[0].ln1, model.blocks[0].ln2, model.head.ln_f]
+    assert all(isinstance(n, nn.RMSNorm) for n in norms)
+    assert not any(".bias" in name for name, _ in model.named_parameters())
+    tokens = np.random.default_rng(6).integers(0, 7, (2, 5))
+    gradcheck(lambda: model.loss(model(tokens[:, :-1]), tokens[:, 1:]), module=model)
+
+
 def test_swiglu_bad_settings_raise_with_the_values():
     with pytest.raises(ValueError, match=r"mlp must be one of \('gelu', 'swiglu'\) \(got 'relu'\)"):
         GPTConfig(mlp="relu")
@@ -127,6 +141,15 @@ def test_swiglu_bad_settings_raise_with_the_values():
         F.swiglu(np.zeros((2, 5)))
     with pytest.raises(ValueError, match=r"ModelShape: mlp must be one of \('gelu', 'swiglu'\) \(got 'GELU'\)"):
         ModelShape(layers=1, hidden=8, heads=2, vocab=11, seq=4, mlp="GELU")
+    with pytest.raises(ValueError, match=r"norm must be one of \('layernorm', 'rmsnorm'\) \(got 'rms'\)"):
+        GPTConfig(norm="rms")
+    with pytest.raises(ValueError, match=r"ModelShape: norm must be one of \('layernorm', 'rmsnorm'\) "
+                                         r"\(got 'batchnorm'\)"):
+        ModelShape(layers=1, hidden=8, heads=2, vocab=11, seq=4, norm="batchnorm")
+    rms = GPT(GPTConfig(vocab_size=11, block_size=4, n_layer=1, n_head=2, n_embd=8, norm="rmsnorm"),
+              rng=np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"GPT-2's norms are LayerNorms; this model's are 'rmsnorm'"):
+        to_hf_gpt2(rms)
     llama = GPT(GPTConfig(vocab_size=11, block_size=4, n_layer=1, n_head=2, n_embd=8, mlp="swiglu"),
                 rng=np.random.default_rng(0))
     with pytest.raises(ValueError, match=r"GPT-2's MLP is GELU; this model's is 'swiglu'"):

@@ -25,7 +25,7 @@ from mpidist.nn import functional as F
 from mpidist.nn.autograd import Tensor, no_grad
 from mpidist.nn.deferred import deferred_like, is_deferred, new_parameter, set_initializer
 from mpidist.nn.init import Constant, Normal
-from mpidist.nn.layers import MLP, Dropout, Embedding, LayerNorm, TransformerBlock
+from mpidist.nn.layers import MLP, Dropout, Embedding, TransformerBlock, make_norm
 from mpidist.nn.module import Module, ModuleList, Parameter, Sequential
 from mpidist.nn.random import default_generator
 from mpidist.xp import asarray_like
@@ -50,6 +50,7 @@ class GPTConfig:
     n_kv_head: Optional[int] = None   # grouped-query attention: k/v heads, each serving n_head / n_kv_head q heads
     mlp: str = "gelu"          # the MLP's activation: "gelu" (GPT-2's) or "swiglu" (gated, Llama's: nn.MLP)
     ffn_hidden: Optional[int] = None   # the MLP's hidden units (None: mlp_ratio * n_embd; Llama-7B: 11008)
+    norm: str = "layernorm"    # the blocks' and head's norms: "layernorm" (GPT-2's) or "rmsnorm" (Llama's)
 
     @property
     def kv_heads(self) -> int:
@@ -75,6 +76,8 @@ class GPTConfig:
             problems.append(f"n_kv_head must be None or an int >= 1 dividing n_head {self.n_head} (got {kv!r})")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout must be in [0, 1) (got {self.dropout!r})")
+        if self.norm not in TransformerBlock.NORMS:
+            problems.append(f"norm must be one of {TransformerBlock.NORMS} (got {self.norm!r})")
         if self.mlp not in MLP.ACTIVATIONS:
             problems.append(f"mlp must be one of {MLP.ACTIVATIONS} (got {self.mlp!r})")
         ffn = self.ffn_hidden
@@ -124,7 +127,7 @@ class GPTHead(Module):
     def __init__(self, config: GPTConfig, rng, weight=None):
         super().__init__()
         dtype = np.dtype(config.dtype)
-        self.ln_f = LayerNorm(config.n_embd, dtype=dtype, bias=config.bias)
+        self.ln_f = make_norm(config.norm, config.n_embd, dtype, bias=config.bias)
         # A tied head registers the embedding's own Parameter: modules that share it (FSDP units, checkpoints)
         # see one weight, named once, under the embedding (the first to register it).
         self.weight = weight if weight is not None else new_parameter(
@@ -175,12 +178,14 @@ class GPT(Module):
         self.embed = GPTEmbedding(config, rng)
         self.blocks = ModuleList([TransformerBlock(config.n_embd, config.n_head, mlp_hidden=config.ffn_size,
                                                    causal=True, dropout=config.dropout, rng=rng, dtype=dtype,
-                                                   num_kv_heads=config.n_kv_head, mlp=config.mlp)
+                                                   num_kv_heads=config.n_kv_head, mlp=config.mlp,
+                                                   norm=config.norm)
                                   for _ in range(config.n_layer)])
         if not config.bias:  # TransformerBlock always builds biases; bias=False means none anywhere in the model
             for block in self.blocks:
                 for layer in (block.ln1, block.ln2, block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.proj):
-                    layer.bias = None
+                    if hasattr(layer, "bias"):   # an RMSNorm has none
+                        layer.bias = None
         self.head = GPTHead(config, rng, weight=self.embed.wte.weight if config.tie_weights else None)
         self._init_gpt2(rng)
 

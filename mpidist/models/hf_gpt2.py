@@ -61,12 +61,15 @@ _DEFAULT_EPS = LayerNorm(1).eps
 
 
 def _gpt2_shaped(config: GPTConfig) -> None:
-    """Raise ValueError when a GPT of ``config`` has no GPT-2 equivalent (grouped-query attention, a SwiGLU MLP)."""
+    """Raise ValueError when a GPT of ``config`` has no GPT-2 equivalent (grouped-query attention, a SwiGLU MLP,
+    RMSNorm)."""
     if config.kv_heads != config.n_head:
         raise ValueError(f"hf_gpt2: GPT-2 has multi-head attention only; this model has grouped-query attention "
                          f"(n_kv_head={config.n_kv_head}, n_head={config.n_head})")
     if config.mlp != "gelu":
         raise ValueError(f"hf_gpt2: GPT-2's MLP is GELU; this model's is {config.mlp!r} (GPTConfig.mlp)")
+    if config.norm != "layernorm":
+        raise ValueError(f"hf_gpt2: GPT-2's norms are LayerNorms; this model's are {config.norm!r} (GPTConfig.norm)")
 
 
 def _name_table(config: GPTConfig) -> List[Tuple[str, str, bool, Tuple[int, ...]]]:

@@ -239,22 +239,35 @@ class MLP(Module):
 
 class TransformerBlock(Module):
     """Pre-norm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``. The MLP has ``mlp_hidden`` units
-    (default ``mlp_ratio * dim``) and ``mlp`` its activation (``MLP``'s: "gelu" or "swiglu")."""
+    (default ``mlp_ratio * dim``) and ``mlp`` its activation (``MLP``'s: "gelu" or "swiglu"); ``norm`` is
+    "layernorm" (GPT-2's) or "rmsnorm" (Llama's: no mean, no bias)."""
+
+    NORMS = ("layernorm", "rmsnorm")
 
     def __init__(self, dim, num_heads, *, mlp_ratio=4, causal=True, dropout=0.0, rng=None, dtype=np.float32,
-                 num_kv_heads=None, mlp_hidden=None, mlp="gelu"):
+                 num_kv_heads=None, mlp_hidden=None, mlp="gelu", norm="layernorm"):
         super().__init__()
-        self.ln1 = LayerNorm(dim, dtype=dtype)
+        self.ln1 = make_norm(norm, dim, dtype)
         self.attn = MultiheadAttention(dim, num_heads, causal=causal, dropout=dropout, rng=rng, dtype=dtype,
                                        num_kv_heads=num_kv_heads)
         self.drop = Dropout(dropout)
-        self.ln2 = LayerNorm(dim, dtype=dtype)
+        self.ln2 = make_norm(norm, dim, dtype)
         hidden = mlp_ratio * dim if mlp_hidden is None else mlp_hidden
         self.mlp = MLP(dim, hidden, dropout=dropout, rng=rng, dtype=dtype, activation=mlp)
 
     def forward(self, x):
         x = x + self.drop(self.attn(self.ln1(x)))
         return x + self.mlp(self.ln2(x))
+
+
+def make_norm(kind, dim, dtype, bias=True):
+    """Return the block norm ``kind`` names: ``LayerNorm(dim)`` (with a bias unless ``bias=False``) or
+    ``RMSNorm(dim)``, at its own default eps."""
+    if kind == "layernorm":
+        return LayerNorm(dim, dtype=dtype, bias=bias)
+    if kind == "rmsnorm":
+        return RMSNorm(dim, dtype=dtype)
+    raise ValueError(f"norm must be one of {TransformerBlock.NORMS} (got {kind!r})")
 
 
 class Conv2d(Module):

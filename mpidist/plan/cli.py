@@ -61,6 +61,7 @@ def add_parser(sub):
     p.add_argument("--ffn", type=int, default=None, help="MLP hidden units (default 4 * hidden)")
     p.add_argument("--mlp", default="gelu", help="the MLP: gelu (GPT-2's, default) or swiglu (gated: Llama's; "
                    "--ffn units each for the gate, up and down projections)")
+    p.add_argument("--norm", default="layernorm", help="the norms: layernorm (GPT-2's, default) or rmsnorm (Llama's)")
     p.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
     p.add_argument("--untied", action="store_true", help="the LM head has its own weight (default: tied)")
@@ -121,7 +122,7 @@ def run(args) -> int:
     try:
         shape = ModelShape(args.layers, args.hidden, args.heads, args.vocab, args.seq, args.ffn,
                            tie_weights=not args.untied, bias=not args.no_bias, dtype=args.dtype,
-                           kv_heads=args.kv_heads, dropout=args.dropout, mlp=args.mlp)
+                           kv_heads=args.kv_heads, dropout=args.dropout, mlp=args.mlp, norm=args.norm)
         profile = load_profile(args.profile)
         estimates = plan(shape, args.batch, args.ranks, args.ranks_per_node or args.ranks, profile,
                          max_micro_batch=args.max_micro_batch, schedules=args.schedules, shardings=args.sharding,

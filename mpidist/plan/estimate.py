@@ -223,8 +223,8 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
     Per block and token; ``s`` is tp under sequence parallelism, else 1; ``e`` the activations' itemsize and
     ``e32`` that of the ops computing in float32 under 16-bit activations (else ``e``):
     - ``F.layer_norm``, each of the two: its input as given (d / s, ``e``) and two statistics per row, mean and
-      reciprocal standard deviation (2 / s, ``e32``); it forms the normalized input again in backward. The
-      residual adds keep nothing;
+      reciprocal standard deviation (2 / s, ``e32``); it forms the normalized input again in backward
+      (``F.rms_norm``: one statistic, 1 / rms). The residual adds keep nothing;
     - the column-parallel linears (qkv, fc1) keep the norms' outputs, d / s each (under sequence parallelism
       this rank's shard, gathered again in backward); attention's projection keeps the attention output (d /
       tp), fc2 GELU's output (ffn / tp); under sequence parallelism the norms keep their weights' copies (2 d per
@@ -247,7 +247,8 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
     e32 = 4 if low else e
     s = tp if layout.sequence_parallel else 1
     blocks = sum(layer.startswith("blocks.") for layer in layers)
-    per_token = (2 * (d * e + 2 * e32) / s           # layer_norm: its input and two statistics, twice
+    stats = 1 if shape.norm == "rmsnorm" else 2   # layer_norm's mean and rstd; rms_norm's 1 / rms
+    per_token = (2 * (d * e + stats * e32) / s       # the norms: their input and statistics, twice
                  + 2 * d / s * e                     # qkv's and fc1's inputs (this rank's shard under sp)
                  + (3 * d + d) / tp * e              # attention: qkv and its output (the projection's input)
                  + (shape.fc_size + f) / tp * e      # the activation's input (fc's output), fc2's input
@@ -292,7 +293,7 @@ def touched_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float
                  + 3 * f / tp * e                 # gelu's input, s and output (swiglu: gate and up, output)
                  + grouped_qkv / tp * e           # GQA: the projection's qkv, before F.repeat_kv
                  + (2 * d / s * (1 + e) if shape.dropout else 0))   # two dropouts' masks and outputs
-    norm_params = 2 * (1 + shape.bias) * d * 4 if is_low_precision(dt.gather) else 0
+    norm_params = 2 * (1 + shape.norm_bias) * d * 4 if is_low_precision(dt.gather) else 0
     formed = blocks * (b * t * per_token + norm_params) + _formed_probs_bytes(shape, layout, layers)
     if "embed" in layers:
         formed += b * t * d * e + (b * t * d / s * (1 + e) if shape.dropout else 0)   # (its dropout)

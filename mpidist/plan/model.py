@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from mpidist.models.gpt import GPTConfig, split_layers
-from mpidist.nn.layers import MLP
+from mpidist.nn.layers import MLP, TransformerBlock
 from mpidist.parallel.tensor.layers import padded_split
 
 __all__ = ["ModelShape", "Param", "parameters", "layer_names", "stage_layers"]
@@ -44,6 +44,7 @@ class ModelShape:
     kv_heads: Optional[int] = None   # grouped-query attention's k/v heads (None: heads, multi-head attention)
     dropout: float = 0.0             # GPTConfig.dropout: its masks are kept for backward, 1 byte per element
     mlp: str = "gelu"                # GPTConfig.mlp: "gelu", or "swiglu" (fc projects to gate and up: 2 ffn)
+    norm: str = "layernorm"          # GPTConfig.norm: "layernorm", or "rmsnorm" (a weight, no bias; one statistic)
 
     def __post_init__(self):
         problems = [f"{name} must be an int >= 1 (got {getattr(self, name)!r})"
@@ -62,6 +63,8 @@ class ModelShape:
             problems.append(f"dropout must be in [0, 1) (got {self.dropout!r})")
         if self.mlp not in MLP.ACTIVATIONS:
             problems.append(f"mlp must be one of {MLP.ACTIVATIONS} (got {self.mlp!r})")
+        if self.norm not in TransformerBlock.NORMS:
+            problems.append(f"norm must be one of {TransformerBlock.NORMS} (got {self.norm!r})")
         if problems:
             raise ValueError("ModelShape: " + "; ".join(problems))
 
@@ -70,11 +73,16 @@ class ModelShape:
         """Return the shape of ``GPT(config)``."""
         return cls(config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.block_size,
                    config.ffn_size, config.tie_weights, config.bias, config.dtype,
-                   config.n_kv_head, float(config.dropout), config.mlp)
+                   config.n_kv_head, float(config.dropout), config.mlp, config.norm)
 
     @property
     def ffn_size(self) -> int:
         return 4 * self.hidden if self.ffn is None else self.ffn
+
+    @property
+    def norm_bias(self) -> bool:
+        """Return whether the norms have a bias (a LayerNorm of a model with biases; never an RMSNorm)."""
+        return self.bias and self.norm == "layernorm"
 
     @property
     def fc_size(self) -> int:
@@ -144,7 +152,7 @@ def parameters(shape: ModelShape, layer: str, tp: int = 1, own_head_weight: bool
 def _parameters(shape: ModelShape, layer: str, tp: int, own_head_weight: bool) -> Tuple[Param, ...]:
     d, s = shape.hidden, shape
     vocab_local = padded_split(s.vocab, tp, "plan (vocabulary)") if tp > 1 else s.vocab
-    norm = [("weight", (d,), True)] + ([("bias", (d,), True)] if s.bias else [])
+    norm = [("weight", (d,), True)] + ([("bias", (d,), True)] if s.norm_bias else [])
     out = []
 
     def add(prefix, items):

@@ -28,6 +28,7 @@ from mpidist import collectives
 from mpidist.nn import functional as F
 from mpidist.nn.autograd import Tensor, make_result
 from mpidist.nn.deferred import deferred_like, is_deferred
+from mpidist.nn.layers import RMSNorm
 from mpidist.nn.module import Module, Parameter
 from mpidist.nn.placement import Replicate, Shard, set_placement
 from mpidist.nn.precision import fp32_op
@@ -165,15 +166,20 @@ class RowParallelLinear(TensorParallelModule):
 
 
 class ParallelLayerNorm(TensorParallelModule):
-    """A LayerNorm whose (replicated) gain and shift see a sequence shard under sequence parallelism."""
+    """A LayerNorm (or an ``nn.RMSNorm``: ``rms``) whose replicated gain and shift see a sequence shard under
+    sequence parallelism."""
 
     def __init__(self, norm, comm, sequence_parallel=False):
         super().__init__(comm, sequence_parallel)
         self.eps = norm.eps
+        self.rms = isinstance(norm, RMSNorm)
         self.weight = replicated_parameter(norm.weight, comm)
-        self.bias = None if norm.bias is None else replicated_parameter(norm.bias, comm)
+        bias = getattr(norm, "bias", None)
+        self.bias = None if bias is None else replicated_parameter(bias, comm)
 
     def forward(self, x):
+        if self.rms:
+            return F.rms_norm(x, self.read_replicated(self.weight), self.eps)
         return F.layer_norm(x, self.read_replicated(self.weight), self.read_replicated(self.bias), self.eps)
 
 
