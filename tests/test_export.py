@@ -211,9 +211,10 @@ def test_exported_tensors_compute_our_logits_in_a_numpy_gpt2(overrides):
     np.testing.assert_allclose(gpt2_forward(tensors, config, idx), logits(gpt, idx), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("tie_weights", [True, False])
-def test_hf_round_trip_gives_identical_parameters_and_logits(tmp_path, tie_weights):
-    gpt = tiny_gpt(tie_weights=tie_weights, dropout=0.1)
+@pytest.mark.parametrize("tie_weights,ffn_hidden", [(True, None), (False, None), (True, 20)])
+def test_hf_round_trip_gives_identical_parameters_and_logits(tmp_path, tie_weights, ffn_hidden):
+    """``ffn_hidden`` 20 (no multiple of the width 8): GPT-2's ``n_inner`` carries it both ways."""
+    gpt = tiny_gpt(tie_weights=tie_weights, dropout=0.1, ffn_hidden=ffn_hidden)
     save_hf_gpt2(gpt, tmp_path / "hf")
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
     back = load_hf_gpt2(tmp_path / "hf").eval()
@@ -251,7 +252,7 @@ def write_checkpoint(directory, tensors, config):
     ("scale_attn_by_inverse_layer_idx", True, r"scale_attn_by_inverse_layer_idx True is not supported"),
     ("scale_attn_weights", False, r"scale_attn_weights False is not supported"),
     ("add_cross_attention", True, r"add_cross_attention True is not supported"),
-    ("n_inner", 12, r"n_inner 12 is not a multiple of n_embd 8"),
+    ("n_inner", 0, r"n_inner 0 is not an int >= 1"),
     ("attn_pdrop", 0.2, r"embd_pdrop, attn_pdrop and resid_pdrop differ .*'attn_pdrop': 0.2"),
     ("model_type", "llama", r"model_type 'llama' is not 'gpt2'"),
     ("n_head", 3, r"n_embd 8 is not divisible by n_head 3"),

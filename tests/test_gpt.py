@@ -268,10 +268,14 @@ def test_gpt2_initialisation():
             assert not np.array_equal(a.data, c.data), name
 
 
-@pytest.mark.parametrize("n_layer, mlp_ratio, vocab, tie, seq_len",
-                         [(2, 4, 256, True, None), (2, 4, 256, True, 8), (3, 2, 50, False, 5)])
-def test_flops_per_token_counts_the_matmuls_of_a_forward(monkeypatch, n_layer, mlp_ratio, vocab, tie, seq_len):
-    model = GPT(config(n_layer, mlp_ratio=mlp_ratio, vocab_size=vocab, tie_weights=tie),
+@pytest.mark.parametrize("n_layer, mlp_ratio, vocab, tie, seq_len, llama",
+                         [(2, 4, 256, True, None, False), (2, 4, 256, True, 8, False), (3, 2, 50, False, 5, False),
+                          (2, 4, 50, False, 6, True)])
+def test_flops_per_token_counts_the_matmuls_of_a_forward(monkeypatch, n_layer, mlp_ratio, vocab, tie, seq_len,
+                                                         llama):
+    # llama: SwiGLU of 40 units (its fused gate and up: one product of 2 x 40 outputs), RMSNorm, 2 k/v heads
+    extra = dict(mlp="swiglu", ffn_hidden=40, norm="rmsnorm", bias=False, n_kv_head=2) if llama else {}
+    model = GPT(config(n_layer, mlp_ratio=mlp_ratio, vocab_size=vocab, tie_weights=tie, **extra),
                 rng=np.random.default_rng(0))
     flops = [0]
     linear, attention = F.linear, F.scaled_dot_product_attention

@@ -135,6 +135,13 @@ def test_planned_calls_equal_wrappers_with_llamas_blocks(comm, layout):
     check_layout(comm, layout, shape=LLAMA)
 
 
+@pytest.mark.world_sizes(2)
+def test_planned_calls_equal_wrappers_rmsnorm_in_a_model_with_biases(comm):
+    """RMSNorm has no bias even where the linears have one: under sequence parallelism its weight's gradient is
+    summed over the TP ranks and no bias's is (the plan once counted a norm bias's allreduce per norm)."""
+    check_layout(comm, Layout(1, 2, 1, sequence_parallel=True), shape=replace(SHAPE, norm="rmsnorm"))
+
+
 NODE_AWARE = [   # (layout, ranks per simulated node, whether the 16-bit hooks' "auto" goes node-aware)
     (Layout(8, 1, 1, comm_hook="fp16"), 4, True),                           # 2 nodes x 4: leaders' ring over 2
     (Layout(8, 1, 1, param_dtype="bfloat16", comm_hook="bf16"), 2, True),   # 4 nodes x 2: leaders' ring over 4

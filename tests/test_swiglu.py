@@ -4,6 +4,8 @@ ffn_hidden=)``) and RMSNorm (``GPTConfig(norm="rmsnorm")``) against independent 
 FLOPs; the split model against one process in tests/test_tensor_parallel.py
 (``test_llama_blocks_train_like_one_process``) and below (a tensor-parallel checkpoint loaded into one process);
 the planner's parameters, calls and activations in tests/test_plan.py and tests/test_plan_exact.py."""
+import re
+
 import numpy as np
 import pytest
 
@@ -35,13 +37,13 @@ def reference_swiglu_grad(x, g):
     return np.concatenate([g * up * (s + gate * s * (1 - s)), g * gate * s], axis=-1)
 
 
-@pytest.mark.parametrize("chunk", [None, 24], ids=["one-block", "row-blocks-of-3"])
+@pytest.mark.parametrize("block_rows", [None, 3], ids=["one-block", "row-blocks-of-3"])
 @pytest.mark.parametrize("shape", [(2, 5, 16), (7, 2), (3, 1, 4, 10)], ids=str)
-def test_swiglu_equals_silu_gate_times_up(monkeypatch, chunk, shape):
+def test_swiglu_equals_silu_gate_times_up(monkeypatch, block_rows, shape):
     """Forward and backward equal the float64 formula, in one row block and in row blocks of 3 rows (the last
-    one shorter), including gates of +-60 where exp overflows."""
-    if chunk:
-        monkeypatch.setattr(F, "_CHUNK", chunk)
+    one shorter), including gates of +-60 (exp(60) would overflow float32; here it keeps silu's tiny values)."""
+    if block_rows:
+        monkeypatch.setattr(F, "_CHUNK", block_rows * (shape[-1] // 2))
     rng = np.random.default_rng(0)
     x = rng.standard_normal(shape) * 3
     x.reshape(-1)[:2] = (60.0, -60.0)
@@ -73,7 +75,7 @@ def test_16_bit_swiglu_computes_in_float32_and_rounds_once(monkeypatch, dtype):
     y = F.swiglu(t)
     y.backward(nn.Tensor(g))
     assert y.data.dtype == dtype and t.grad.dtype == dtype
-    eps = float(np.finfo(np.float32).eps) if dtype is np.float32 else (2.0 ** -8 if dtype is bfloat16 else 2.0 ** -11)
+    eps = 2.0 ** -8 if dtype is bfloat16 else 2.0 ** -11   # one rounding of the 16-bit type
     want, want_grad = reference_swiglu(x), reference_swiglu_grad(x, g)
     np.testing.assert_allclose(y.data.astype(np.float64), want, rtol=eps, atol=1e-6)
     np.testing.assert_allclose(t.grad.astype(np.float64), want_grad, rtol=eps, atol=1e-6)
@@ -136,9 +138,12 @@ def test_swiglu_bad_settings_raise_with_the_values():
         GPTConfig(ffn_hidden=2.5)
     with pytest.raises(ValueError, match=r"MLP: activation must be one of \('gelu', 'swiglu'\) \(got 'geglu'\)"):
         nn.MLP(4, 8, activation="geglu")
-    with pytest.raises(ValueError, match=r"swiglu: the last axis holds \[gate \| up\] and must have an even length "
-                                         r"\(got shape \(2, 5\)\)"):
-        F.swiglu(np.zeros((2, 5)))
+    for shape in ((2, 5), (3, 0)):
+        with pytest.raises(ValueError, match=r"swiglu: the last axis holds \[gate \| up\] and must have an even, "
+                                             rf"non-zero length \(got shape {re.escape(str(shape))}\)"):
+            F.swiglu(np.zeros(shape))
+    with pytest.raises(ValueError, match=r"MLP: hidden must be an int >= 1 \(got 0\)"):
+        nn.MLP(4, 0, activation="swiglu")
     with pytest.raises(ValueError, match=r"ModelShape: mlp must be one of \('gelu', 'swiglu'\) \(got 'GELU'\)"):
         ModelShape(layers=1, hidden=8, heads=2, vocab=11, seq=4, mlp="GELU")
     with pytest.raises(ValueError, match=r"norm must be one of \('layernorm', 'rmsnorm'\) \(got 'rms'\)"):

@@ -222,7 +222,7 @@ class GPT(Module):
         """Training FLOPs per token (forward + backward = 3x forward) of the matmuls, at context ``seq_len``.
 
         Per layer and token the forward does 2 * 12 d^2 in the four weight matmuls (qkv 3d^2, output d^2,
-        MLP 2 * ratio * d^2) and 2 * 2 * t * d in attention (scores and the weighted sum, every key counted:
+        MLP 2 f d with f = ffn_size, 4 d^2 at the default ratio) and 2 * 2 * t * d in attention (scores and the weighted sum, every key counted:
         the causal mask does not skip work here); the head adds 2 * vocab * d. With grouped-query attention the
         qkv product is d (d + 2 kv_heads head_dim); a SwiGLU MLP of f units does 3 f d (gate, up, down). Embedding look-ups, norms and elementwise work are not
         counted, as in the usual MFU convention.

@@ -145,17 +145,19 @@ def gpt_config_from_hf(hf: Mapping, dtype="float32", context="gpt_config_from_hf
     if len(set(dropouts.values())) != 1:
         problems.append(f"embd_pdrop, attn_pdrop and resid_pdrop differ ({dropouts}); this GPT has one dropout rate")
     n_embd, n_inner = hf.get("n_embd"), setting("n_inner", None)
-    mlp_ratio = 4
+    mlp_ratio, ffn_hidden = 4, None
     if n_inner is not None and isinstance(n_embd, int) and n_embd > 0:
-        if not isinstance(n_inner, int) or n_inner < 1 or n_inner % n_embd:
-            problems.append(f"n_inner {n_inner!r} is not a multiple of n_embd {n_embd}")
+        if not isinstance(n_inner, int) or isinstance(n_inner, bool) or n_inner < 1:
+            problems.append(f"n_inner {n_inner!r} is not an int >= 1")
+        elif n_inner % n_embd:
+            ffn_hidden = n_inner   # GPTConfig(ffn_hidden=...): any width, as GPT-2's n_inner
         else:
             mlp_ratio = n_inner // n_embd
     if problems:
         raise ValueError(f"{context}: this GPT-2 config cannot be reproduced ({'; '.join(problems)})")
     try:
         return GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
-                         n_head=hf["n_head"], n_embd=n_embd, mlp_ratio=mlp_ratio,
+                         n_head=hf["n_head"], n_embd=n_embd, mlp_ratio=mlp_ratio, ffn_hidden=ffn_hidden,
                          dropout=dropouts["embd_pdrop"], bias=True,
                          tie_weights=bool(setting("tie_word_embeddings", True)), dtype=dtype)
     except ValueError as e:

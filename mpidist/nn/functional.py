@@ -502,8 +502,8 @@ def swiglu(a):
     Megatron-LM's fused bias-SwiGLU does, and forms sigmoid(gate) again. Row block by row block, each within L2
     as ``gelu``'s slices are; a 16-bit input is computed in float32 and rounded once (output and gradient)."""
     x = _d(a)
-    if x.ndim < 1 or x.shape[-1] % 2:
-        raise ValueError(f"swiglu: the last axis holds [gate | up] and must have an even length "
+    if x.ndim < 1 or x.shape[-1] % 2 or not x.shape[-1]:
+        raise ValueError(f"swiglu: the last axis holds [gate | up] and must have an even, non-zero length "
                          f"(got shape {tuple(x.shape)})")
     xp = get_array_module(x)
     low = is_low_precision(x.dtype)

@@ -223,6 +223,8 @@ class MLP(Module):
         super().__init__()
         if activation not in self.ACTIVATIONS:
             raise ValueError(f"MLP: activation must be one of {self.ACTIVATIONS} (got {activation!r})")
+        if not isinstance(hidden, (int, np.integer)) or isinstance(hidden, bool) or hidden < 1:
+            raise ValueError(f"MLP: hidden must be an int >= 1 (got {hidden!r})")
         self.activation = activation
         self.hidden = hidden
         self.fc = Linear(dim, 2 * hidden if activation == "swiglu" else hidden, rng=rng, dtype=dtype)

@@ -227,7 +227,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> fl
       (``F.rms_norm``: one statistic, 1 / rms). The residual adds keep nothing;
     - the column-parallel linears (qkv, fc1) keep the norms' outputs, d / s each (under sequence parallelism
       this rank's shard, gathered again in backward); attention's projection keeps the attention output (d /
-      tp), fc2 GELU's output (ffn / tp); under sequence parallelism the norms keep their weights' copies (2 d per
+      tp), fc2 the activation's output (ffn / tp); under sequence parallelism the norms keep their weights' copies (2 d per
       block and micro-batch, not per token: ``read_replicated``);
     - ``F.multi_head_attention`` keeps its qkv as given (3 d / tp, ``e``; with grouped-query attention the
       k/v heads repeated by ``F.repeat_kv``, which keeps nothing) and reads its output from the array

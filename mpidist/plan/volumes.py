@@ -250,7 +250,7 @@ def _tp_calls(shape: ModelShape, layout: Layout, layers: List[str], dt: Dtypes) 
     blocks = sum(layer.startswith("blocks.") for layer in layers)
     passes = 2 if layout.recompute == "full" else 1   # a recomputed block runs its forward again in backward
     out = []
-    norms = 4 if shape.bias else 2                   # ln1, ln2 weights (and biases)
+    norms = 4 if shape.norm_bias else 2              # ln1, ln2 weights (and LayerNorm biases)
     if sp:   # the column inputs (qkv's, fc's) gathered in forward and again in backward, for the weights' gradients
         out += [Call("tp", "allgather", normed, 2 * blocks * (passes + 1)),
                 Call("tp", "reduce_scatter", full, 2 * blocks * passes),
@@ -269,7 +269,7 @@ def _tp_calls(shape: ModelShape, layout: Layout, layers: List[str], dt: Dtypes) 
             out.append(Call("tp", "allreduce", b * t * d * ep))
     if "head" in layers:
         if sp:
-            out += [Call("tp", "allreduce", d * norm_grad, 2 if shape.bias else 1),
+            out += [Call("tp", "allreduce", d * norm_grad, 2 if shape.norm_bias else 1),
                     Call("tp", "allgather", normed, 2), Call("tp", "reduce_scatter", full)]
         else:
             out.append(Call("tp", "allreduce", full))
