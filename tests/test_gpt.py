@@ -274,7 +274,7 @@ def test_gpt2_initialisation():
 def test_flops_per_token_counts_the_matmuls_of_a_forward(monkeypatch, n_layer, mlp_ratio, vocab, tie, seq_len,
                                                          llama):
     # llama: SwiGLU of 40 units (its fused gate and up: one product of 2 x 40 outputs), RMSNorm, 2 k/v heads
-    extra = dict(mlp="swiglu", ffn_hidden=40, norm="rmsnorm", bias=False, n_kv_head=2) if llama else {}
+    extra = dict(mlp="swiglu", ffn_hidden=40, norm="rmsnorm", positions="rope", bias=False, n_kv_head=2) if llama else {}
     model = GPT(config(n_layer, mlp_ratio=mlp_ratio, vocab_size=vocab, tie_weights=tie, **extra),
                 rng=np.random.default_rng(0))
     flops = [0]

@@ -930,6 +930,23 @@ def test_bfloat16_wrappers_on_a_cupy_without_it_raise_naming_the_version(comm, m
     assert_same_bits(ddp_16_bit_run(comm, fp16, FAKE_CUPY), ddp_16_bit_run(comm, fp16, None))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16], ids=["float32", "bfloat16"])
+def test_rotary_on_fake_cupy_is_numpys(fake_cupy, dtype):
+    """Rotary positions on CuPy arrays (its angle table moved to the device): output and gradient are the numpy
+    path's bits."""
+    rng = np.random.default_rng(33)
+    x = rng.standard_normal((2, 5, 8 * 4)).astype(dtype)
+    g = rng.standard_normal((2, 5, 8 * 4)).astype(dtype)
+    want = nn.Tensor(x.copy(), requires_grad=True)
+    want_out = nn.functional.rotary(want, 4, 2)
+    want_out.backward(g)
+    got = nn.Tensor(FakeCupyArray(x.copy()), requires_grad=True)
+    out = nn.functional.rotary(got, 4, 2)
+    out.backward(FakeCupyArray(g.copy()))
+    assert mpidist.xp.is_device_array(out.data) and mpidist.xp.is_device_array(got.grad)
+    assert_same_bits([mpidist.xp.to_numpy(out.data), mpidist.xp.to_numpy(got.grad)], [want_out.data, want.grad])
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, bfloat16], ids=["float32", "float16", "bfloat16"])
 def test_swiglu_on_fake_cupy_is_numpys_in_row_blocks_of_the_device_chunk(fake_cupy, monkeypatch, dtype):
     """SwiGLU on CuPy arrays: one block of rows (float32), or for a 16-bit input blocks of ``_DEVICE_CHUNK``

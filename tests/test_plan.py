@@ -20,7 +20,7 @@ CONFIGS = [GPTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=4, n_embd=8)
            GPTConfig(vocab_size=13, block_size=4, n_layer=3, n_head=4, n_embd=8, mlp_ratio=2, bias=False,
                      tie_weights=False),
            GPTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=4, n_embd=8, mlp="swiglu", ffn_hidden=12,
-                     bias=False, norm="rmsnorm"),   # Llama's blocks: fused gate and up of 12 units each, RMSNorm
+                     bias=False, norm="rmsnorm", positions="rope"),   # Llama's: SwiGLU of 12 units, RMSNorm, RoPE
            GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=4, n_embd=8, norm="rmsnorm")]   # (no bias)
 
 
@@ -143,16 +143,19 @@ def test_cli_plan_prints_a_table_and_json(capsys):
     # Llama's MLP: SwiGLU of 10 units, which tp=4 cannot split (its gate and up units go to every rank alike)
     swiglu = ["plan", "--layers", "2", "--hidden", "16", "--heads", "4", "--mlp", "swiglu", "--ffn", "10", "--vocab",
               "32", "--seq", "8", "--batch", "4", "--ranks", "4", "--profile", "local", "--json", "--top", "100",
-              "--norm", "rmsnorm"]
+              "--positions", "rope", "--norm", "rmsnorm"]
     assert main(swiglu) == 0
     data = json.loads(capsys.readouterr().out)
-    assert (data["model"]["mlp"], data["model"]["ffn"], data["model"]["norm"]) == ("swiglu", 10, "rmsnorm")
+    assert (data["model"]["mlp"], data["model"]["ffn"], data["model"]["norm"], data["model"]["positions"]) == \
+        ("swiglu", 10, "rmsnorm", "rope")
     assert all(e["layout"]["tp"] in (1, 2) for e in data["feasible"])
     assert any("a SwiGLU MLP's 10 hidden units do not split over tp=4" in e["reason"] for e in data["infeasible"])
     assert main(swiglu[:8] + ["geglu"] + swiglu[9:]) == 2
     assert "mlp must be one of ('gelu', 'swiglu') (got 'geglu')" in capsys.readouterr().err
     assert main(swiglu[:-1] + ["rms"]) == 2
     assert "norm must be one of ('layernorm', 'rmsnorm') (got 'rms')" in capsys.readouterr().err
+    assert main(swiglu[:-3] + ["alibi"] + swiglu[-2:]) == 2
+    assert "positions must be one of ('learned', 'rope') (got 'alibi')" in capsys.readouterr().err
 
 
 def test_cli_interleaved_chunks_are_the_ones_asked_for(capsys):
@@ -475,14 +478,14 @@ def test_memory_per_rank_is_the_traced_peak_of_one_rank(layout):
                                     Layout(2, 1, 1, micro_batch=8, param_dtype="bfloat16")],
                          ids=lambda v: v.name().replace(" ", "-"))
 def test_memory_per_rank_is_the_traced_peak_of_a_swiglu_model(layout):
-    """Llama's blocks (a SwiGLU MLP of 344 units, about 8/3 of the width; RMSNorm; no biases): the traced peak of
+    """Llama's blocks (a SwiGLU MLP of 344 units, about 8/3 of the width; RMSNorm; RoPE; no biases): the traced peak of
     one rank is the planner's total within 3% (2026-11-29: -1.6% and -0.8%), the fused gate and up and their gradient
     counted where GELU's input was."""
     from dataclasses import replace
 
     from mpidist.plan.estimate import memory_per_rank
     from mpidist.plan.execute import OneRankOfMany
-    shape = replace(PEAK_SHAPE, mlp="swiglu", ffn=344, bias=False, norm="rmsnorm")
+    shape = replace(PEAK_SHAPE, mlp="swiglu", ffn=344, bias=False, norm="rmsnorm", positions="rope")
     peak, _ = traced_peak(layout, lambda: OneRankOfMany(layout.ranks, rank=layout.tp - 1,
                                                         splits=[layout.dp, layout.pp, layout.tp]), shape)
     assert memory_per_rank(shape, layout)["total"] == pytest.approx(peak, rel=0.03), layout.name()

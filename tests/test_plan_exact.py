@@ -119,9 +119,10 @@ def test_planned_calls_equal_wrappers_interleaved_over_three_chunks(comm, num_mi
                  shape=replace(SHAPE, layers=6))
 
 
-# Llama's blocks: SwiGLU of 40 units (not a multiple of the width), RMSNorm, no biases, untied head, grouped-query
-# attention
-LLAMA = replace(SHAPE, mlp="swiglu", ffn=40, bias=False, tie_weights=False, kv_heads=2, norm="rmsnorm")
+# Llama's blocks: SwiGLU of 40 units (not a multiple of the width), RMSNorm, rotary positions (no position table:
+# no allreduce of its gradient under sequence parallelism), no biases, untied head, grouped-query attention
+LLAMA = replace(SHAPE, mlp="swiglu", ffn=40, bias=False, tie_weights=False, kv_heads=2, norm="rmsnorm",
+                positions="rope")
 
 
 @pytest.mark.world_sizes(2)
@@ -384,15 +385,17 @@ def block_graph_bytes(shape, layout):
     (2, False, 2, 0.1, "swiglu", "rmsnorm"), (4, True, None, 0.1, "swiglu", "rmsnorm"),
     (1, False, None, 0.0, "gelu", "rmsnorm"), (2, True, 2, 0.0, "swiglu", "rmsnorm")],
     ids=lambda v: str(v))
-def test_activation_bytes_equal_one_blocks_saved_arrays(tp, sequence_parallel, kv_heads, dropout, mlp, norm):
+@pytest.mark.parametrize("positions", ["learned", "rope"])
+def test_activation_bytes_equal_one_blocks_saved_arrays(tp, sequence_parallel, kv_heads, dropout, mlp, norm,
+                                                        positions):
     """For every precision, recompute mode and micro-batch size: the bytes one block's real ops keep for backward
     (norms' xhat and statistics, linears' inputs, attention's qkv, output and probabilities, GELU's input and
     half-tanh; float32 copies of 16-bit norm weights) EQUAL ``activation_bytes(shape, layout, ["blocks.0"])``;
     with grouped-query attention too (2 k/v heads for 4 heads), with dropout (its masks, 1 byte each), with a
-    SwiGLU MLP (its fused gate and up, 2 x 24 units: not a multiple of the width) and with RMSNorm (one statistic
-    per row)."""
+    SwiGLU MLP (its fused gate and up, 2 x 24 units: not a multiple of the width), with RMSNorm (one statistic
+    per row) and with rotary positions (``F.rotary`` keeps nothing: attention keeps the turned qkv)."""
     shape = ModelShape(layers=1, hidden=16, heads=4, vocab=37, seq=8, kv_heads=kv_heads, dropout=dropout, mlp=mlp,
-                       ffn=24 if mlp == "swiglu" else None, norm=norm)
+                       ffn=24 if mlp == "swiglu" else None, norm=norm, positions=positions)
     for dtype, precision in PRECISIONS:
         for recompute in ("none", "selective", "full"):
             for micro_batch in (1, 2):

@@ -360,10 +360,10 @@ def test_grouped_query_attention_trains_like_one_process(comm):
 
 @pytest.mark.world_sizes(2, 4)
 def test_llama_blocks_train_like_one_process(comm):
-    """Llama's blocks (SwiGLU of 40 units, fused gate and up; RMSNorm; no biases): each TP rank holds the same units
-    of the gate and of up and the whole norms (sequence parallel at 2 ranks; with data parallelism and with a
-    pipeline at 4, and tp 4)."""
-    kw = dict(mlp="swiglu", ffn_hidden=40, bias=False, norm="rmsnorm")
+    """Llama's blocks (SwiGLU of 40 units, fused gate and up; RMSNorm; rotary positions; no biases): each TP rank
+    holds the same units of the gate and of up and the whole norms, and turns its own heads' q and k (sequence
+    parallel at 2 ranks; with data parallelism and with a pipeline at 4, and tp 4)."""
+    kw = dict(mlp="swiglu", ffn_hidden=40, bias=False, norm="rmsnorm", positions="rope")
     layouts = ([(1, 2, 1, True)] if comm.Get_size() == 2 else
                [(2, 2, 1, False), (1, 2, 2, True), (1, 4, 1, True)])
     for dp, tp, pp, sequence_parallel in layouts:

@@ -33,6 +33,9 @@ from mpidist.xp import asarray_like
 __all__ = ["GPTConfig", "GPT", "GPTEmbedding", "GPTHead", "GPTStage", "split_layers", "lm_loss"]
 
 
+POSITIONS = ("learned", "rope")
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """The shape of a GPT. ``vocab_size=256`` is one token per byte, so any text needs no tokenizer."""
@@ -51,6 +54,8 @@ class GPTConfig:
     mlp: str = "gelu"          # the MLP's activation: "gelu" (GPT-2's) or "swiglu" (gated, Llama's: nn.MLP)
     ffn_hidden: Optional[int] = None   # the MLP's hidden units (None: mlp_ratio * n_embd; Llama-7B: 11008)
     norm: str = "layernorm"    # the blocks' and head's norms: "layernorm" (GPT-2's) or "rmsnorm" (Llama's)
+    positions: str = "learned"  # "learned" (GPT-2's table, embed.wpe) or "rope" (rotary q and k, Llama's)
+    rope_base: float = 10000.0  # rotary positions' base (Llama 2: 10000, Llama 3: 500000)
 
     @property
     def kv_heads(self) -> int:
@@ -76,6 +81,15 @@ class GPTConfig:
             problems.append(f"n_kv_head must be None or an int >= 1 dividing n_head {self.n_head} (got {kv!r})")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout must be in [0, 1) (got {self.dropout!r})")
+        if self.positions not in POSITIONS:
+            problems.append(f"positions must be one of {POSITIONS} (got {self.positions!r})")
+        elif self.positions == "rope" and isinstance(self.n_embd, (int, np.integer)) and isinstance(
+                self.n_head, (int, np.integer)) and self.n_head and (self.n_embd // self.n_head) % 2:
+            problems.append(f"rotary positions need an even head size (n_embd {self.n_embd} / n_head "
+                            f"{self.n_head} = {self.n_embd // self.n_head})")
+        if not (isinstance(self.rope_base, (int, float)) and not isinstance(self.rope_base, bool)
+                and self.rope_base > 0):
+            problems.append(f"rope_base must be a number > 0 (got {self.rope_base!r})")
         if self.norm not in TransformerBlock.NORMS:
             problems.append(f"norm must be one of {TransformerBlock.NORMS} (got {self.norm!r})")
         if self.mlp not in MLP.ACTIVATIONS:
@@ -97,14 +111,16 @@ class GPTConfig:
 
 
 class GPTEmbedding(Module):
-    """Token plus position embedding of integer token ids (batch, t) -> (batch, t, n_embd)."""
+    """Token plus position embedding of integer token ids (batch, t) -> (batch, t, n_embd); tokens alone under
+    rotary positions (``positions="rope"``: attention turns q and k instead, there is no ``wpe``)."""
 
     def __init__(self, config: GPTConfig, rng):
         super().__init__()
         dtype = np.dtype(config.dtype)
         self.block_size = config.block_size
         self.wte = Embedding(config.vocab_size, config.n_embd, rng=rng, dtype=dtype, std=0.02)
-        self.wpe = Embedding(config.block_size, config.n_embd, rng=rng, dtype=dtype, std=0.02)
+        if config.positions == "learned":
+            self.wpe = Embedding(config.block_size, config.n_embd, rng=rng, dtype=dtype, std=0.02)
         self.drop = Dropout(config.dropout)
 
     def forward(self, idx):
@@ -115,6 +131,8 @@ class GPTEmbedding(Module):
         t = ids.shape[1]
         if t > self.block_size:
             raise ValueError(f"GPT: sequence of {t} tokens is longer than block_size {self.block_size}")
+        if not hasattr(self, "wpe"):
+            return self.drop(self.wte(ids))
         positions = np.arange(t)
         if not isinstance(ids, np.ndarray):  # device token ids: the positions go to the same device
             positions = asarray_like(positions, ids)
@@ -179,7 +197,8 @@ class GPT(Module):
         self.blocks = ModuleList([TransformerBlock(config.n_embd, config.n_head, mlp_hidden=config.ffn_size,
                                                    causal=True, dropout=config.dropout, rng=rng, dtype=dtype,
                                                    num_kv_heads=config.n_kv_head, mlp=config.mlp,
-                                                   norm=config.norm)
+                                                   norm=config.norm, rope=config.positions == "rope",
+                                                   rope_base=config.rope_base)
                                   for _ in range(config.n_layer)])
         if not config.bias:  # TransformerBlock always builds biases; bias=False means none anywhere in the model
             for block in self.blocks:
@@ -216,7 +235,8 @@ class GPT(Module):
     def num_parameters(self, non_embedding=False):
         """Count parameters (a tied weight once); ``non_embedding`` leaves out the position table."""
         n = sum(int(p.data.size) for p in self.parameters())
-        return n - int(self.embed.wpe.weight.data.size) if non_embedding else n
+        wpe = getattr(self.embed, "wpe", None)   # none under rotary positions
+        return n - int(wpe.weight.data.size) if non_embedding and wpe is not None else n
 
     def flops_per_token(self, seq_len=None):
         """Training FLOPs per token (forward + backward = 3x forward) of the matmuls, at context ``seq_len``.

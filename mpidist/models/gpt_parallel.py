@@ -57,8 +57,9 @@ class ParallelGPTEmbedding(TensorParallelModule):
         super().__init__(comm, sequence_parallel)
         self.block_size = embed.block_size
         self.wte = VocabParallelEmbedding(embed.wte, comm, sequence_parallel)
-        self.wpe = Module()
-        self.wpe.weight = replicated_parameter(embed.wpe.weight, comm)
+        if hasattr(embed, "wpe"):   # none under rotary positions
+            self.wpe = Module()
+            self.wpe.weight = replicated_parameter(embed.wpe.weight, comm)
         self.drop = embed.drop
 
     def forward(self, idx):
@@ -73,6 +74,8 @@ class ParallelGPTEmbedding(TensorParallelModule):
             raise ValueError(f"GPT (sequence parallel): sequence of {t} tokens does not split over {size} "
                              f"tensor-parallel ranks; use a length divisible by {size} or sequence_parallel=False")
         x = self.wte(ids)
+        if not hasattr(self, "wpe"):
+            return self.drop(x)
         if self.sequence_parallel:
             n = t // size
             positions = np.arange(self.comm.Get_rank() * n, (self.comm.Get_rank() + 1) * n)

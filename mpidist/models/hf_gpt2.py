@@ -68,6 +68,9 @@ def _gpt2_shaped(config: GPTConfig) -> None:
                          f"(n_kv_head={config.n_kv_head}, n_head={config.n_head})")
     if config.mlp != "gelu":
         raise ValueError(f"hf_gpt2: GPT-2's MLP is GELU; this model's is {config.mlp!r} (GPTConfig.mlp)")
+    if config.positions != "learned":
+        raise ValueError(f"hf_gpt2: GPT-2's positions are a learned table; this model's are {config.positions!r} "
+                         f"(GPTConfig.positions)")
     if config.norm != "layernorm":
         raise ValueError(f"hf_gpt2: GPT-2's norms are LayerNorms; this model's are {config.norm!r} (GPTConfig.norm)")
 

@@ -8,6 +8,7 @@ need (a normalized input, a softmax) as arrays.
 """
 
 import builtins
+import functools
 import math
 from typing import NamedTuple
 
@@ -21,7 +22,7 @@ from mpidist.xp import get_array_module, scatter_add
 __all__ = ["add", "sub", "mul", "div", "neg", "pow", "matmul", "linear", "reshape", "transpose", "permute",
            "swapaxes", "getitem", "cat", "split", "stack", "sum", "mean", "max", "exp", "log", "sqrt", "tanh",
            "sigmoid", "relu", "gelu", "swiglu", "softmax", "log_softmax", "layer_norm", "rms_norm", "embedding",
-           "dropout", "cross_entropy", "mse_loss", "scaled_dot_product_attention", "multi_head_attention", "repeat_kv", "where", "var", "conv2d",
+           "dropout", "cross_entropy", "mse_loss", "scaled_dot_product_attention", "multi_head_attention", "repeat_kv", "rotary", "where", "var", "conv2d",
            "max_pool2d", "avg_pool2d", "batch_norm"]
 
 
@@ -1198,6 +1199,69 @@ def repeat_kv(qkv, num_heads, num_kv_heads):
         grad[:, :, h:] = sums.reshape(b, t, 2 * kv, hd)   # rounded once to 16 bits here
         return (grad.reshape(b, t, (h + 2 * kv) * hd),)
     return make_result("RepeatKV", out.reshape(b, t, 3 * h * hd), (qkv,), backward)
+
+
+def rotary(qkv, num_heads, num_kv_heads=None, base=10000.0):
+    """Return packed ``[q | k | v]`` projections with q and k turned by their positions: rotary position embedding
+    (Su et al. 2021, arXiv 2104.09864) in Llama's and Megatron-LM's layout. In each q and k head, channels i and
+    i + hd / 2 of the token at position p rotate by the angle p * base^(-2i / hd); v is copied unchanged.
+    (batch, seq, (num_heads + 2 num_kv_heads) hd) -> the same shape, positions 0 .. seq - 1 (attention's whole
+    sequence). Nothing is kept for backward, which turns the gradient back; a 16-bit input is rotated in float32
+    and rounded once (output and gradient)."""
+    X = _d(qkv)
+    h = num_heads
+    kv = h if num_kv_heads is None else num_kv_heads
+    if not (isinstance(h, (int, np.integer)) and isinstance(kv, (int, np.integer)) and 1 <= kv <= h
+            and h % kv == 0):
+        raise ValueError(f"rotary: num_heads must be a multiple of num_kv_heads >= 1 (num_heads={h}, "
+                         f"num_kv_heads={kv})")
+    heads = h + 2 * kv
+    if X.ndim != 3 or not X.shape[-1] or X.shape[-1] % heads or (X.shape[-1] // heads) % 2:
+        raise ValueError(f"rotary: expected (batch, seq, (num_heads + 2 * num_kv_heads) * head_dim) with an even "
+                         f"head_dim, num_heads={h}, num_kv_heads={kv} (qkv: {X.shape})")
+    if not base > 0:
+        raise ValueError(f"rotary: base must be > 0 (got {base!r})")
+    xp = get_array_module(X)
+    b, t, hd = X.shape[0], X.shape[1], X.shape[2] // heads
+    cd = float32 if is_low_precision(X.dtype) else X.dtype
+    cos, sin = _rotary_table(t, hd, float(base), np.dtype(cd).str)
+    if xp is not np:
+        cos, sin = xp.asarray(cos), xp.asarray(sin)
+    parts = X.reshape(b, t, heads, hd)
+    out = xp.empty_like(parts)
+    _rotate_into(parts[:, :, :h + kv], out[:, :, :h + kv], cos, sin, cd, sign=1)
+    out[:, :, h + kv:] = parts[:, :, h + kv:]
+    shape, dtype = X.shape, X.dtype
+    del X, parts   # backward needs neither: the closure keeps no input
+
+    def backward(g, n):
+        G = g.reshape(b, t, heads, hd)
+        grad = xp.empty(G.shape, dtype=dtype)
+        _rotate_into(G[:, :, :h + kv], grad[:, :, :h + kv], cos, sin, cd, sign=-1)   # the transpose: -angle
+        grad[:, :, h + kv:] = G[:, :, h + kv:]
+        return (grad.reshape(shape),)
+    return make_result("Rotary", out.reshape(shape), (qkv,), backward)
+
+
+@functools.lru_cache(maxsize=32)   # one per (sequence, head size, base, dtype): every block of a step asks
+def _rotary_table(t, hd, base, dtype):
+    """Return cos and sin of the angles p * base^(-2i / hd), p < t, i < hd / 2, as (t, 1, hd / 2) arrays of
+    ``dtype`` (formed in float64, rounded once)."""
+    inv = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+    angles = np.arange(t, dtype=np.float64)[:, None, None] * inv[None, None, :]
+    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+
+def _rotate_into(src, dst, cos, sin, cd, sign):
+    """Write ``src``'s heads turned by ``sign`` x their angles into ``dst``: (x1, x2) -> (x1 cos - x2 sin,
+    x2 cos + x1 sin) for the first and second half of each head's channels, computed in ``cd``."""
+    half = src.shape[-1] // 2
+    x1, x2 = src[..., :half], src[..., half:]
+    if x1.dtype != cd:
+        x1, x2 = x1.astype(cd), x2.astype(cd)
+    s = sin if sign > 0 else -sin
+    dst[..., :half] = x1 * cos - x2 * s
+    dst[..., half:] = x2 * cos + x1 * s
 
 
 def _recomputed_probs(Q, K, scale, is_causal, attn_mask, dropout_p, training, generator, start):

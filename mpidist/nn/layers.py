@@ -176,10 +176,13 @@ class MultiheadAttention(Module):
     ``num_kv_heads`` (grouped-query attention; None: ``num_heads``): k and v have that many heads, each serving
     ``num_heads / num_kv_heads`` q heads; the projection is (dim, dim + 2 num_kv_heads head_dim), its k and v
     heads repeated for their groups (``F.repeat_kv``) before the fused attention.
+
+    ``rope``: q and k are turned by their positions (``F.rotary``, rotary position embedding with ``rope_base``)
+    before attention, as Llama's are.
     """
 
     def __init__(self, embed_dim, num_heads, *, causal=False, dropout=0.0, bias=True, rng=None,
-                 dtype=np.float32, recompute_probs=False, num_kv_heads=None):
+                 dtype=np.float32, recompute_probs=False, num_kv_heads=None, rope=False, rope_base=10000.0):
         super().__init__()
         if embed_dim % num_heads:
             raise ValueError(f"MultiheadAttention: embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
@@ -190,6 +193,10 @@ class MultiheadAttention(Module):
         self.embed_dim, self.num_heads, self.causal, self.dropout = embed_dim, num_heads, causal, dropout
         self.num_kv_heads = int(kv)
         self.recompute_probs = bool(recompute_probs)
+        if rope and (embed_dim // num_heads) % 2:
+            raise ValueError(f"MultiheadAttention: rotary positions turn channel pairs: the head size "
+                             f"{embed_dim // num_heads} must be even")
+        self.rope, self.rope_base = bool(rope), float(rope_base)
         width = embed_dim + 2 * self.num_kv_heads * (embed_dim // num_heads)
         self.qkv = Linear(embed_dim, width, bias=bias, rng=rng, dtype=dtype)
         self.proj = Linear(embed_dim, embed_dim, bias=bias, rng=rng, dtype=dtype)
@@ -198,6 +205,8 @@ class MultiheadAttention(Module):
         """Return the attention output for ``x`` of shape (batch, seq, dim); ``attn_mask`` is additive."""
         # One fused op from the packed projections to the heads side by side: no split, permute or copy.
         qkv = self.qkv(x)
+        if self.rope:
+            qkv = F.rotary(qkv, self.num_heads, self.num_kv_heads, self.rope_base)
         if self.num_kv_heads != self.num_heads:
             qkv = F.repeat_kv(qkv, self.num_heads, self.num_kv_heads)
         y = F.multi_head_attention(qkv, self.num_heads, attn_mask=attn_mask, is_causal=self.causal,
@@ -207,7 +216,8 @@ class MultiheadAttention(Module):
 
     def extra_repr(self):
         kv = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, causal={self.causal}"
+        rope = f", rope_base={self.rope_base:g}" if self.rope else ""
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, causal={self.causal}{rope}"
 
 
 class MLP(Module):
@@ -242,16 +252,16 @@ class MLP(Module):
 class TransformerBlock(Module):
     """Pre-norm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``. The MLP has ``mlp_hidden`` units
     (default ``mlp_ratio * dim``) and ``mlp`` its activation (``MLP``'s: "gelu" or "swiglu"); ``norm`` is
-    "layernorm" (GPT-2's) or "rmsnorm" (Llama's: no mean, no bias)."""
+    "layernorm" (GPT-2's) or "rmsnorm" (Llama's: no mean, no bias); ``rope``: rotary positions in attention."""
 
     NORMS = ("layernorm", "rmsnorm")
 
     def __init__(self, dim, num_heads, *, mlp_ratio=4, causal=True, dropout=0.0, rng=None, dtype=np.float32,
-                 num_kv_heads=None, mlp_hidden=None, mlp="gelu", norm="layernorm"):
+                 num_kv_heads=None, mlp_hidden=None, mlp="gelu", norm="layernorm", rope=False, rope_base=10000.0):
         super().__init__()
         self.ln1 = make_norm(norm, dim, dtype)
         self.attn = MultiheadAttention(dim, num_heads, causal=causal, dropout=dropout, rng=rng, dtype=dtype,
-                                       num_kv_heads=num_kv_heads)
+                                       num_kv_heads=num_kv_heads, rope=rope, rope_base=rope_base)
         self.drop = Dropout(dropout)
         self.ln2 = make_norm(norm, dim, dtype)
         hidden = mlp_ratio * dim if mlp_hidden is None else mlp_hidden

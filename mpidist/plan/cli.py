@@ -62,6 +62,8 @@ def add_parser(sub):
     p.add_argument("--mlp", default="gelu", help="the MLP: gelu (GPT-2's, default) or swiglu (gated: Llama's; "
                    "--ffn units each for the gate, up and down projections)")
     p.add_argument("--norm", default="layernorm", help="the norms: layernorm (GPT-2's, default) or rmsnorm (Llama's)")
+    p.add_argument("--positions", default="learned", help="learned (a position table, GPT-2's; default) or rope "
+                   "(rotary q and k, Llama's)")
     p.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
     p.add_argument("--untied", action="store_true", help="the LM head has its own weight (default: tied)")
@@ -122,7 +124,8 @@ def run(args) -> int:
     try:
         shape = ModelShape(args.layers, args.hidden, args.heads, args.vocab, args.seq, args.ffn,
                            tie_weights=not args.untied, bias=not args.no_bias, dtype=args.dtype,
-                           kv_heads=args.kv_heads, dropout=args.dropout, mlp=args.mlp, norm=args.norm)
+                           kv_heads=args.kv_heads, dropout=args.dropout, mlp=args.mlp, norm=args.norm,
+                           positions=args.positions)
         profile = load_profile(args.profile)
         estimates = plan(shape, args.batch, args.ranks, args.ranks_per_node or args.ranks, profile,
                          max_micro_batch=args.max_micro_batch, schedules=args.schedules, shardings=args.sharding,

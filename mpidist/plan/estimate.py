@@ -292,6 +292,7 @@ def touched_bytes(shape: ModelShape, layout: Layout, layers: List[str]) -> float
                  + (d / tp * e if low else 0)     # the 16-bit copy of attention's output
                  + 3 * f / tp * e                 # gelu's input, s and output (swiglu: gate and up, output)
                  + grouped_qkv / tp * e           # GQA: the projection's qkv, before F.repeat_kv
+                 + (shape.qkv_size / tp * e if shape.positions == "rope" else 0)   # F.rotary's turned qkv
                  + (2 * d / s * (1 + e) if shape.dropout else 0))   # two dropouts' masks and outputs
     norm_params = 2 * (1 + shape.norm_bias) * d * 4 if is_low_precision(dt.gather) else 0
     formed = blocks * (b * t * per_token + norm_params) + _formed_probs_bytes(shape, layout, layers)

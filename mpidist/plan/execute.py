@@ -43,7 +43,8 @@ class LayoutRun:
         config = GPTConfig(vocab_size=shape.vocab, block_size=shape.seq, n_layer=shape.layers, n_head=shape.heads,
                            n_embd=shape.hidden, ffn_hidden=shape.ffn_size,
                            tie_weights=shape.tie_weights, bias=shape.bias, dtype=shape.dtype,
-                           n_kv_head=shape.kv_heads, dropout=shape.dropout, mlp=shape.mlp, norm=shape.norm)
+                           n_kv_head=shape.kv_heads, dropout=shape.dropout, mlp=shape.mlp, norm=shape.norm,
+                           positions=shape.positions)
         model = GPT(config, rng=np.random.default_rng(seed))
         self.grid = mesh(comm, dp=layout.dp, pp=layout.pp, tp=layout.tp)
         if layout.tp > 1:

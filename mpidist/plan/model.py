@@ -20,7 +20,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from mpidist.models.gpt import GPTConfig, split_layers
+from mpidist.models.gpt import POSITIONS, GPTConfig, split_layers
 from mpidist.nn.layers import MLP, TransformerBlock
 from mpidist.parallel.tensor.layers import padded_split
 
@@ -45,6 +45,7 @@ class ModelShape:
     dropout: float = 0.0             # GPTConfig.dropout: its masks are kept for backward, 1 byte per element
     mlp: str = "gelu"                # GPTConfig.mlp: "gelu", or "swiglu" (fc projects to gate and up: 2 ffn)
     norm: str = "layernorm"          # GPTConfig.norm: "layernorm", or "rmsnorm" (a weight, no bias; one statistic)
+    positions: str = "learned"       # GPTConfig.positions: "learned" (a table, embed.wpe) or "rope" (rotary)
 
     def __post_init__(self):
         problems = [f"{name} must be an int >= 1 (got {getattr(self, name)!r})"
@@ -65,6 +66,8 @@ class ModelShape:
             problems.append(f"mlp must be one of {MLP.ACTIVATIONS} (got {self.mlp!r})")
         if self.norm not in TransformerBlock.NORMS:
             problems.append(f"norm must be one of {TransformerBlock.NORMS} (got {self.norm!r})")
+        if self.positions not in POSITIONS:
+            problems.append(f"positions must be one of {POSITIONS} (got {self.positions!r})")
         if problems:
             raise ValueError("ModelShape: " + "; ".join(problems))
 
@@ -73,7 +76,7 @@ class ModelShape:
         """Return the shape of ``GPT(config)``."""
         return cls(config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.block_size,
                    config.ffn_size, config.tie_weights, config.bias, config.dtype,
-                   config.n_kv_head, float(config.dropout), config.mlp, config.norm)
+                   config.n_kv_head, float(config.dropout), config.mlp, config.norm, config.positions)
 
     @property
     def ffn_size(self) -> int:
@@ -160,7 +163,8 @@ def _parameters(shape: ModelShape, layer: str, tp: int, own_head_weight: bool) -
 
     if layer == "embed":
         add("wte.", [("weight", (vocab_local, d), tp == 1)])
-        add("wpe.", [("weight", (s.seq, d), True)])
+        if s.positions == "learned":
+            add("wpe.", [("weight", (s.seq, d), True)])
     elif layer == "head":   # a module lists its own parameters before its children's
         if not s.tie_weights or own_head_weight:
             add("", [("weight", (vocab_local, d), tp == 1)])

@@ -263,8 +263,9 @@ def _tp_calls(shape: ModelShape, layout: Layout, layers: List[str], dt: Dtypes) 
     if "embed" in layers:
         if sp:
             out += [Call("tp", "reduce_scatter", b * t * d * dt.gather.itemsize),
-                    Call("tp", "allreduce", t * d * summed_itemsize(table)),   # the position table via copy_to_tp
                     Call("tp", "allgather", b * (t // tp) * d * dt.gather.itemsize)]   # scatter_sequence's backward
+            if shape.positions == "learned":   # the position table via copy_to_tp
+                out.append(Call("tp", "allreduce", t * d * summed_itemsize(table)))
         else:
             out.append(Call("tp", "allreduce", b * t * d * ep))
     if "head" in layers:

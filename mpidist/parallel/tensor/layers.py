@@ -206,6 +206,7 @@ class ParallelAttention(TensorParallelModule):
                              f"use a number of k/v heads divisible by the TP size")
         self.embed_dim, self.num_heads, self.causal, self.dropout = d, h, attn.causal, attn.dropout
         self.recompute_probs = getattr(attn, "recompute_probs", False)   # selective recompute (nn.MultiheadAttention)
+        self.rope, self.rope_base = getattr(attn, "rope", False), getattr(attn, "rope_base", 10000.0)
         self.local_heads, self.head_dim, self.local_kv_heads = h // size, d // h, kv // size
         width, kv_width = self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim
         start = rank * width
@@ -224,6 +225,8 @@ class ParallelAttention(TensorParallelModule):
         # The local projection is [q | k | v] of this rank's heads: the packed layout multi_head_attention reads
         # in place (no split, permute or copy), the heads side by side as the row-parallel projection wants.
         qkv = self.qkv(x)
+        if self.rope:   # per head and position: this rank's heads over the whole sequence, as unsplit
+            qkv = F.rotary(qkv, self.local_heads, self.local_kv_heads, self.rope_base)
         if self.local_kv_heads != self.local_heads:
             qkv = F.repeat_kv(qkv, self.local_heads, self.local_kv_heads)
         y = F.multi_head_attention(qkv, self.local_heads, is_causal=self.causal, dropout_p=self.dropout,

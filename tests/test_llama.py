@@ -1,7 +1,9 @@
 """Llama's blocks: SwiGLU (``F.swiglu``, ``nn.MLP(activation="swiglu")``, ``GPTConfig(mlp="swiglu",
-ffn_hidden=)``) and RMSNorm (``GPTConfig(norm="rmsnorm")``) against independent references: numpy's
-``gate / (1 + exp(-gate)) * up`` in float64, central finite differences, and a count of the weight matmuls'
-FLOPs; the split model against one process in tests/test_tensor_parallel.py
+ffn_hidden=)``), RMSNorm (``GPTConfig(norm="rmsnorm")``) and rotary positions (``F.rotary``,
+``GPTConfig(positions="rope")``) against independent references: numpy's ``gate / (1 + exp(-gate)) * up`` and
+complex multiplication by exp(i p theta) in float64, central finite differences, a count of the weight matmuls'
+FLOPs, and rotary's defining property (q . k depends on the positions' difference only); the split model against
+one process in tests/test_tensor_parallel.py
 (``test_llama_blocks_train_like_one_process``) and below (a tensor-parallel checkpoint loaded into one process);
 the planner's parameters, calls and activations in tests/test_plan.py and tests/test_plan_exact.py."""
 import re
@@ -117,16 +119,74 @@ def test_swiglu_gpt_counts_its_weight_matmuls_and_the_planner_agrees():
 
 
 def test_a_llama_shaped_gpt_has_rmsnorms_and_its_gradients_are_central_differences():
-    """``GPTConfig(norm="rmsnorm", mlp="swiglu", n_kv_head=, bias=False)``: every norm is an RMSNorm (a weight,
-    no bias) and the whole model's loss gradients, every parameter's, are central differences (float64)."""
-    config = GPTConfig(vocab_size=7, block_size=4, n_layer=1, n_head=4, n_embd=8, n_kv_head=2, mlp="swiglu",
-                       ffn_hidden=6, bias=False, norm="rmsnorm", tie_weights=False, dtype="float64")
+    """``GPTConfig(norm="rmsnorm", positions="rope", mlp="swiglu", n_kv_head=, bias=False)``: every norm is an
+    RMSNorm (a weight, no bias), there is no position table, and the whole model's loss gradients, every
+    parameter's, are central differences (float64)."""
+    config = GPTConfig(vocab_size=7, block_size=4, n_layer=1, n_head=2, n_embd=8, n_kv_head=1, mlp="swiglu",
+                       ffn_hidden=6, bias=False, norm="rmsnorm", positions="rope", tie_weights=False,
+                       dtype="float64")
     model = GPT(config, rng=np.random.default_rng(5))
     norms = [model.blocks[0].ln1, model.blocks[0].ln2, model.head.ln_f]
     assert all(isinstance(n, nn.RMSNorm) for n in norms)
-    assert not any(".bias" in name for name, _ in model.named_parameters())
+    assert not any(".bias" in name or "wpe" in name for name, _ in model.named_parameters())
+    assert model.blocks[0].attn.rope and model.num_parameters(non_embedding=True) == model.num_parameters()
     tokens = np.random.default_rng(6).integers(0, 7, (2, 5))
     gradcheck(lambda: model.loss(model(tokens[:, :-1]), tokens[:, 1:]), module=model)
+
+
+def reference_rotary(x, heads, kv_heads, base=10000.0):
+    """float64 numpy: each q and k head's channels (i, i + hd/2) as the complex number x_i + i x_{i+hd/2},
+    multiplied by exp(i p base^(-2i/hd)) at position p; v unchanged."""
+    b, t, width = x.shape
+    hd = width // (heads + 2 * kv_heads)
+    parts = np.asarray(x, dtype=np.float64).reshape(b, t, heads + 2 * kv_heads, hd).copy()
+    half = hd // 2
+    z = parts[..., :heads + kv_heads, :half] + 1j * parts[..., :heads + kv_heads, half:]
+    angle = np.arange(t)[:, None] * base ** (-np.arange(0, hd, 2) / hd)[None, :]
+    z = z * np.exp(1j * angle)[None, :, None, :]
+    parts[..., :heads + kv_heads, :half], parts[..., :heads + kv_heads, half:] = z.real, z.imag
+    return parts.reshape(b, t, width)
+
+
+@pytest.mark.parametrize("heads,kv_heads,base", [(4, 4, 10000.0), (4, 2, 10000.0), (6, 1, 500000.0)])
+def test_rotary_turns_q_and_k_by_their_positions(heads, kv_heads, base):
+    """``F.rotary`` equals the complex-number reference (v untouched), its gradients are central differences,
+    and the scores it leads to depend on positions through their difference only: q at p and k at s score as
+    q at p + 3 and k at s + 3."""
+    rng = np.random.default_rng(7)
+    hd, t = 6, 9
+    x = rng.standard_normal((2, t, (heads + 2 * kv_heads) * hd))
+    y = F.rotary(nn.Tensor(x), heads, kv_heads, base).data
+    np.testing.assert_allclose(y, reference_rotary(x, heads, kv_heads, base), rtol=1e-13, atol=1e-13)
+    gradcheck(lambda a: F.rotary(a, heads, kv_heads, base), x[:, :4])
+    # the same q and k vectors at every position: the scores q_p . k_s of the turned ones depend on p - s
+    q, k = rng.standard_normal(hd), rng.standard_normal(hd)
+    same = np.zeros((1, t, (heads + 2 * kv_heads) * hd))
+    parts = same.reshape(1, t, heads + 2 * kv_heads, hd)
+    parts[:, :, 0], parts[:, :, heads] = q, k
+    turned = F.rotary(nn.Tensor(same), heads, kv_heads, base).data.reshape(1, t, heads + 2 * kv_heads, hd)
+    scores = turned[0, :, 0] @ turned[0, :, heads].T   # (p, s)
+    np.testing.assert_allclose(scores[3:, 3:], scores[:-3, :-3], rtol=1e-12, atol=1e-12)
+    assert not np.allclose(scores[0, 1], scores[0, 2])
+
+
+@pytest.mark.parametrize("dtype", [bfloat16, np.float16], ids=["bfloat16", "float16"])
+def test_16_bit_rotary_rounds_once(dtype):
+    """A 16-bit input is turned in float32 and rounded once: within one 16-bit rounding of the float64 reference;
+    its gradient is the rotation's transpose."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 7, 6 * 4)).astype(dtype)
+    g = rng.standard_normal((2, 7, 6 * 4)).astype(dtype)
+    t = nn.Tensor(x, requires_grad=True)
+    y = F.rotary(t, 2, 2)
+    y.backward(nn.Tensor(g))
+    eps = 2.0 ** -8 if dtype is bfloat16 else 2.0 ** -11
+    assert y.data.dtype == dtype and t.grad.dtype == dtype
+    np.testing.assert_allclose(y.data.astype(np.float64), reference_rotary(x, 2, 2), rtol=eps, atol=1e-6)
+    # backward is the rotation's transpose R^T g: <R^T g, x> = <g, R x> (the reference's R x)
+    np.testing.assert_allclose(
+        np.sum(t.grad.astype(np.float64) * x.astype(np.float64)),
+        np.sum(g.astype(np.float64) * reference_rotary(x, 2, 2)), rtol=4 * eps)
 
 
 def test_swiglu_bad_settings_raise_with_the_values():
@@ -155,6 +215,22 @@ def test_swiglu_bad_settings_raise_with_the_values():
               rng=np.random.default_rng(0))
     with pytest.raises(ValueError, match=r"GPT-2's norms are LayerNorms; this model's are 'rmsnorm'"):
         to_hf_gpt2(rms)
+    with pytest.raises(ValueError, match=r"positions must be one of \('learned', 'rope'\) \(got 'alibi'\)"):
+        GPTConfig(positions="alibi")
+    with pytest.raises(ValueError, match=r"rotary positions need an even head size \(n_embd 12 / n_head 4 = 3\)"):
+        GPTConfig(n_embd=12, n_head=4, positions="rope")
+    with pytest.raises(ValueError, match=r"rope_base must be a number > 0 \(got 0\)"):
+        GPTConfig(positions="rope", rope_base=0)
+    with pytest.raises(ValueError, match=r"ModelShape: positions must be one of \('learned', 'rope'\) "
+                                         r"\(got 'RoPE'\)"):
+        ModelShape(layers=1, hidden=8, heads=2, vocab=11, seq=4, positions="RoPE")
+    with pytest.raises(ValueError, match=r"rotary: expected .* an even head_dim, num_heads=2, num_kv_heads=2 "
+                                         r"\(qkv: \(1, 3, 18\)\)"):
+        F.rotary(np.zeros((1, 3, 18)), 2)
+    rope = GPT(GPTConfig(vocab_size=11, block_size=4, n_layer=1, n_head=2, n_embd=8, positions="rope"),
+               rng=np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"GPT-2's positions are a learned table; this model's are 'rope'"):
+        to_hf_gpt2(rope)
     llama = GPT(GPTConfig(vocab_size=11, block_size=4, n_layer=1, n_head=2, n_embd=8, mlp="swiglu"),
                 rng=np.random.default_rng(0))
     with pytest.raises(ValueError, match=r"GPT-2's MLP is GELU; this model's is 'swiglu'"):
@@ -172,12 +248,13 @@ def test_swiglu_hidden_units_that_do_not_split_raise_on_every_rank(comm):
 
 
 @pytest.mark.world_sizes(2)
-def test_tensor_parallel_swiglu_checkpoint_loads_into_one_process(comm, tmp_path_factory):
-    """A TP=2 SwiGLU GPT saves each rank's gate and up units where they lie in the fused projection: loaded into
-    a plain GPT on one rank, every parameter equals single-process training of the same step."""
+def test_tensor_parallel_llama_checkpoint_loads_into_one_process(comm, tmp_path_factory):
+    """A TP=2 Llama-shaped GPT (SwiGLU, RMSNorm, rotary positions) saves each rank's gate and up units where they
+    lie in the fused projection: loaded into a plain GPT on one rank, every parameter equals single-process
+    training of the same step."""
     from mpidist import checkpoint, optim
     config = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=4, n_embd=16, mlp="swiglu", ffn_hidden=20,
-                       dtype="float64")
+                       norm="rmsnorm", positions="rope", dtype="float64")
     tokens = np.random.default_rng(3).integers(0, 32, (2, 9))
     x, y = tokens[:, :-1], tokens[:, 1:]
 
