@@ -118,6 +118,7 @@ def test_swiglu_gpt_counts_its_weight_matmuls_and_the_planner_agrees():
     assert y.shape == (1, 4, 50)
 
 
+@pytest.mark.mpi_skip  # one process, no communicator: under mpiexec every rank would repeat it
 def test_a_llama_shaped_gpt_has_rmsnorms_and_its_gradients_are_central_differences():
     """``GPTConfig(norm="rmsnorm", positions="rope", mlp="swiglu", n_kv_head=, bias=False)``: every norm is an
     RMSNorm (a weight, no bias), there is no position table, and the whole model's loss gradients, every
