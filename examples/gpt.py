@@ -10,6 +10,9 @@ and the share of the step spent waiting for communication. At the end it prints 
 curve as a PNG and compares the weights after the first ``--check-steps`` steps with a single-process run
 that trained the same model on the same global batches.
 
+``--llama`` trains Llama-shaped blocks instead of GPT-2's (SwiGLU, RMSNorm, rotary positions; add ``--kv-heads``
+for grouped-query attention).
+
 Strategies (the global batch is the same in each: ``--batch`` samples per data-parallel replica):
   ddp       every rank a replica; gradients averaged (DDP, bucketed allreduce)
   fsdp      every rank a replica; parameters, gradients and optimizer state sharded (one unit per layer)
@@ -42,8 +45,12 @@ DEFAULT_BATCH = 32  # global batch (samples); --batch defaults to this divided b
 
 def build_model(args):
     """The same GPT on every rank (and in the reference): one seed, one config."""
+    llama = {}
+    if args.llama:   # SwiGLU of about 8/3 the width (a multiple of 8, as Llama rounds it), RMSNorm, rotary, no biases
+        ffn = 8 * ((8 * args.width // 3 + 7) // 8)
+        llama = dict(mlp="swiglu", ffn_hidden=ffn, norm="rmsnorm", positions="rope", bias=False, tie_weights=False)
     config = GPTConfig(block_size=args.context, n_layer=args.layers, n_head=args.heads, n_embd=args.width,
-                       dropout=0.0, dtype=args.dtype, n_kv_head=args.kv_heads)
+                       dropout=0.0, dtype=args.dtype, n_kv_head=args.kv_heads, **llama)
     return GPT(config, rng=np.random.default_rng(args.seed))
 
 
@@ -273,6 +280,8 @@ def parse_args(argv, size):
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention: k/v heads dividing "
                         "--heads (default: --heads)")
+    parser.add_argument("--llama", action="store_true", help="Llama-shaped blocks: a SwiGLU MLP of about 8/3 the "
+                        "width, RMSNorm, rotary positions, no biases, an untied head (default: GPT-2's)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--min-lr-ratio", type=float, default=0.1)
