@@ -288,6 +288,24 @@ def test_out_of_the_validated_range_is_said_not_silent(capsys):
         Profile.from_dict(dict(base, validated=dict(validated, ranks_by_sharding={"fsdp": [8]})))
     unvalidated = Profile.from_dict(dict(base, validated={}))
     assert "never compared" in estimate(shape, Layout(2, 1, 1), unvalidated, 8).warnings[0]
+    # model kinds: a Llama (SwiGLU, RMSNorm, rotary, 1 k/v head for 2) on a profile compared on GPT-2 shapes only
+    gpt2 = Profile.from_dict(dict(base, validated=dict(validated, mlp=["gelu"], norm=["layernorm"],
+                                                       positions=["learned"], attention=["mha"])))
+    llama = ModelShape(layers=2, hidden=32, heads=2, vocab=32, seq=8, kv_heads=1, mlp="swiglu", norm="rmsnorm",
+                       positions="rope", bias=False)
+    assert estimate(shape, Layout(2, 1, 1), gpt2, 8).warnings == []
+    assert estimate(llama, Layout(2, 1, 1), gpt2, 8).warnings == [
+        "mlp 'swiglu' never validated (validated: gelu)", "norm 'rmsnorm' never validated (validated: layernorm)",
+        "positions 'rope' never validated (validated: learned)", "attention 'gqa' never validated (validated: mha)",
+        "validated on: here"]
+    # the shipped profiles: the A100 ones were compared on Llama rows, the H100 one on MPT (GPT-2 shapes) only
+    a100 = load_profile("a100-80gb-ib")
+    assert estimate(llama, Layout(2, 1, 1), a100, 8).warnings == [
+        "ranks 2 outside the validated 8..3072",
+        f"parameters {llama.num_parameters():.4g} outside the validated 1.65e+09..1.01e+12",
+        "validated on: " + a100.validated["source"]]
+    assert "mlp 'swiglu' never validated (validated: gelu)" in estimate(llama, Layout(2, 1, 1),
+                                                                      load_profile("h100-ib"), 8).warnings
     args = ["plan", "--layers", "2", "--hidden", "16", "--heads", "2", "--vocab", "32", "--seq", "8",
             "--batch", "4", "--ranks", "2", "--profile", "h100-ib"]
     assert main(args) == 0

@@ -544,7 +544,7 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
     est = Estimate(layout, reason=estimate_structure(shape, layout, ranks_per_node))
     if est.reason:
         return est
-    est.warnings = profile.out_of_range(layout.ranks, _num_parameters(shape), layout)
+    est.warnings = profile.out_of_range(layout.ranks, _num_parameters(shape), layout, shape)
     pp, v, m = layout.pp, layout.chunks, layout.num_micro
     worst_mem, worst_time, worst_calls = None, None, None
     for position, layers, in_flight in _positions(shape, layout, _peaks(layout)):

@@ -218,12 +218,13 @@ class Profile:
                    float(data.get("layer_overhead_s", 0.0)), dict(data.get("validated", {})), mb_cost, over,
                    halving, rails, *replicated, oversubscribed_groups=tuple(sorted(by_size.items())))
 
-    def out_of_range(self, ranks: int, parameters: int, layout) -> List[str]:
+    def out_of_range(self, ranks: int, parameters: int, layout, shape=None) -> List[str]:
         """Return why a plan of ``layout`` (a ``Layout``) on ``ranks`` ranks of a ``parameters``-parameter model is
         outside what this profile was compared with (``validated``: ``[low, high]`` for ``ranks``, ``parameters``,
-        ``tp``, ``pp``; the lists ``sharding``, ``recompute``, ``schedule`` of kinds seen; ``ranks_by_sharding``:
-        ``{kind: [low, high]}`` where a kind was compared on fewer ranks than the whole; ``source``); empty
-        when inside. A profile without a range is unvalidated everywhere."""
+        ``tp``, ``pp``; the lists ``sharding``, ``recompute``, ``schedule`` of kinds seen, and of the model kinds
+        ``mlp``, ``norm``, ``positions`` and ``attention`` ("mha", or "gqa" with fewer k/v heads) of ``shape``
+        (a ``ModelShape``); ``ranks_by_sharding``: ``{kind: [low, high]}`` where a kind was compared on fewer ranks
+        than the whole; ``source``); empty when inside. A profile without a range is unvalidated everywhere."""
         v = self.validated
         if not v:
             return [f"profile {self.name} was never compared with measured runs: the numbers are the model's"]
@@ -234,6 +235,12 @@ class Profile:
         for key in ("sharding", "recompute", "schedule"):
             if key in v and getattr(layout, key) not in v[key]:
                 out.append(f"{key} {getattr(layout, key)!r} never validated (validated: {', '.join(v[key])})")
+        if shape is not None:
+            kinds = {"mlp": shape.mlp, "norm": shape.norm, "positions": shape.positions,
+                     "attention": "gqa" if shape.num_kv_heads != shape.heads else "mha"}
+            for key, kind in kinds.items():
+                if key in v and kind not in v[key]:
+                    out.append(f"{key} {kind!r} never validated (validated: {', '.join(v[key])})")
         low_high = v.get("ranks_by_sharding", {}).get(layout.sharding)   # a kind compared on fewer ranks only
         if low_high and not low_high[0] <= ranks <= low_high[1]:
             out.append(f"ranks {ranks} outside the validated {low_high[0]}..{low_high[1]} for {layout.sharding}")
