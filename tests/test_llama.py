@@ -14,7 +14,7 @@ import pytest
 from mpidist import nn
 from mpidist.models.gpt import GPT, GPTConfig
 from mpidist.models.gpt_parallel import tensor_parallel
-from mpidist.models.hf_gpt2 import to_hf_gpt2
+from mpidist.models.hf_gpt2 import hf_gpt2_config, to_hf_gpt2
 from mpidist.nn import functional as F
 from mpidist.nn.precision import bfloat16
 from mpidist.plan import ModelShape
@@ -135,16 +135,16 @@ def test_a_llama_shaped_gpt_has_rmsnorms_and_its_gradients_are_central_differenc
     gradcheck(lambda: model.loss(model(tokens[:, :-1]), tokens[:, 1:]), module=model)
 
 
-def reference_rotary(x, heads, kv_heads, base=10000.0):
+def reference_rotary(x, heads, kv_heads, base=10000.0, sign=1):
     """float64 numpy: each q and k head's channels (i, i + hd/2) as the complex number x_i + i x_{i+hd/2},
-    multiplied by exp(i p base^(-2i/hd)) at position p; v unchanged."""
+    multiplied by exp(sign i p base^(-2i/hd)) at position p; v unchanged."""
     b, t, width = x.shape
     hd = width // (heads + 2 * kv_heads)
     parts = np.asarray(x, dtype=np.float64).reshape(b, t, heads + 2 * kv_heads, hd).copy()
     half = hd // 2
     z = parts[..., :heads + kv_heads, :half] + 1j * parts[..., :heads + kv_heads, half:]
     angle = np.arange(t)[:, None] * base ** (-np.arange(0, hd, 2) / hd)[None, :]
-    z = z * np.exp(1j * angle)[None, :, None, :]
+    z = z * np.exp(sign * 1j * angle)[None, :, None, :]
     parts[..., :heads + kv_heads, :half], parts[..., :heads + kv_heads, half:] = z.real, z.imag
     return parts.reshape(b, t, width)
 
@@ -184,10 +184,8 @@ def test_16_bit_rotary_rounds_once(dtype):
     eps = 2.0 ** -8 if dtype is bfloat16 else 2.0 ** -11
     assert y.data.dtype == dtype and t.grad.dtype == dtype
     np.testing.assert_allclose(y.data.astype(np.float64), reference_rotary(x, 2, 2), rtol=eps, atol=1e-6)
-    # backward is the rotation's transpose R^T g: <R^T g, x> = <g, R x> (the reference's R x)
-    np.testing.assert_allclose(
-        np.sum(t.grad.astype(np.float64) * x.astype(np.float64)),
-        np.sum(g.astype(np.float64) * reference_rotary(x, 2, 2)), rtol=4 * eps)
+    # backward is the rotation's transpose: g turned by the negative angles
+    np.testing.assert_allclose(t.grad.astype(np.float64), reference_rotary(g, 2, 2, sign=-1), rtol=eps, atol=1e-6)
 
 
 def test_swiglu_bad_settings_raise_with_the_values():
@@ -214,14 +212,32 @@ def test_swiglu_bad_settings_raise_with_the_values():
         ModelShape(layers=1, hidden=8, heads=2, vocab=11, seq=4, norm="batchnorm")
     rms = GPT(GPTConfig(vocab_size=11, block_size=4, n_layer=1, n_head=2, n_embd=8, norm="rmsnorm"),
               rng=np.random.default_rng(0))
-    with pytest.raises(ValueError, match=r"GPT-2's norms are LayerNorms; this model's are 'rmsnorm'"):
-        to_hf_gpt2(rms)
+    for export in (to_hf_gpt2, hf_gpt2_config):   # refused as RMSNorm, not for its norms' eps
+        with pytest.raises(ValueError, match=r"GPT-2's norms are LayerNorms; this model's are 'rmsnorm'"):
+            export(rms)
     with pytest.raises(ValueError, match=r"positions must be one of \('learned', 'rope'\) \(got 'alibi'\)"):
         GPTConfig(positions="alibi")
     with pytest.raises(ValueError, match=r"rotary positions need an even head size \(n_embd 12 / n_head 4 = 3\)"):
         GPTConfig(n_embd=12, n_head=4, positions="rope")
-    with pytest.raises(ValueError, match=r"rope_base must be a number > 0 \(got 0\)"):
-        GPTConfig(positions="rope", rope_base=0)
+    for base in (0, float("inf"), "x"):
+        with pytest.raises(ValueError, match=rf"rope_base must be a finite number > 0 \(got {re.escape(repr(base))}\)"):
+            GPTConfig(positions="rope", rope_base=base)
+    with pytest.raises(ValueError, match=r"rope_base 500000.0 is set but positions is 'learned'"):
+        GPTConfig(rope_base=500000.0)
+    assert GPTConfig(positions="rope", rope_base=np.float32(5e5)).rope_base == 5e5
+    with pytest.raises(ValueError, match=r"MultiheadAttention: rotary positions turn channel pairs: the head size 3 "
+                                         r"must be even"):
+        nn.MultiheadAttention(12, 4, rope=True)
+    with pytest.raises(ValueError, match=r"MultiheadAttention: rope_base must be a finite number > 0 \(got -1\)"):
+        nn.MultiheadAttention(8, 2, rope=True, rope_base=-1)
+    with pytest.raises(ValueError, match=r"rotary: num_heads must be a multiple of num_kv_heads >= 1 "
+                                         r"\(num_heads=4, num_kv_heads=3\)"):
+        F.rotary(np.zeros((1, 2, 40)), 4, 3)
+    with pytest.raises(ValueError, match=r"rotary: base must be a finite number > 0 \(got 'x'\)"):
+        F.rotary(np.zeros((1, 2, 24)), 2, 2, base="x")
+    with pytest.raises(ValueError, match=r"ModelShape: rotary positions need an even head size \(hidden 12 / heads "
+                                         r"4 = 3\)"):
+        ModelShape(layers=1, hidden=12, heads=4, vocab=11, seq=4, positions="rope")
     with pytest.raises(ValueError, match=r"ModelShape: positions must be one of \('learned', 'rope'\) "
                                          r"\(got 'RoPE'\)"):
         ModelShape(layers=1, hidden=8, heads=2, vocab=11, seq=4, positions="RoPE")

@@ -2,7 +2,8 @@
 
 ``GPT(GPTConfig(...))`` is token embedding + learned positions, ``n_layer`` pre-norm blocks (causal
 multi-head attention, GELU MLP), a final LayerNorm and a language-model head that by default shares the
-token embedding's weight. Initialisation follows GPT-2: weights N(0, 0.02), biases zero, and the two
+token embedding's weight; or Llama's blocks (``n_kv_head``, ``mlp="swiglu"``, ``norm="rmsnorm"``,
+``positions="rope"``: grouped-query attention, a gated MLP, RMSNorm, rotary positions and no position table). Initialisation follows GPT-2: weights N(0, 0.02), biases zero, and the two
 projections that write into the residual stream (attention output, MLP output) N(0, 0.02 / sqrt(2 n_layer)),
 so the residual's variance does not grow with depth. Built inside ``mpidist.nn.deferred()`` it allocates nothing
 and records these initializers; ``mpidist.nn.materialize`` (or a parallel wrapper) draws them by parameter name.
@@ -87,9 +88,10 @@ class GPTConfig:
                 self.n_head, (int, np.integer)) and self.n_head and (self.n_embd // self.n_head) % 2:
             problems.append(f"rotary positions need an even head size (n_embd {self.n_embd} / n_head "
                             f"{self.n_head} = {self.n_embd // self.n_head})")
-        if not (isinstance(self.rope_base, (int, float)) and not isinstance(self.rope_base, bool)
-                and self.rope_base > 0):
-            problems.append(f"rope_base must be a number > 0 (got {self.rope_base!r})")
+        if not F.valid_rope_base(self.rope_base):
+            problems.append(f"rope_base must be a finite number > 0 (got {self.rope_base!r})")
+        elif self.positions == "learned" and self.rope_base != 10000.0:
+            problems.append(f"rope_base {self.rope_base!r} is set but positions is 'learned' (use positions='rope')")
         if self.norm not in TransformerBlock.NORMS:
             problems.append(f"norm must be one of {TransformerBlock.NORMS} (got {self.norm!r})")
         if self.mlp not in MLP.ACTIVATIONS:

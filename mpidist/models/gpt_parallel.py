@@ -51,7 +51,8 @@ class ParallelBlock(TensorParallelModule):
 
 
 class ParallelGPTEmbedding(TensorParallelModule):
-    """Vocab-parallel token embedding plus the (replicated) position embedding of this rank's positions."""
+    """Vocab-parallel token embedding plus the (replicated) position embedding of this rank's positions (none under
+    rotary positions)."""
 
     def __init__(self, embed, comm, sequence_parallel):
         super().__init__(comm, sequence_parallel)

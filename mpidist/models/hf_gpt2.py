@@ -104,6 +104,7 @@ def _layer_norm_eps(gpt: GPT, context) -> float:
 
 def hf_gpt2_config(gpt: GPT) -> dict:
     """Return the ``config.json`` of the Hugging Face GPT-2 that computes what ``gpt`` computes."""
+    _gpt2_shaped(gpt.config)   # first: an RMSNorm model is refused as such, not for its norms' eps
     return _hf_config(gpt.config, _layer_norm_eps(gpt, "hf_gpt2_config"))
 
 

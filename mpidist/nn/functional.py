@@ -10,6 +10,7 @@ need (a normalized input, a softmax) as arrays.
 import builtins
 import functools
 import math
+import numbers
 from typing import NamedTuple
 
 import numpy as np
@@ -1219,14 +1220,19 @@ def rotary(qkv, num_heads, num_kv_heads=None, base=10000.0):
     if X.ndim != 3 or not X.shape[-1] or X.shape[-1] % heads or (X.shape[-1] // heads) % 2:
         raise ValueError(f"rotary: expected (batch, seq, (num_heads + 2 * num_kv_heads) * head_dim) with an even "
                          f"head_dim, num_heads={h}, num_kv_heads={kv} (qkv: {X.shape})")
-    if not base > 0:
-        raise ValueError(f"rotary: base must be > 0 (got {base!r})")
+    if not valid_rope_base(base):
+        raise ValueError(f"rotary: base must be a finite number > 0 (got {base!r})")
     xp = get_array_module(X)
     b, t, hd = X.shape[0], X.shape[1], X.shape[2] // heads
     cd = float32 if is_low_precision(X.dtype) else X.dtype
     cos, sin = _rotary_table(t, hd, float(base), np.dtype(cd).str)
-    if xp is not np:
-        cos, sin = xp.asarray(cos), xp.asarray(sin)
+    if xp is not np:   # one device copy per table, shared by every block (their backward closures keep it)
+        key = (t, hd, float(base), np.dtype(cd).str, _device_id(xp))
+        if key not in _DEVICE_ROTARY_TABLES:
+            if len(_DEVICE_ROTARY_TABLES) >= 32:
+                _DEVICE_ROTARY_TABLES.clear()
+            _DEVICE_ROTARY_TABLES[key] = (xp.asarray(cos), xp.asarray(sin))
+        cos, sin = _DEVICE_ROTARY_TABLES[key]
     parts = X.reshape(b, t, heads, hd)
     out = xp.empty_like(parts)
     _rotate_into(parts[:, :, :h + kv], out[:, :, :h + kv], cos, sin, cd, sign=1)
@@ -1243,13 +1249,30 @@ def rotary(qkv, num_heads, num_kv_heads=None, base=10000.0):
     return make_result("Rotary", out.reshape(shape), (qkv,), backward)
 
 
+def valid_rope_base(base) -> bool:
+    """Return whether ``base`` is a rotary base: a finite real number > 0 (not a bool)."""
+    return isinstance(base, numbers.Real) and not isinstance(base, bool) and math.isfinite(base) and base > 0
+
+
+_DEVICE_ROTARY_TABLES = {}   # (t, hd, base, dtype, device) -> the table's device arrays
+
+
+def _device_id(xp):
+    try:
+        return int(xp.cuda.runtime.getDevice())
+    except Exception:   # a stand-in module without CUDA (tests): one device
+        return 0
+
+
 @functools.lru_cache(maxsize=32)   # one per (sequence, head size, base, dtype): every block of a step asks
 def _rotary_table(t, hd, base, dtype):
-    """Return cos and sin of the angles p * base^(-2i / hd), p < t, i < hd / 2, as (t, 1, hd / 2) arrays of
-    ``dtype`` (formed in float64, rounded once)."""
+    """Return cos and sin of the angles p * base^(-2i / hd), p < t, i < hd / 2, as read-only (t, 1, hd / 2)
+    arrays of ``dtype`` (formed in float64, rounded once), shared by every caller."""
     inv = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
     angles = np.arange(t, dtype=np.float64)[:, None, None] * inv[None, None, :]
-    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    cos, sin = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    cos.flags.writeable = sin.flags.writeable = False
+    return cos, sin
 
 
 def _rotate_into(src, dst, cos, sin, cd, sign):

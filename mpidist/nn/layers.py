@@ -196,6 +196,8 @@ class MultiheadAttention(Module):
         if rope and (embed_dim // num_heads) % 2:
             raise ValueError(f"MultiheadAttention: rotary positions turn channel pairs: the head size "
                              f"{embed_dim // num_heads} must be even")
+        if rope and not F.valid_rope_base(rope_base):
+            raise ValueError(f"MultiheadAttention: rope_base must be a finite number > 0 (got {rope_base!r})")
         self.rope, self.rope_base = bool(rope), float(rope_base)
         width = embed_dim + 2 * self.num_kv_heads * (embed_dim // num_heads)
         self.qkv = Linear(embed_dim, width, bias=bias, rng=rng, dtype=dtype)

@@ -68,6 +68,9 @@ class ModelShape:
             problems.append(f"norm must be one of {TransformerBlock.NORMS} (got {self.norm!r})")
         if self.positions not in POSITIONS:
             problems.append(f"positions must be one of {POSITIONS} (got {self.positions!r})")
+        elif (self.positions == "rope" and not problems and (self.hidden // self.heads) % 2):
+            problems.append(f"rotary positions need an even head size (hidden {self.hidden} / heads {self.heads} "
+                            f"= {self.hidden // self.heads})")
         if problems:
             raise ValueError("ModelShape: " + "; ".join(problems))
 
