@@ -930,6 +930,29 @@ def test_bfloat16_wrappers_on_a_cupy_without_it_raise_naming_the_version(comm, m
     assert_same_bits(ddp_16_bit_run(comm, fp16, FAKE_CUPY), ddp_16_bit_run(comm, fp16, None))
 
 
+def device_op_is_numpys(op, x, g):
+    """Run ``op`` forward and backward on numpy ``x`` (gradient ``g``) and on the fake device's copies: assert the
+    device run gives device arrays and the numpy run's bits; return its traced (forward, backward) peak bytes."""
+    import tracemalloc
+    want = nn.Tensor(x.copy(), requires_grad=True)
+    want_out = op(want)
+    want_out.backward(g)
+    got = nn.Tensor(FakeCupyArray(x.copy()), requires_grad=True)
+    device_g = FakeCupyArray(g.copy())
+    tracemalloc.start()
+    try:
+        out = op(got)
+        forward_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        out.backward(device_g)
+        backward_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert mpidist.xp.is_device_array(out.data) and mpidist.xp.is_device_array(got.grad)
+    assert_same_bits([mpidist.xp.to_numpy(out.data), mpidist.xp.to_numpy(got.grad)], [want_out.data, want.grad])
+    return forward_peak, backward_peak
+
+
 @pytest.mark.parametrize("dtype", [np.float32, bfloat16], ids=["float32", "bfloat16"])
 def test_rotary_on_fake_cupy_is_numpys(fake_cupy, dtype):
     """Rotary positions on CuPy arrays (its angle table moved to the device): output and gradient are the numpy
@@ -937,14 +960,7 @@ def test_rotary_on_fake_cupy_is_numpys(fake_cupy, dtype):
     rng = np.random.default_rng(33)
     x = rng.standard_normal((2, 5, 8 * 4)).astype(dtype)
     g = rng.standard_normal((2, 5, 8 * 4)).astype(dtype)
-    want = nn.Tensor(x.copy(), requires_grad=True)
-    want_out = nn.functional.rotary(want, 4, 2)
-    want_out.backward(g)
-    got = nn.Tensor(FakeCupyArray(x.copy()), requires_grad=True)
-    out = nn.functional.rotary(got, 4, 2)
-    out.backward(FakeCupyArray(g.copy()))
-    assert mpidist.xp.is_device_array(out.data) and mpidist.xp.is_device_array(got.grad)
-    assert_same_bits([mpidist.xp.to_numpy(out.data), mpidist.xp.to_numpy(got.grad)], [want_out.data, want.grad])
+    device_op_is_numpys(lambda a: nn.functional.rotary(a, 4, 2), x, g)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, bfloat16], ids=["float32", "float16", "bfloat16"])
@@ -953,25 +969,11 @@ def test_swiglu_on_fake_cupy_is_numpys_in_row_blocks_of_the_device_chunk(fake_cu
     elements with float32 scratch of a block, not of the whole input: output and gradient are the numpy path's
     bits, and the traced peaks stay within 1.5x (forward) and 3.5x (backward) the input's bytes (measured 0.8x
     and 2.8x for float16; float32 scratch of the whole input would add 3x and 5x)."""
-    import tracemalloc
     monkeypatch.setattr(nn.functional, "_DEVICE_CHUNK", 4 * 96)
     rng = np.random.default_rng(32)
     x = rng.uniform(-6, 6, (2048, 2 * 96)).astype(dtype)
     g = rng.uniform(-2, 2, (2048, 96)).astype(dtype)
-    want = nn.Tensor(x.copy(), requires_grad=True)
-    want_out = nn.functional.swiglu(want)
-    want_out.backward(g)
-    got = nn.Tensor(FakeCupyArray(x.copy()), requires_grad=True)
-    device_g = FakeCupyArray(g.copy())
-    tracemalloc.start()
-    out = nn.functional.swiglu(got)
-    forward_peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.reset_peak()
-    out.backward(device_g)
-    backward_peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    assert mpidist.xp.is_device_array(out.data) and mpidist.xp.is_device_array(got.grad)
-    assert_same_bits([mpidist.xp.to_numpy(out.data), mpidist.xp.to_numpy(got.grad)], [want_out.data, want.grad])
+    forward_peak, backward_peak = device_op_is_numpys(nn.functional.swiglu, x, g)
     if dtype is not np.float32:
         assert forward_peak < 1.5 * x.nbytes and backward_peak < 3.5 * x.nbytes, (forward_peak, backward_peak, x.nbytes)
 
@@ -982,23 +984,9 @@ def test_16_bit_gelu_on_fake_cupy_is_numpys_with_float32_scratch_of_a_slice(fake
     and slice), not in float32 copies of the whole input: output and gradient are the numpy path's bits, and the
     traced peak stays within 2.5x (forward) and 6x (backward) the input's bytes: its 16-bit output, gradient and
     the fake device's temporaries. Float32 scratch of the whole input measured 5x and 12x."""
-    import tracemalloc
     chunk = 1024
     monkeypatch.setattr(nn.functional, "_DEVICE_CHUNK", chunk)
     rng = np.random.default_rng(31)
     x, g = (rng.uniform(-6, 6, 64 * chunk).astype(dtype) for _ in range(2))
-    want = nn.Tensor(x.copy(), requires_grad=True)
-    want_out = nn.functional.gelu(want)
-    want_out.backward(g)
-    got = nn.Tensor(FakeCupyArray(x.copy()), requires_grad=True)
-    device_g = FakeCupyArray(g.copy())
-    tracemalloc.start()
-    out = nn.functional.gelu(got)
-    forward_peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.reset_peak()
-    out.backward(device_g)
-    backward_peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    assert mpidist.xp.is_device_array(out.data) and mpidist.xp.is_device_array(got.grad)
-    assert_same_bits([mpidist.xp.to_numpy(out.data), mpidist.xp.to_numpy(got.grad)], [want_out.data, want.grad])
+    forward_peak, backward_peak = device_op_is_numpys(nn.functional.gelu, x, g)
     assert forward_peak < 2.5 * x.nbytes and backward_peak < 6 * x.nbytes, (forward_peak, backward_peak, x.nbytes)

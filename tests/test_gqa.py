@@ -122,11 +122,15 @@ def test_kv_heads_that_do_not_split_raise_on_every_rank(comm):
 
 
 @pytest.mark.world_sizes(2)
-def test_tensor_parallel_gqa_checkpoint_loads_into_one_process(comm, tmp_path_factory):
-    """A TP=2 GPT with 2 k/v heads for 4 saves its q/k/v slices where they lie in the fused projection: loaded
-    into a plain GPT on one rank, every parameter equals single-process training of the same step."""
+@pytest.mark.parametrize("kind", ["gqa", "llama"])
+def test_tensor_parallel_gqa_checkpoint_loads_into_one_process(comm, tmp_path_factory, kind):
+    """A TP=2 GPT with 2 k/v heads for 4 saves its q/k/v slices where they lie in the fused projection (``llama``:
+    also its SwiGLU gate and up units, RMSNorm and rotary positions): loaded into a plain GPT on one rank, every
+    parameter equals single-process training of the same step."""
     from mpidist import checkpoint, optim
-    config = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=4, n_embd=16, n_kv_head=2, dtype="float64")
+    llama = dict(mlp="swiglu", ffn_hidden=20, norm="rmsnorm", positions="rope") if kind == "llama" else {}
+    config = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=4, n_embd=16, n_kv_head=2, dtype="float64",
+                       **llama)
     tokens = np.random.default_rng(3).integers(0, 32, (2, 9))
     x, y = tokens[:, :-1], tokens[:, 1:]
 
@@ -136,7 +140,7 @@ def test_tensor_parallel_gqa_checkpoint_loads_into_one_process(comm, tmp_path_fa
         opt.step()
         return model
 
-    root = comm.bcast(str(tmp_path_factory.getbasetemp() / "tp_gqa") if comm.Get_rank() == 0 else None, root=0)
+    root = comm.bcast(str(tmp_path_factory.getbasetemp() / f"tp_{kind}") if comm.Get_rank() == 0 else None, root=0)
     split = train(tensor_parallel(GPT(config, rng=np.random.default_rng(0)), comm, sequence_parallel=False))
     checkpoint.save(root, {"model": split}, comm, step=1)
     plain = GPT(config, rng=np.random.default_rng(1))

@@ -4,7 +4,8 @@ ffn_hidden=)``), RMSNorm (``GPTConfig(norm="rmsnorm")``) and rotary positions (`
 complex multiplication by exp(i p theta) in float64, central finite differences, a count of the weight matmuls'
 FLOPs, and rotary's defining property (q . k depends on the positions' difference only); the split model against
 one process in tests/test_tensor_parallel.py
-(``test_llama_blocks_train_like_one_process``) and below (a tensor-parallel checkpoint loaded into one process);
+(``test_llama_blocks_train_like_one_process``) and in tests/test_gqa.py (a tensor-parallel checkpoint loaded into
+one process, ``[llama]``);
 the planner's parameters, calls and activations in tests/test_plan.py and tests/test_plan_exact.py."""
 import re
 
@@ -262,33 +263,3 @@ def test_swiglu_hidden_units_that_do_not_split_raise_on_every_rank(comm):
     with pytest.raises(ValueError, match=rf"a SwiGLU MLP's {2 * n + 1} hidden units \(ffn_hidden\) do not split "
                                          rf"over {n} tensor-parallel ranks"):
         tensor_parallel(model, comm)
-
-
-@pytest.mark.world_sizes(2)
-def test_tensor_parallel_llama_checkpoint_loads_into_one_process(comm, tmp_path_factory):
-    """A TP=2 Llama-shaped GPT (SwiGLU, RMSNorm, rotary positions) saves each rank's gate and up units where they
-    lie in the fused projection: loaded into a plain GPT on one rank, every parameter equals single-process
-    training of the same step."""
-    from mpidist import checkpoint, optim
-    config = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=4, n_embd=16, mlp="swiglu", ffn_hidden=20,
-                       norm="rmsnorm", positions="rope", dtype="float64")
-    tokens = np.random.default_rng(3).integers(0, 32, (2, 9))
-    x, y = tokens[:, :-1], tokens[:, 1:]
-
-    def train(model):
-        opt = optim.AdamW(list(model.parameters()), lr=0.01)
-        model.loss(model(x), y).backward()
-        opt.step()
-        return model
-
-    root = comm.bcast(str(tmp_path_factory.getbasetemp() / "tp_swiglu") if comm.Get_rank() == 0 else None, root=0)
-    split = train(tensor_parallel(GPT(config, rng=np.random.default_rng(0)), comm, sequence_parallel=False))
-    checkpoint.save(root, {"model": split}, comm, step=1)
-    plain = GPT(config, rng=np.random.default_rng(1))
-    one = comm.Split(comm.Get_rank(), 0)
-    checkpoint.load(root, {"model": plain}, one, log=lambda *a: None)
-    one.Free()
-    single = train(GPT(config, rng=np.random.default_rng(0)))
-    loaded = dict(plain.named_parameters())
-    for name, p in single.named_parameters():
-        np.testing.assert_allclose(loaded[name].data, p.data, rtol=0, atol=1e-12, err_msg=name)
