@@ -602,3 +602,24 @@ def test_llama_rows_have_the_published_parameter_counts_and_the_declared_layouts
         step = estimate(shape, by_hand, profile, ranks_per_node=8).time["step"]
         assert planned[i]["layout"] == by_hand.name()
         assert planned[i]["predicted"] == pytest.approx(batch * shape.seq / step, rel=1e-12)
+
+
+def test_memory_components_are_never_negative_and_add_up():
+    """At a backward moment that freed more than it works on (the head's norm frees the loss's logits-sized
+    arrays), the activations still held are fewer, not the working memory negative: every component of every
+    planned layout is >= 0 and they add up to the total, which is the largest moment's."""
+    from mpidist.plan.estimate import activation_bytes, backward_working_bytes, memory_per_rank
+    shape = ModelShape(layers=2, hidden=256, heads=4, vocab=4096, seq=64)
+    layout = Layout(1, 1, 1, micro_batch=2, recompute="full")   # its peak: the head's norm in the first backward
+    layers = ["embed", "blocks.0", "blocks.1", "head"]
+    freed = -backward_working_bytes(shape, layout, layers)["head_norm"]
+    assert freed > 0
+    memory = memory_per_rank(shape, layout)
+    assert memory["transient"] == 0 and min(memory.values()) >= 0
+    assert memory["total"] == sum(memory[k] for k in MEMORY_PARTS)
+    recomputed = memory["activations"] + freed - activation_bytes(shape, layout, layers)   # one block's, held
+    assert recomputed > 0
+    for est in plan(shape, 8, 4, 4, load_profile("a100-80gb-ib")):
+        if est.memory:
+            assert min(est.memory.values()) >= 0, (est.layout.name(), est.memory)
+            assert sum(v for k, v in est.memory.items() if k != "total") == pytest.approx(est.memory["total"])

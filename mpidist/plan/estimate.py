@@ -498,8 +498,10 @@ def memory_per_rank(shape: ModelShape, layout: Layout, position: int = 0, in_fli
         moments.append({"grads": loss_grads, "activations": stored,
                         "transient": transient_bytes(shape, layout, layers), "comm_buffers": buffers + loss_buffers})
     for extra in backward_working_bytes(shape, layout, layers).values():
-        moments.append({"grads": bwd_grads, "activations": stored + recomputed, "transient": extra,
-                        "comm_buffers": buffers + bwd_buffers})
+        # ``extra`` is the working set less what backward freed by then: where it freed more, the activations
+        # still held are that much fewer (no component is negative; the total is the same)
+        moments.append({"grads": bwd_grads, "activations": stored + recomputed + min(extra, 0.0),
+                        "transient": max(extra, 0.0), "comm_buffers": buffers + bwd_buffers})
     peak = max(moments, key=lambda m: sum(m.values()))
     out = {"params": param_bytes, "grads": peak["grads"], "optimizer": optimizer, "optimizer_work": work,
            "activations": peak["activations"], "transient": peak["transient"], "comm_buffers": peak["comm_buffers"]}
