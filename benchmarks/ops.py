@@ -1,4 +1,5 @@
-"""Time the fused ops' forward + backward (GELU, LayerNorm, attention) by dtype: medians of ``--repeats`` runs.
+"""Time the fused ops' forward + backward (GELU, SwiGLU, LayerNorm, RMSNorm, rotary, attention) by dtype: medians
+of ``--repeats`` runs.
 
     .venv/bin/python benchmarks/ops.py --json docs/ops_bench.json
 
@@ -21,7 +22,10 @@ DTYPES = {"float32": np.float32, "bfloat16": bfloat16, "float16": np.float16}
 def cases():
     """Yield (name, op, input shapes): GPT-sized activations (batch 8 x seq 256, width 256, ffn 1024)."""
     yield "gelu", lambda x: F.gelu(x), [(2048, 1024)]
+    yield "swiglu", lambda x: F.swiglu(x), [(2048, 2 * 1024)]   # the same 1024 units: gate and up in
     yield "layer_norm", lambda x, w, b: F.layer_norm(x, w, b), [(8, 256, 256), (256,), (256,)]
+    yield "rms_norm", lambda x, w: F.rms_norm(x, w), [(8, 256, 256), (256,)]
+    yield "rotary", lambda qkv: F.rotary(qkv, 4), [(8, 256, 768)]
     yield "attention", lambda qkv: F.multi_head_attention(qkv, 4, is_causal=True), [(8, 256, 768)]
 
 
