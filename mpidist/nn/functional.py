@@ -527,7 +527,7 @@ def swiglu(a):
         gate, up, res = x2[lo:lo + step, :f], x2[lo:lo + step, f:], out[lo:lo + step]
         if low:
             n = gate.shape[0]
-            gate, up, res = _upcast_into2(gate, work[0, :n]), _upcast_into2(up, work[1, :n]), work[2, :n]
+            gate, up, res = _upcast_into(gate, work[0]), _upcast_into(up, work[1]), work[2, :n]
         _sigmoid_into(gate, res, dt)
         res *= gate
         res *= up
@@ -548,8 +548,8 @@ def swiglu(a):
             k = gate.shape[0]
             d_gate, d_up = scratch[-2, :k], scratch[-1, :k]
             if low:
-                gate, up, gs = (_upcast_into2(gate, scratch[0, :k]), _upcast_into2(up, scratch[1, :k]),
-                                _upcast_into2(gs, scratch[2, :k]))
+                gate, up, gs = (_upcast_into(gate, scratch[0]), _upcast_into(up, scratch[1]),
+                                _upcast_into(gs, scratch[2]))
             _sigmoid_into(gate, d_up, dt)
             xp.subtract(dt(1), d_up, out=d_gate)
             d_gate *= gate
@@ -577,15 +577,10 @@ def _sigmoid_into(xs, ss, dt):
     xp.reciprocal(ss, out=ss)
 
 
-def _upcast_into2(block, rows):
-    """Return 16-bit row block ``block`` upcast into float32 ``rows`` of the same shape."""
-    rows[...] = block
-    return rows
-
-
 def _upcast_into(xs, row):
-    """Return 16-bit slice ``xs`` upcast into the first ``xs.size`` elements of float32 ``row``."""
-    view = row[:xs.size]
+    """Return 16-bit ``xs`` upcast into the first ``len(xs)`` entries of float32 ``row`` along its first axis (a
+    1-D slice into a row of ``_CHUNK`` elements, or a block of rows into a scratch block of as many columns)."""
+    view = row[:xs.shape[0]]
     view[...] = xs
     return view
 

@@ -244,8 +244,7 @@ class MLP(Module):
         self.drop = Dropout(dropout)
 
     def forward(self, x):
-        act = F.swiglu if self.activation == "swiglu" else F.gelu
-        return self.drop(self.proj(act(self.fc(x))))
+        return self.drop(self.proj(mlp_activation(self.activation)(self.fc(x))))
 
     def extra_repr(self):
         return f"activation={self.activation!r}"
@@ -272,6 +271,11 @@ class TransformerBlock(Module):
     def forward(self, x):
         x = x + self.drop(self.attn(self.ln1(x)))
         return x + self.mlp(self.ln2(x))
+
+
+def mlp_activation(name):
+    """Return the op of ``MLP``'s activation ``name``: ``F.gelu``, or ``F.swiglu`` (on the fused [gate | up])."""
+    return F.swiglu if name == "swiglu" else F.gelu
 
 
 def make_norm(kind, dim, dtype, bias=True):

@@ -28,7 +28,7 @@ from mpidist import collectives
 from mpidist.nn import functional as F
 from mpidist.nn.autograd import Tensor, make_result
 from mpidist.nn.deferred import deferred_like, is_deferred
-from mpidist.nn.layers import RMSNorm
+from mpidist.nn.layers import RMSNorm, mlp_activation
 from mpidist.nn.module import Module, Parameter
 from mpidist.nn.placement import Replicate, Shard, set_placement
 from mpidist.nn.precision import fp32_op
@@ -263,8 +263,7 @@ class ParallelMLP(TensorParallelModule):
         self.drop = mlp.drop
 
     def forward(self, x):
-        act = F.swiglu if self.activation == "swiglu" else F.gelu
-        return self.drop(self.proj(act(self.fc(x))))
+        return self.drop(self.proj(mlp_activation(self.activation)(self.fc(x))))
 
 
 class VocabParallelEmbedding(TensorParallelModule):
