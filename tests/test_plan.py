@@ -177,6 +177,45 @@ def test_cli_interleaved_chunks_are_the_ones_asked_for(capsys):
         assert (f"expected a comma-separated list of ints >= 2 (got {bad!r})" in err) == _is_printer(), err
 
 
+def test_layout_filters_plan_exactly_the_full_searchs_layouts_of_those_sizes(capsys):
+    """``--tp/--pp/--dp/--micro-batch`` (``plan(tp_sizes=...)``): the feasible layouts and their estimates are
+    the full search's layouts with those sizes, no more and no fewer; a size that cannot occur is an error with
+    the values, not an empty plan; bad lists are usage errors."""
+    shape = ModelShape(layers=4, hidden=16, heads=4, vocab=32, seq=8)
+    profile = load_profile("local")
+    everything = [e for e in plan(shape, 16, 8, 8, profile, keep=10**9) if e.feasible]
+    for sizes in ({"tp_sizes": (2,)}, {"pp_sizes": (1, 4)}, {"dp_sizes": (2,), "micro_batches": (1, 4)},
+                  {"tp_sizes": (1, 2), "pp_sizes": (2,), "dp_sizes": (2, 4)}):
+        allowed = {"tp_sizes": "tp", "pp_sizes": "pp", "dp_sizes": "dp", "micro_batches": "micro_batch"}
+        expected = [e for e in everything
+                    if all(getattr(e.layout, allowed[k]) in v for k, v in sizes.items())]
+        got = [e for e in plan(shape, 16, 8, 8, profile, keep=10**9, **sizes) if e.feasible]
+        assert expected and [(e.layout, e.time, e.memory) for e in got] == \
+            [(e.layout, e.time, e.memory) for e in expected], sizes
+    for sizes, message in (({"tp_sizes": (3,)}, "tp=3 does not divide 8 ranks"),
+                           ({"micro_batches": (3, 5)}, "micro-batch=3, 5 does not divide the global batch of 16"),
+                           ({"tp_sizes": (8,), "pp_sizes": (2,)}, "no dp x tp x pp = 8 ranks has tp 8, pp 2 and dp any"),
+                           ({"dp_sizes": (8,), "micro_batches": (4,)},
+                            r"micro-batch 4 does not divide the per-replica batch \(global batch 16 / dp\) of any "
+                            "allowed grid dp8 tp1 pp1"),
+                           ({"pp_sizes": (0,)}, r"pp sizes must be ints >= 1 \(got \(0,\)\)")):
+        with pytest.raises(ValueError, match=message):
+            plan(shape, 16, 8, 8, profile, **sizes)
+    args = ["plan", "--layers", "4", "--hidden", "16", "--heads", "4", "--vocab", "32", "--seq", "8", "--batch", "16",
+            "--ranks", "8", "--profile", "local", "--json", "--top", "1000"]
+    assert main(args + ["--tp", "2", "--pp", "2", "--micro-batch", "2,1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["feasible"] and {(e["layout"]["dp"], e["layout"]["tp"], e["layout"]["pp"], e["layout"]["micro_batch"])
+                                 for e in data["feasible"]} == {(2, 2, 2, 1), (2, 2, 2, 2)}
+    from mpidist.cli import _is_printer
+    assert main(args + ["--dp", "3"]) == 2
+    assert ("dp=3 does not divide 8 ranks" in capsys.readouterr().err) == _is_printer()
+    for bad in ("0", "2,x", ""):
+        assert main(args + ["--tp", bad]) == 2
+        err = capsys.readouterr().err
+        assert (f"expected a comma-separated list of ints >= 1 (got {bad!r})" in err) == _is_printer(), err
+
+
 def test_compute_scale_multiplies_compute_and_optimizer_only():
     """The fitted knob scales the modelled compute (and optimizer) time; communication stays as it was."""
     from mpidist.plan import estimate

@@ -39,6 +39,17 @@ def _chunk_counts(text):
     return tuple(sorted(set(counts)))
 
 
+def _sizes(text):
+    """Parse ``--tp/--pp/--dp/--micro-batch``: a comma-separated list of ints >= 1."""
+    try:
+        sizes = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints >= 1 (got {text!r})")
+    return tuple(sorted(set(sizes)))
+
+
 def _precision(args) -> dict:
     given = {"param_dtype": args.param_dtype, "compute_dtype": args.compute_dtype, "gather_dtype":
              args.fsdp_gather_dtype, "reduce_dtype": args.fsdp_reduce_dtype,
@@ -87,6 +98,11 @@ def add_parser(sub):
     p.add_argument("--fsdp-gather-dtype", default="", help="FSDP layouts: gather units in this dtype")
     p.add_argument("--fsdp-reduce-dtype", default="", help="FSDP layouts: reduce-scatter gradients in this dtype")
     p.add_argument("--max-micro-batch", type=int, default=None, help="largest micro-batch to consider")
+    for flag, what in (("--tp", "tensor-parallel"), ("--pp", "pipeline-parallel"), ("--dp", "data-parallel")):
+        p.add_argument(flag, type=_sizes, default=None, help=f"only these {what} sizes, e.g. 8 or 4,8 (default: "
+                       "every divisor of --ranks); each must divide --ranks")
+    p.add_argument("--micro-batch", type=_sizes, default=None, help="only these micro-batch sizes, e.g. 1,2 (default: "
+                   "every divisor of a replica's batch)")
     p.add_argument("--top", type=int, default=15, help="layouts to show (default 15)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", metavar="FILE", default=None, help="also draw the top layouts' step time and memory by "
@@ -129,7 +145,8 @@ def run(args) -> int:
         profile = load_profile(args.profile)
         estimates = plan(shape, args.batch, args.ranks, args.ranks_per_node or args.ranks, profile,
                          max_micro_batch=args.max_micro_batch, schedules=args.schedules, shardings=args.sharding,
-                         chunk_options=args.chunks,
+                         chunk_options=args.chunks, tp_sizes=args.tp, pp_sizes=args.pp, dp_sizes=args.dp,
+                         micro_batches=args.micro_batch,
                          recompute=args.recompute, precision=_precision(args))
     except ValueError as exc:
         print(f"mpidist plan: {exc}", file=sys.stderr)

@@ -26,7 +26,7 @@ from mpidist import optim
 from mpidist.nn import functional as F
 from mpidist.nn.precision import bfloat16, is_low_precision
 
-from .layouts import Layout, enumerate_layouts
+from .layouts import Layout, check_grid_choices, enumerate_layouts
 from .model import ModelShape, parameters, stage_layers
 from .profile import Profile
 from .schedule import build_schedule, in_flight as _in_flight, pipeline as _pipeline
@@ -711,6 +711,8 @@ def plan(shape: ModelShape, global_batch: int, ranks: int, ranks_per_node: int, 
          **choices) -> List[Estimate]:
     """Return every layout's Estimate: feasible ones fastest first, then the others with the reason.
 
+    ``choices``: ``enumerate_layouts``'s (schedules, shardings, recompute, chunk_options; tp_sizes, pp_sizes,
+    dp_sizes, micro_batches to plan only those sizes, each of which must occur: ValueError otherwise).
     ``precision``: ``Layout``'s precision fields for every layout (``param_dtype``, ``compute_dtype``; ``comm_hook``
     and ``powersgd_rank`` apply to DDP layouts without a pipeline, ``gather_dtype`` and ``reduce_dtype`` to FSDP
     ones).
@@ -727,6 +729,8 @@ def plan(shape: ModelShape, global_batch: int, ranks: int, ranks_per_node: int, 
     if ranks % ranks_per_node and ranks > ranks_per_node:
         raise ValueError(f"plan: {ranks} ranks do not fill nodes of {ranks_per_node}")
     ranks_per_node = min(ranks_per_node, ranks)
+    check_grid_choices(ranks, global_batch, **{k: choices.get(k) for k in ("tp_sizes", "pp_sizes", "dp_sizes",
+                                                                            "micro_batches")})
     out, candidates = [], []
     for layout, why in enumerate_layouts(ranks, global_batch, ranks_per_node, shape.layers,
                                          (shape.heads, shape.num_kv_heads),

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Iterator, List, Tuple
 
-__all__ = ["Layout", "SCHEDULES", "SHARDINGS", "COMM_HOOKS", "enumerate_layouts", "divisors"]
+__all__ = ["Layout", "SCHEDULES", "SHARDINGS", "COMM_HOOKS", "enumerate_layouts", "divisors", "check_grid_choices"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")   # the names Pipeline takes
 SHARDINGS = ("ddp", "fsdp", "hybrid")
@@ -101,14 +101,21 @@ def divisors(n: int) -> List[int]:
 
 def enumerate_layouts(ranks: int, global_batch: int, ranks_per_node: int, layers: int, heads,
                       schedules=SCHEDULES, shardings=SHARDINGS, recompute=RECOMPUTE,
-                      max_micro_batch=None, chunk_options=(2,)) -> Iterator[Tuple[Layout, str]]:
+                      max_micro_batch=None, chunk_options=(2,), tp_sizes=None, pp_sizes=None, dp_sizes=None,
+                      micro_batches=None) -> Iterator[Tuple[Layout, str]]:
     """Yield (layout, reason) for every layout of ``ranks`` ranks and ``global_batch`` samples; reason is "" when
     the layout is structurally possible, else why not (checked here: divisibility only; memory comes later).
-    ``heads``: the attention heads, or (heads, k/v heads) under grouped-query attention: tp must split both."""
+    ``heads``: the attention heads, or (heads, k/v heads) under grouped-query attention: tp must split both.
+    ``tp_sizes``, ``pp_sizes``, ``dp_sizes``, ``micro_batches``: only these values (None: every one); a grid
+    or micro-batch outside them is not yielded at all (``plan`` checks each value can occur)."""
     heads, kv_heads = heads if isinstance(heads, tuple) else (heads, heads)
     for tp in divisors(ranks):
+        if tp_sizes is not None and tp not in tp_sizes:
+            continue
         for pp in divisors(ranks // tp):
             dp = ranks // (tp * pp)
+            if (pp_sizes is not None and pp not in pp_sizes) or (dp_sizes is not None and dp not in dp_sizes):
+                continue
             why_grid = ""
             if heads % tp:
                 why_grid = f"{heads} heads do not split over tp={tp}"
@@ -122,6 +129,8 @@ def enumerate_layouts(ranks: int, global_batch: int, ranks_per_node: int, layers
             sizes = divisors(per_replica) if per_replica else [1]
             if max_micro_batch is not None:
                 sizes = [b for b in sizes if b <= max_micro_batch]
+            if micro_batches is not None:
+                sizes = [b for b in sizes if b in micro_batches] if per_replica else [min(micro_batches)]
             for sharding in shardings:
                 why_shard = why_grid
                 if not why_shard and sharding != "ddp" and pp > 1:
@@ -145,3 +154,33 @@ def enumerate_layouts(ranks: int, global_batch: int, ranks_per_node: int, layers
                             for sp in ((False, True) if tp > 1 else (False,)):
                                 shard = ranks_per_node // tp if sharding == "hybrid" and not why else 0
                                 yield Layout(dp, tp, pp, sharding, b, m, schedule, v, rc, sp, shard), why
+
+
+def check_grid_choices(ranks: int, global_batch: int, tp_sizes=None, pp_sizes=None, dp_sizes=None,
+                       micro_batches=None) -> None:
+    """Raise ValueError, with the values, when a requested tp, pp, dp or micro-batch size cannot occur in any
+    layout of ``ranks`` ranks and ``global_batch`` samples, or when no (dp, tp, pp) grid takes all of them: a
+    filter that silently matched nothing would read as "no layout fits"."""
+    for name, values in (("tp", tp_sizes), ("pp", pp_sizes), ("dp", dp_sizes), ("micro-batch", micro_batches)):
+        if values is None:
+            continue
+        if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
+            raise ValueError(f"plan: {name} sizes must be ints >= 1 (got {values!r})")
+        whole = ranks if name != "micro-batch" else global_batch
+        what = f"{ranks} ranks" if name != "micro-batch" else f"the global batch of {global_batch}"
+        bad = [v for v in values if whole % v]
+        if bad:
+            raise ValueError(f"plan: {name}={', '.join(map(str, bad))} does not divide {what}")
+    grids = [(dp, tp, ranks // (dp * tp)) for tp in divisors(ranks) for dp in divisors(ranks // tp)
+             if (tp_sizes is None or tp in tp_sizes) and (dp_sizes is None or dp in dp_sizes)
+             and (pp_sizes is None or ranks // (dp * tp) in pp_sizes)]
+    if not grids:
+        def allowed(values):
+            return "any" if values is None else "/".join(map(str, values))
+        raise ValueError(f"plan: no dp x tp x pp = {ranks} ranks has tp {allowed(tp_sizes)}, pp {allowed(pp_sizes)} "
+                         f"and dp {allowed(dp_sizes)}")
+    if micro_batches is not None and not any(global_batch % dp == 0 and (global_batch // dp) % b == 0
+                                             for dp, _, _ in grids for b in micro_batches):
+        raise ValueError(f"plan: micro-batch {', '.join(map(str, micro_batches))} does not divide the per-replica "
+                         f"batch (global batch {global_batch} / dp) of any allowed grid "
+                         f"{', '.join(f'dp{d} tp{t} pp{p}' for d, t, p in grids)}")
