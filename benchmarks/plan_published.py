@@ -638,6 +638,32 @@ LLAMA_A100 = [("Llama 3 8B", 32, 4096, 32, 8, 14336, 128256, 8192, 1, "selective
               ("Llama 2 70B", 80, 8192, 64, 8, 28672, 32000, 4096, 1, "selective op", 355, 0.508),
               ("Llama 2 70B", 80, 8192, 64, 8, 28672, 32000, 4096, 2, "full", 353, 0.505)]
 LLAMA_GPUS = 64
+# -- Llama 3 405B on 8192 and 16384 H100s (held out; declared 2026-11-29 session 16, before any row was planned) ------
+# Source: "The Llama 3 Herd of Models" (arXiv 2407.21783), Table 4 (scaling configurations of the 405B pre-training
+# run), in the form a public transcription of the SC'24 talk "Herding Llamas" (Balaji) gives it, which agrees on
+# every column read: GPUs, TP, CP, PP, tokens per batch, TFLOPs/GPU. dp = GPUs / (tp x pp x cp).
+# Hardware (paper, section 3.3.1): H100 80GB (700 W) in 8-GPU servers with NVLink, a RoCE fabric at 400 Gb/s per
+# GPU: the frozen h100-ib profile (NDR 400 Gb/s per GPU; its InfiniBand stands in for RoCE), never fitted.
+# Model: 126 layers, hidden 16384, 128 heads, 8 k/v heads, SwiGLU ffn 53248, vocabulary 128256, RMSNorm, rotary
+# positions, no biases, untied head; 8192 tokens per sequence (the pre-training stage these rows are from).
+# Planning rule, stated before any row was planned:
+#   - global batch: 16M tokens = 2048 sequences of 8192 (32 per data-parallel replica at dp 64, 16 at dp 128);
+#   - the stated grid (tp 8, pp 16, dp as above), 8 ranks per node; replicas are DDP (mpidist's Pipeline takes DDP
+#     replicas; Meta shards its replicas' optimizer state and gradients FSDP-style, which mpidist's pipeline does
+#     not: its memory is the planner's, reported, not a reason to skip a row that ran);
+#   - bf16 mixed precision: bfloat16 parameters and activations, AdamW's float32 masters (an nn.precision.Policy);
+#   - micro-batch 1 (not stated; ours), the interleaved schedule (the paper's), its model chunks per rank v in
+#     2..7 (126 layers >= 16 v) and recompute none / selective / full: whichever the planner finds fastest among the
+#     layouts that fit 80 GB (not stated: the planner's choice within the stated grid, what a user of it would run);
+#     if none fits, the fastest of all, reported with its memory;
+#   - predicted TFLOPs/GPU = published TFLOPs/GPU x published step time / predicted step time, both step times
+#     from the same FLOPs per token (6 N + 12 L d s): the error is the step time's, whatever formula Meta used.
+# Left out: the third row (16384 GPUs, cp 16, 131072 tokens; 380 TFLOPs/GPU): mpidist has no context parallelism.
+# (GPUs, tp, cp, pp, dp, tokens per batch, published TFLOPs/GPU, published BF16 MFU)
+LLAMA3_405B_H100 = [(8192, 8, 1, 16, 64, 2048 * 8192, 430, 0.43),
+                    (16384, 8, 1, 16, 128, 2048 * 8192, 400, 0.41)]
+LLAMA3_405B = {"layers": 126, "hidden": 16384, "heads": 128, "kv_heads": 8, "ffn": 53248, "vocab": 128256,
+               "seq": 8192}
 
 
 def mpt_shape(model):
