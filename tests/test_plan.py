@@ -13,6 +13,7 @@ from mpidist.parallel.pipeline import schedules
 from mpidist.plan import Layout, ModelShape, Profile, estimate, load_profile, plan, profile_names
 from mpidist.plan.estimate import _compute_seconds, _pipeline, collective_seconds
 from mpidist.plan.model import layer_names, parameters, stage_layers
+from mpidist.plan.layouts import RECOMPUTE
 from mpidist.plan.report import MEMORY_PARTS
 
 CONFIGS = [GPTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=4, n_embd=8),
@@ -641,6 +642,31 @@ def test_llama_rows_have_the_published_parameter_counts_and_the_declared_layouts
         step = estimate(shape, by_hand, profile, ranks_per_node=8).time["step"]
         assert planned[i]["layout"] == by_hand.name()
         assert planned[i]["predicted"] == pytest.approx(batch * shape.seq / step, rel=1e-12)
+
+
+@pytest.mark.mpi_skip  # one process, no MPI: under mpiexec every rank would repeat it
+def test_llama3_405b_rows_follow_the_declared_rule():
+    """The ``--llama405`` rows (arXiv 2407.21783 Table 4): the shape is Llama 3.1 405B's published parameter count
+    (405,853,388,800, counted here by hand); dp = GPUs / (tp pp cp) and 2048 sequences of 8192 are the 16M tokens;
+    the layout is the fastest fitting one of the declared grid (every candidate estimated here by hand), and the
+    prediction is the published TFLOPs/GPU scaled by the step times."""
+    published = _load_plan_published()
+    shape = published.llama3_shape()
+    L, d, f, V, kv = 126, 16384, 53248, 128256, 8 * 128
+    assert shape.num_parameters() == L * (2 * d * d + 2 * d * kv + 3 * d * f + 2 * d) + 2 * V * d + d == 405_853_388_800
+    profile = load_profile("h100-ib")
+    rows = published.llama3_rows(profile)
+    assert [r["gpus"] for r in rows] == [8192, 16384]
+    for row, (gpus, tp, cp, pp, dp, tokens, tflops, mfu) in zip(rows, published.LLAMA3_405B_H100):
+        assert gpus == tp * cp * pp * dp and tokens == 2048 * 8192 and tflops / 989 == pytest.approx(mfu, abs=0.006)
+        candidates = [Layout(dp, tp, pp, "ddp", 1, 2048 // dp, "interleaved", v, rc, sp, param_dtype="bfloat16")
+                      for v in range(2, 8) for rc in RECOMPUTE for sp in (False, True)]
+        estimates = [estimate(shape, layout, profile, ranks_per_node=8) for layout in candidates]
+        fits = [e for e in estimates if e.feasible]
+        best = min(fits or estimates, key=lambda e: e.time["step"])
+        assert row["layout"] == best.layout.name() and row["fits_in_mpidist"] == bool(fits)
+        flops = tokens * (6 * shape.num_parameters() + 12 * L * d * shape.seq)
+        assert row["predicted"] == pytest.approx(flops / (gpus * best.time["step"]) / 1e12, rel=1e-12)
 
 
 def test_memory_components_are_never_negative_and_add_up():
