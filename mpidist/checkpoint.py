@@ -150,9 +150,11 @@ class _Registry:
 
     def __init__(self):
         self.by_param = {}  # id(Parameter) -> (keys, segments)
+        self.placements = {}  # id(Parameter) -> the placement of each of its keys
 
-    def add(self, param, keys, segments):
+    def add(self, param, keys, segments, placements=()):
         self.by_param[id(param)] = (keys, segments)
+        self.placements[id(param)] = tuple(placements)
 
 
 def _placed_segments(prefix, placed, local_shape):
@@ -186,7 +188,7 @@ def _model_slots(name, obj, registry):
         param = placed[0].parameter
         segments = _placed_segments(f"{name}.", placed, param.data.shape)
         slots.append(_Slot(param.data, segments))
-        registry.add(param, [f"{name}.{p.name}" for p in placed], segments)
+        registry.add(param, [f"{name}.{p.name}" for p in placed], segments, [p.placement for p in placed])
     for bname, buf in wrapper.named_buffers_global():
         slots.append(_full_slot(f"{name}.{bname}", buf))
     return slots
@@ -204,8 +206,25 @@ def _is_array(obj):
     return not _is_model(obj) and not _is_optimizer(obj) and hasattr(obj, "shape") and hasattr(obj, "dtype")
 
 
-def _registered(name, i, p, registry):
-    """Return (keys, segments) of parameter ``i`` of optimizer ``name``; raise if no model in the state holds it."""
+def _registered(name, i, p, registry, opt=None):
+    """Return (keys, segments) of parameter ``i`` of optimizer ``name``; raise if no model in the state holds it.
+
+    An optimizer that steps flat shards of the model's parameters (``ZeroRedundancyOptimizer``: its ``params`` are
+    its shards, ``flat_pieces(i)`` the parameters' pieces each holds) has its state placed by those pieces, as an
+    FSDP shard's is: each piece a ``FlatShard`` of the parameter's block, under the parameter's key."""
+    if opt is not None and hasattr(opt, "flat_pieces"):
+        keys, segments = [], []
+        for piece in opt.flat_pieces(i):
+            pkeys, _ = _registered(name, i, piece.param, registry)
+            placements = registry.placements.get(id(piece.param), ())
+            if len(pkeys) != 1 or any(isinstance(pl, FlatShard) for pl in placements):
+                raise CheckpointError(f"checkpoint: optimizer {name!r} shards a parameter that is itself a flat shard "
+                                      f"(FSDP's: {pkeys}); shard optimizer state over DDP or Pipeline replicas only")
+            flat = FlatShard(placements[0] if placements else None, tuple(piece.param.data.shape), piece.start,
+                             piece.count, piece.offset, getattr(opt, "comm", None))
+            keys.append(pkeys[0])
+            segments.append(_segment(pkeys[0], flat, p.data.shape, local_start=piece.offset, count=piece.count))
+        return keys, segments
     if id(p) not in registry.by_param:
         raise CheckpointError(f"checkpoint: optimizer {name!r} holds a parameter (index {i}, shape {tuple(p.data.shape)}) "
                               f"that belongs to no model in the state; put the model in the same save() or load() call")
@@ -225,7 +244,7 @@ def _optimizer_plan(name, opt, registry):
     """
     slots, params_json = [], {}
     for i, p in enumerate(opt.params):
-        pkeys, segments = _registered(name, i, p, registry)
+        pkeys, segments = _registered(name, i, p, registry, opt)
         state = opt.state.get(i, {})
         arrays = sorted(k for k, v in state.items() if hasattr(v, "shape"))
         for pkey in pkeys:  # per parameter, so the checkpoint does not depend on how parameters were sharded
@@ -233,8 +252,14 @@ def _optimizer_plan(name, opt, registry):
         slots.extend(_state_slots(name, segments, {k: state[k] for k in arrays}))
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     group_keys = [sorted({key for p in g["params"] for key in registry.by_param[id(p)][0]}) for g in opt.param_groups]
-    return slots, {"type": type(opt).__qualname__, "param_groups": groups, "group_keys": group_keys,
+    return slots, {"type": _optimizer_type(opt), "param_groups": groups, "group_keys": group_keys,
                    "params": params_json}
+
+
+def _optimizer_type(opt):
+    """The type a checkpoint records for ``opt``: its ``state_type`` if it has one (a sharding optimizer names the
+    optimizer whose state it keeps, so that state moves between the two), else its class's name."""
+    return getattr(opt, "state_type", None) or type(opt).__qualname__
 
 
 def _json_value(name, obj):
@@ -1005,7 +1030,7 @@ def _compare_keys(state, manifest, path):
             _check_optimizer_entry(name, obj, saved[name], path)
             _check_optimizer_structure(name, obj, saved[name], registry, path)
             for i, p in enumerate(obj.params):
-                pkeys, segments = _registered(name, i, p, registry)
+                pkeys, segments = _registered(name, i, p, registry, obj)
                 kept = saved[name]["params"].get(pkeys[0])
                 if kept is None:  # (an FSDP shard's state is saved under each key it holds, so any stands for all)
                     missing.extend(f"{name}.{key}" for key in pkeys)
@@ -1049,7 +1074,7 @@ def _check_optimizer_structure(name, opt, entry, registry, path):
     Older checkpoints record no type and no grouping: their groups' hyperparameter names tell the type apart
     (Adam's betas and eps, SGD's momentum).
     """
-    at, kind = f"json[{name!r}]", type(opt).__qualname__
+    at, kind = f"json[{name!r}]", _optimizer_type(opt)
     saved_kind = entry.get("type", kind)
     if saved_kind != kind:
         raise _field_error(path, f"{at}.type", f"is {_show(saved_kind)}, but optimizer {name!r} of this state is of "
@@ -1100,7 +1125,7 @@ def _restore_optimizer(name, opt, entry, registry):
         group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
     kept, opt.state = opt.state, {}
     for i, p in enumerate(opt.params):
-        pkeys, _ = registry.by_param[id(p)]
+        pkeys, _ = _registered(name, i, p, registry, opt)
         saved = entry["params"].get(pkeys[0])
         if saved is None:  # only under strict=False (_compare_keys listed it): keeps its state
             if i in kept:

@@ -6,7 +6,8 @@ from .fsdp import FSDP, ShardingStrategy
 from .full_state import full_optimizer_state_dict, full_state_dict, iter_full_state, load_full_state_dict
 from .interface import LocalModule, PlacedParameter, Wrapper, as_wrapper
 from .pipeline import Pipeline
+from .zero import ZeroRedundancyOptimizer
 
 __all__ = ["DDP", "FSDP", "ShardingStrategy", "Pipeline", "DeviceMesh", "mesh", "Wrapper",
            "PlacedParameter", "LocalModule", "as_wrapper", "full_state_dict", "iter_full_state",
-           "load_full_state_dict", "full_optimizer_state_dict"]
+           "load_full_state_dict", "full_optimizer_state_dict", "ZeroRedundancyOptimizer"]

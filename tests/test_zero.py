@@ -1,0 +1,253 @@
+"""ZeroRedundancyOptimizer: the optimizer state split over data-parallel ranks, stepping bit for bit like the plain
+optimizer (which a single process on the whole batch checks in turn), under DDP and a Pipeline's replicas, in
+float64 and with bfloat16 parameters and float32 masters; checkpoints that move state between it and the plain
+optimizer at any size; errors on every rank."""
+import copy
+
+import numpy as np
+import pytest
+
+import mpidist
+from mpidist import checkpoint, nn, optim
+from mpidist.nn.precision import Policy, apply_policy, bfloat16
+from mpidist.parallel import DDP, Pipeline, ZeroRedundancyOptimizer, mesh
+from mpidist.parallel.zero import allgather_calls, shard_bounds
+
+IN, HIDDEN, OUT = 5, 7, 3
+
+
+def make_model(seed=0, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN, rng=rng, dtype=dtype), nn.Tanh(),
+                         nn.Linear(HIDDEN, HIDDEN, rng=rng, dtype=dtype), nn.GELU(),
+                         nn.Linear(HIDDEN, OUT, rng=rng, dtype=dtype))
+
+
+def batch(step, n):
+    rng = np.random.default_rng([7, step])
+    return rng.standard_normal((n, IN)), rng.integers(0, OUT, size=n)
+
+
+OPTIMIZERS = {"sgd": (optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-3)),
+              "adam": (optim.Adam, dict(lr=0.01, weight_decay=1e-3)),
+              "adamw": (optim.AdamW, dict(lr=0.01, betas=(0.9, 0.95), weight_decay=0.1))}
+
+
+def groups(model):
+    """Two groups, as GPT training makes them: matrices decayed, biases not."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.data.ndim > 1]},
+            {"params": [p for p in params if p.data.ndim == 1], "weight_decay": 0.0}]
+
+
+def train(model, opt, comm, steps, per_rank=4, start=0):
+    crit = nn.CrossEntropyLoss()
+    size, rank = (1, 0) if comm is None else (comm.Get_size(), comm.Get_rank())
+    for step in range(start, start + steps):
+        x, y = batch(step, per_rank * size)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        opt.zero_grad()
+        crit(model(nn.Tensor(x[mine])), y[mine]).backward()
+        opt.step()
+
+
+def test_shards_tile_every_bucket_and_the_calls_carry_them():
+    """Formula checks: the shards of n elements over N ranks are disjoint, in order, cover n, and differ by at most
+    one chunk of ceil(n / N); the allgather calls carry ceil(n / N) elements per rank in chunks of chunk_bytes."""
+    for n in (1, 2, 5, 7, 64, 1000):
+        for size in (1, 2, 3, 4, 7):
+            bounds = [shard_bounds(n, size, r) for r in range(size)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            assert max(hi - lo for lo, hi in bounds) == -(-n // size)
+            for itemsize, chunk in ((8, 16), (2, 4), (8, 10**9)):
+                calls = allgather_calls(n, size, itemsize, chunk)
+                assert sum(calls) == -(-n // size) and max(calls) <= max(1, chunk // itemsize)
+
+
+@pytest.mark.world_sizes(1, 2, 3, 4)
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_ddp_with_sharded_state_steps_bit_for_bit_like_the_plain_optimizer(comm, kind):
+    """DDP + ZeroRedundancyOptimizer equals DDP + the plain optimizer bit for bit every step (two groups, chunks
+    of 40 bytes: several allgathers per bucket), and both equal one process on the global batch; the state is
+    split: the ranks' state bytes add up to the plain optimizer's."""
+    cls, kw = OPTIMIZERS[kind]
+    sharded_model, plain_model = DDP(make_model(), comm), DDP(make_model(), comm)
+    sharded = ZeroRedundancyOptimizer(groups(sharded_model), cls, comm, chunk_bytes=40, **kw)
+    plain = cls(groups(plain_model), **kw)
+    for step in range(4):
+        train(sharded_model, sharded, comm, 1, start=step)
+        train(plain_model, plain, comm, 1, start=step)
+        for (k, a), b in zip(sharded_model.state_dict().items(), plain_model.state_dict().values()):
+            np.testing.assert_array_equal(a, b, err_msg=f"step {step} {k}")
+    reference = make_model()
+    ref_opt = cls(groups(reference), **kw)
+    for step in range(4):   # one process, the whole global batch
+        x, y = batch(step, 4 * comm.Get_size())
+        ref_opt.zero_grad()
+        nn.CrossEntropyLoss()(reference(nn.Tensor(x)), y).backward()
+        ref_opt.step()
+    for k, v in reference.state_dict().items():
+        np.testing.assert_allclose(sharded_model.state_dict()[k], v, rtol=0, atol=1e-12, err_msg=k)
+    plain_bytes = sum(v.nbytes for s in plain.state.values() for v in s.values() if hasattr(v, "nbytes"))
+    assert sum(comm.allgather(sharded.state_bytes())) == plain_bytes
+    n = sum(p.data.size for p in sharded_model.parameters())
+    per_element = plain_bytes // n
+    assert sharded.state_bytes() <= per_element * (-(-n // comm.Get_size()) + 1)
+
+
+@pytest.mark.world_sizes(2, 4)
+def test_bfloat16_parameters_keep_float32_masters_of_their_shard_only(comm):
+    """A bfloat16 Policy: the plain AdamW keeps a float32 master and two moments per parameter; sharded, each rank
+    keeps them for its shard, and the parameters stay bit for bit the plain optimizer's (masters rounded alike)."""
+    models = []
+    for _ in range(2):
+        model = make_model()
+        apply_policy(model, Policy("bf16"))
+        models.append(DDP(model, comm))
+    assert all(p.data.dtype == bfloat16 for p in models[0].parameters())
+    sharded = ZeroRedundancyOptimizer(models[0].parameters(), optim.AdamW, comm, lr=0.01, weight_decay=0.1)
+    plain = optim.AdamW(models[1].parameters(), lr=0.01, weight_decay=0.1)
+    train(models[0], sharded, comm, 3)
+    train(models[1], plain, comm, 3)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        np.testing.assert_array_equal(a.data.view(np.uint16), b.data.view(np.uint16))
+    n = sum(p.data.size for p in models[0].parameters())
+    lo, hi = shard_bounds(n, comm.Get_size(), comm.Get_rank())
+    assert sharded.state_bytes() == 12 * (hi - lo)   # float32 master, exp_avg, exp_avg_sq of the shard
+    assert all(s["master_param"].dtype == np.float32 for s in sharded.state.values())
+
+
+@pytest.mark.world_sizes(4)
+def test_pipeline_replicas_shard_their_stages_state(comm):
+    """dp=2 x pp=2: each stage's optimizer state is split over its two replicas (the mesh's dp_comm); the stages
+    train bit for bit like with the plain optimizer."""
+    m = mesh(comm, dp=2, pp=2)
+    rng = np.random.default_rng(3)
+    layers = [nn.Sequential(nn.Linear(IN, HIDDEN, rng=rng, dtype=np.float64), nn.Tanh()),
+              nn.Sequential(nn.Linear(HIDDEN, OUT, rng=rng, dtype=np.float64))]
+    runs = []
+    for sharding in (True, False):
+        stage = copy.deepcopy(layers[m.pp_rank])
+        pipe = Pipeline(stage, m.pp_comm, 2, loss_fn=nn.CrossEntropyLoss(), dp_comm=m.dp_comm)
+        params = list(stage.parameters())
+        opt = (ZeroRedundancyOptimizer(params, optim.AdamW, m.dp_comm, lr=0.02) if sharding
+               else optim.AdamW(params, lr=0.02))
+        for step in range(3):
+            x, y = batch(step, 8)
+            mine = slice(m.dp_rank * 4, (m.dp_rank + 1) * 4)
+            opt.zero_grad()
+            pipe.step(x[mine], y[mine])
+            opt.step()
+        runs.append([p.data.copy() for p in params])
+        if sharding:
+            n = sum(p.data.size for p in params)
+            lo, hi = shard_bounds(n, 2, m.dp_rank)
+            assert opt.state_bytes() == 2 * 8 * (hi - lo)   # exp_avg and exp_avg_sq of the shard (float64)
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    m.free()
+
+
+def shared_dir(comm, tmp_path):
+    return comm.bcast(str(tmp_path) if comm.Get_rank() == 0 else None, root=0)
+
+
+def _train_and_save(comm, root, sharded):
+    model = DDP(make_model(), comm)
+    opt = (ZeroRedundancyOptimizer(groups(model), optim.AdamW, comm, lr=0.01, weight_decay=0.1) if sharded
+           else optim.AdamW(groups(model), lr=0.01, weight_decay=0.1))
+    train(model, opt, comm, 3, per_rank=12 // comm.Get_size())
+    checkpoint.save(root, {"model": model, "optim": opt}, comm, step=3)
+    return {k: v.copy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("saved_at,saved_sharded,loaded_at,sharded", [
+    (4, True, 1, False), (4, True, 3, True), (3, True, 2, True), (1, True, 4, True), (2, False, 4, True),
+    (4, False, 3, True)])
+def test_checkpoints_move_state_between_sizes_and_to_and_from_the_plain_optimizer(tmp_path, saved_at, saved_sharded,
+                                                                                     loaded_at, sharded):
+    """Saved at one size, sharded or plain, loaded at another, sharded or plain: training continues as one process
+    that never stopped (global batch 12, float64), the hyperparameters restored from the checkpoint."""
+    root = str(tmp_path)
+    mpidist.simulate(saved_at, _train_and_save, root, saved_sharded)
+
+    def resume(comm):
+        model = DDP(make_model(seed=9), comm)
+        opt = (ZeroRedundancyOptimizer(groups(model), optim.AdamW, comm, lr=0.5, weight_decay=0.0) if sharded
+               else optim.AdamW(groups(model), lr=0.5, weight_decay=0.0))
+        assert checkpoint.load(root, {"model": model, "optim": opt}, comm) == 3
+        train(model, opt, comm, 2, per_rank=12 // comm.Get_size(), start=3)
+        return {k: v.copy() for k, v in model.state_dict().items()}
+
+    got = mpidist.simulate(loaded_at, resume)[0]
+    reference = make_model()
+    ref_opt = optim.AdamW(groups(reference), lr=0.01, weight_decay=0.1)
+    train(reference, ref_opt, None, 5, per_rank=12)
+    for k, v in reference.state_dict().items():
+        np.testing.assert_allclose(got[k], v, rtol=0, atol=1e-12, err_msg=k)
+
+
+@pytest.mark.world_sizes(2)
+def test_own_state_dict_round_trips_and_refuses_another_layout(comm):
+    model = DDP(make_model(), comm)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optim.Adam, comm, lr=0.01)
+    train(model, opt, comm, 2)
+    saved = opt.state_dict()
+    twin_model = DDP(make_model(), comm)
+    twin = ZeroRedundancyOptimizer(twin_model.parameters(), optim.Adam, comm, lr=0.01)
+    twin_model.load_state_dict(model.state_dict())
+    twin.load_state_dict(saved)
+    train(model, opt, comm, 1, start=2)
+    train(twin_model, twin, comm, 1, start=2)
+    for a, b in zip(model.parameters(), twin_model.parameters()):
+        np.testing.assert_array_equal(a.data, b.data)
+    other = dict(saved, zero=dict(saved["zero"], rank=1 - comm.Get_rank()))
+    with pytest.raises(ValueError, match=rf"the state is of rank {1 - comm.Get_rank()} of 2 .* this is rank "
+                                         rf"{comm.Get_rank()} of 2"):
+        twin.load_state_dict(other)
+
+
+@pytest.mark.world_sizes(2, 3)
+def test_bad_input_raises_on_every_rank(comm):
+    rank = comm.Get_rank()
+    params = list(make_model().parameters())
+    with pytest.raises(TypeError, match=r"ZeroRedundancyOptimizer: ranks .*optimizer_class must be an "
+                                        r"mpidist.optim.Optimizer subclass"):
+        ZeroRedundancyOptimizer(params, object, comm, lr=0.1)
+    with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer: rank 1: ValueError: .*invalid hyperparameters"):
+        ZeroRedundancyOptimizer(params, optim.Adam, comm, lr=0.1 if rank != 1 else -1.0)
+    with pytest.raises(TypeError, match=r"parameter group 1 has options \['momentum'\] that AdamW does not take"):
+        ZeroRedundancyOptimizer([{"params": params[:2]}, {"params": params[2:], "momentum": 0.9}], optim.AdamW,
+                                comm, lr=0.1)
+    with pytest.raises(ValueError, match=r"chunk_bytes must be an int >= 1 \(got 0\)"):
+        ZeroRedundancyOptimizer(params, optim.SGD, comm, chunk_bytes=0, lr=0.1)
+    # Different models on different ranks: named with each rank's bucket, on every rank (no hang)
+    mine = params if rank == 0 else params[:-1]
+    with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer: ranks disagree at bucket 0"):
+        ZeroRedundancyOptimizer(mine, optim.SGD, comm, lr=0.1)
+    opt = ZeroRedundancyOptimizer(params, optim.SGD, comm, lr=0.1)
+    for p in params:
+        p.grad = np.ones_like(p.data)
+    params[1].grad = None
+    with pytest.raises(ValueError, match=r"parameters \[1\] of parameter group 0 \(float64\) have no gradient while "
+                                         r"the other 5 of the group have one"):
+        opt.step()
+
+
+@pytest.mark.world_sizes(2)
+def test_learning_rate_schedules_drive_the_shards(comm):
+    """A LambdaLR on the sharded optimizer sets the rate its shards step with: equal to the plain optimizer's."""
+    runs = []
+    for sharding in (True, False):
+        model = DDP(make_model(), comm)
+        opt = (ZeroRedundancyOptimizer(model.parameters(), optim.AdamW, comm, lr=0.05) if sharding
+               else optim.AdamW(model.parameters(), lr=0.05))
+        schedule = optim.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        for step in range(3):
+            train(model, opt, comm, 1, start=step)
+            schedule.step()
+        runs.append([p.data.copy() for p in model.parameters()])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
