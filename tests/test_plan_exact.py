@@ -47,6 +47,8 @@ LAYOUTS_2 = [
     Layout(1, 2, 1, param_dtype="bfloat16", sequence_parallel=True),
     Layout(1, 1, 2, num_micro=2, schedule="1f1b", param_dtype="bfloat16"),
     Layout(1, 1, 2, num_micro=2, schedule="1f1b", param_dtype="float16", compute_dtype="float32"),
+    Layout(2, 1, 1, "zero1", num_micro=2),                             # ZeroRedundancyOptimizer: its allgather
+    Layout(2, 1, 1, "zero1", param_dtype="bfloat16", comm_hook="bf16"),   # its shard's float32 masters
 ]
 LAYOUTS_4 = [
     Layout(4, 1, 1, "hybrid", shard_size=2),
@@ -62,6 +64,8 @@ LAYOUTS_4 = [
     Layout(4, 1, 1, comm_hook="powersgd"),
     Layout(2, 1, 2, num_micro=2, schedule="1f1b", param_dtype="bfloat16"),
     Layout(2, 2, 1, "fsdp", gather_dtype="bfloat16", compute_dtype="float32"),
+    Layout(2, 1, 2, "zero1", num_micro=2, schedule="1f1b"),   # each stage's state split over its two replicas
+    Layout(2, 2, 1, "zero1", sequence_parallel=True, param_dtype="bfloat16"),
 ]
 
 
@@ -243,6 +247,8 @@ LAYOUTS_512 = [
     Layout(512, 1, 1, param_dtype="float16"),             # at 512 ranks the stamp leaves the float16 bucket
     Layout(512, 1, 1, param_dtype="bfloat16", num_micro=2),   # the stamp apart from bfloat16 buckets
     Layout(512, 1, 1, "fsdp", gather_dtype="bfloat16"),
+    Layout(128, 4, 1, "zero1", param_dtype="bfloat16"),   # shards of ceil(numel / 128), some ranks' short
+    Layout(512, 1, 1, "zero1"),
 ]
 
 

@@ -30,7 +30,7 @@ from .layouts import Layout, check_grid_choices, enumerate_layouts
 from .model import ModelShape, parameters, stage_layers
 from .profile import Profile
 from .schedule import build_schedule, in_flight as _in_flight, pipeline as _pipeline
-from .volumes import Call, calls_per_rank, ddp_buckets, dtypes, fsdp_units, summarize
+from .volumes import Call, calls_per_rank, ddp_buckets, dtypes, fsdp_units, summarize, zero_allgather_calls
 
 __all__ = ["Estimate", "estimate", "plan", "lower_bound", "memory_per_rank", "collective_seconds", "build_schedule", "activation_bytes", "touched_bytes",
            "attention_probs_bytes", "transient_bytes", "optimizer_work_bytes", "backward_working_bytes",
@@ -66,14 +66,16 @@ def _group_size(layout: Layout, group: str) -> int:
     # pp, tied, dp_node and dp_leaders (the node-aware 16-bit hooks) carry point-to-point messages: 2 ranks,
     # which also picks the oversubscribed link measured on pairs (Profile.oversubscribed_link)
     return {"tp": layout.tp, "pp": 2, "dp": layout.dp, "tied": 2, "dp_shard": layout.shard_group,
-            "dp_replicate": layout.dp // max(1, layout.shard_group), "dp_node": 2, "dp_leaders": 2}[group]
+            "dp_replicate": layout.dp // max(1, layout.shard_group), "dp_node": 2, "dp_leaders": 2,
+            "zero": layout.dp}[group]
 
 
 def _inner_span(layout: Layout, group: str) -> int:
     """Return (consecutive ranks one group of ``group`` spans, ranks of it per such block): mesh order dp, pp, tp."""
     return {"tp": layout.tp, "pp": layout.pp * layout.tp, "tied": layout.pp * layout.tp,
             "dp": layout.ranks, "dp_shard": layout.shard_group * layout.pp * layout.tp,
-            "dp_replicate": layout.ranks, "dp_node": layout.pp * layout.tp, "dp_leaders": layout.ranks}[group]
+            "dp_replicate": layout.ranks, "dp_node": layout.pp * layout.tp, "dp_leaders": layout.ranks,
+            "zero": layout.ranks}[group]
 
 
 def _link(profile: Profile, layout: Layout, group: str, ranks_per_node: int, rails: bool = False):
@@ -476,6 +478,18 @@ def memory_per_rank(shape: ModelShape, layout: Layout, position: int = 0, in_fli
     param_bytes = numel * e
     optimizer = numel * dt.optimizer_bytes
     work = optimizer_work_bytes(sizes, dt.param, dt.masters)
+    step_moment = None
+    if layout.sharding == "zero1" and layout.dp > 1:
+        # ZeroRedundancyOptimizer: the state (and the proxy's copy of the values) of this rank's shard only; during
+        # the step, on top of every gradient: the shard's gradient with the values read back (then its float32
+        # copy under masters), and the allgather's chunk sent and gathered
+        owned = -(-numel // layout.dp)
+        optimizer = owned * (dt.optimizer_bytes + e)
+        work = optimizer_work_bytes([owned], dt.param, dt.masters)
+        chunk = zero_allgather_calls(numel, layout.dp, e)[0]
+        step_moment = {"grads": gradient_bytes(shape, layout, position), "activations": 0.0,
+                       "transient": max(owned * (e + e), owned * (e + (4 if dt.masters else 0)),
+                                        (layout.dp + 1) * chunk * e), "comm_buffers": 0.0}
     per_mb = activation_bytes(shape, layout, layers) / max(1, len(mine))
     stored = per_mb * in_flight
     recomputed = 0.0
@@ -502,6 +516,8 @@ def memory_per_rank(shape: ModelShape, layout: Layout, position: int = 0, in_fli
         # still held are that much fewer (no component is negative; the total is the same)
         moments.append({"grads": bwd_grads, "activations": stored + recomputed + min(extra, 0.0),
                         "transient": max(extra, 0.0), "comm_buffers": buffers + bwd_buffers})
+    if step_moment is not None:
+        moments.append(step_moment)
     peak = max(moments, key=lambda m: sum(m.values()))
     out = {"params": param_bytes, "grads": peak["grads"], "optimizer": optimizer, "optimizer_work": work,
            "activations": peak["activations"], "transient": peak["transient"], "comm_buffers": peak["comm_buffers"]}
@@ -559,14 +575,23 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
         tp_s += _sync_waits(calls, {"tp"}, profile, layout, ranks_per_node)
         pp_s += _sync_waits(calls, {"pp"}, profile, layout, ranks_per_node)
         dp_s += _sync_waits(calls, _DP_GROUPS, profile, layout, ranks_per_node)
+        # ZeroRedundancyOptimizer's allgather follows the optimizer step: nothing left to overlap it with
+        zero_s = (_calls_seconds(calls, profile, layout, ranks_per_node, {"zero"})
+                  + _sync_waits(calls, {"zero"}, profile, layout, ranks_per_node))
         if worst_mem is None or mem["total"] > worst_mem["total"]:
             worst_mem = mem
         # AdamW streams float32 state with master weights (a third of it: the masters), else the parameters
-        updated = mem["optimizer"] / 3 if dtypes(shape, layout).masters else mem["params"]
-        worst_time = _merge_time(worst_time, (f, b, tp_s, pp_s, dp_s, updated, calls), m)
+        # (7 passes over them); ZeroRedundancyOptimizer: over its shard, plus the shard's gradient and values copied
+        # out (2 passes each) and every parameter written back from the gathered chunks (2 passes)
+        dt = dtypes(shape, layout)
+        zero = layout.dp if layout.sharding == "zero1" else 1
+        updated = 7 * mem["params"] / dt.param.itemsize * (4 if dt.masters else dt.param.itemsize) / zero
+        if zero > 1:
+            updated += 4 * mem["params"] / zero + 2 * mem["params"]
+        worst_time = _merge_time(worst_time, (f, b, tp_s, pp_s, dp_s, updated, calls, zero_s), m)
         if worst_calls is None or sum(c.nbytes * c.count for c in calls) > sum(c.nbytes * c.count for c in worst_calls):
             worst_calls = calls
-    f, b, tp_s, pp_s, dp_s, param_bytes, calls = worst_time
+    f, b, tp_s, pp_s, dp_s, param_bytes, calls, zero_s = worst_time   # param_bytes: the optimizer's streamed bytes
     compute = m * (f + b)
     bubble = pp_exposed = 0.0
     if pp > 1:
@@ -592,8 +617,9 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
         dp_exposed = dp_s
     else:
         dp_exposed = max(dp_s - (b if not layout.fsdp else compute), dp_s / (shape.layers + 2))
+    dp_exposed += zero_s
     sharing = _core_sharing(profile, ranks_per_node)
-    optimizer = 7 * param_bytes / profile.memory_bandwidth * profile.compute_scale * sharing
+    optimizer = param_bytes / profile.memory_bandwidth * profile.compute_scale * sharing
     step = pipeline_time + dp_exposed + optimizer
     est.memory = worst_mem
     est.calls = worst_calls
@@ -689,7 +715,7 @@ def _merge_time(worst, new, num_micro):
     """
     if worst is None:
         return new
-    cost = lambda w: num_micro * (w[0] + w[1]) + w[2] + w[3] + w[4]   # noqa: E731
+    cost = lambda w: num_micro * (w[0] + w[1]) + w[2] + w[3] + w[4] + w[7]   # noqa: E731
     return new if cost(new) > cost(worst) else worst
 
 

@@ -3,7 +3,7 @@
 The planner's numbers are checked against this (tests/test_plan_exact.py: the collectives' bytes; the
 validation benchmark: step time and peak memory). It builds the layout exactly as the planner describes it:
 ``mpidist.parallel.mesh(dp=, pp=, tp=)``, ``models.tensor_parallel`` over the tp ranks, then DDP, FSDP (one unit
-per layer) or a Pipeline of DDP chunks; AdamW; a step is ``num_micro`` micro-batches (accumulated under
+per layer) or a Pipeline of DDP chunks; AdamW (``zero1``: sharded by ``ZeroRedundancyOptimizer``); a step is ``num_micro`` micro-batches (accumulated under
 ``no_sync`` without a pipeline), then the optimizer.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from mpidist import optim, trace
 from mpidist.models.gpt import GPT, GPTConfig
 from mpidist.models.gpt_parallel import tensor_parallel
 from mpidist.nn.precision import Policy, apply_policy
-from mpidist.parallel import DDP, FSDP, Pipeline, comm_hooks, mesh
+from mpidist.parallel import DDP, FSDP, Pipeline, ZeroRedundancyOptimizer, comm_hooks, mesh
 from mpidist.parallel.interface import as_wrapper
 
 from .layouts import Layout
@@ -81,8 +81,11 @@ class LayoutRun:
         else:
             self.wrapper = model
         self.interface = as_wrapper(self.wrapper)   # what every layout answers (no_sync, memory_stats)
-        params = self.wrapper.parameters()
-        self.opt = optim.AdamW(list(params), lr=1e-3)
+        params = list(self.wrapper.parameters())
+        if layout.sharding == "zero1" and dp_comm is not None:
+            self.opt = ZeroRedundancyOptimizer(params, optim.AdamW, dp_comm, lr=1e-3)
+        else:
+            self.opt = optim.AdamW(params, lr=1e-3)
         rng = np.random.default_rng(seed + 1 + self.grid.dp_rank)
         n = layout.micro_batch * layout.num_micro
         self.x = rng.integers(0, shape.vocab, (n, shape.seq))

@@ -4,7 +4,9 @@ Glossary:
 - layout: one way to run a step: ``dp`` replicas of a ``pp``-stage pipeline of ``tp``-way tensor-parallel
   layers, over ``dp * pp * tp`` ranks arranged as ``mpidist.parallel.mesh(dp=, pp=, tp=)`` arranges them (tp
   innermost, so a TP group stays on a node when tp divides the ranks per node).
-- sharding: how the data-parallel ranks hold the model: ``ddp`` (every replica whole; DDP), ``fsdp`` (FSDP
+- sharding: how the data-parallel ranks hold the model: ``ddp`` (every replica whole; DDP), ``zero1`` (every
+  replica's parameters and gradients whole, AdamW's state split over the dp ranks: ``ZeroRedundancyOptimizer``,
+  also over a Pipeline's replicas), ``fsdp`` (FSDP
   FULL_SHARD over the dp ranks), ``hybrid`` (FSDP HYBRID_SHARD: shard within a node, replicate across nodes).
 - micro-batch: ``micro_batch`` samples; each replica runs ``num_micro`` of them per step (a pipeline's
   micro-batches, or gradient accumulation under ``no_sync`` without one), so the global batch is
@@ -28,7 +30,7 @@ from typing import Iterator, List, Tuple
 __all__ = ["Layout", "SCHEDULES", "SHARDINGS", "COMM_HOOKS", "enumerate_layouts", "divisors", "check_grid_choices"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")   # the names Pipeline takes
-SHARDINGS = ("ddp", "fsdp", "hybrid")
+SHARDINGS = ("ddp", "zero1", "fsdp", "hybrid")
 RECOMPUTE = ("none", "selective", "full")   # GPT.checkpoint_blocks(mode=...)
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")   # DDP hooks (mpidist.parallel.comm_hooks)
 
@@ -133,7 +135,7 @@ def enumerate_layouts(ranks: int, global_batch: int, ranks_per_node: int, layers
                 sizes = [b for b in sizes if b in micro_batches] if per_replica else [min(micro_batches)]
             for sharding in shardings:
                 why_shard = why_grid
-                if not why_shard and sharding != "ddp" and pp > 1:
+                if not why_shard and sharding not in ("ddp", "zero1") and pp > 1:
                     why_shard = f"{sharding} with a pipeline (pp={pp}): mpidist's Pipeline takes DDP replicas"
                 elif not why_shard and sharding != "ddp" and dp == 1:
                     why_shard = f"{sharding} needs dp > 1 (dp={dp})"

@@ -2,7 +2,7 @@
 
 Glossary:
 - call: one collective or point-to-point call as ``mpidist.collectives`` sees it: the group it runs over
-  (``tp``, ``pp``, ``dp``, ``dp_shard``, ``dp_replicate``, ``tied``), the operation (``allreduce``,
+  (``tp``, ``pp``, ``dp``, ``dp_shard``, ``dp_replicate``, ``tied``, ``zero``), the operation (``allreduce``,
   ``allgather``, ``reduce_scatter``, ``send``, ``recv``) and ``nbytes``: the bytes of the array this rank passes
   in (an allgather's own part, a reduce-scatter's whole input), which is what the guard and ``mpidist.trace``
   record. Wire bytes follow from the algorithm (see ``estimate.py``).
@@ -25,6 +25,9 @@ communicators and asserts these lists EQUAL what they did):
 - dtypes (``Dtypes``): what a layout's precision fields make of each array; bytes are counted in them.
 - FSDP: an allgather of every unit's shard before its forward and again before its backward (FULL_SHARD frees
   after forward), a unit using a tied weight gathering the owner unit too; one reduce-scatter per unit per step.
+- ZeroRedundancyOptimizer (``zero1``): after the optimizer step, the rank's parameters (one bucket: one dtype, one
+  group) allgathered over ``zero`` (the dp group) in chunks of at most ``parallel.zero.CHUNK_BYTES`` per rank,
+  ``ceil(numel / dp)`` elements per rank in all (``parallel.zero.allgather_calls``), on top of DDP's calls.
 - Pipeline: per micro-batch one send and one receive of the activation (forward) and its gradient (backward)
   between neighbouring stages; DDP per chunk over dp; the tied embedding's gradient summed over its holders.
 """
@@ -39,6 +42,7 @@ import numpy as np
 from mpidist import wire
 from mpidist.nn.precision import as_dtype, bfloat16, is_low_precision
 from mpidist.parallel.agreement import StepStamp
+from mpidist.parallel.zero import allgather_calls as zero_allgather_calls
 
 from .layouts import Layout
 from .model import ModelShape, parameters, stage_layers
@@ -319,6 +323,11 @@ def calls_per_rank(shape: ModelShape, layout: Layout, position: int = 0, ranks_p
                 out += _ddp_calls([p for layer in stages[s] for p in parameters(
                     shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1)], dt, layout,
                     per_node, node_rank)
+        if layout.sharding == "zero1":   # ZeroRedundancyOptimizer: the new values, chunk by chunk, after the step
+            numel = sum(p.numel for s in mine for layer in stages[s] for p in parameters(
+                shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1))
+            for count in zero_allgather_calls(numel, layout.dp, dt.param.itemsize):
+                out.append(Call("zero", "allgather", count * dt.param.itemsize))
     return _merge(out)
 
 
