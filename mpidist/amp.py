@@ -90,7 +90,8 @@ class GradScaler:
             raise RuntimeError("GradScaler.unscale_: already called for this optimizer since the last update()")
         inv = 1.0 / self._scale
         found = False
-        for p in optimizer.params:
+        # the model's parameters, as its groups hold them (a sharding optimizer's ``params`` are its shards)
+        for p in (q for group in optimizer.param_groups for q in group["params"]):
             g = p.grad
             if g is None:
                 continue

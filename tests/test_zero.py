@@ -251,3 +251,57 @@ def test_learning_rate_schedules_drive_the_shards(comm):
         runs.append([p.data.copy() for p in model.parameters()])
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.world_sizes(2)
+def test_elastic_state_refuses_it_with_the_alternatives(comm):
+    """Elastic training rebuilds over the survivors, whose split the shards would not follow: refused at once, as an
+    instance or from a factory, naming what to use instead."""
+    from mpidist.elastic.state import State
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(model.parameters(), optim.AdamW, comm, lr=0.01)
+    with pytest.raises(TypeError, match=r"State: ZeroRedundancyOptimizer splits its state over the communicator it "
+                                        r"was built on; .* use the plain optimizer with DDP, or FSDP"):
+        State(model, opt)
+    state = State(model, lambda params: ZeroRedundancyOptimizer(params, optim.AdamW, comm, lr=0.01))
+    with pytest.raises(TypeError, match=r"State: ZeroRedundancyOptimizer splits its state"):
+        state.start(lambda c: DDP(model, c), comm)
+
+
+@pytest.mark.world_sizes(2)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning", "ignore:overflow:RuntimeWarning")
+def test_grad_scaler_unscales_the_models_gradients_for_it(comm):
+    """float16 parameters under a GradScaler: ``unscale_`` reaches the model's gradients (not the shards'), so the
+    sharded run stays bit for bit the plain one, skipped steps included (the first scale overflows float16)."""
+    from mpidist.amp import GradScaler
+    runs = []
+    for sharding in (True, False):
+        model = make_model()
+        apply_policy(model, Policy("fp16"))
+        model = DDP(model, comm)
+        opt = (ZeroRedundancyOptimizer(model.parameters(), optim.AdamW, comm, lr=0.01) if sharding
+               else optim.AdamW(model.parameters(), lr=0.01))
+        scaler = GradScaler(init_scale=2.0 ** 20, backoff_factor=2.0 ** -6, growth_interval=1)
+        stepped = []
+        for step in range(4):
+            x, y = batch(step, 8)
+            mine = slice(comm.Get_rank() * 4, comm.Get_rank() * 4 + 4)
+            opt.zero_grad()
+            scaler.scale(nn.CrossEntropyLoss()(model(nn.Tensor(x[mine])), y[mine])).backward()
+            stepped.append(scaler.step(opt))
+            scaler.update()
+        runs.append(([p.data.copy() for p in model.parameters()], stepped))
+    assert runs[0][1] == runs[1][1] and not all(runs[0][1]) and any(runs[0][1])
+    for a, b in zip(runs[0][0], runs[1][0]):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+@pytest.mark.world_sizes(2)
+def test_full_optimizer_state_dict_points_to_checkpoints(comm):
+    from mpidist.parallel import full_optimizer_state_dict
+    model = DDP(make_model(), comm)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optim.AdamW, comm, lr=0.01)
+    train(model, opt, comm, 1)
+    with pytest.raises(ValueError, match=r"full_optimizer_state_dict: ranks 0,1: TypeError: ZeroRedundancyOptimizer "
+                                         r"keeps flat shards .* mpidist.checkpoint saves it"):
+        full_optimizer_state_dict(model, opt, comm=comm)

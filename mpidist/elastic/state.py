@@ -90,6 +90,15 @@ def _is_optimizer(obj):
     return isinstance(obj, optim.Optimizer)
 
 
+def _refuse_sharded_optimizer(optimizer):
+    """Raise TypeError for an optimizer whose state is split over a fixed communicator (ZeroRedundancyOptimizer):
+    elastic training rebuilds over the survivors, whose shards would not be those it holds."""
+    if hasattr(optimizer, "flat_pieces"):
+        raise TypeError(f"State: {type(optimizer).__name__} splits its state over the communicator it was built on; "
+                        f"elastic training rebuilds over the survivors, which that split does not follow: use the "
+                        f"plain optimizer with DDP, or FSDP (whose sharded state elastic reshards)")
+
+
 class _Layout:
     """One build's layout: this rank's local arrays and pieces, and the catalog of every position's pieces."""
 
@@ -165,6 +174,8 @@ class State:
         if optimizer is not None and not _is_optimizer(optimizer) and not callable(optimizer):
             raise TypeError(f"State: optimizer must be an optimizer over the module's parameters or a factory "
                             f"optimizer(params) (got {type(optimizer).__name__})")
+        if _is_optimizer(optimizer):
+            _refuse_sharded_optimizer(optimizer)
         if _is_optimizer(optimizer) and module is None:
             raise ValueError("State: an optimizer instance needs the module it steps; without a module (build(comm) "
                              "makes new modules) give a factory, optimizer(params)")
@@ -295,6 +306,7 @@ class State:
             self.optimizer = make_optimizer(list(wrapper.parameters()))
             self.scheduler = None if make_scheduler is None else make_scheduler(self.optimizer)
         if self.optimizer is not None:
+            _refuse_sharded_optimizer(self.optimizer)
             mine = {id(p) for p in layout.params}
             foreign = [i for i, p in enumerate(self.optimizer.params) if id(p) not in mine]
             if foreign:

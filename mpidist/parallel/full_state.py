@@ -135,6 +135,10 @@ class _Layout:
         problem, entries = None, []
         try:
             entries = _local_entries(wrapper, writable)
+            if optimizer is not None and hasattr(optimizer, "flat_pieces"):
+                raise TypeError(f"{type(optimizer).__name__} keeps flat shards of its parameters' state, not state "
+                                f"shaped like them; mpidist.checkpoint saves it (and loads it into the plain optimizer "
+                                f"at any size)")
         except (TypeError, ValueError) as exc:  # a placement that does not fit: every rank must hear of it
             problem = f"{type(exc).__name__}: {exc}"
         index = {} if optimizer is None else {id(p): i for i, p in enumerate(optimizer.params)}
