@@ -227,13 +227,23 @@ def test_bad_input_raises_on_every_rank(comm):
     mine = params if rank == 0 else params[:-1]
     with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer: ranks disagree at bucket 0"):
         ZeroRedundancyOptimizer(mine, optim.SGD, comm, lr=0.1)
-    opt = ZeroRedundancyOptimizer(params, optim.SGD, comm, lr=0.1)
-    for p in params:
-        p.grad = np.ones_like(p.data)
-    params[1].grad = None
-    with pytest.raises(ValueError, match=r"parameters \[1\] of parameter group 0 \(float64\) have no gradient while "
-                                         r"the other 5 of the group have one"):
-        opt.step()
+
+
+@pytest.mark.world_sizes(2, 3)
+def test_a_parameter_without_a_gradient_is_skipped_as_the_plain_optimizer_skips_it(comm):
+    """Its pieces keep their values and state (AdamW's decay and moments do not touch it), bit for bit as plain."""
+    runs = []
+    for sharding in (True, False):
+        params = list(make_model().parameters())
+        opt = (ZeroRedundancyOptimizer(params, optim.AdamW, comm, lr=0.1, weight_decay=0.1) if sharding
+               else optim.AdamW(params, lr=0.1, weight_decay=0.1))
+        for step in range(3):
+            for i, p in enumerate(params):
+                p.grad = None if (i == 1 and step > 0) else np.full_like(p.data, 0.1 * (step + 1))
+            opt.step()
+        runs.append([p.data.copy() for p in params])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.world_sizes(2)

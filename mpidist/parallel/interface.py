@@ -198,10 +198,8 @@ def optimizer_state_bytes(optimizer, params, context):
             raise ValueError(f"{context}: {type(optimizer).__name__} holds none of this wrapper's parameters; "
                              f"build it on wrapper.parameters()")
         held = [i for i in range(len(optimizer.params))
-                if any(id(piece.param) in mine for piece in optimizer.flat_pieces(i))]
-        # beside the state, the copy of its shard's values it steps
-        return sum(int(optimizer.params[i].data.nbytes) + sum(
-            int(v.nbytes) for v in optimizer.state.get(i, {}).values() if hasattr(v, "nbytes")) for i in held)
+                if any(id(piece.param) in mine for piece in optimizer.flat_pieces(i))]   # (none: a shard of nothing)
+        return sum(int(v.nbytes) for i in held for v in optimizer.state.get(i, {}).values() if hasattr(v, "nbytes"))
     held = [i for i, p in enumerate(optimizer.params) if id(p) in mine]
     if not held:
         raise ValueError(f"{context}: {type(optimizer).__name__} holds none of this wrapper's parameters; "

@@ -12,17 +12,18 @@ Glossary:
   concatenated in order: ``n`` elements.
 - shard: rank ``r`` of ``comm`` (``N`` ranks) owns elements ``[r S, min((r + 1) S, n))`` of a bucket, ``S =
   ceil(n / N)``: at most one element more than any other rank (the last ranks may own fewer, or none).
-- proxy: a Parameter holding this rank's shard of one bucket (a copy of those elements, and their gradient at each
-  step): what the inner optimizer steps, so its state is shaped like the shard. ``params`` lists the proxies (what
-  ``state`` is indexed by, as in every mpidist optimizer); ``param_groups`` hold the real parameters, so
-  learning-rate schedules and checkpoints see the model's groups.
+- piece: the part of one parameter inside this rank's shard (a shard holds pieces of one or more parameters).
+- proxy: a Parameter per piece whose ``data`` and ``grad`` are, at each step, views of that part of the parameter
+  and of its gradient (no copy): what the inner optimizer steps, so its state is shaped like the piece. ``params``
+  lists the proxies (what ``state`` is indexed by, as in every mpidist optimizer); ``param_groups`` hold the real
+  parameters, so learning-rate schedules, gradient scalers and checkpoints see the model's groups.
 
 A step is bit for bit the plain optimizer's step: every supported update (SGD, Adam, AdamW) is elementwise, the
-proxies carry the same values and gradients, and a 16-bit parameter's float32 master is made from its values as
-the plain optimizer makes it. Communication per step: one allgather per bucket and chunk of at most
+proxies are the same values and gradients, a parameter without a gradient is skipped (its pieces too), and a
+16-bit parameter's float32 master is made from its values as the plain optimizer makes it. Communication per step: one allgather per bucket and chunk of at most
 ``CHUNK_BYTES`` per rank (``allgather_calls``), in the parameters' dtype: the bytes of the parameters, as many as
 DDP's allreduce moves again. Checkpoints (``mpidist.checkpoint``) save a proxy's state under the keys of the
-parameters it holds pieces of (``flat_pieces``), as FSDP's shards are saved: they load at any layout, into this
+parameter its piece is of (``flat_pieces``), as FSDP's shards are saved: they load at any layout, into this
 optimizer or into the plain one.
 """
 from __future__ import annotations
@@ -59,7 +60,7 @@ def allgather_calls(n: int, size: int, itemsize: int, chunk_bytes: int = CHUNK_B
 
 
 class _Piece(NamedTuple):
-    """Elements ``[start, start + count)`` of ``param`` (flattened), at ``offset`` of its bucket's proxy."""
+    """Elements ``[start, start + count)`` of ``param`` (flattened), at ``offset`` of this rank's shard."""
 
     param: Parameter
     start: int
@@ -68,7 +69,7 @@ class _Piece(NamedTuple):
 
 
 class _Bucket:
-    """One bucket: its parameters, their flat offsets, this rank's shard and its proxy (None when it owns none)."""
+    """One bucket: its parameters, their flat offsets, this rank's shard, its pieces and their proxies."""
 
     def __init__(self, group, params, rank, size):
         self.group = group
@@ -81,59 +82,32 @@ class _Bucket:
             lo, hi = max(a, self.lo), min(b, self.hi)
             if lo < hi:
                 self.pieces.append(_Piece(p, lo - a, hi - lo, lo - self.lo))
-        self.proxy = Parameter(self._current()) if self.hi > self.lo else None
+        self.proxies = [Parameter(_part(piece.param.data, piece)) for piece in self.pieces]
 
-    def _current(self):
-        """Return a copy of this rank's shard of the parameters' values."""
-        first = self.params[0].data
-        out = get_array_module(first).empty(self.hi - self.lo, dtype=first.dtype)
-        for piece in self.pieces:
-            out[piece.offset: piece.offset + piece.count] = \
-                piece.param.data.reshape(-1)[piece.start: piece.start + piece.count]
-        return out
+    def attach(self):
+        """Point every proxy at its piece of the parameter's current values and gradient (views: the parameter may
+        have been given new arrays since, by a model's ``load_state_dict`` or a gradient scaler)."""
+        for proxy, piece in zip(self.proxies, self.pieces):
+            proxy.data = _part(piece.param.data, piece)
+            proxy.grad = None if piece.param.grad is None else _part(piece.param.grad, piece)
 
-    def gradient(self):
-        """Return this rank's shard of the gradients, None if no parameter has one; raise if only some do."""
-        grads = [p.grad for p in self.params]
-        if all(g is None for g in grads):
-            return None
-        if any(g is None for g in grads):
-            missing = [i for i, g in enumerate(grads) if g is None]
-            raise ValueError(f"ZeroRedundancyOptimizer.step: parameters {missing} of parameter group {self.group} "
-                             f"({self.params[0].data.dtype}) have no gradient while the other "
-                             f"{len(grads) - len(missing)} of the group have one; a shard is updated as one, so pass "
-                             f"only parameters that get gradients, or zero_grad(set_to_none=False)")
-        dtypes = {str(g.dtype) for g in grads}
-        if len(dtypes) > 1:
-            raise ValueError(f"ZeroRedundancyOptimizer.step: the gradients of parameter group {self.group} "
-                             f"({self.params[0].data.dtype}) have several dtypes ({sorted(dtypes)})")
-        out = get_array_module(grads[0]).empty(self.hi - self.lo, dtype=grads[0].dtype)
-        for piece in self.pieces:
-            out[piece.offset: piece.offset + piece.count] = \
-                piece.param.grad.reshape(-1)[piece.start: piece.start + piece.count]
-        return out
-
-    def refresh(self):
-        """Give the proxy the parameters' values if something other than this optimizer changed them (a model's
-        ``load_state_dict``): a new array, so the inner optimizer makes a 16-bit parameter's master again."""
-        current = self._current()
-        data = self.proxy.data
-        xp = get_array_module(data)
-        if current.dtype != data.dtype or not bool(xp.array_equal(current.view(xp.uint8), data.view(xp.uint8))):
-            self.proxy.data = current
+    def detach(self):
+        for proxy in self.proxies:
+            proxy.grad = None
 
     def allgather(self, comm, size, chunk_bytes):
-        """Give every rank's parameters every rank's shard of this bucket (chunk by chunk)."""
+        """Give every rank's parameters every rank's shard of this bucket (chunk by chunk), read from the proxies
+        (where the update wrote them, also when it had to write elsewhere: a held, read-only parameter)."""
         first = self.params[0].data
         xp = get_array_module(first)
         per = -(-self.n // size)
-        mine = self.proxy.data if self.proxy is not None else None
         lo = 0
         for count in allgather_calls(self.n, size, first.dtype.itemsize, chunk_bytes):
             send = xp.zeros(count, dtype=first.dtype)
-            own = max(0, min(count, (self.hi - self.lo) - lo))
-            if own:
-                send[:own] = mine[lo: lo + own]
+            for proxy, piece in zip(self.proxies, self.pieces):
+                a, b = max(piece.offset, lo), min(piece.offset + piece.count, lo + count)
+                if a < b:
+                    send[a - lo: b - lo] = proxy.data[a - piece.offset: b - piece.offset]
             gathered = xp.empty(size * count, dtype=first.dtype)
             collectives.allgather(send, comm, out=gathered)
             for q in range(size):
@@ -150,6 +124,12 @@ class _Bucket:
             lo, hi = max(a, start), min(b, stop)
             if lo < hi:
                 p.make_writable().reshape(-1)[lo - a: hi - a] = values[lo - start: hi - start]
+
+
+def _part(array, piece):
+    """Return ``piece``'s elements of ``array`` (the parameter's values or gradient) as a 1-D view (a copy only for
+    a non-contiguous gradient, which the update only reads)."""
+    return array.reshape(-1)[piece.start: piece.start + piece.count]
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -208,11 +188,13 @@ class ZeroRedundancyOptimizer(Optimizer):
                           for b in self.buckets] + [sorted((k, repr(v)) for k, v in options.items())], context,
                    what="bucket")
         inner_groups = [{**{k: v for k, v in group.items() if k != "params"},
-                         "params": [b.proxy for b in self.buckets if b.group == g and b.proxy is not None]}
+                         "params": [proxy for b in self.buckets if b.group == g for proxy in b.proxies]}
                         for g, group in enumerate(self.param_groups)]
         self.inner = optimizer_class(inner_groups, **defaults)
         self.params = self.inner.params       # what ``state`` is indexed by (checkpoints read the two together)
-        self._owned = [b for b in self.buckets if b.proxy is not None]   # in the inner optimizer's order
+        # the pieces in the inner optimizer's order (its groups in order, each group's buckets in order)
+        self._pieces = [piece for g in range(len(self.param_groups)) for b in self.buckets if b.group == g
+                        for piece in b.pieces]
 
     # The inner optimizer holds the state; checkpoints and users read and replace it here.
     @property
@@ -232,23 +214,21 @@ class ZeroRedundancyOptimizer(Optimizer):
         return type(self.inner).__qualname__
 
     def flat_pieces(self, index):
-        """Return the pieces of real parameters that proxy ``index`` (of ``params``) holds: ``(param, start,
-        count, offset)``, start in the parameter flattened, offset in the proxy."""
-        return list(self._owned[index].pieces)
+        """Return the pieces of real parameters that proxy ``index`` (of ``params``) holds: ``[(param, start, count,
+        offset)]`` (one), start in the parameter flattened, offset 0 in the proxy."""
+        piece = self._pieces[index]
+        return [piece._replace(offset=0)]
 
     def _step(self):
         for ours, theirs in zip(self.param_groups, self.inner.param_groups):
             theirs.update({k: v for k, v in ours.items() if k != "params"})
-        gradients = [b.gradient() for b in self._owned]
-        for b in self.buckets:   # not owned: still no partial gradients, on every rank alike
-            if b.proxy is None:
-                b.gradient()
-        for b, g in zip(self._owned, gradients):
-            b.refresh()
-            b.proxy.grad = g
-        self.inner._step()
-        for b in self._owned:
-            b.proxy.grad = None
+        for b in self.buckets:
+            b.attach()
+        try:
+            self.inner._step()
+        finally:
+            for b in self.buckets:
+                b.detach()
         for b in self.buckets:
             b.allgather(self.comm, self.size, self.chunk_bytes)
 

@@ -480,16 +480,20 @@ def memory_per_rank(shape: ModelShape, layout: Layout, position: int = 0, in_fli
     work = optimizer_work_bytes(sizes, dt.param, dt.masters)
     step_moment = None
     if layout.sharding == "zero1" and layout.dp > 1:
-        # ZeroRedundancyOptimizer: the state (and the proxy's copy of the values) of this rank's shard only; during
-        # the step, on top of every gradient: the shard's gradient with the values read back (then its float32
-        # copy under masters), and the allgather's chunk sent and gathered
+        # ZeroRedundancyOptimizer: the state of this rank's shard only (the first rank's, the largest), stepped
+        # as the pieces of the parameters it holds; after the step, on top of every gradient, the allgather's chunk
+        # sent and gathered
         owned = -(-numel // layout.dp)
-        optimizer = owned * (dt.optimizer_bytes + e)
-        work = optimizer_work_bytes([owned], dt.param, dt.masters)
+        optimizer = owned * dt.optimizer_bytes
+        pieces, at = [], 0
+        for n in sizes:
+            if at < owned:
+                pieces.append(min(n, owned - at))
+            at += n
+        work = optimizer_work_bytes(pieces, dt.param, dt.masters)
         chunk = zero_allgather_calls(numel, layout.dp, e)[0]
         step_moment = {"grads": gradient_bytes(shape, layout, position), "activations": 0.0,
-                       "transient": max(owned * (e + e), owned * (e + (4 if dt.masters else 0)),
-                                        (layout.dp + 1) * chunk * e), "comm_buffers": 0.0}
+                       "transient": (layout.dp + 1) * chunk * e, "comm_buffers": 0.0}
     per_mb = activation_bytes(shape, layout, layers) / max(1, len(mine))
     stored = per_mb * in_flight
     recomputed = 0.0
@@ -581,13 +585,13 @@ def estimate(shape: ModelShape, layout: Layout, profile: Profile, ranks_per_node
         if worst_mem is None or mem["total"] > worst_mem["total"]:
             worst_mem = mem
         # AdamW streams float32 state with master weights (a third of it: the masters), else the parameters
-        # (7 passes over them); ZeroRedundancyOptimizer: over its shard, plus the shard's gradient and values copied
-        # out (2 passes each) and every parameter written back from the gathered chunks (2 passes)
+        # (7 passes over them); ZeroRedundancyOptimizer: over its shard, plus the shard's values copied into the
+        # allgather (2 passes) and every parameter written back from the gathered chunks (2 passes)
         dt = dtypes(shape, layout)
         zero = layout.dp if layout.sharding == "zero1" else 1
         updated = 7 * mem["params"] / dt.param.itemsize * (4 if dt.masters else dt.param.itemsize) / zero
         if zero > 1:
-            updated += 4 * mem["params"] / zero + 2 * mem["params"]
+            updated += 2 * mem["params"] / zero + 2 * mem["params"]
         worst_time = _merge_time(worst_time, (f, b, tp_s, pp_s, dp_s, updated, calls, zero_s), m)
         if worst_calls is None or sum(c.nbytes * c.count for c in calls) > sum(c.nbytes * c.count for c in worst_calls):
             worst_calls = calls
