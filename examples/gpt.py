@@ -37,7 +37,7 @@ import mpidist  # noqa: E402
 from mpidist import nn, optim  # noqa: E402
 from mpidist.data import DataLoader, TokenDataset, global_batches, stdlib_corpus, text_corpus  # noqa: E402
 from mpidist.models import GPT, GPTConfig, lm_loss  # noqa: E402
-from mpidist.parallel import DDP, FSDP, Pipeline, mesh  # noqa: E402
+from mpidist.parallel import DDP, FSDP, Pipeline, ZeroRedundancyOptimizer, mesh  # noqa: E402
 
 STRATEGIES = ("ddp", "fsdp", "pipeline", "mesh")
 DEFAULT_BATCH = 32  # global batch (samples); --batch defaults to this divided by the data-parallel replicas
@@ -54,13 +54,18 @@ def build_model(args):
     return GPT(config, rng=np.random.default_rng(args.seed))
 
 
-def build_optimizer(params, args):
-    """AdamW with linear warm-up, then cosine decay to min_lr.
+def build_optimizer(params, args, dp_comm=None):
+    """AdamW with linear warm-up, then cosine decay to min_lr; with ``--zero1`` and a ``dp_comm`` of more than one
+    rank, its state split over the data-parallel replicas (``ZeroRedundancyOptimizer``: the same steps).
 
     Weight decay applies to every parameter alike: FSDP hands the optimizer one flat shard per unit, in which
     biases and norm gains are not told apart from matrices, and the reference must step exactly the same way.
     """
-    opt = optim.AdamW(list(params), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    hyper = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if getattr(args, "zero1", False) and dp_comm is not None and dp_comm.Get_size() > 1:
+        opt = ZeroRedundancyOptimizer(list(params), optim.AdamW, dp_comm, **hyper)
+    else:
+        opt = optim.AdamW(list(params), **hyper)
     warmup, total, floor = args.warmup, max(args.steps, args.warmup + 1), args.min_lr_ratio
 
     def factor(step):
@@ -98,7 +103,8 @@ class Trainer:
             self.stage = self.model.pipeline_stages(p)[r]
             self.wrapper = Pipeline(self.stage, pp_comm, args.microbatches, args.schedule, loss_fn=lm_loss,
                                     dp_comm=self.dp_comm, tied_parameters=self.stage.tied)
-        self.opt, self.sched = build_optimizer(self.wrapper.parameters(), args)
+        self.opt, self.sched = build_optimizer(self.wrapper.parameters(), args,
+                                               None if kind == "fsdp" else self.dp_comm)
 
     @property
     def pipelined(self):
@@ -289,6 +295,8 @@ def parse_args(argv, size):
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: off)")
     parser.add_argument("--checkpoint-activations", action="store_true", help="recompute each block in backward")
+    parser.add_argument("--zero1", action="store_true", help="ddp/mesh: split AdamW's state over the data-parallel "
+                        "replicas (ZeroRedundancyOptimizer, ZeRO-1); the same steps as without")
     parser.add_argument("--microbatches", type=int, default=8, help="pipeline/mesh: micro-batches per step")
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "zb_h1"])
     parser.add_argument("--dp", type=int, default=2, help="mesh: data-parallel replicas")

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.mpi_skip, launcher.needed]
 
 @pytest.mark.parametrize("n, strategy, extra", [(2, "ddp", ["--accum", "2"]),
                                                 (2, "fsdp", ["--checkpoint-activations", "--metrics", "METRICS"]),
-                                                (4, "mesh", ["--microbatches", "2", "--kv-heads", "2", "--llama"])])
+                                                (4, "mesh", ["--microbatches", "2", "--kv-heads", "2", "--llama", "--zero1"])])
 def test_every_strategy_matches_single_process_training(tmp_path, n, strategy, extra):
     out = tmp_path / "out"
     extra = [str(tmp_path / "metrics") if a == "METRICS" else a for a in extra]
