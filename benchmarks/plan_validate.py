@@ -6,6 +6,8 @@ Run from the repo root, one part per call (each under a few minutes, so each fit
         mpidist/plan/profiles/vcluster-2x2.json          # the profile's inter tier on the shaped link (needs root)
     .venv/bin/python benchmarks/plan_validate.py --ranks 2 --profile local --json docs/plan_validate_2.json
     .venv/bin/python benchmarks/plan_validate.py --ranks 4 --profile local --json docs/plan_validate_4.json
+    (``local``: the shipped calibration of the development machine; on another machine ``python -m mpidist plan
+    --calibrate my.json`` first and pass ``--profile my.json``)
     .venv/bin/python benchmarks/plan_validate.py --vcluster 200mbit --profile vcluster-2x2 \
         --json docs/plan_validate_vcluster.json          # 2 nodes x 2 ranks, links shaped (needs root)
     .venv/bin/python benchmarks/plan_validate.py --merge docs/plan_validate_2.json docs/plan_validate_4.json \
