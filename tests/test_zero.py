@@ -11,7 +11,7 @@ import mpidist
 from mpidist import checkpoint, nn, optim
 from mpidist.nn.precision import Policy, apply_policy, bfloat16
 from mpidist.parallel import DDP, Pipeline, ZeroRedundancyOptimizer, mesh
-from mpidist.parallel.zero import allgather_calls, shard_bounds
+from mpidist.parallel.zero import allgather_calls, shard_bounds, shard_width
 
 IN, HIDDEN, OUT = 5, 7, 3
 
@@ -51,18 +51,27 @@ def train(model, opt, comm, steps, per_rank=4, start=0):
         opt.step()
 
 
-def test_shards_tile_every_bucket_and_the_calls_carry_them():
-    """Formula checks: the shards of n elements over N ranks are disjoint, in order, cover n, and differ by at most
-    one chunk of ceil(n / N); the allgather calls carry ceil(n / N) elements per rank in chunks of chunk_bytes."""
+def test_shards_tile_every_parameter_and_the_calls_carry_them():
+    """Formula checks: a parameter's shards over N ranks are disjoint, in order, cover it, and none is longer than
+    ceil(n / N); a bucket's allgathers carry sum(ceil(n / N)) elements per rank in chunks of chunk_bytes."""
     for n in (1, 2, 5, 7, 64, 1000):
         for size in (1, 2, 3, 4, 7):
             bounds = [shard_bounds(n, size, r) for r in range(size)]
             assert bounds[0][0] == 0 and bounds[-1][1] == n
             assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
-            assert max(hi - lo for lo, hi in bounds) == -(-n // size)
+            assert max(hi - lo for lo, hi in bounds) == -(-n // size) == bounds[0][1]
+    for sizes in ([1], [5, 7, 64], [1000, 3, 3]):
+        for size in (1, 2, 3, 4, 7):
+            width = shard_width(sizes, size)
+            assert width == sum(shard_bounds(n, size, 0)[1] for n in sizes)
             for itemsize, chunk in ((8, 16), (2, 4), (8, 10**9)):
-                calls = allgather_calls(n, size, itemsize, chunk)
-                assert sum(calls) == -(-n // size) and max(calls) <= max(1, chunk // itemsize)
+                calls = allgather_calls(width, itemsize, chunk)
+                assert sum(calls) == width and max(calls) <= max(1, chunk // itemsize)
+
+
+def owned(params, comm):
+    """This rank's elements: its shard of every parameter."""
+    return sum(hi - lo for lo, hi in (shard_bounds(p.data.size, comm.Get_size(), comm.Get_rank()) for p in params))
 
 
 @pytest.mark.world_sizes(1, 2, 3, 4)
@@ -92,8 +101,7 @@ def test_ddp_with_sharded_state_steps_bit_for_bit_like_the_plain_optimizer(comm,
     plain_bytes = sum(v.nbytes for s in plain.state.values() for v in s.values() if hasattr(v, "nbytes"))
     assert sum(comm.allgather(sharded.state_bytes())) == plain_bytes
     n = sum(p.data.size for p in sharded_model.parameters())
-    per_element = plain_bytes // n
-    assert sharded.state_bytes() <= per_element * (-(-n // comm.Get_size()) + 1)
+    assert sharded.state_bytes() == plain_bytes // n * owned(sharded_model.parameters(), comm)
 
 
 @pytest.mark.world_sizes(2, 4)
@@ -112,9 +120,7 @@ def test_bfloat16_parameters_keep_float32_masters_of_their_shard_only(comm):
     train(models[1], plain, comm, 3)
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         np.testing.assert_array_equal(a.data.view(np.uint16), b.data.view(np.uint16))
-    n = sum(p.data.size for p in models[0].parameters())
-    lo, hi = shard_bounds(n, comm.Get_size(), comm.Get_rank())
-    assert sharded.state_bytes() == 12 * (hi - lo)   # float32 master, exp_avg, exp_avg_sq of the shard
+    assert sharded.state_bytes() == 12 * owned(models[0].parameters(), comm)   # float32 master and moments
     assert all(s["master_param"].dtype == np.float32 for s in sharded.state.values())
 
 
@@ -140,10 +146,8 @@ def test_pipeline_replicas_shard_their_stages_state(comm):
             pipe.step(x[mine], y[mine])
             opt.step()
         runs.append([p.data.copy() for p in params])
-        if sharding:
-            n = sum(p.data.size for p in params)
-            lo, hi = shard_bounds(n, 2, m.dp_rank)
-            assert opt.state_bytes() == 2 * 8 * (hi - lo)   # exp_avg and exp_avg_sq of the shard (float64)
+        if sharding:   # exp_avg and exp_avg_sq of the shard (float64)
+            assert opt.state_bytes() == 2 * 8 * owned(params, m.dp_comm)
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
     m.free()
@@ -204,7 +208,7 @@ def test_own_state_dict_round_trips_and_refuses_another_layout(comm):
     for a, b in zip(model.parameters(), twin_model.parameters()):
         np.testing.assert_array_equal(a.data, b.data)
     other = dict(saved, zero=dict(saved["zero"], rank=1 - comm.Get_rank()))
-    with pytest.raises(ValueError, match=rf"the state is of rank {1 - comm.Get_rank()} of 2 .* this is rank "
+    with pytest.raises(ValueError, match=rf"the state is of rank {1 - comm.Get_rank()} of 2, this is rank "
                                          rf"{comm.Get_rank()} of 2"):
         twin.load_state_dict(other)
 
@@ -225,7 +229,7 @@ def test_bad_input_raises_on_every_rank(comm):
         ZeroRedundancyOptimizer(params, optim.SGD, comm, chunk_bytes=0, lr=0.1)
     # Different models on different ranks: named with each rank's bucket, on every rank (no hang)
     mine = params if rank == 0 else params[:-1]
-    with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer: ranks disagree at bucket 0"):
+    with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer: ranks disagree at entry \(bucket, optimizer, group\) 0"):
         ZeroRedundancyOptimizer(mine, optim.SGD, comm, lr=0.1)
 
 
@@ -315,3 +319,134 @@ def test_full_optimizer_state_dict_points_to_checkpoints(comm):
     with pytest.raises(ValueError, match=r"full_optimizer_state_dict: ranks 0,1: TypeError: ZeroRedundancyOptimizer "
                                          r"keeps flat shards .* mpidist.checkpoint saves it"):
         full_optimizer_state_dict(model, opt, comm=comm)
+
+
+@pytest.mark.world_sizes(2)
+def test_groups_given_as_generators_are_read_once_and_kept(comm):
+    """``{"params": module.parameters()}`` (a generator): the groups keep every parameter and train as plain does."""
+    runs = []
+    for sharding in (True, False):
+        model = DDP(make_model(), comm)
+        groups = [{"params": (p for p in model.parameters() if p.data.ndim > 1), "lr": 0.05},
+                  {"params": (p for p in model.parameters() if p.data.ndim == 1)}]
+        opt = (ZeroRedundancyOptimizer(groups, optim.SGD, comm, lr=0.1) if sharding else optim.SGD(groups, lr=0.1))
+        assert sum(len(g["params"]) for g in opt.param_groups) == 6
+        train(model, opt, comm, 2)
+        runs.append([p.data.copy() for p in model.parameters()])
+    assert not np.array_equal(runs[0][0], make_model().state_dict()["0.weight"])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.world_sizes(2)
+def test_shards_or_slices_instead_of_replicas_are_refused_on_every_rank(comm):
+    """Over FSDP's shards (equal shapes, different values) the first step refuses, on every rank, before any
+    value is overwritten; over ranks holding different tensor-parallel slices construction refuses."""
+    from mpidist.parallel import FSDP
+    from mpidist.nn.placement import Shard, set_placement
+    fsdp = FSDP(make_model(), comm)
+    opt = ZeroRedundancyOptimizer(fsdp.parameters(), optim.SGD, comm, lr=0.1)
+    before = [p.data.copy() for p in fsdp.parameters()]
+    train(fsdp, opt, comm, 0)
+    x, y = batch(0, 4)
+    opt.zero_grad()
+    nn.CrossEntropyLoss()(fsdp(nn.Tensor(x)), y).backward()
+    with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer.step: the ranks of its communicator hold different "
+                                         r"values of the parameters at the first step; .* not of FSDP's shards"):
+        opt.step()
+    for a, b in zip(before, fsdp.parameters()):
+        np.testing.assert_array_equal(a, b.data)
+    rank = comm.Get_rank()
+    slices = [set_placement(nn.Parameter(np.zeros((2, 3))), Shard(0, comm, (4, 3), 2 * rank))]
+    with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer: the ranks of its communicator hold different "
+                                         r"tensor-parallel slices"):
+        ZeroRedundancyOptimizer(slices, optim.SGD, comm, lr=0.1)
+
+
+@pytest.mark.world_sizes(2, 3)
+def test_a_failed_update_on_one_rank_raises_on_every_rank_after_the_exchange(comm):
+    """Rank 1's update raises: every rank raises naming it (none waits in the allgather), and the replicas still
+    hold equal values (every rank's shard as it stood); the next step works."""
+    model = DDP(make_model(), comm)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optim.AdamW, comm, lr=0.01)
+    train(model, opt, comm, 1)
+    if comm.Get_rank() == 1:
+        real = opt.inner._step
+
+        def boom():
+            opt.inner._step = real
+            raise FloatingPointError("overflow in the update")
+        opt.inner._step = boom
+    with pytest.raises(RuntimeError, match=r"ZeroRedundancyOptimizer.step: the update failed on rank 1 \(this rank: "
+                                           + ("FloatingPointError: overflow in the update" if comm.Get_rank() == 1
+                                              else "updated") + r"\)"):
+        train(model, opt, comm, 1, start=1)
+    values = [_digest_of(model)]
+    assert len(set(comm.allgather(values[0]))) == 1
+    train(model, opt, comm, 1, start=2)
+    assert len(set(comm.allgather(_digest_of(model)))) == 1
+
+
+def _digest_of(model):
+    return b"".join(p.data.tobytes() for p in model.parameters())
+
+
+@pytest.mark.world_sizes(2)
+def test_every_rank_must_agree_on_chunks_optimizer_and_group_options(comm):
+    rank = comm.Get_rank()
+    params = list(make_model().parameters())
+    with pytest.raises(ValueError, match=r"ranks disagree at entry \(bucket, optimizer, group\) 1: rank 0: .*'optimizer', 'SGD', 64.*rank 1: "
+                                         r".*'optimizer', 'SGD', 128"):
+        ZeroRedundancyOptimizer(params, optim.SGD, comm, chunk_bytes=64 * (1 + rank), lr=0.1)
+    with pytest.raises(ValueError, match=r"ranks disagree at entry \(bucket, optimizer, group\) 1: rank 0: .*'Adam'.*rank 1: .*'AdamW'"):
+        ZeroRedundancyOptimizer(params, optim.Adam if rank == 0 else optim.AdamW, comm, lr=0.1)
+    with pytest.raises(ValueError, match=r"ranks disagree at entry \(bucket, optimizer, group\) 2: rank 0: .*'lr', '0\.1'.*rank 1: .*'lr', '0\.2'"):
+        ZeroRedundancyOptimizer(params, optim.SGD, comm, lr=0.1 * (1 + rank))
+
+
+@pytest.mark.world_sizes(2)
+def test_steps_count_in_the_parameters_versions_as_plain_steps_do(comm):
+    """Each step counts once in every parameter with a gradient (what the step stamp of DDP's desync check reads)."""
+    versions = []
+    for sharding in (True, False):
+        model = DDP(make_model(), comm)
+        opt = (ZeroRedundancyOptimizer(model.parameters(), optim.SGD, comm, lr=0.1) if sharding
+               else optim.SGD(model.parameters(), lr=0.1))
+        train(model, opt, comm, 3)
+        versions.append([p.version for p in model.parameters()])
+    assert versions[0] == versions[1] and min(versions[0]) >= 3
+
+
+@pytest.mark.mpi_skip
+def test_a_pipelines_tied_weight_checkpoints_and_loads_into_the_plain_optimizer(tmp_path):
+    """A GPT on a 2 x 2 (dp, pp) mesh with its tied embedding (a copy on the first and the last stage, each split
+    over its own replicas): saved with ZeRO-1 and with plain AdamW after the same steps, each loads into one
+    process's model and AdamW, and the two give the same parameters and state, bit for bit."""
+    from mpidist.plan import Layout, ModelShape
+    from mpidist.plan.execute import LayoutRun
+    shape = ModelShape(layers=2, hidden=16, heads=2, vocab=32, seq=8)
+    roots = {kind: str(tmp_path / kind) for kind in ("zero1", "ddp")}
+
+    def save(comm, kind):
+        run = LayoutRun(shape, Layout(2, 1, 2, kind, num_micro=2, schedule="1f1b"), comm)
+        run.step()
+        run.step()
+        checkpoint.save(roots[kind], {"model": run.wrapper, "optim": run.opt}, comm, step=2)
+
+    loaded = {}
+    for kind in roots:
+        mpidist.simulate(4, save, kind)
+
+        def load(comm, kind=kind):
+            run = LayoutRun(shape, Layout(1, 1, 1), comm, seed=5)
+            checkpoint.load(roots[kind], {"model": run.wrapper, "optim": run.opt}, comm)
+            return ({k: v.copy() for k, v in run.wrapper.state_dict().items()},
+                    {i: {k: v.copy() for k, v in s.items() if hasattr(v, "copy")} for i, s in run.opt.state.items()})
+        loaded[kind] = mpidist.simulate(1, load)[0]
+    (params_z, state_z), (params_d, state_d) = loaded["zero1"], loaded["ddp"]
+    assert params_z.keys() == params_d.keys() and state_z.keys() == state_d.keys() and state_z
+    for k in params_d:
+        np.testing.assert_array_equal(params_z[k], params_d[k], err_msg=k)
+    for i in state_d:
+        for k in state_d[i]:
+            np.testing.assert_array_equal(state_z[i][k], state_d[i][k], err_msg=f"{i} {k}")

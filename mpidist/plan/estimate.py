@@ -483,15 +483,11 @@ def memory_per_rank(shape: ModelShape, layout: Layout, position: int = 0, in_fli
         # ZeroRedundancyOptimizer: the state of this rank's shard only (the first rank's, the largest), stepped
         # as the pieces of the parameters it holds; after the step, on top of every gradient, the allgather's chunk
         # sent and gathered
-        owned = -(-numel // layout.dp)
+        pieces = [-(-n // layout.dp) for n in sizes]   # every parameter split over the dp ranks
+        owned = sum(pieces)
         optimizer = owned * dt.optimizer_bytes
-        pieces, at = [], 0
-        for n in sizes:
-            if at < owned:
-                pieces.append(min(n, owned - at))
-            at += n
         work = optimizer_work_bytes(pieces, dt.param, dt.masters)
-        chunk = zero_allgather_calls(numel, layout.dp, e)[0]
+        chunk = zero_allgather_calls(owned, e)[0] + 1   # (the first carries a status element)
         step_moment = {"grads": gradient_bytes(shape, layout, position), "activations": 0.0,
                        "transient": (layout.dp + 1) * chunk * e, "comm_buffers": 0.0}
     per_mb = activation_bytes(shape, layout, layers) / max(1, len(mine))

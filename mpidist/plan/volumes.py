@@ -27,7 +27,8 @@ communicators and asserts these lists EQUAL what they did):
   after forward), a unit using a tied weight gathering the owner unit too; one reduce-scatter per unit per step.
 - ZeroRedundancyOptimizer (``zero1``): after the optimizer step, the rank's parameters (one bucket: one dtype, one
   group) allgathered over ``zero`` (the dp group) in chunks of at most ``parallel.zero.CHUNK_BYTES`` per rank,
-  ``ceil(numel / dp)`` elements per rank in all (``parallel.zero.allgather_calls``), on top of DDP's calls.
+  ``sum(ceil(numel / dp))`` over the parameters per rank in all (``parallel.zero.shard_width``,
+  ``allgather_calls``), the first with one status element more, on top of DDP's calls.
 - Pipeline: per micro-batch one send and one receive of the activation (forward) and its gradient (backward)
   between neighbouring stages; DDP per chunk over dp; the tied embedding's gradient summed over its holders.
 """
@@ -42,7 +43,7 @@ import numpy as np
 from mpidist import wire
 from mpidist.nn.precision import as_dtype, bfloat16, is_low_precision
 from mpidist.parallel.agreement import StepStamp
-from mpidist.parallel.zero import allgather_calls as zero_allgather_calls
+from mpidist.parallel.zero import allgather_calls as zero_allgather_calls, shard_width as zero_shard_width
 
 from .layouts import Layout
 from .model import ModelShape, parameters, stage_layers
@@ -324,10 +325,11 @@ def calls_per_rank(shape: ModelShape, layout: Layout, position: int = 0, ranks_p
                     shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1)], dt, layout,
                     per_node, node_rank)
         if layout.sharding == "zero1":   # ZeroRedundancyOptimizer: the new values, chunk by chunk, after the step
-            numel = sum(p.numel for s in mine for layer in stages[s] for p in parameters(
-                shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1))
-            for count in zero_allgather_calls(numel, layout.dp, dt.param.itemsize):
-                out.append(Call("zero", "allgather", count * dt.param.itemsize))
+            sizes = [p.numel for s in mine for layer in stages[s] for p in parameters(
+                shape, layer, layout.tp, own_head_weight=layer == "head" and pp * v > 1)]
+            for k, count in enumerate(zero_allgather_calls(zero_shard_width(sizes, layout.dp), dt.param.itemsize)):
+                # (the first carries each rank's status element too)
+                out.append(Call("zero", "allgather", (count + (k == 0)) * dt.param.itemsize))
     return _merge(out)
 
 
