@@ -149,6 +149,29 @@ def test_ddp_on_gpu_matches_cpu(comm):
     t.assert_params_equal(got, reference, atol=1e-8)
 
 
+def test_zero_redundancy_optimizer_on_gpu_matches_cpu(comm):
+    """DDP + ZeroRedundancyOptimizer(Adam) on CuPy arrays (its pieces' views and the allgather on the device):
+    one process's training on the whole batch, as DDP + Adam is checked above."""
+    import test_ddp as t
+    from mpidist.parallel import ZeroRedundancyOptimizer
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    per_rank, steps = 5, 6
+    ddp = t.DDP(to_gpu(t.make_model()), comm)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optim.Adam, comm, chunk_bytes=256, lr=0.01, weight_decay=1e-3)
+    crit = nn.CrossEntropyLoss()
+    for step in range(steps):
+        x, y = t.global_batch(step, per_rank * size)
+        sl = slice(rank * per_rank, (rank + 1) * per_rank)
+        opt.zero_grad()
+        t.train_step(ddp, opt, crit, cupy.asarray(x[sl]), cupy.asarray(y[sl]))
+        opt.step()
+    assert all(isinstance(p.data, cupy.ndarray) for p in ddp.parameters())
+    reference = t.reference_params("adam", steps, lambda s: t.global_batch(s, per_rank * size))
+    got = {k: cupy.asnumpy(v) for k, v in ddp.state_dict().items()}
+    t.assert_params_equal(got, reference, atol=1e-8)
+
+
 def test_fsdp_on_gpu_matches_cpu(comm):
     import test_fsdp as t
 
