@@ -133,32 +133,16 @@ def test_large_allreduce_crosses_many_chunks(comm):
 def test_ddp_on_gpu_matches_cpu(comm):
     import test_ddp as t
 
-    size, rank = comm.Get_size(), comm.Get_rank()
-    per_rank, steps = 5, 6
     ddp = t.DDP(to_gpu(t.make_model()), comm, bucket_cap_mb=t.TINY_BUCKET_MB, first_bucket_mb=t.TINY_BUCKET_MB)
-    opt = t.make_optimizer("adam", ddp.parameters())
-    crit = nn.CrossEntropyLoss()
-    for step in range(steps):
-        x, y = t.global_batch(step, per_rank * size)
-        sl = slice(rank * per_rank, (rank + 1) * per_rank)
-        opt.zero_grad()
-        t.train_step(ddp, opt, crit, cupy.asarray(x[sl]), cupy.asarray(y[sl]))
-        opt.step()
-    reference = t.reference_params("adam", steps, lambda s: t.global_batch(s, per_rank * size))
-    got = {k: cupy.asnumpy(v) for k, v in ddp.state_dict().items()}
-    t.assert_params_equal(got, reference, atol=1e-8)
+    _train_ddp_against_one_process(comm, ddp, t.make_optimizer("adam", ddp.parameters()))
 
 
-def test_zero_redundancy_optimizer_on_gpu_matches_cpu(comm):
-    """DDP + ZeroRedundancyOptimizer(Adam) on CuPy arrays (its pieces' views and the allgather on the device):
-    one process's training on the whole batch, as DDP + Adam is checked above."""
+def _train_ddp_against_one_process(comm, ddp, opt, per_rank=5, steps=6):
+    """Train ``ddp`` (test_ddp's model on the GPU) with ``opt`` on this rank's slices of test_ddp's global batches,
+    and compare with one process's Adam training on the whole batches."""
     import test_ddp as t
-    from mpidist.parallel import ZeroRedundancyOptimizer
 
     size, rank = comm.Get_size(), comm.Get_rank()
-    per_rank, steps = 5, 6
-    ddp = t.DDP(to_gpu(t.make_model()), comm)
-    opt = ZeroRedundancyOptimizer(ddp.parameters(), optim.Adam, comm, chunk_bytes=256, lr=0.01, weight_decay=1e-3)
     crit = nn.CrossEntropyLoss()
     for step in range(steps):
         x, y = t.global_batch(step, per_rank * size)
@@ -170,6 +154,17 @@ def test_zero_redundancy_optimizer_on_gpu_matches_cpu(comm):
     reference = t.reference_params("adam", steps, lambda s: t.global_batch(s, per_rank * size))
     got = {k: cupy.asnumpy(v) for k, v in ddp.state_dict().items()}
     t.assert_params_equal(got, reference, atol=1e-8)
+
+
+def test_zero_redundancy_optimizer_on_gpu_matches_cpu(comm):
+    """DDP + ZeroRedundancyOptimizer(Adam) on CuPy arrays (its pieces' views and the allgather on the device):
+    one process's training on the whole batch, as DDP + Adam is checked above."""
+    import test_ddp as t
+    from mpidist.parallel import ZeroRedundancyOptimizer
+
+    ddp = t.DDP(to_gpu(t.make_model()), comm)
+    _train_ddp_against_one_process(comm, ddp, ZeroRedundancyOptimizer(ddp.parameters(), optim.Adam, comm,
+                                                                       chunk_bytes=256, lr=0.01, weight_decay=1e-3))
 
 
 def test_fsdp_on_gpu_matches_cpu(comm):

@@ -28,26 +28,18 @@ def _csv(choices):
     return parse
 
 
-def _chunk_counts(text):
-    """Parse ``--chunks``: a comma-separated list of model chunks per rank for the interleaved schedule, each >= 2."""
-    try:
-        counts = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        counts = ()
-    if not counts or min(counts) < 2:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints >= 2 (got {text!r})")
-    return tuple(sorted(set(counts)))
-
-
-def _sizes(text):
-    """Parse ``--tp/--pp/--dp/--micro-batch``: a comma-separated list of ints >= 1."""
-    try:
-        sizes = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints >= 1 (got {text!r})")
-    return tuple(sorted(set(sizes)))
+def _ints(minimum):
+    """Return a parser of a comma-separated list of ints >= ``minimum`` (sorted, each once): ``--chunks`` (model
+    chunks per rank for the interleaved schedule, >= 2), ``--tp/--pp/--dp/--micro-batch`` (sizes, >= 1)."""
+    def parse(text):
+        try:
+            values = tuple(int(t) for t in text.split(","))
+        except ValueError:
+            values = ()
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints >= {minimum} (got {text!r})")
+        return tuple(sorted(set(values)))
+    return parse
 
 
 def _precision(args) -> dict:
@@ -88,7 +80,7 @@ def add_parser(sub):
                    "or a JSON file (default local)")
     p.add_argument("--schedules", type=_csv(SCHEDULES), default=SCHEDULES, help="pipeline schedules to consider")
     p.add_argument("--sharding", type=_csv(SHARDINGS), default=SHARDINGS, help="data-parallel kinds to consider")
-    p.add_argument("--chunks", type=_chunk_counts, default=(2,), help="model chunks per rank the interleaved "
+    p.add_argument("--chunks", type=_ints(2), default=(2,), help="model chunks per rank the interleaved "
                    "schedule may take (Megatron-LM's virtual pipeline size), e.g. 2,3,4 (default 2)")
     p.add_argument("--recompute", type=_csv(RECOMPUTE), default=RECOMPUTE, help="recompute options to consider")
     p.add_argument("--param-dtype", default="", help="mixed precision: parameters stored in this dtype (an "
@@ -99,9 +91,9 @@ def add_parser(sub):
     p.add_argument("--fsdp-reduce-dtype", default="", help="FSDP layouts: reduce-scatter gradients in this dtype")
     p.add_argument("--max-micro-batch", type=int, default=None, help="largest micro-batch to consider")
     for flag, what in (("--tp", "tensor-parallel"), ("--pp", "pipeline-parallel"), ("--dp", "data-parallel")):
-        p.add_argument(flag, type=_sizes, default=None, help=f"only these {what} sizes, e.g. 8 or 4,8 (default: "
+        p.add_argument(flag, type=_ints(1), default=None, help=f"only these {what} sizes, e.g. 8 or 4,8 (default: "
                        "every divisor of --ranks); each must divide --ranks")
-    p.add_argument("--micro-batch", type=_sizes, default=None, help="only these micro-batch sizes, e.g. 1,2 (default: "
+    p.add_argument("--micro-batch", type=_ints(1), default=None, help="only these micro-batch sizes, e.g. 1,2 (default: "
                    "every divisor of a replica's batch)")
     p.add_argument("--top", type=int, default=15, help="layouts to show (default 15)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
