@@ -40,6 +40,11 @@ def groups(model):
             {"params": [p for p in params if p.data.ndim == 1], "weight_decay": 0.0}]
 
 
+def make_optimizer(sharded, params, cls, comm, **kw):
+    """``cls`` over ``params``, its state split over ``comm`` (ZeroRedundancyOptimizer) when ``sharded``."""
+    return ZeroRedundancyOptimizer(params, cls, comm, **kw) if sharded else cls(params, **kw)
+
+
 def train(model, opt, comm, steps, per_rank=4, start=0):
     crit = nn.CrossEntropyLoss()
     size, rank = (1, 0) if comm is None else (comm.Get_size(), comm.Get_rank())
@@ -137,8 +142,7 @@ def test_pipeline_replicas_shard_their_stages_state(comm):
         stage = copy.deepcopy(layers[m.pp_rank])
         pipe = Pipeline(stage, m.pp_comm, 2, loss_fn=nn.CrossEntropyLoss(), dp_comm=m.dp_comm)
         params = list(stage.parameters())
-        opt = (ZeroRedundancyOptimizer(params, optim.AdamW, m.dp_comm, lr=0.02) if sharding
-               else optim.AdamW(params, lr=0.02))
+        opt = make_optimizer(sharding, params, optim.AdamW, m.dp_comm, lr=0.02)
         for step in range(3):
             x, y = batch(step, 8)
             mine = slice(m.dp_rank * 4, (m.dp_rank + 1) * 4)
@@ -159,8 +163,7 @@ def shared_dir(comm, tmp_path):
 
 def _train_and_save(comm, root, sharded):
     model = DDP(make_model(), comm)
-    opt = (ZeroRedundancyOptimizer(groups(model), optim.AdamW, comm, lr=0.01, weight_decay=0.1) if sharded
-           else optim.AdamW(groups(model), lr=0.01, weight_decay=0.1))
+    opt = make_optimizer(sharded, groups(model), optim.AdamW, comm, lr=0.01, weight_decay=0.1)
     train(model, opt, comm, 3, per_rank=12 // comm.Get_size())
     checkpoint.save(root, {"model": model, "optim": opt}, comm, step=3)
     return {k: v.copy() for k, v in model.state_dict().items()}
@@ -179,8 +182,7 @@ def test_checkpoints_move_state_between_sizes_and_to_and_from_the_plain_optimize
 
     def resume(comm):
         model = DDP(make_model(seed=9), comm)
-        opt = (ZeroRedundancyOptimizer(groups(model), optim.AdamW, comm, lr=0.5, weight_decay=0.0) if sharded
-               else optim.AdamW(groups(model), lr=0.5, weight_decay=0.0))
+        opt = make_optimizer(sharded, groups(model), optim.AdamW, comm, lr=0.5, weight_decay=0.0)
         assert checkpoint.load(root, {"model": model, "optim": opt}, comm) == 3
         train(model, opt, comm, 2, per_rank=12 // comm.Get_size(), start=3)
         return {k: v.copy() for k, v in model.state_dict().items()}
@@ -239,8 +241,7 @@ def test_a_parameter_without_a_gradient_is_skipped_as_the_plain_optimizer_skips_
     runs = []
     for sharding in (True, False):
         params = list(make_model().parameters())
-        opt = (ZeroRedundancyOptimizer(params, optim.AdamW, comm, lr=0.1, weight_decay=0.1) if sharding
-               else optim.AdamW(params, lr=0.1, weight_decay=0.1))
+        opt = make_optimizer(sharding, params, optim.AdamW, comm, lr=0.1, weight_decay=0.1)
         for step in range(3):
             for i, p in enumerate(params):
                 p.grad = None if (i == 1 and step > 0) else np.full_like(p.data, 0.1 * (step + 1))
@@ -256,8 +257,7 @@ def test_learning_rate_schedules_drive_the_shards(comm):
     runs = []
     for sharding in (True, False):
         model = DDP(make_model(), comm)
-        opt = (ZeroRedundancyOptimizer(model.parameters(), optim.AdamW, comm, lr=0.05) if sharding
-               else optim.AdamW(model.parameters(), lr=0.05))
+        opt = make_optimizer(sharding, model.parameters(), optim.AdamW, comm, lr=0.05)
         schedule = optim.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         for step in range(3):
             train(model, opt, comm, 1, start=step)
@@ -293,8 +293,7 @@ def test_grad_scaler_unscales_the_models_gradients_for_it(comm):
         model = make_model()
         apply_policy(model, Policy("fp16"))
         model = DDP(model, comm)
-        opt = (ZeroRedundancyOptimizer(model.parameters(), optim.AdamW, comm, lr=0.01) if sharding
-               else optim.AdamW(model.parameters(), lr=0.01))
+        opt = make_optimizer(sharding, model.parameters(), optim.AdamW, comm, lr=0.01)
         scaler = GradScaler(init_scale=2.0 ** 20, backoff_factor=2.0 ** -6, growth_interval=1)
         stepped = []
         for step in range(4):
@@ -329,7 +328,7 @@ def test_groups_given_as_generators_are_read_once_and_kept(comm):
         model = DDP(make_model(), comm)
         groups = [{"params": (p for p in model.parameters() if p.data.ndim > 1), "lr": 0.05},
                   {"params": (p for p in model.parameters() if p.data.ndim == 1)}]
-        opt = (ZeroRedundancyOptimizer(groups, optim.SGD, comm, lr=0.1) if sharding else optim.SGD(groups, lr=0.1))
+        opt = make_optimizer(sharding, groups, optim.SGD, comm, lr=0.1)
         assert sum(len(g["params"]) for g in opt.param_groups) == 6
         train(model, opt, comm, 2)
         runs.append([p.data.copy() for p in model.parameters()])
@@ -410,8 +409,7 @@ def test_steps_count_in_the_parameters_versions_as_plain_steps_do(comm):
     versions = []
     for sharding in (True, False):
         model = DDP(make_model(), comm)
-        opt = (ZeroRedundancyOptimizer(model.parameters(), optim.SGD, comm, lr=0.1) if sharding
-               else optim.SGD(model.parameters(), lr=0.1))
+        opt = make_optimizer(sharding, model.parameters(), optim.SGD, comm, lr=0.1)
         train(model, opt, comm, 3)
         versions.append([p.version for p in model.parameters()])
     assert versions[0] == versions[1] and min(versions[0]) >= 3
