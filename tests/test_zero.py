@@ -448,3 +448,18 @@ def test_a_pipelines_tied_weight_checkpoints_and_loads_into_the_plain_optimizer(
     for i in state_d:
         for k in state_d[i]:
             np.testing.assert_array_equal(state_z[i][k], state_d[i][k], err_msg=f"{i} {k}")
+
+
+@pytest.mark.world_sizes(2, 3)
+def test_ddp_join_needs_it_and_with_it_uneven_batches_finish(comm):
+    """Without ``optimizer=`` DDP.join refuses on every rank (a joined rank would miss its allgathers and the
+    others wait forever); with it, ranks with fewer batches step it in the shadow and the replicas stay equal."""
+    model = DDP(make_model(), comm)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optim.AdamW, comm, lr=0.01)
+    with pytest.raises(ValueError, match=r"DDP.join: a ZeroRedundancyOptimizer steps this model's parameters .* "
+                                         r"join\(optimizer=opt\)"):
+        with model.join():
+            pass
+    with model.join(optimizer=opt):
+        train(model, opt, comm, 1 + comm.Get_rank())   # rank r takes r + 1 steps
+    assert len(set(comm.allgather(b"".join(p.data.tobytes() for p in model.parameters())))) == 1

@@ -44,6 +44,7 @@ from ..xp import get_array_module, to_numpy
 from .agreement import StepStamp, TrainableAtBuild, check_same_shards, check_same_structure
 from . import comm_hooks
 from .grad_sync import GradSync
+from .zero import sharding_optimizer
 from .interface import WholeModuleWrapper, dimensions, mesh_of, refuse_mesh
 
 __all__ = ["DDP", "GradientBucket"]
@@ -557,6 +558,12 @@ class DDP(WholeModuleWrapper):
         """
         if self._join is not None:
             raise RuntimeError("DDP.join: already inside a join() block")
+        if optimizer is None and any(sharding_optimizer(p) is not None for p in self.module.parameters()):
+            # (every rank calls join alike: every rank raises) a ZeroRedundancyOptimizer's step allgathers: ranks
+            # that joined early must step it as well, or the ranks still training wait for them forever
+            raise ValueError("DDP.join: a ZeroRedundancyOptimizer steps this model's parameters and its step "
+                             "communicates over the replicas; pass it, join(optimizer=opt), so that ranks that run "
+                             "out of batches step it too")
         self._join = _Join(self.comm)
         try:
             yield

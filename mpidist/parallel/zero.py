@@ -30,11 +30,12 @@ failure on one rank raises on every rank after the values were exchanged (never 
 are half of DDP's allreduce of the same parameters. Checkpoints (``mpidist.checkpoint``) save a proxy's state under
 the key of the parameter its piece is of (``flat_pieces``), as FSDP's shards are saved: they load at any layout,
 into this optimizer or into the plain one. With ``DDP.join``, pass the optimizer (``join(optimizer=opt)``): the
-joined ranks must take part in its allgathers.
+joined ranks must take part in its allgathers (``join()`` without it refuses, reading ``sharding_optimizer``).
 """
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import List, NamedTuple
 
 import numpy as np
@@ -47,7 +48,19 @@ from ..optim import Optimizer
 from ..xp import get_array_module, to_numpy
 from .agreement import check_same_shards
 
-__all__ = ["ZeroRedundancyOptimizer", "CHUNK_BYTES", "shard_bounds", "allgather_calls", "shard_width"]
+__all__ = ["ZeroRedundancyOptimizer", "CHUNK_BYTES", "shard_bounds", "allgather_calls", "shard_width",
+           "sharding_optimizer"]
+
+# parameter -> (a weak reference to) the ZeroRedundancyOptimizer stepping it; beside the parameter, not on it, so
+# that parameters stay picklable and are not kept alive by it
+_SHARDED_BY = weakref.WeakKeyDictionary()
+
+
+def sharding_optimizer(param):
+    """Return the live ZeroRedundancyOptimizer that steps ``param`` (None if none does)."""
+    ref = _SHARDED_BY.get(param)
+    return None if ref is None else ref()
+
 
 # The largest piece one allgather carries per rank: bounds the step's gathered buffer (N x this) whatever the size
 # of the model, while keeping a call's latency small next to its bytes.
@@ -245,6 +258,9 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._pieces = [piece for g in range(len(self.param_groups)) for b in self.buckets if b.group == g
                         for piece in b.pieces]
         self._values_checked = False
+        for group in self.param_groups:   # what DDP.join reads: its joined ranks must step this optimizer too
+            for p in group["params"]:
+                _SHARDED_BY[p] = weakref.ref(self)
 
     # The inner optimizer holds the state; checkpoints and users read and replace it here.
     @property
